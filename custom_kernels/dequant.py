@@ -1,0 +1,192 @@
+"""GGML block formats and their bit-exact dequantization in plain MLX ops (oracle and CPU path)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
+
+# Types held as plain numbers (one element per "block"), then the quantized block formats.
+DENSE_TYPES = (T.F32, T.F16, T.BF16)
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+# ggml_type -> (elements per block, bytes per block), for the types dequantize_reference decodes.
+GGML_BLOCK_INFO: dict[int, tuple[int, int]] = {
+    t: GGML_QUANT_SIZES[t] for t in DENSE_TYPES + BLOCK_TYPES
+}
+
+_DENSE_DTYPES = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return T(ggml_type).name
+    except ValueError:
+        return f"unknown type id {ggml_type}"
+
+
+def _block_info(ggml_type: int) -> tuple[int, int]:
+    info = GGML_BLOCK_INFO.get(ggml_type)
+    if info is None:
+        raise UnsupportedQuantTypeError(
+            f"GGML type {_type_name(ggml_type)} is not supported; supported: "
+            + ", ".join(T(t).name for t in GGML_BLOCK_INFO)
+        )
+    return info
+
+
+def row_bytes(ggml_type: int, cols: int) -> int:
+    """Bytes of one row of ``cols`` elements stored as ``ggml_type``."""
+    block, nbytes = _block_info(ggml_type)
+    if cols <= 0 or cols % block:
+        raise WeightMismatchError(
+            f"a row of {cols} elements cannot be stored as {_type_name(ggml_type)} "
+            f"(blocks of {block})"
+        )
+    return cols // block * nbytes
+
+
+def _f16(b: mx.array, offset: int) -> mx.array:
+    """The fp16 field at byte ``offset`` of each block (..., nbytes) as fp32 (..., 1)."""
+    return b[..., offset : offset + 2].view(mx.float16).astype(mx.float32)
+
+
+def _unpack(x: mx.array, run: int, bits: int) -> mx.array:
+    """Split each byte of x (..., n) into 8 // bits fields -> (..., n * 8 // bits) uint8.
+
+    Bytes are taken in runs of ``run``; each run yields its lowest fields (bits 0..bits-1) for all
+    its bytes first, then the next shift: the element order of every GGML block format.
+    """
+    shifts = mx.arange(0, 8, bits, dtype=mx.uint8)[:, None]  # (8 // bits, 1)
+    runs = x.reshape(*x.shape[:-1], -1, 1, run)  # (..., n // run, 1, run)
+    return ((runs >> shifts) & ((1 << bits) - 1)).reshape(*x.shape[:-1], -1)
+
+
+def _k4_scales_mins(s: mx.array) -> tuple[mx.array, mx.array]:
+    """Q4_K / Q5_K: 12 bytes (..., 12) -> eight 6-bit scales and eight 6-bit mins, uint8."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = mx.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = mx.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales, mins
+
+
+# Each decoder maps blocks (..., bytes per block) uint8 -> (..., elements per block) fp32. The
+# float operations and their order follow gguf-py's quants.py (which mirrors ggml-quants.c), so
+# every product and difference rounds exactly as there: e.g. Q4_K is (d * sc) * q - (dmin * m).
+
+
+def _q4_0(b: mx.array) -> mx.array:
+    q = _unpack(b[..., 2:], 16, 4).astype(mx.int8) - 8
+    return _f16(b, 0) * q.astype(mx.float32)
+
+
+def _q4_1(b: mx.array) -> mx.array:
+    q = _unpack(b[..., 4:], 16, 4).astype(mx.float32)
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _q5(b: mx.array, offset: int) -> mx.array:
+    """Q5_0 / Q5_1 quants (..., 32) uint8: a 4-byte high-bit mask at ``offset``, then nibbles."""
+    qh = _unpack(b[..., offset : offset + 4], 1, 1)  # bit j of the little-endian uint32
+    return _unpack(b[..., offset + 4 :], 16, 4) | (qh << 4)
+
+
+def _q5_0(b: mx.array) -> mx.array:
+    q = _q5(b, 2).astype(mx.int8) - 16
+    return _f16(b, 0) * q.astype(mx.float32)
+
+
+def _q5_1(b: mx.array) -> mx.array:
+    return _f16(b, 0) * _q5(b, 4).astype(mx.float32) + _f16(b, 2)
+
+
+def _q8_0(b: mx.array) -> mx.array:
+    return b[..., 2:].view(mx.int8).astype(mx.float32) * _f16(b, 0)
+
+
+def _q2_k(b: mx.array) -> mx.array:
+    # 16 scale bytes (low nibble scale, high nibble min), 64 quant bytes, d, dmin
+    sc = b[..., 0:16]
+    dl = (_f16(b, 80) * (sc & 0x0F).astype(mx.float32))[..., None]  # (..., 16, 1)
+    ml = (_f16(b, 82) * (sc >> 4).astype(mx.float32))[..., None]
+    q = _unpack(b[..., 16:80], 32, 2).astype(mx.float32)
+    q = q.reshape(*b.shape[:-1], 16, 16)
+    return (dl * q - ml).reshape(*b.shape[:-1], 256)
+
+
+def _q3_k(b: mx.array) -> mx.array:
+    # 32 high-bit mask bytes, 64 quant bytes (2 low bits each), 12 bytes of 6-bit scales, d
+    s = b[..., 96:108]
+    sc = _unpack(s[..., 0:8], 8, 4) | (_unpack(s[..., 8:12], 4, 2) << 4)  # (..., 16) 0..63
+    sc = (sc.astype(mx.int8) - 32).astype(mx.float32)
+    dl = (_f16(b, 108) * sc)[..., None]  # (..., 16, 1)
+    ql = _unpack(b[..., 32:96], 32, 2).astype(mx.int8)
+    # a cleared mask bit subtracts 4
+    qh = ((_unpack(b[..., 0:32], 32, 1) ^ 1) << 2).astype(mx.int8)
+    q = (ql - qh).astype(mx.float32).reshape(*b.shape[:-1], 16, 16)
+    return (dl * q).reshape(*b.shape[:-1], 256)
+
+
+def _q45_k(b: mx.array, q: mx.array) -> mx.array:
+    """Q4_K / Q5_K: d, dmin, 12 scale bytes at the block start; q (..., 256) uint8 quants."""
+    sc, m = _k4_scales_mins(b[..., 4:16])
+    dl = (_f16(b, 0) * sc.astype(mx.float32))[..., None]  # (..., 8, 1)
+    ml = (_f16(b, 2) * m.astype(mx.float32))[..., None]
+    q = q.astype(mx.float32).reshape(*b.shape[:-1], 8, 32)
+    return (dl * q - ml).reshape(*b.shape[:-1], 256)
+
+
+def _q4_k(b: mx.array) -> mx.array:
+    return _q45_k(b, _unpack(b[..., 16:144], 32, 4))
+
+
+def _q5_k(b: mx.array) -> mx.array:
+    qh = _unpack(b[..., 16:48], 32, 1)
+    return _q45_k(b, _unpack(b[..., 48:176], 32, 4) | (qh << 4))
+
+
+def _q6_k(b: mx.array) -> mx.array:
+    # 128 low-nibble bytes, 64 bytes of 2-bit high parts, 16 int8 scales, d
+    dl = (_f16(b, 208) * b[..., 192:208].view(mx.int8).astype(mx.float32))[..., None]
+    q = _unpack(b[..., 0:128], 64, 4) | (_unpack(b[..., 128:192], 32, 2) << 4)
+    q = (q.astype(mx.int8) - 32).astype(mx.float32).reshape(*b.shape[:-1], 16, 16)
+    return (dl * q).reshape(*b.shape[:-1], 256)
+
+
+_DECODERS = {
+    T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
+    T.Q8_0: _q8_0,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
+}
+
+
+def dequantize_reference(raw: mx.array, ggml_type: int, cols: int) -> mx.array:
+    """raw (..., row_bytes) uint8 GGML blocks -> (..., cols) fp32, bit-exact with gguf-py.
+
+    F32/F16/BF16 rows may also come in their own dtype (..., cols), as ``GGUFFile.to_mx`` gives.
+    """
+    block, nbytes = _block_info(ggml_type)
+    if ggml_type in DENSE_TYPES and raw.dtype == _DENSE_DTYPES[ggml_type]:
+        if raw.ndim == 0 or raw.shape[-1] != cols:
+            raise WeightMismatchError(f"expected rows of {cols} elements, got shape {raw.shape}")
+        return raw.astype(mx.float32)
+    expected = row_bytes(ggml_type, cols)
+    if raw.dtype != mx.uint8 or raw.ndim == 0 or raw.shape[-1] != expected:
+        raise WeightMismatchError(
+            f"{_type_name(ggml_type)} rows of {cols} elements are {expected} uint8 bytes; "
+            f"got {raw.dtype} of shape {raw.shape}"
+        )
+    lead = raw.shape[:-1]
+    if ggml_type in DENSE_TYPES:
+        return raw.view(_DENSE_DTYPES[ggml_type]).astype(mx.float32)
+    blocks = raw.reshape(*lead, cols // block, nbytes)
+    return _DECODERS[ggml_type](blocks).reshape(*lead, cols)
