@@ -1,0 +1,142 @@
+"""Qwen 3.5 MoE: the Qwen 3.5 hybrid stack with a routed SwiGLU expert block and a gated shared
+expert in every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import qwen3_5
+from .gemma4_moe import ExpertLinear
+from .qwen3_5 import MLP, gguf_config, sigmoid_gate, swiglu
+
+
+@dataclass
+class ModelArgs(qwen3_5.ModelArgs):
+    model_type: str = "qwen3_5_moe_text"
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    num_key_value_heads: int = 2
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    # experts' gate and up projections as one (E, 2I, D) weight (HF) or two (most GGUFs)
+    fused_gate_up: bool = True
+
+
+class Experts(nn.Module):
+    """The routed experts: SwiGLU per (token, selected expert)."""
+
+    def __init__(self, dims: int, hidden_dims: int, num_experts: int, fused_gate_up: bool):
+        super().__init__()
+        if fused_gate_up:
+            self.gate_up_proj = ExpertLinear(num_experts, dims, 2 * hidden_dims)
+        else:
+            self.gate_proj = ExpertLinear(num_experts, dims, hidden_dims)
+            self.up_proj = ExpertLinear(num_experts, dims, hidden_dims)
+        self.down_proj = ExpertLinear(num_experts, hidden_dims, dims)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x (N, D), indices (N, k) -> (N, k, D)."""
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x, indices), 2, axis=-1)  # (N, k, I) each
+        else:
+            gate, up = self.gate_proj(x, indices), self.up_proj(x, indices)
+        return self.down_proj(swiglu(gate, up), indices)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        h = args.hidden_size
+        self.gate = nn.Linear(h, args.num_experts, bias=False)
+        self.experts = Experts(h, args.moe_intermediate_size, args.num_experts, args.fused_gate_up)
+        self.shared_expert = MLP(h, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, D)
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        k = self.top_k
+        indices = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # (N, k), unordered
+        scores = mx.take_along_axis(probs, indices, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        y = self.experts(x, indices)  # (N, k, D)
+        y = (y * scores[..., None].astype(y.dtype)).sum(axis=1)
+        y = y + sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))
+        return y.reshape(shape)
+
+
+class Model(qwen3_5.Model):
+    @staticmethod
+    def make_mlp(args: ModelArgs) -> nn.Module:
+        return SparseMoeBlock(args)
+
+    def sanitize_mlp(self, weights: dict) -> dict:
+        """HF's fused experts (gate_up_proj (E, 2I, D), down_proj (E, D, I)), per-expert tensors
+        or mlx-lm's switch_mlp -> experts.{gate_up,down}_proj (or gate/up when not fused)."""
+        fused = self.args.fused_gate_up
+        for i in range(self.args.num_hidden_layers):
+            p = f"model.layers.{i}.mlp"
+            for name in ("gate_up_proj", "down_proj"):
+                if f"{p}.experts.{name}" in weights:
+                    weights[f"{p}.experts.{name}.weight"] = weights.pop(f"{p}.experts.{name}")
+            if f"{p}.experts.0.gate_proj.weight" in weights:
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    weights[f"{p}.experts.{name}.weight"] = mx.stack(
+                        [
+                            weights.pop(f"{p}.experts.{e}.{name}.weight")
+                            for e in range(self.args.num_experts)
+                        ]
+                    )
+            for key in [k for k in weights if k.startswith(f"{p}.switch_mlp.")]:
+                weights[key.replace(".switch_mlp.", ".experts.")] = weights.pop(key)
+            for part in ("weight", "scales", "biases"):
+                gate, up = f"{p}.experts.gate_proj.{part}", f"{p}.experts.up_proj.{part}"
+                fused_key = f"{p}.experts.gate_up_proj.{part}"
+                if fused and gate in weights:
+                    # affine groups run along the input axis, so quantized halves stack too
+                    weights[fused_key] = mx.concatenate(
+                        [weights.pop(gate), weights.pop(up)], axis=-2
+                    )
+                elif not fused and fused_key in weights:
+                    gate_up = weights.pop(fused_key)
+                    mid = gate_up.shape[-2] // 2
+                    weights[gate], weights[up] = gate_up[..., :mid, :], gate_up[..., mid:, :]
+        return weights
+
+
+GGUF_TENSOR_MAP = {
+    **{k: v for k, v in qwen3_5.GGUF_TENSOR_MAP.items() if not k.startswith("blk.{i}.ffn_")},
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_up_exps.weight": "model.layers.{i}.mlp.experts.gate_up_proj.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj.weight",
+    "blk.{i}.ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+    "blk.{i}.ffn_gate_shexp.weight": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+}
+
+
+def args_from_gguf(metadata: dict, tensor_names=()) -> ModelArgs:
+    """ModelArgs from llama.cpp's qwen35moe metadata; gate/up experts fused if stored so."""
+    config = gguf_config(metadata, tensor_names)
+    config["fused_gate_up"] = any(n.endswith("ffn_gate_up_exps.weight") for n in tensor_names)
+    return ModelArgs.from_dict(config)
+
+
+def gguf_transform(name: str, array: mx.array, args: ModelArgs | None = None) -> mx.array:
+    """qwen35 fixes, plus the shared-expert gate, which llama.cpp may keep as a vector (D,)."""
+    if name.endswith("ffn_gate_inp_shexp.weight") and array.ndim == 1:
+        return array[None]
+    return qwen3_5.gguf_transform(name, array, args)

@@ -1,0 +1,294 @@
+"""Gated delta-net core: references against a float64 oracle, the chunked and mx.fast prefill
+forms, the fused step kernel on the GPU, and the kernel body itself run on the CPU."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from hf2q_mlx.custom_kernels import gated_delta as gd
+from hf2q_mlx.custom_kernels import reference_only
+
+# (B, T, Hk, Hv, Dk, Dv): Hv = Hk, Hv = 3 Hk, odd Dv, several batches
+SHAPES = [
+    (1, 1, 1, 1, 32, 8),
+    (2, 5, 2, 6, 32, 12),
+    (1, 9, 2, 4, 64, 7),
+    (3, 3, 1, 2, 32, 16),
+]
+KC = 4  # conv taps
+
+
+def make_inputs(B, T, hk, hv, dk, dv, seed, dtype=mx.float32):
+    """Fresh random inputs: every parameter random, conv state and recurrent state non-zero."""
+    C = 2 * hk * dk + hv * dv
+    keys = mx.random.split(mx.random.key(seed), 9)
+    return dict(
+        qkv=mx.random.normal((B, T, C), key=keys[0]).astype(dtype),
+        conv_state=mx.random.normal((B, KC - 1, C), key=keys[1]).astype(dtype),
+        conv_weight=(0.5 * mx.random.normal((C, KC), key=keys[2])).astype(dtype),
+        a=mx.random.normal((B, T, hv), key=keys[3]).astype(dtype),
+        b=mx.random.normal((B, T, hv), key=keys[4]).astype(dtype),
+        A_log=mx.random.uniform(-2.0, 1.5, (hv,), key=keys[5]),
+        dt_bias=mx.random.normal((hv,), key=keys[6]),
+        state=0.3 * mx.random.normal((B, hv, dv, dk), key=keys[7]),
+        num_k_heads=hk,
+        head_k_dim=dk,
+    )
+
+
+def oracle(inp: dict, tiled: bool):
+    """float64 numpy, token by token and head by head: the definition in the module docstring."""
+    f = {k: np.array(v, dtype=np.float64) if isinstance(v, mx.array) else v for k, v in inp.items()}
+    qkv, w, st = f["qkv"], f["conv_weight"], f["state"].copy()
+    B, T, C = qkv.shape
+    hk, dk = f["num_k_heads"], f["head_k_dim"]
+    hv = f["a"].shape[-1]
+    dv = (C - 2 * hk * dk) // hv
+    x = np.concatenate([f["conv_state"], qkv], axis=1)
+    conv = np.stack([(x[:, t : t + KC] * w.T[None]).sum(1) for t in range(T)], axis=1)
+    conv = conv / (1 + np.exp(-conv))
+    y = np.zeros((B, T, hv, dv))
+    for bi in range(B):
+        for t in range(T):
+            row = conv[bi, t]
+            for h in range(hv):
+                g = h % hk if tiled else h // (hv // hk)
+                q = row[g * dk : (g + 1) * dk]
+                k = row[hk * dk + g * dk : hk * dk + (g + 1) * dk]
+                v = row[2 * hk * dk + h * dv : 2 * hk * dk + (h + 1) * dv]
+                q = q / np.sqrt((q * q).sum() + 1e-6) / np.sqrt(dk)
+                k = k / np.sqrt((k * k).sum() + 1e-6)
+                sp = np.log1p(np.exp(f["a"][bi, t, h] + f["dt_bias"][h]))
+                decay = np.exp(-np.exp(f["A_log"][h]) * sp)
+                beta = 1 / (1 + np.exp(-f["b"][bi, t, h]))
+                s = st[bi, h] * decay
+                s = s + np.outer(beta * (v - s @ k), k)
+                st[bi, h] = s
+                y[bi, t, h] = s @ q
+    return y, x[:, T:], st
+
+
+def check(got, want, rtol, what):
+    got = np.array(got.astype(mx.float32))
+    assert got.shape == want.shape, what
+    err = np.abs(got - want).max()
+    assert err <= rtol * np.abs(want).max(), f"{what}: max err {err:.3g}"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("mode", ["reference", "chunked", "fast"])
+def test_reference_paths_match_oracle(shape, tiled, mode, monkeypatch):
+    if mode == "fast" and not hasattr(mx.fast, "gated_delta_update"):
+        pytest.skip("this MLX has no mx.fast.gated_delta_update")
+    monkeypatch.setenv("HF2Q_GDN_PREFILL", mode)
+    inp = make_inputs(*shape, seed=sum(shape))
+    want = oracle(inp, tiled)
+    with reference_only():
+        if shape[1] == 1:  # decode goes to the reference; run the prefill form directly
+            got = gd.gated_delta_update_reference(
+                **inp, tiled=tiled, recurrence=gd._RECURRENCES[mode]
+            )
+        else:
+            got = gd.gated_delta_update(**inp, tiled=tiled)
+    # fp32 against float64 over a few dozen dependent steps: ~1e-6; 1e-5 relative leaves room
+    for g, w, what in zip(got, want, ("y", "conv_state", "state")):
+        check(g, w, 1e-5, f"{mode} {what}")
+    # the conv state is data movement: exact
+    np.testing.assert_array_equal(np.array(got[1]), np.array(want[1], dtype=np.float32))
+
+
+@pytest.mark.parametrize("T,chunk", [(37, 16), (64, 16), (5, 8), (130, 64)])
+def test_chunked_matches_sequential(T, chunk):
+    """Lengths not divisible by the chunk (padding) and several chunks carrying the state."""
+    inp = make_inputs(2, T, 2, 4, 32, 16, seed=T)
+    x, _ = gd.causal_conv_reference(inp["qkv"], inp["conv_state"], inp["conv_weight"])
+    q, k, v = gd.split_qkv(x, 2, 32, 4)
+    args = (q, k, v, inp["a"], inp["b"], inp["A_log"], inp["dt_bias"], inp["state"])
+    y_ref, s_ref = gd.gated_delta_reference(*args)
+    y, s = gd.gated_delta_chunked(*args, chunk_size=chunk)
+    # fp32, two summation orders of the same recurrence: ~1e-6 relative; allow 2e-5
+    check(y, np.array(y_ref), 2e-5, "y")
+    check(s, np.array(s_ref), 2e-5, "state")
+
+
+def test_dispatcher_validates_shapes():
+    inp = make_inputs(1, 2, 2, 4, 32, 8, seed=0)
+    inp["num_k_heads"] = 3  # 2 * 3 * 32 + 4 * dv != C
+    with pytest.raises(ValueError, match="does not split"):
+        gd.gated_delta_update(**inp)
+
+
+# ---- the fused step kernel on a GPU (the lead runs these on the H200) ----
+
+GPU_SHAPES = [
+    (1, 1, 16, 32, 128, 128),  # Qwen 3.5 9B / 35B-A3B delta-net layer, decode
+    (2, 1, 2, 6, 32, 24),
+    (1, 7, 2, 4, 64, 33),  # several steps in one launch, odd Dv (partial threadgroup)
+    (3, 4, 4, 4, 96, 16),
+]
+
+
+def cpu_reference(inp: dict, tiled: bool):
+    """The reference in MLX ops on the CPU (no TF32 matmuls or GPU conv algorithms)."""
+    with mx.stream(mx.cpu), reference_only():
+        out = gd.gated_delta_update_reference(**inp, tiled=tiled)
+        mx.eval(out)
+    return out
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+def test_step_kernel_matches_reference(shape, tiled, dtype):
+    inp = make_inputs(*shape, seed=7 * sum(shape), dtype=dtype)
+    with mx.stream(mx.gpu):
+        got = gd.gated_delta_step(**inp, tiled=tiled, init_value=float("nan"))  # poisoned
+        mx.eval(got)
+    ref = cpu_reference(inp, tiled)
+    np.testing.assert_array_equal(np.array(got[1]), np.array(ref[1]))  # conv state: exact
+    if dtype == mx.float32:
+        # fp32 both: same math, different reduction order (simd_sum vs sum): ~1e-6 relative
+        check(got[0], np.array(ref[0]), 2e-5, "y")
+        check(got[2], np.array(ref[2]), 2e-5, "state")
+        return
+    # half inputs: the kernel keeps the conv output in fp32 and the reference rounds it; the
+    # kernel's error against the fp32 oracle must stay within 2x the reference's own error
+    f32 = {k: v.astype(mx.float32) if isinstance(v, mx.array) else v for k, v in inp.items()}
+    exact = cpu_reference(f32, tiled)
+    for i, what in ((0, "y"), (2, "state")):
+        e = np.array(exact[i])
+        k_err = np.abs(np.array(got[i].astype(mx.float32)) - e).max()
+        r_err = np.abs(np.array(ref[i].astype(mx.float32)) - e).max()
+        assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("T", [1, 6])
+def test_dispatcher_uses_kernel(T, monkeypatch):
+    """Decode (and a 'step' prefill) through the dispatcher on the GPU == the CPU reference."""
+    monkeypatch.setenv("HF2Q_GDN_PREFILL", "step")
+    inp = make_inputs(1, T, 2, 4, 32, 16, seed=3)
+    calls = []
+    real = gd.gated_delta_step
+    monkeypatch.setattr(gd, "gated_delta_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with mx.stream(mx.gpu):
+        got = gd.gated_delta_update(**inp)
+        mx.eval(got)
+    assert calls, "the dispatcher did not take the kernel"
+    ref = cpu_reference(inp, False)
+    check(got[0], np.array(ref[0]), 2e-5, "y")
+    check(got[2], np.array(ref[2]), 2e-5, "state")
+
+
+# ---- the kernel body executed on the CPU through the real dispatcher: lanes as threads ----
+
+_EMU = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+#define UNROLL
+#define SIMD_SIZE 32
+inline float to_float(float x) { return x; }
+template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
+inline float exp_f(float x) { return std::exp(x); }
+inline float log_f(float x) { return std::log(x); }
+inline float rsqrt_f(float x) { return 1.0f / std::sqrt(x); }
+struct Warp { std::barrier<> bar{32}; float buf[32]; };
+thread_local Warp* warp_;
+thread_local uint lane_;
+// xor butterfly, the order of the CUDA header's simd_sum
+inline float simd_sum(float x) {
+  for (uint o = 16; o > 0; o >>= 1) {
+    warp_->buf[lane_] = x;
+    warp_->bar.arrive_and_wait();
+    x += warp_->buf[lane_ ^ o];
+    warp_->bar.arrive_and_wait();
+  }
+  return x;
+}
+"""
+
+
+class EmulatedStepKernel:
+    """Stands in for ``gated_delta._step_kernel`` (same call): each SIMD group of the launch
+    grid runs as 32 threads executing ``_STEP_BODY``; outputs start poisoned with NaN."""
+
+    def __init__(self, build_dir: Path):
+        self.build_dir, self.launches = build_dir, 0
+
+    def _library(self, inputs, template) -> ctypes.CDLL:
+        consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template.items()
+                         if k != "OutT")  # fmt: skip
+        names = gd._STEP_INPUTS
+        params = [f"const {'int' if n == 'n_steps' else 'float'}* {n}" for n in names]
+        params += [f"float* {n}" for n in gd._STEP_OUTPUTS]
+        call = [f"({'int' if n == 'n_steps' else 'float'}*)in[{i}]" for i, n in enumerate(names)]
+        call += [f"(float*)out[{i}]" for i in range(len(gd._STEP_OUTPUTS))]
+        src = f"""{_EMU}{consts}using OutT = float;
+static void body({", ".join(params)}, uint lane, uint pos_y, uint pos_z) {{
+  lane_ = lane;
+{gd._STEP_BODY}
+}}
+extern "C" void launch(void** in, void** out, uint rows, uint groups) {{
+  for (uint z = 0; z < groups; ++z)
+    for (uint y = 0; y < rows; ++y) {{
+      Warp w;
+      std::vector<std::thread> lanes;
+      for (uint l = 0; l < 32; ++l)
+        lanes.emplace_back([&, l] {{ warp_ = &w; body({", ".join(call)}, l, y, z); }});
+      for (auto& t : lanes) t.join();
+    }}
+}}
+"""
+        key = "_".join(f"{k}{int(v)}" for k, v in template.items() if k != "OutT")
+        lib = self.build_dir / f"gd_{key}.so"
+        if not lib.exists():
+            cpp = lib.with_suffix(".cpp")
+            cpp.write_text(src)
+            cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(cpp), "-o"]
+            subprocess.run(cmd + [str(lib)], check=True, capture_output=True)
+        return ctypes.CDLL(str(lib))
+
+    def __call__(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, template, **_):
+        self.launches += 1
+        assert threadgroup[0] == grid[0] == 32, "one SIMD group spans x"
+        assert all(d in (mx.float32, mx.int32) for d in [a.dtype for a in inputs])
+        in_np = [np.ascontiguousarray(np.array(a)) for a in inputs]
+        out_np = [np.full(s, np.nan, np.float32) for s in output_shapes]
+        rows = -(-grid[1] // threadgroup[1]) * threadgroup[1]  # whole threadgroups, as launched
+        ptrs = lambda arrs: (ctypes.c_void_p * len(arrs))(*[a.ctypes.data for a in arrs])  # noqa: E731
+        lib = self._library(inputs, template)
+        lib.launch(ptrs(in_np), ptrs(out_np), ctypes.c_uint(rows), ctypes.c_uint(grid[2]))
+        return [mx.array(o) for o in out_np]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20) to run the body")
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_step_kernel_body_emulated(tiled, T, monkeypatch, tmp_path_factory):
+    """``_STEP_BODY`` compiled as C++ and launched by the real dispatcher (decode, and a
+    3-token 'step' prefill) against the float64 oracle."""
+    emu = EmulatedStepKernel(tmp_path_factory.getbasetemp())
+    monkeypatch.setattr(gd, "_step_kernel", emu)
+    monkeypatch.setattr(gd, "backend", lambda: "cuda")
+    monkeypatch.setenv("HF2Q_GDN_PREFILL", "step")
+    inp = make_inputs(2, T, 2, 6, 64, 7, seed=11 + T)  # Dv = 7: a partial threadgroup of rows
+    y, conv, state = gd.gated_delta_update(**inp, tiled=tiled)
+    assert emu.launches == 1
+    want_y, want_conv, want_state = oracle(inp, tiled)
+    # fp32 vs float64 over a few steps: ~1e-6 relative
+    check(y, want_y, 1e-5, "y")
+    check(state, want_state, 1e-5, "state")
+    np.testing.assert_array_equal(np.array(conv), want_conv.astype(np.float32))
