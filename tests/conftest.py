@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
+# fp32 parity tests need true fp32 matmuls; MLX's CUDA back end uses TF32 unless told not to.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
 
 
 def gpu_backend() -> str | None:

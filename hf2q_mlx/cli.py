@@ -1,0 +1,253 @@
+"""The ``hf2q-mlx`` command line: generate, chat, info, perplexity, bench.
+
+Every caller error (an ``Hf2qError``) prints ``error: <message>`` on one line of stderr and
+exits with status 2; Ctrl-C exits with status 130 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import Hf2qError, ModelNotFoundError
+
+EXIT_ERROR = 2
+EXIT_INTERRUPT = 130
+
+
+def _common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument(
+        "--model", metavar="PATH", help="GGUF file or model directory (default: the demo model)"
+    )
+    sampling = argparse.ArgumentParser(add_help=False)
+    g = sampling.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (256)")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min prob. relative to the top (0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages (1)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--system", default=None, help="system prompt for the chat template")
+    return model, sampling
+
+
+def build_parser() -> argparse.ArgumentParser:
+    model, sampling = _common_parents()
+    parser = argparse.ArgumentParser(
+        prog="hf2q-mlx", description="Run GGUF and Hugging Face LLMs on MLX."
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"hf2q-mlx {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", parents=[model, sampling], help="complete one prompt")
+    p.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    p.add_argument(
+        "--raw", action="store_true", help="send the text as is, without the chat template"
+    )
+    p.add_argument("--quiet", action="store_true", help="no speed statistics on stderr")
+
+    p = sub.add_parser("chat", parents=[model, sampling], help="interactive chat (/reset, /exit)")
+    p.add_argument("--quiet", action="store_true", help="no speed statistics on stderr")
+
+    p = sub.add_parser("info", help="describe a GGUF file or HF directory (headers only)")
+    p.add_argument("file", help="GGUF file or Hugging Face model directory")
+
+    p = sub.add_parser("perplexity", parents=[model], help="perplexity of a text file")
+    p.add_argument("--file", required=True, help="UTF-8 text file")
+    p.add_argument("--context", type=int, default=1024, help="window length in tokens (1024)")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("bench", parents=[model], help="prompt and decode speed")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (512)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="tokens to decode (128)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
+    return parser
+
+
+def _load(path: str | None):
+    from .default_model import default_model_path
+    from .loader import load
+
+    if path is None:
+        return load(default_model_path())
+    if not Path(path).exists():
+        raise ModelNotFoundError(f"model not found: {path}")
+    return load(path)
+
+
+def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    from .sampling import validate_sampling_options
+
+    opts = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    validate_sampling_options(**opts)  # before the model loads, so bad flags fail fast
+    return {**opts, "seed": args.seed, "stop": args.stop}
+
+
+def _messages(system: str | None) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def _stream(model, tokenizer, prompt, opts: dict[str, Any], quiet: bool) -> str:
+    from .generate import format_stats, stream_generate
+
+    parts = []
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, **opts):
+        print(last.text, end="", flush=True)
+        parts.append(last.text)
+    print(flush=True)
+    if last is not None and not quiet:
+        print(format_stats(last), file=sys.stderr, flush=True)
+    return "".join(parts)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    opts = _generation_options(args)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tokenizer = _load(args.model)
+    # a model without a chat template (a base model) gets the text as it is
+    if args.raw or not getattr(tokenizer, "chat_template", None):
+        prompt: Any = text if args.system is None else f"{args.system}\n\n{text}"
+    else:
+        prompt = _messages(args.system) + [{"role": "user", "content": text}]
+    _stream(model, tokenizer, prompt, opts, args.quiet)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .errors import ContextLengthError, TokenizerError
+
+    opts = _generation_options(args)
+    model, tokenizer = _load(args.model)
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError("this model has no chat template; use `hf2q-mlx generate --raw`")
+    messages = _messages(args.system)
+    print("chat: /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            messages = _messages(args.system)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _stream(model, tokenizer, messages, opts, args.quiet)
+        except ContextLengthError as err:
+            messages.pop()
+            print(f"error: {err}; /reset to start over", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .info import describe
+
+    if not Path(args.file).exists():
+        raise ModelNotFoundError(f"file not found: {args.file}")
+    print(describe(args.file))
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from .perplexity import perplexity
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise Hf2qError(f"cannot read text file {args.file}: {err}") from None
+    model, tokenizer = _load(args.model)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    # a tokenizer that starts every text with BOS gets one at the start of every window
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+    result = perplexity(
+        model, tokens, args.context, args.batch_size, bos_token_id=bos if adds_bos else None
+    )
+    if args.json:
+        out = {
+            "ppl": result.ppl,
+            "nll": result.nll,
+            "n_tokens": result.n_tokens,
+            "context": args.context,
+            "file": args.file,
+        }
+        print(json.dumps(out))
+    else:
+        print(f"ppl: {result.ppl:.4f}")
+        print(f"nll: {result.nll:.4f} nats/token over {result.n_tokens} tokens")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    model, tokenizer = _load(args.model)
+    result = run_bench(model, tokenizer, args.prompt_tokens, args.gen_tokens)
+    result["model_path"] = args.model or "default demo model"
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for key in ("prompt_tps", "decode_tps", "ttft_s", "peak_memory_gb", "decode_step_ops"):
+        print(f"{key}: {result[key]}")
+    print(f"prompt/gen tokens: {result['prompt_tokens']}/{result['gen_tokens']}")
+    print(f"device: {result['device']}, mlx {result['mlx_version']}")
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "info": cmd_info,
+    "perplexity": cmd_perplexity,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hf2q-mlx`` and ``python -m hf2q_mlx``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except Hf2qError as err:
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPT
+    except BrokenPipeError:
+        # the reader (e.g. `| head`) went away: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Perplexity over non-overlapping windows, each evaluated in one forward pass without a cache.
+
+The token list is cut into consecutive windows of ``context`` tokens (the last one may be
+shorter; a window of one token predicts nothing and is dropped). Within a window, token i is
+scored by the logits at position i - 1, so every window contributes len(window) - 1 negative
+log-likelihoods, computed in fp32 as ``logsumexp(logits) - logits[target]``. With
+``bos_token_id`` set, every window starts with that token followed by ``context - 1`` text
+tokens, and the BOS itself is never scored (models such as Gemma expect a BOS at position 0).
+perplexity = exp(total NLL / number of scored tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import SamplingOptionsError
+
+
+@dataclass
+class PerplexityResult:
+    """``nll`` is the mean negative log-likelihood per scored token in nats; ppl = exp(nll)."""
+
+    ppl: float
+    nll: float
+    n_tokens: int
+
+
+def _windows(tokens: list[int], context: int, bos_token_id: int | None) -> list[list[int]]:
+    if bos_token_id is None:
+        wins = [tokens[i : i + context] for i in range(0, len(tokens), context)]
+    else:
+        step = context - 1
+        wins = [[bos_token_id, *tokens[i : i + step]] for i in range(0, len(tokens), step)]
+    return [w for w in wins if len(w) >= 2]
+
+
+def window_nll(model: Any, batch: mx.array) -> mx.array:
+    """Summed NLL (fp32) of tokens 1..L-1 of each row of ``batch`` (B, L) -> (B,)."""
+    logits = model(batch[:, :-1]).astype(mx.float32)  # (B, L - 1, V)
+    targets = batch[:, 1:, None]
+    picked = mx.take_along_axis(logits, targets, axis=-1)[..., 0]
+    return (mx.logsumexp(logits, axis=-1) - picked).sum(axis=-1)
+
+
+def perplexity(
+    model: Any,
+    tokens: list[int],
+    context: int = 1024,
+    batch_size: int = 1,
+    bos_token_id: int | None = None,
+) -> PerplexityResult:
+    """Perplexity of ``tokens`` under ``model`` (see the module docstring for the windows)."""
+    if context < 2 or (bos_token_id is not None and context < 3):
+        raise SamplingOptionsError(f"perplexity context must be at least 2 tokens, got {context}")
+    if batch_size < 1:
+        raise SamplingOptionsError(f"batch_size must be >= 1, got {batch_size}")
+    windows = _windows(list(tokens), context, bos_token_id)
+    if not windows:
+        raise SamplingOptionsError("perplexity needs at least 2 tokens of text")
+    total = 0.0
+    n = 0
+    # equal-length windows are batched; the shorter last window runs alone
+    full = [w for w in windows if len(w) == len(windows[0])]
+    rest = windows[len(full) :]
+    groups = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    groups += [[w] for w in rest]
+    for group in groups:
+        nll = window_nll(model, mx.array(group, dtype=mx.int32))
+        total += float(nll.sum().item())
+        n += sum(len(w) - 1 for w in group)
+    mean = total / n
+    return PerplexityResult(ppl=math.exp(mean), nll=mean, n_tokens=n)
