@@ -32,6 +32,12 @@ from .tokenizer_spm import (
     gguf_sentencepiece,
     hf_sentencepiece,
 )
+from .tokenizer_tiktoken import (
+    added_tokens,
+    is_control_token,
+    load_tiktoken_ranks,
+    rank_vocab,
+)
 
 # Turn/document enders that should stop generation even when a file names another EOS.
 _END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>")
@@ -69,6 +75,69 @@ GEMMA_CHAT_TEMPLATE = r"""{{- bos_token -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
 """
+
+# Qwen 3.5 (ChatML turns with <think> blocks), for GGUFs that carry no template. Reasoning is
+# kept only for assistant turns after the last user message (earlier turns show the answer
+# alone); it comes from `reasoning_content` or from a <think>...</think> block in the content.
+# The generation prompt opens a <think> block, or closes an empty one when enable_thinking is
+# false. Text content only; no tool definitions or tool calls.
+QWEN35_CHAT_TEMPLATE = r"""
+{%- macro as_text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable -%}
+        {%- for part in content -%}
+            {%- if part['type'] != 'text' -%}
+                {{- raise_exception('only text content is supported, not ' ~ part['type']) -}}
+            {%- endif -%}
+            {{- part['text'] -}}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if not messages -%}{{- raise_exception('no messages') -}}{%- endif -%}
+{%- if tools -%}
+    {{- raise_exception('the built-in Qwen 3.5 template has no tool support') -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+    {%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+    {%- set content = as_text(m['content']) | trim -%}
+    {%- if m['role'] == 'system' -%}
+        {%- if not loop.first -%}
+            {{- raise_exception('the system message must come first') -}}
+        {%- endif -%}
+        {{- '<|im_start|>system\n' ~ content ~ '<|im_end|>\n' -}}
+    {%- elif m['role'] == 'user' -%}
+        {{- '<|im_start|>user\n' ~ content ~ '<|im_end|>\n' -}}
+    {%- elif m['role'] == 'assistant' -%}
+        {%- set reasoning = '' -%}
+        {%- if m.reasoning_content is string -%}
+            {%- set reasoning = m.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+            {%- set content = content.split('</think>')[-1] | trim -%}
+        {%- endif -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if loop.index0 > ns.last_user -%}
+            {{- '<think>\n' ~ (reasoning | trim) ~ '\n</think>\n\n' -}}
+        {%- endif -%}
+        {{- content ~ '<|im_end|>\n' -}}
+    {%- else -%}
+        {{- raise_exception('unsupported role ' ~ m['role']) -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- else -%}
+        {{- '<think>\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+QWEN35_ARCHS = ("qwen35", "qwen35moe")
 
 
 class StreamingDetokenizer:
@@ -210,6 +279,8 @@ class Tokenizer:
         template = metadata.get("tokenizer.chat_template")
         if template is None and arch in GEMMA_ARCHS:
             template = GEMMA_CHAT_TEMPLATE
+        elif template is None and arch in QWEN35_ARCHS:
+            template = QWEN35_CHAT_TEMPLATE
         return cls(
             added_tokens=added,
             bos_token_id=bos,
@@ -289,6 +360,57 @@ class Tokenizer:
             chat_template=template,
             special_tokens=names,
             **kwargs,
+        )
+
+    @classmethod
+    def from_tiktoken(
+        cls,
+        path: str | Path,
+        *,
+        pattern: str,
+        special_tokens: dict[str, int] | None = None,
+        nfc: bool = False,
+        eos_tokens: Iterable[str] = (),
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """From a tiktoken rank file: ``pattern`` splits words, ``special_tokens`` (text -> id)
+        are matched whole, ``nfc`` normalizes the text first (Qwen does). Ids are tiktoken's:
+        rank-based BPE, a word that is itself a token taken whole. ``<|...|>`` tokens are
+        special; the others (``<think>``) decode as text even with ``skip_special_tokens``.
+        For Qwen 3.5/3.6: ``pattern=tokenizer_bpe.QWEN35_SPLIT, nfc=True,
+        chat_template=QWEN35_CHAT_TEMPLATE``.
+        """
+        ranks = load_tiktoken_ranks(path)
+        vocab = rank_vocab(ranks)
+        special_tokens = dict(special_tokens or {})
+        eos_tokens = list(eos_tokens)
+        added = [
+            AddedToken(tid, token, special=is_control_token(token))
+            for token, tid in added_tokens(special_tokens, ranks)
+        ]
+        eos = set()
+        for name in eos_tokens:
+            if name not in special_tokens:
+                raise TokenizerError(f"eos token {name!r} is not among the special tokens")
+            eos.add(special_tokens[name])
+        eos |= {special_tokens[t] for t in _END_OF_TURN if t in special_tokens}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+        split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
+        names = {}
+        if "<|endoftext|>" in special_tokens:
+            names["pad_token"] = "<|endoftext|>"
+        if eos_tokens:
+            names["eos_token"] = eos_tokens[0]
+        return cls(
+            # the merged pair's own rank orders merges: ``priority`` is the vocabulary itself
+            BPE(vocab, priority=vocab, ignore_merges=True),
+            added,
+            normalizer={"type": "NFC"} if nfc else None,
+            pre_tokenizer={"type": "Sequence", "pretokenizers": [split, byte_level]},
+            decoder=byte_level,
+            eos_token_ids=eos,
+            chat_template=chat_template,
+            special_tokens=names,
         )
 
     # ---- encode / decode -----------------------------------------------------------------------

@@ -478,7 +478,8 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN35 = (
+# Qwen 3.5/3.6: the Qwen 2 split with combining marks kept inside words
+QWEN35_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -498,7 +499,7 @@ GGUF_PRE_SPLITS: dict[str, tuple[str, ...]] = {
         ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), (_LLAMA3,)
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2,)),
-    "qwen35": (_QWEN35,),
+    "qwen35": (QWEN35_SPLIT,),
     **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O,)),
     "tekken": (_TEKKEN,),
     # StarCoder-style vocabularies put every digit on its own before the GPT-2 split
