@@ -1,0 +1,168 @@
+"""TurboQuant KV-cache quality on the real Gemma 3 270M: perplexity, logit cosine, top-1 flips.
+
+The text (tests/data/us_constitution.txt, first 4096 tokens after BOS) is fed through the model in
+chunks, teacher-forced, once with full-precision caches and once per TurboQuant setting, in
+lockstep: every chunk's queries attend the cache as it was written (quantized for TQ; the chunk's
+own keys too), so the numbers measure the quantized cache, not a fresh prefill. Prints a table,
+then the same as JSON. Also: bytes per token per layer and the total at 32K context for a
+Gemma-4-26B-A4B-shaped model (computed, no weights needed).
+
+    python bench/turboquant_quality.py [--tokens 4096] [--chunk 512] [--json out.json]
+
+The GGUF's quantized weights are dequantized to fp32 once here (the reference matmuls would
+otherwise dequantize every weight on every call, which is far too slow on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import hf2q_mlx
+from hf2q_mlx.custom_kernels.dequant import dequantize_reference
+from hf2q_mlx.quantized import GGMLEmbedding, GGMLLinear
+from hf2q_mlx.tq_cache import make_tq_cache
+from hf2q_mlx.turboquant import TQCodec
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "us_constitution.txt"
+# (label, k_bits, v_bits); None = the full-precision baseline
+SETTINGS = [("TQ8", 8, 8), ("TQ6", 6, 6), ("TQ5", 5, 5), ("TQ4", 4, 4), ("TQ3", 3, 3),
+            ("K8V4", 8, 4), ("K4V4", 4, 4)]  # fmt: skip
+
+
+def densify(module: nn.Module) -> None:
+    """Replace every GGML layer by an fp32 nn layer holding the dequantized weight, in place."""
+    for key, child in module.children().items():
+        items = list(enumerate(child)) if isinstance(child, list) else [(key, child)]
+        for k, c in items:
+            if isinstance(c, GGMLLinear):
+                new = nn.Linear(c.in_features, c.out_features, bias="bias" in c)
+                new.weight = dequantize_reference(c.weight, c.ggml_type, c.in_features)
+                if "bias" in c:
+                    new.bias = c.bias
+            elif isinstance(c, GGMLEmbedding):
+                new = nn.Embedding(c.num_embeddings, c.dims)
+                new.weight = dequantize_reference(c.weight, c.ggml_type, c.dims)
+            else:
+                if isinstance(c, nn.Module):
+                    densify(c)
+                continue
+            mx.eval(new.parameters())
+            if isinstance(child, list):
+                child[k] = new
+            else:
+                setattr(module, k, new)
+
+
+def chunk_stats(base: mx.array, logits: mx.array, targets: mx.array) -> dict[str, float]:
+    """Sums over a chunk: NLL of the targets, cosine to the baseline logits, top-1 flips."""
+    nll = mx.logsumexp(logits, -1) - mx.take_along_axis(logits, targets[:, None], -1)[:, 0]
+    cos = mx.sum(base * logits, -1) / (
+        mx.linalg.norm(base, axis=-1) * mx.linalg.norm(logits, axis=-1)
+    )
+    flips = mx.argmax(base, -1) != mx.argmax(logits, -1)
+    return {"nll": nll.sum().item(), "cos": cos.sum().item(), "flips": flips.sum().item()}
+
+
+def quality(model, ids: list[int], chunk: int, settings=SETTINGS) -> dict:
+    caches = {"full": model.make_cache()}
+    for label, kb, vb in settings:
+        caches[label] = make_tq_cache(model, kb, vb)
+    sums = {name: {"nll": 0.0, "cos": 0.0, "flips": 0.0} for name in caches}
+    n = len(ids) - 1
+    for start in range(0, n, chunk):
+        x = mx.array([ids[start : min(start + chunk, n)]], mx.int32)
+        targets = mx.array(ids[start + 1 : min(start + chunk, n) + 1], mx.int32)
+        base = model(x, cache=caches["full"])[0].astype(mx.float32)
+        mx.eval(base)
+        for name, cache in caches.items():
+            logits = base if name == "full" else model(x, cache=cache)[0].astype(mx.float32)
+            for k, v in chunk_stats(base, logits, targets).items():
+                sums[name][k] += v
+        print(f"  {start + x.shape[1]}/{n} tokens", flush=True)
+    ppl_full = float(mx.exp(mx.array(sums["full"]["nll"] / n)).item())
+    rows = {}
+    for name, s in sums.items():
+        ppl = float(mx.exp(mx.array(s["nll"] / n)).item())
+        rows[name] = {
+            "ppl": ppl,
+            "ppl_delta": ppl - ppl_full,
+            "ppl_delta_pct": 100 * (ppl / ppl_full - 1),
+            "logit_cosine": s["cos"] / n,
+            "top1_flip_rate": s["flips"] / n,
+            "cache_bytes": sum(c.nbytes for c in caches[name]),
+        }
+    return rows
+
+
+def memory_table(context: int = 32768) -> dict:
+    """Bytes per token per layer and the total at ``context`` tokens, Gemma-4-26B-A4B shape.
+
+    30 layers: 25 sliding (window 1024, 8 KV heads, head_dim 256) and 5 global (2 KV heads,
+    head_dim 512, K = V in the checkpoint but both cached after their norms/RoPE).
+    """
+    sliding = dict(layers=25, heads=8, dim=256, window=1024)
+    glob = dict(layers=5, heads=2, dim=512, window=None)
+    out = {}
+    for label, kb, vb in [("bf16", None, None)] + SETTINGS:  # bf16 = fp16 = 2 bytes
+        per_layer, total = {}, 0
+        for name, g in (("sliding", sliding), ("global", glob)):
+            if kb is None:
+                per_tok = 2 * g["heads"] * g["dim"] * 2
+            else:
+                k, v = TQCodec(g["dim"], kb), TQCodec(g["dim"], vb)
+                per_tok = g["heads"] * (k.bytes_per_vector() + v.bytes_per_vector())
+            per_layer[name] = per_tok
+            tokens = context if g["window"] is None else min(context, g["window"])
+            total += g["layers"] * tokens * per_tok
+        out[label] = {"bytes_per_token_per_layer": per_layer, f"total_bytes_{context}": total}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF path (default: the Gemma 3 270M package)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--settings", default=None, help="comma list of labels (default: all)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    model, tokenizer = hf2q_mlx.load(args.model, dtype="float32")
+    densify(model)
+    ids = tokenizer.encode(TEXT.read_text())[: args.tokens + 1]
+    if len(ids) < args.tokens + 1:
+        raise SystemExit(f"the text has only {len(ids)} tokens")
+    picked = args.settings.split(",") if args.settings else [s[0] for s in SETTINGS]
+    rows = quality(model, ids, args.chunk, [s for s in SETTINGS if s[0] in picked])
+    mem = memory_table()
+    elapsed = time.perf_counter() - t0
+
+    print(f"\nGemma 3 270M Q4_K_M, {args.tokens} tokens, chunks of {args.chunk} ({elapsed:.0f} s)")
+    head = f"{'cache':6} {'ppl':>8} {'d ppl':>8} {'d %':>7} {'cos':>9} {'top1 flip':>9}"
+    print(head + f" {'KV MB':>7}")
+    for name, r in rows.items():
+        print(
+            f"{name:6} {r['ppl']:8.3f} {r['ppl_delta']:+8.3f} {r['ppl_delta_pct']:+7.2f} "
+            f"{r['logit_cosine']:9.6f} {r['top1_flip_rate']:9.4f} {r['cache_bytes'] / 1e6:7.2f}"
+        )
+    print("\nGemma-4-26B-A4B-shaped KV cache (bytes/token/layer; total at 32K context)")
+    for label, m in mem.items():
+        pl = m["bytes_per_token_per_layer"]
+        print(f"{label:6} sliding {pl['sliding']:6d}  global {pl['global']:6d}  "
+              f"total {m['total_bytes_32768'] / 2**20:8.1f} MiB")  # fmt: skip
+    result = {"tokens": args.tokens, "chunk": args.chunk, "seconds": elapsed,
+              "quality": rows, "memory_gemma4_26b_a4b": mem}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

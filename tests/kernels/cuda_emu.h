@@ -1,0 +1,210 @@
+// A CPU stand-in for the CUDA built-ins our rendered kernels use, so g++ can (1) syntax-check a
+// CUDA rendering and (2) run it: each threadgroup runs as tg_size fibers (ucontext) on one OS
+// thread, switching at barriers and warp operations. Strict where portability needs it: a
+// barrier or warp operation that not every thread (lane) reaches aborts as a deadlock.
+// Groups run one after another, so `__shared__` as `static` gives each group one shared array.
+#pragma once
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __grid_constant__
+
+using std::isinf;
+using std::isnan;
+typedef unsigned int uint;
+struct uint3 { unsigned x, y, z; };
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+
+template <typename To, typename From> inline To hq_bits(From v) {
+  static_assert(sizeof(To) == sizeof(From), "size");
+  To t;
+  std::memcpy(&t, &v, sizeof(To));
+  return t;
+}
+inline float __int_as_float(int v) { return hq_bits<float>(v); }
+inline float __uint_as_float(unsigned v) { return hq_bits<float>(v); }
+inline unsigned __float_as_uint(float v) { return hq_bits<unsigned>(v); }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline float __expf(float v) { return std::exp(v); }
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+
+struct __half { unsigned short x; };
+struct __nv_bfloat16 { unsigned short x; };
+inline __half __ushort_as_half(unsigned short h) { return __half{h}; }
+inline float __half2float(__half h) {  // exact IEEE binary16 -> binary32
+  const unsigned s = (h.x >> 15) & 1, e = (h.x >> 10) & 31, m = h.x & 1023;
+  float v = e == 0 ? std::ldexp(float(m), -24)
+            : e == 31 ? (m ? NAN : INFINITY)
+                      : std::ldexp(float(m | 1024), int(e) - 25);
+  return s ? -v : v;
+}
+inline __half __float2half_rn(float f) {  // the compiler's _Float16 rounds to nearest even
+  const _Float16 h = (_Float16)f;
+  return __half{hq_bits<unsigned short>(h)};
+}
+inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float(unsigned(b.x) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  unsigned u = __float_as_uint(f);
+  if (std::isnan(f)) return __nv_bfloat16{0x7fc0};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return __nv_bfloat16{(unsigned short)(u >> 16)};
+}
+
+namespace cooperative_groups {}
+namespace mlx { namespace core { namespace cu {
+struct Shape { int v[8]; int operator[](int i) const { return v[i]; } };
+struct Strides { long long v[8]; long long operator[](int i) const { return v[i]; } };
+}}}  // namespace mlx::core::cu
+
+namespace hq_emu {
+struct Fiber { ucontext_t ctx; unsigned tid = 0; bool done = false; std::vector<char> stack; };
+struct State {
+  std::vector<Fiber> f;
+  ucontext_t main;
+  unsigned cur = 0;
+  uint3 bidx{0, 0, 0}, bdim{1, 1, 1}, gdim{1, 1, 1};
+  unsigned bar_count = 0;
+  unsigned long bar_gen = 0, progress = 0;
+  std::vector<unsigned> wcount;
+  std::vector<unsigned long> wgen;
+  std::vector<unsigned long long> xchg;  // 32 slots per warp
+  std::function<void()> body;
+};
+inline State& S() { static State s; return s; }
+inline uint3 tidx() {
+  const State& s = S();
+  const unsigned t = s.f[s.cur].tid;
+  return uint3{t % s.bdim.x, (t / s.bdim.x) % s.bdim.y, t / (s.bdim.x * s.bdim.y)};
+}
+inline void yield() { State& s = S(); swapcontext(&s.f[s.cur].ctx, &s.main); }
+inline void group_barrier() {
+  State& s = S();
+  const unsigned long g = s.bar_gen;
+  if (++s.bar_count == s.f.size()) { s.bar_count = 0; ++s.bar_gen; ++s.progress; }
+  else while (s.bar_gen == g) yield();
+}
+inline void warp_barrier() {
+  State& s = S();
+  const unsigned w = s.f[s.cur].tid / 32;
+  const unsigned long g = s.wgen[w];
+  if (++s.wcount[w] == 32) { s.wcount[w] = 0; ++s.wgen[w]; ++s.progress; }
+  else while (s.wgen[w] == g) yield();
+}
+template <typename T> inline T exchange(T v, int src_lane) {
+  static_assert(sizeof(T) <= 8, "exchange: value too wide");
+  State& s = S();
+  const unsigned t = s.f[s.cur].tid, base = (t / 32) * 32;
+  unsigned long long bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  s.xchg[t] = bits;
+  warp_barrier();
+  bits = s.xchg[base + (unsigned)src_lane];
+  warp_barrier();
+  T out;
+  std::memcpy(&out, &bits, sizeof(T));
+  return out;
+}
+inline unsigned lane_id() { return S().f[S().cur].tid % 32; }
+inline void trampoline() {
+  State& s = S();
+  s.body();
+  s.f[s.cur].done = true;
+  ++s.progress;
+}
+inline void run_group() {
+  State& s = S();
+  const unsigned n = s.bdim.x * s.bdim.y * s.bdim.z;
+  if (n % 32) { std::fprintf(stderr, "emu: threadgroup size %u is not a multiple of 32\n", n); std::exit(3); }
+  s.f.resize(n);
+  s.wcount.assign(n / 32, 0);
+  s.wgen.assign(n / 32, 0);
+  s.xchg.assign(n, 0);
+  s.bar_count = 0;
+  for (unsigned i = 0; i < n; ++i) {
+    Fiber& fb = s.f[i];
+    fb.tid = i;
+    fb.done = false;
+    fb.stack.resize(1 << 18);
+    getcontext(&fb.ctx);
+    fb.ctx.uc_stack.ss_sp = fb.stack.data();
+    fb.ctx.uc_stack.ss_size = fb.stack.size();
+    fb.ctx.uc_link = &s.main;
+    makecontext(&fb.ctx, trampoline, 0);
+  }
+  for (;;) {
+    bool all_done = true;
+    const unsigned long p0 = s.progress;
+    for (unsigned i = 0; i < n; ++i) {
+      if (s.f[i].done) continue;
+      all_done = false;
+      s.cur = i;
+      swapcontext(&s.main, &s.f[i].ctx);
+    }
+    if (all_done) return;
+    if (s.progress == p0) {
+      std::fprintf(stderr, "emu: deadlock in group (%u,%u,%u): a barrier or warp op is not reached "
+                   "by every thread\n", s.bidx.x, s.bidx.y, s.bidx.z);
+      std::exit(4);
+    }
+  }
+}
+inline void launch(dim3 groups, dim3 block, std::function<void()> body) {
+  State& s = S();
+  s.body = std::move(body);
+  s.bdim = uint3{block.x, block.y, block.z};
+  s.gdim = uint3{groups.x, groups.y, groups.z};
+  for (unsigned z = 0; z < groups.z; ++z)
+    for (unsigned y = 0; y < groups.y; ++y)
+      for (unsigned x = 0; x < groups.x; ++x) {
+        s.bidx = uint3{x, y, z};
+        run_group();
+      }
+}
+}  // namespace hq_emu
+
+#define threadIdx (hq_emu::tidx())
+#define blockIdx (hq_emu::S().bidx)
+#define blockDim (hq_emu::S().bdim)
+#define gridDim (hq_emu::S().gdim)
+inline void __syncthreads() { hq_emu::group_barrier(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { hq_emu::warp_barrier(); }
+template <typename T> inline T __shfl_sync(unsigned, T v, int src, int = 32) {
+  return hq_emu::exchange(v, src & 31);
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m, int = 32) {
+  return hq_emu::exchange(v, int(hq_emu::lane_id() ^ unsigned(m)) & 31);
+}
+template <typename T> inline T __shfl_down_sync(unsigned, T v, unsigned d, int = 32) {
+  const unsigned l = hq_emu::lane_id();
+  return hq_emu::exchange(v, int(l + d < 32 ? l + d : l));
+}
+template <typename T> inline T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
+  const unsigned l = hq_emu::lane_id();
+  return hq_emu::exchange(v, int(l >= d ? l - d : l));
+}
+inline int __any_sync(unsigned, int b) {
+  int any = 0;
+  for (int l = 0; l < 32; ++l) any |= hq_emu::exchange(b != 0, l);
+  return any;
+}
+inline int __all_sync(unsigned, int b) {
+  int all = 1;
+  for (int l = 0; l < 32; ++l) all &= hq_emu::exchange(b != 0, l);
+  return all;
+}

@@ -1,0 +1,148 @@
+"""Run a Kernel's CUDA rendering on the CPU (g++ + tests/kernels/cuda_emu.h): tests without a GPU.
+
+`emulate(kernel, inputs, grid=, threadgroup=, output_shapes=, output_dtypes=, template=)` mirrors
+`Kernel.__call__` and returns MLX arrays. Each threadgroup runs as fibers, so this checks the
+kernel's logic (indexing, decoding, reductions, barrier discipline), not its speed. Binaries
+are cached by source hash; outputs are poisoned (0xFF bytes, NaN for floats) before the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q_mlx.custom_kernels import _render
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+
+HERE = Path(__file__).resolve().parent
+EMU_HEADER = HERE / "cuda_emu.h"
+_CACHE = Path(os.environ.get("HF2Q_EMU_CACHE", Path(tempfile.gettempdir()) / "hf2q_emu_cache"))
+_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+def stub_include_dir() -> Path:
+    """Empty stand-ins for the headers MLX's CUDA prelude includes."""
+    d = _CACHE / "include"
+    for rel in ("mlx/backend/cuda/device/utils.cuh", "cooperative_groups.h"):
+        f = d / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.touch()
+    return d
+
+
+def _harness(kernel: Kernel, in_types: list[str], out_types: list[str]) -> str:
+    lines = [
+        "#include <fstream>",
+        "#include <string>",
+        "static std::vector<char> hq_read(const std::string& p) {",
+        "  std::ifstream f(p, std::ios::binary); return {std::istreambuf_iterator<char>(f), {}}; }",
+        "int main(int argc, char** argv) {",
+        "  const std::string dir = argv[1];",
+        "  dim3 g, b; g.x = atoi(argv[2]); g.y = atoi(argv[3]); g.z = atoi(argv[4]);",
+        "  b.x = atoi(argv[5]); b.y = atoi(argv[6]); b.z = atoi(argv[7]);",
+    ]
+    args = []
+    for i, t in enumerate(in_types):
+        lines.append(f'  std::vector<char> r{i} = hq_read(dir + "/in{i}.bin");')
+        lines.append(f"  char* in{i} = (char*)aligned_alloc(256, r{i}.size() + 256);")
+        lines.append(f"  memcpy(in{i}, r{i}.data(), r{i}.size());")
+        args.append(f"(const {t}*)in{i}")
+    for i, t in enumerate(out_types):
+        lines.append(f"  const size_t n{i} = strtoull(argv[{8 + i}], nullptr, 10);")
+        lines.append(f"  char* out{i} = (char*)aligned_alloc(256, n{i} + 256);")
+        lines.append(f"  memset(out{i}, 0xFF, n{i});")
+        args.append(f"({t}*)out{i}")
+    call = f"mlx::core::cu::custom_kernel_{kernel.name}({', '.join(args)});"
+    lines.append(f"  hq_emu::launch(g, b, [&] {{ {call} }});")
+    for i in range(len(out_types)):
+        lines.append(f'  {{ std::ofstream f(dir + "/out{i}.bin", std::ios::binary);')
+        lines.append(f"    f.write(out{i}, n{i}); }}")
+    lines += ["  return 0;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def build(kernel: Kernel, example: Example) -> Path:
+    """Compile (or reuse) the emulator binary for one instantiation."""
+    src = kernel.render("cuda", example)
+    for name in kernel.inputs:
+        if any(f"{name}_{s}" in src for s in ("shape", "strides", "ndim")):
+            raise NotImplementedError("the emulator does not pass shape/stride arguments")
+    in_types = [
+        _render._CUDA_TYPES[v[0] if isinstance(v, tuple) else v] for v in example.inputs.values()
+    ]
+    out_types = [_render._CUDA_TYPES[v] for v in example.outputs.values()]
+    text = src + "\n" + _harness(kernel, in_types, out_types)
+    key = hashlib.sha256((text + EMU_HEADER.read_text()).encode()).hexdigest()[:20]
+    exe = _CACHE / f"{kernel.name}_{key}"
+    if exe.exists():
+        return exe
+    _CACHE.mkdir(parents=True, exist_ok=True)
+    cpp = exe.with_suffix(".cpp")
+    cpp.write_text(text)
+    cmd = [
+        "g++",
+        "-std=c++17",
+        "-O1",
+        "-w",
+        "-I",
+        str(stub_include_dir()),
+        "-include",
+        str(EMU_HEADER),
+        str(cpp),
+        "-o",
+        str(exe) + ".tmp",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"emulator build failed for {kernel.name}:\n{res.stderr[-6000:]}")
+    os.replace(str(exe) + ".tmp", exe)
+    return exe
+
+
+def emulate(
+    kernel: Kernel,
+    inputs: list[mx.array],
+    *,
+    grid,
+    threadgroup,
+    output_shapes,
+    output_dtypes,
+    template=None,
+    init_value=None,
+) -> list[mx.array]:
+    """Run `kernel` like `Kernel.__call__`, on the CPU, and return its outputs."""
+    ex = Example(
+        inputs={n: (a.dtype, a.size if a.ndim else 0) for n, a in zip(kernel.inputs, inputs)},
+        outputs=dict(zip(kernel.outputs, output_dtypes)),
+        template=dict(_render._norm_template(template)),
+    )
+    exe = build(kernel, ex)
+    tg = _render._dims3(threadgroup, "threadgroup")
+    groups = [-(-g // t) for g, t in zip(_render._dims3(grid, "grid"), tg)]
+    sizes = [int(np.prod(s)) * d.size for s, d in zip(output_shapes, output_dtypes)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, a in enumerate(inputs):
+            raw = a.view(_RAW[a.dtype.size]) if a.dtype.size in _RAW else a
+            np.ascontiguousarray(np.array(raw)).tofile(Path(tmp) / f"in{i}.bin")
+        argv = [str(exe), tmp, *map(str, groups), *map(str, tg), *map(str, sizes)]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulated {kernel.name} failed ({res.returncode}): {res.stderr}")
+        outs = []
+        for i, (shape, dt) in enumerate(zip(output_shapes, output_dtypes)):
+            raw = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=np.uint8)
+            if init_value is not None:
+                raise NotImplementedError("init_value: the emulator always poisons instead")
+            outs.append(mx.array(raw).view(dt).reshape(tuple(shape)))
+    return outs

@@ -1,0 +1,223 @@
+"""TurboQuant kernels (quantize-on-write, flash-decode) against their MLX references: the
+kernels' CUDA renderings on the CPU emulator (kernel_emulator.py), driven by the real dispatchers
+(grids, partitions, row groups, template values), and the kernels on a GPU (``@requires_gpu``)."""
+
+from __future__ import annotations
+
+import kernel_emulator
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+
+from hf2q_mlx import custom_kernels as ck
+from hf2q_mlx.custom_kernels import reference_only
+from hf2q_mlx.custom_kernels import tq_flash_decode as fd
+from hf2q_mlx.custom_kernels import tq_quantize as tqq
+from hf2q_mlx.custom_kernels._render import Kernel
+from hf2q_mlx.tq_cache import TQKVCache, TQRotatingKVCache
+from hf2q_mlx.turboquant import TQCodec, unpack_bits
+
+# ---- CPU emulation ------------------------------------------------------------------------------
+
+
+class Emulated:
+    """Stands in for a ``_render.Kernel``: same call, runs its CUDA rendering on the CPU
+    (outputs poisoned first, so everything returned was written)."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self.launches = 0
+
+    def __call__(self, inputs, **launch):
+        self.launches += 1
+        return kernel_emulator.emulate(self.kernel, list(inputs), **launch)
+
+
+needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ not found")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Route both dispatchers to the emulated kernels."""
+    kernels = {
+        "quantize": Emulated(tqq._kernel),
+        "partial": Emulated(fd._partial_kernel),
+        "reduce": Emulated(fd._reduce_kernel),
+    }
+    monkeypatch.setattr(tqq, "_kernel", kernels["quantize"])
+    monkeypatch.setattr(fd, "_partial_kernel", kernels["partial"])
+    monkeypatch.setattr(fd, "_reduce_kernel", kernels["reduce"])
+    monkeypatch.setattr(tqq, "backend", _emulated_backend)
+    monkeypatch.setattr(fd, "backend", _emulated_backend)
+    return kernels
+
+
+def _emulated_backend() -> str | None:
+    """'cuda', except inside ``reference_only()`` (which the real ``backend()`` honours)."""
+    return None if ck._forced_reference.get() > 0 else "cuda"
+
+
+# ---- shared checks ----------------------------------------------------------------------------
+
+
+def _check_quantize(rows: mx.array, x: mx.array, codec: TQCodec) -> None:
+    """Kernel rows vs the reference: norms ~1 ulp, codes equal except rare boundary ties."""
+    ref = tqq.tq_quantize_reference(x, codec)
+    assert rows.shape == ref.shape and rows.dtype == mx.uint32
+    words, norms = codec.split(rows)
+    words_r, norms_r = codec.split(ref)
+    # the norm is summed in another order: fp32 rounding
+    np.testing.assert_allclose(np.array(norms), np.array(norms_r), rtol=1e-5)
+    c = np.array(unpack_bits(words, codec.bits, codec.padded_dim)).astype(np.int64)
+    c_r = np.array(unpack_bits(words_r, codec.bits, codec.padded_dim)).astype(np.int64)
+    # a coordinate within an fp32 rounding of a boundary may land on either side; nothing else
+    diff = c != c_r
+    assert np.all(np.abs(c - c_r)[diff] == 1)
+    assert diff.mean() < 1e-3, diff.mean()
+    if not diff.any():
+        np.testing.assert_array_equal(np.array(words), np.array(words_r))
+
+
+def _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed):
+    rng = np.random.default_rng(seed)
+    B = 2
+    cache = (
+        TQKVCache(kb, vb, seed=seed)
+        if kind == "growing"
+        else TQRotatingKVCache(window, kb, vb, seed=seed, reserve=reserve)
+    )
+    for i, L in enumerate(lengths):
+        k = mx.array(rng.standard_normal((B, Hkv, L, Dk)).astype(np.float32))
+        v = mx.array(rng.standard_normal((B, Hkv, L, Dv)).astype(np.float32))
+        if i + 1 < len(lengths):
+            # the bulk prefill through the reference quantizer (the emulator is slow for it);
+            # the last write, the decode step, goes through the dispatcher
+            with reference_only():
+                cache.update_and_fetch(k, v)
+        else:
+            cache.update_and_fetch(k, v)
+    return cache, rng
+
+
+FLASH_CASES = [
+    # (kind, Hq, Hkv, Dk, Dv, k_bits, v_bits, window, reserve, write lengths, M)
+    ("ring", 4, 1, 256, 256, 4, 4, 64, 0, [150, 1], 1),  # Gemma 3 shape, wrapped twice
+    ("growing", 8, 2, 512, 512, 8, 3, None, 0, [299, 2], 2),  # head_dim 512, odd length
+    ("growing", 6, 2, 96, 64, 5, 6, None, 0, [70, 3], 3),  # padded K, 5/6-bit straddling
+    ("ring", 2, 2, 64, 64, 2, 8, 40, 4, [97, 5], 5),  # MHA, ring with reserve, M = 5
+    ("growing", 16, 2, 128, 128, 3, 4, None, 0, [37, 1], 1),  # REP 8: several row groups
+]
+
+
+def _check_flash(case, seed, dtype=mx.float32):
+    kind, Hq, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, M = case
+    cache, rng = _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed)
+    assert cache.can_flash(M)
+    st = cache.packed_state()
+    q = mx.array(rng.standard_normal((2, Hq, M, Dk)).astype(np.float32) * 2).astype(dtype)
+    out = fd.tq_flash_decode(q, st, Dk**-0.5)
+    want = fd.tq_flash_decode_reference(q, st, Dk**-0.5)
+    assert out.shape == want.shape == (2, Hq, M, Dv) and out.dtype == dtype
+    out, want = np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32))
+    if dtype == mx.float32:
+        # fp32 throughout; partitions and butterflies sum in other orders
+        np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
+    else:
+        # both compute in fp32 and round once to the dtype: one unit of its spacing apart
+        eps = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype]
+        np.testing.assert_allclose(out, want, rtol=eps, atol=1e-4)
+
+
+# ---- CPU emulation tests ------------------------------------------------------------------------
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "dim,bits,dtype",
+    [(64, 2, mx.float32), (96, 3, mx.float16), (128, 5, mx.float32), (256, 4, mx.bfloat16),
+     (256, 6, mx.float32), (512, 8, mx.float32)],
+)  # fmt: skip
+def test_quantize_kernel_emulated(emulated, dim, bits, dtype):
+    rng = np.random.default_rng(dim + bits)
+    codec = TQCodec(dim, bits, seed=bits)
+    x = mx.array(rng.standard_normal((2, 3, 5, dim)).astype(np.float32) * 3)
+    x = mx.concatenate([x, mx.zeros((2, 3, 1, dim))], axis=2).astype(dtype)  # a zero vector too
+    rows = tqq.tq_quantize(x, codec)
+    assert emulated["quantize"].launches == 1
+    _check_quantize(rows, x, codec)
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
+def test_flash_decode_kernels_emulated(emulated, case):
+    _check_flash(case, seed=11)
+    assert emulated["partial"].launches == 1 and emulated["reduce"].launches == 1
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_flash_decode_kernels_emulated_low_precision(emulated, dtype):
+    _check_flash(FLASH_CASES[0], seed=12, dtype=dtype)
+
+
+@needs_gxx
+def test_flash_decode_emulated_many_partitions(emulated, monkeypatch):
+    # force tiny partitions: many split-K parts, some fully masked by the sliding window
+    monkeypatch.setattr(fd, "default_parts", lambda n, g: max(1, n // 32))
+    _check_flash(("ring", 4, 2, 64, 64, 4, 4, 50, 30, [300, 1], 1), seed=3)
+    _check_flash(("growing", 4, 2, 64, 64, 4, 4, None, 0, [333, 2], 2), seed=4)
+
+
+def test_partition_and_row_group_choices():
+    assert fd.row_groups(4, 256, 256) == (4, 1)
+    assert fd.row_groups(8, 512, 512) == (4, 2)  # 64 accumulators per lane at PV = 512
+    assert fd.row_groups(12, 128, 128) == (6, 2)  # balanced groups
+    assert fd.default_parts(1, 1) == 1
+    assert fd.default_parts(4096, 8) == 64  # 64-key partitions while the GPU is not full
+    assert fd.default_parts(32768, 8) == 64  # then ~512 SIMD groups in all
+    assert fd.default_parts(10**6, 1) == 256
+
+
+# ---- GPU tests (CUDA on the H200; Metal on Apple) ---------------------------------------------
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("dim,bits", [(64, 2), (96, 3), (128, 5), (256, 4), (256, 6), (512, 8)])
+def test_quantize_kernel_gpu(dim, bits, dtype):
+    rng = np.random.default_rng(dim * bits)
+    codec = TQCodec(dim, bits, seed=bits)
+    x = mx.array(rng.standard_normal((3, 4, 33, dim)).astype(np.float32) * 3).astype(dtype)
+    rows = tqq.tq_quantize(x, codec)
+    with mx.stream(mx.cpu):
+        _check_quantize(rows, x, codec)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
+def test_flash_decode_kernels_gpu(case):
+    _check_flash(case, seed=5)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_flash_decode_gpu_low_precision(dtype):
+    """fp16/bf16 queries: error vs the fp32 oracle at most 2x the reference's own in that dtype."""
+    cache, rng = _fill_cache("growing", 2, 256, 256, 4, 4, None, 0, [3000, 1], 9)
+    st = cache.packed_state()
+    q32 = mx.array(rng.standard_normal((2, 8, 1, 256)).astype(np.float32))
+    exact = fd.tq_flash_decode_reference(q32, st, 0.0625)
+    err_kernel = mx.abs(fd.tq_flash_decode(q32.astype(dtype), st, 0.0625) - exact).max().item()
+    err_ref = mx.abs(fd.tq_flash_decode_reference(q32.astype(dtype), st, 0.0625) - exact)
+    assert err_kernel <= 2 * err_ref.max().item() + 1e-6
+
+
+@requires_gpu
+def test_flash_decode_gpu_long_context_ring_wrap():
+    # 20K tokens through a 4096-slot ring (several wraps) and a growing cache, many partitions
+    for case in (
+        ("ring", 8, 2, 256, 256, 4, 4, 4096, 3, [20_000, 1], 1),
+        ("growing", 16, 8, 128, 128, 8, 8, None, 0, [20_001, 3], 3),
+    ):
+        _check_flash(case, seed=13)

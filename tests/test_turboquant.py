@@ -1,0 +1,377 @@
+"""TurboQuant codec, caches and the flash-decode reference (CPU; kernels in tests/kernels)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hf2q_mlx.attention import attend
+from hf2q_mlx.cache import KVCache, RotatingKVCache
+from hf2q_mlx.custom_kernels.tq_flash_decode import (
+    tq_attention_oracle,
+    tq_flash_decode_reference,
+)
+from hf2q_mlx.errors import Hf2qError
+from hf2q_mlx.tq_cache import (
+    TQKVCache,
+    TQPacked,
+    TQRotatingKVCache,
+    make_tq_cache,
+    to_tq_cache,
+)
+from hf2q_mlx.turboquant import (
+    SUPPORTED_BITS,
+    TQCodec,
+    fwht,
+    lloyd_max_distortion,
+    lloyd_max_gaussian,
+    pack_bits,
+    rotation_signs,
+    unpack_bits,
+)
+
+# fp32 attention through different but equivalent orders of summation
+ATOL = 2e-5
+
+
+def _normal(rng: np.random.Generator, *shape) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+# ---- Lloyd-Max codebooks ----
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_lloyd_max_codebook_is_optimal(bits):
+    cb, bnd = lloyd_max_gaussian(bits)
+    assert cb.shape == (1 << bits,) and bnd.shape == ((1 << bits) - 1,)
+    assert np.all(np.diff(cb) > 0) and np.allclose(cb, -cb[::-1], rtol=0, atol=1e-15)
+    # both Lloyd conditions, checked by Simpson integration over each cell (independent of the
+    # closed forms used to build the codebook): boundaries are midpoints (by construction) and
+    # each level is its cell's conditional mean
+    edges = np.concatenate([[-12.0], bnd, [12.0]])
+    n = 2001  # odd: Simpson weights 1, 4, 2, ..., 4, 1
+    simpson = np.ones(n)
+    simpson[1:-1:2], simpson[2:-1:2] = 4.0, 2.0
+    x = edges[:-1, None] + (edges[1:] - edges[:-1])[:, None] * np.linspace(0, 1, n)  # (cells, n)
+    w = simpson * (edges[1:] - edges[:-1])[:, None] / (3 * (n - 1))
+    w = w * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    mean = (w * x).sum(-1) / w.sum(-1)
+    np.testing.assert_allclose(mean, cb, rtol=0, atol=1e-9)
+    mse = np.sum(w * (x - cb[:, None]) ** 2)
+    assert abs(mse - lloyd_max_distortion(bits)) < 1e-9
+
+
+def test_lloyd_max_distortion_matches_published_values():
+    # Max (1960), Gaussian, 4 significant digits (his 4-bit entry 0.009497 is 4e-4 relative low)
+    for bits, d in ((2, 0.1175), (3, 0.03454), (4, 0.009497)):
+        assert abs(lloyd_max_distortion(bits) / d - 1) < 1e-3
+    # high-resolution limit (Panter-Dite): sqrt(3) pi / 2 * 4^-b, approached from below
+    pd = math.sqrt(3) * math.pi / 2 * 4.0**-8
+    assert 0.98 < lloyd_max_distortion(8) / pd < 1.0
+
+
+# ---- rotation ----
+
+
+def _sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@pytest.mark.parametrize("n", [32, 64, 256, 512])
+def test_fwht_is_orthonormal_sylvester_and_self_inverse(n):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((5, n)).astype(np.float32)
+    y = np.array(fwht(mx.array(x)))
+    # fp32 transform of O(1) values vs a float64 matrix product
+    np.testing.assert_allclose(y, x @ _sylvester(n) / math.sqrt(n), rtol=0, atol=1e-5)
+    h = np.array(fwht(mx.eye(n)))
+    np.testing.assert_allclose(h @ h.T, np.eye(n), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.array(fwht(mx.array(y))), x, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 80, 256, 512])
+def test_codec_rotation_round_trip(dim):
+    codec = TQCodec(dim, 4, seed=11)
+    assert codec.padded_dim == 1 << (dim - 1).bit_length()
+    x = _normal(np.random.default_rng(dim), 7, dim)
+    y = codec.rotate(x)
+    # orthonormal: norms kept, and the inverse gives x back (fp32 rounding only)
+    np.testing.assert_allclose(
+        np.linalg.norm(np.array(y), axis=-1), np.linalg.norm(np.array(x), axis=-1), rtol=1e-5
+    )
+    np.testing.assert_allclose(np.array(codec.unrotate(y)), np.array(x), rtol=0, atol=1e-5)
+
+
+def test_rotation_signs_are_seeded():
+    a, b = np.array(rotation_signs(256, 1)), np.array(rotation_signs(256, 2))
+    assert set(np.unique(a)) == {-1.0, 1.0}
+    assert np.array_equal(a, np.array(rotation_signs(256, 1)))
+    assert not np.array_equal(a, b)
+    assert 80 < (a > 0).sum() < 176  # balanced: binomial(256, 1/2) is 128 +- 8
+
+
+# ---- bit packing ----
+
+
+def _pack_numpy(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The documented layout, bit by bit: code i at stream bits [i*bits, ...), LSB first."""
+    n = codes.shape[-1]
+    stream = ((codes[..., :, None] >> np.arange(bits)) & 1).reshape(*codes.shape[:-1], n * bits)
+    n_words = (n * bits + 31) // 32
+    stream = np.concatenate(
+        [stream, np.zeros((*codes.shape[:-1], n_words * 32 - n * bits), np.int64)], axis=-1
+    )
+    stream = stream.reshape(*codes.shape[:-1], n_words, 32).astype(np.uint64)
+    return (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("n", [1, 5, 31, 32, 33, 97, 256, 515])
+def test_pack_round_trip_bit_exact(bits, n):
+    rng = np.random.default_rng(1000 * bits + n)
+    codes = rng.integers(0, 1 << bits, size=(3, 2, n)).astype(np.uint32)
+    words = pack_bits(mx.array(codes), bits)
+    assert words.dtype == mx.uint32 and words.shape == (3, 2, (n * bits + 31) // 32)
+    np.testing.assert_array_equal(np.array(words), _pack_numpy(codes.astype(np.int64), bits))
+    np.testing.assert_array_equal(np.array(unpack_bits(words, bits, n)), codes)
+
+
+# ---- codec ----
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("dim", [64, 256, 512])
+def test_codec_mse_matches_lloyd_max(bits, dim):
+    rng = np.random.default_rng(bits * dim)
+    x = rng.standard_normal((1500, dim)).astype(np.float32)
+    codec = TQCodec(dim, bits, seed=5)
+
+    def rel_mse(x):
+        rows = codec.quantize(mx.array(x))
+        assert rows.shape == (len(x), codec.row_words) and rows.dtype == mx.uint32
+        xh = np.array(codec.dequantize(rows))
+        rel = np.sum((x - xh) ** 2, axis=-1) / np.sum(x * x, axis=-1)
+        return rel.mean() / lloyd_max_distortion(bits), rows
+
+    # ||x - x_hat||^2 / ||x||^2 is the per-coordinate MSE of sqrt(d) * (unit vector), expected
+    # Lloyd-Max's D(b); the exact coordinate law (Beta, lighter tails than the Gaussian) gives
+    # 2-5% less at d = 64, and 1500 * d samples estimate the mean to about 1%
+    ratio, rows = rel_mse(x)
+    assert 0.93 < ratio < 1.03, ratio
+    # outlier channels (as in real keys): after a Hadamard rotation the coordinates are a few
+    # large +- terms, less Gaussian but more concentrated, so the error is not larger
+    x_out = x.copy()
+    x_out[:, :3] *= 20.0
+    assert rel_mse(x_out)[0] < 1.03
+    # the stored norm is ||x|| in fp32
+    _, norms = codec.split(rows)
+    np.testing.assert_allclose(np.array(norms), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_codec_zero_vector_low_precision_inputs_and_padding():
+    codec = TQCodec(96, 4, seed=0)  # padded to 128
+    assert codec.padded_dim == 128 and codec.row_words == 128 * 4 // 32 + 1
+    x = _normal(np.random.default_rng(3), 4, 96)
+    x = mx.concatenate([x, mx.zeros((1, 96))])
+    out = np.array(codec.dequantize(codec.quantize(x)))
+    assert np.all(out[-1] == 0.0)
+    rel = np.sum((np.array(x[:4]) - out[:4]) ** 2, -1) / np.sum(np.array(x[:4]) ** 2, -1)
+    assert rel.max() < 0.05  # 4 bits: D = 0.0095 on average
+    for dt in (mx.float16, mx.bfloat16):
+        y = codec.dequantize(codec.quantize(x.astype(dt)), dt)
+        assert y.dtype == dt
+        # quantizing the rounded input: same codes up to rare boundary flips
+        err = mx.abs(y.astype(mx.float32) - mx.array(out)).max().item()
+        assert err < 0.5
+
+
+def test_codec_rejects_bad_settings():
+    with pytest.raises(Hf2qError):
+        TQCodec(128, 7)
+    with pytest.raises(Hf2qError):
+        TQCodec(0, 4)
+    with pytest.raises(Hf2qError):
+        TQKVCache(4, 1)
+
+
+# ---- caches ----
+
+
+def _roundtrip(codec: TQCodec, x: mx.array) -> mx.array:
+    return codec.dequantize(codec.quantize(x), x.dtype)
+
+
+CACHE_CASES = [
+    # (name, factory of (TQ cache, plain cache), write lengths): decode steps, short drafts,
+    # odd chunks, a chunk longer than the ring, wrap-around several times
+    ("growing", lambda: (TQKVCache(4, 3, seed=1), KVCache()), [5, 1, 1, 7, 1, 3, 300, 1, 2, 1]),
+    (
+        "ring",
+        lambda: (TQRotatingKVCache(16, 4, 3, seed=1, reserve=3), RotatingKVCache(16, 3)),
+        [5, 1, 1, 7, 1, 1, 1, 3, 1, 20, 1, 2, 4, 1, 1],
+    ),
+    (
+        "ring-no-reserve",
+        lambda: (TQRotatingKVCache(8, 8, 5, seed=2), RotatingKVCache(8)),
+        [3, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2],
+    ),
+]
+
+
+@pytest.mark.parametrize("name,factory,lengths", CACHE_CASES, ids=[c[0] for c in CACHE_CASES])
+def test_tq_cache_matches_plain_cache_of_dequantized_vectors(name, factory, lengths):
+    """attend() on a TQ cache == sdpa on a plain cache fed the quantize-dequantize round trip."""
+    rng = np.random.default_rng(7)
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    tq, ref = factory()
+    for i, L in enumerate(lengths):
+        q, k, v = (_normal(rng, B, h, L, D) for h in (Hq, Hkv, Hkv))
+        kq, vq, mask = tq.update_and_fetch(k, v)
+        kr, vr, mask_r = ref.update_and_fetch(_roundtrip(tq.k_codec, k), _roundtrip(tq.v_codec, v))
+        if isinstance(kq, TQPacked):
+            # attend() has marked the cache: a flash-decode step fetches nothing
+            assert i > 0 and tq.can_flash(L) and vq is kq and mask is None
+            assert kq.state.offset == tq.offset
+        else:
+            # fetched tensors are the dequantized history, bit for bit
+            assert i == 0 or not tq.can_flash(L)
+            np.testing.assert_array_equal(np.array(kq), np.array(kr))
+            np.testing.assert_array_equal(np.array(vq), np.array(vr))
+            assert (mask is None) == (mask_r is None)
+            if mask is not None:
+                np.testing.assert_array_equal(np.array(mask), np.array(mask_r))
+        out = attend(q, kq, vq, tq, 0.125, mask)
+        want = mx.fast.scaled_dot_product_attention(q, kr, vr, scale=0.125, mask=mask_r)
+        np.testing.assert_allclose(np.array(out), np.array(want), rtol=0, atol=ATOL)
+        assert tq.offset == ref.offset
+        if i == 6:
+            # roll back like a rejected draft, within the reserve
+            n = min(2, tq.capacity - tq.window + 1) if name.startswith("ring") else 2
+            assert tq.trim(n) == ref.trim(n) == n
+
+
+def test_attend_placeholders_and_shared_kv():
+    """Unmarked caches fetch tensors; after attend() a decode step fetches TQPacked, which a
+    KV-sharing layer (cache=None) can attend too; plain caches never see placeholders."""
+    rng = np.random.default_rng(2)
+    c = TQRotatingKVCache(16, 4, 4, reserve=1)
+    k, v = _normal(rng, 1, 2, 20, 64), _normal(rng, 1, 2, 20, 64)
+    kq, vq, mask = c.update_and_fetch(k, v)
+    assert isinstance(kq, mx.array) and not c.flash_attend
+    q = _normal(rng, 1, 4, 20, 64)
+    attend(q, kq, vq, c, 0.125, mask)
+    assert c.flash_attend
+    k1, v1 = _normal(rng, 1, 2, 2, 64), _normal(rng, 1, 2, 2, 64)
+    kq, vq, mask = c.update_and_fetch(k1, v1)
+    assert isinstance(kq, TQPacked) and mask is None and c.offset == 22
+    q1 = _normal(rng, 1, 4, 2, 64)
+    own = attend(q1, kq, vq, c, 0.125, mask)
+    shared = attend(q1, kq, vq, None, 0.125, mask)
+    want = tq_attention_oracle(q1, c.packed_state(), 0.125)
+    np.testing.assert_allclose(np.array(own), np.array(want), rtol=0, atol=ATOL)
+    np.testing.assert_array_equal(np.array(shared), np.array(own))
+    # 3 queries exceed reserve + 1: the dequantized path again
+    kq, _, mask = c.update_and_fetch(*(_normal(rng, 1, 2, 3, 64) for _ in range(2)))
+    assert isinstance(kq, mx.array) and mask.shape == (3, 17 + 3)
+
+
+def test_tq_cache_nbytes_and_state():
+    c = TQRotatingKVCache(32, 4, 8, seed=0, reserve=2)
+    assert c.nbytes == 0
+    rng = np.random.default_rng(0)
+    k, v = _normal(rng, 1, 2, 40, 256), _normal(rng, 1, 2, 40, 128)
+    c.update_and_fetch(k, v)
+    # per slot: 4-bit K codes (128 B) + norm, 8-bit V codes (128 B) + norm
+    assert c.nbytes == 2 * 34 * (4 * (32 + 1) + 4 * (32 + 1))
+    st = c.packed_state()
+    assert st.n_slots == 34 and st.capacity == 34 and st.window == 32
+    np.testing.assert_array_equal(
+        np.array(st.slot_positions()), np.array(RotatingKVCache.slot_positions(c))
+    )
+    assert c.can_flash(1) and c.can_flash(3) and not c.can_flash(4)
+    # a plain growing cache grows its packed rows in steps
+    g = TQKVCache(4, 4)
+    g.update_and_fetch(k, k)
+    assert g.packed_state().capacity == 256 and g.packed_state().n_slots == 40
+
+
+def test_ring_trim_beyond_reserve_raises():
+    c = TQRotatingKVCache(4, 4, 4, reserve=1)
+    rng = np.random.default_rng(1)
+    for _ in range(9):
+        c.update_and_fetch(_normal(rng, 1, 1, 1, 64), _normal(rng, 1, 1, 1, 64))
+    with pytest.raises(Hf2qError):
+        c.trim(3)
+    assert c.trim(2) == 2
+
+
+# ---- flash-decode reference vs dequantize + attention ----
+
+FLASH_CASES = [
+    # (Hq, Hkv, Dk, Dv, k_bits, v_bits, ring window or None, reserve, total tokens, M)
+    (4, 1, 256, 256, 4, 4, 512, 0, 700, 1),  # Gemma 3 270M sliding layer, wrapped ring
+    (8, 2, 512, 512, 8, 4, None, 0, 301, 1),  # Gemma 4 global layer shape, odd length
+    (6, 2, 128, 128, 3, 5, None, 0, 77, 4),  # small-M draft verification
+    (4, 4, 64, 96, 6, 2, 40, 5, 233, 6),  # MHA, Dv != Dk (padded), ring with reserve
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES)
+@pytest.mark.parametrize("n_parts", [1, 3, 7])
+def test_flash_decode_reference_equals_oracle(case, n_parts):
+    Hq, Hkv, Dk, Dv, kb, vb, window, reserve, total, M = case
+    rng = np.random.default_rng(total + n_parts)
+    B = 2
+    cache = (
+        TQKVCache(kb, vb, seed=3)
+        if window is None
+        else TQRotatingKVCache(window, kb, vb, seed=3, reserve=reserve)
+    )
+    # prefill then the M-query step
+    cache.update_and_fetch(_normal(rng, B, Hkv, total - M, Dk), _normal(rng, B, Hkv, total - M, Dv))
+    cache.update_and_fetch(_normal(rng, B, Hkv, M, Dk), _normal(rng, B, Hkv, M, Dv))
+    assert cache.can_flash(M)
+    st = cache.packed_state()
+    q = _normal(rng, B, Hq, M, Dk) * 2.0
+    out = tq_flash_decode_reference(q, st, Dk**-0.5, n_parts=n_parts)
+    want = tq_attention_oracle(q, st, Dk**-0.5)
+    assert out.shape == (B, Hq, M, Dv)
+    np.testing.assert_allclose(np.array(out), np.array(want), rtol=0, atol=ATOL)
+
+
+# ---- models ----
+
+
+def test_make_tq_cache_on_tiny_gemma3():
+    from hf2q_mlx.models import gemma3
+
+    args = gemma3.ModelArgs(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=64,
+    )  # fmt: skip
+    mx.random.seed(0)
+    model = gemma3.Model(args)
+    cache = make_tq_cache(model, 8, 6, reserve=2)
+    assert [type(c).__name__ for c in cache] == [
+        "TQRotatingKVCache", "TQKVCache", "TQRotatingKVCache"
+    ]  # fmt: skip
+    assert cache[0].capacity == 10 and cache[0].seed != cache[2].seed
+    full = model.make_cache()
+    ids = mx.array(np.random.default_rng(0).integers(0, 64, size=(1, 20)), mx.int32)
+    steps = [ids[:, :13]] + [ids[:, i : i + 1] for i in range(13, 20)]
+    for x in steps:
+        a, b = model(x, cache=cache), model(x, cache=full)
+        cos = mx.sum(a * b, -1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1))
+        # 8-bit keys, 6-bit values: logits stay within a small angle of full precision
+        assert cos.min().item() > 0.999
+    with pytest.raises(Hf2qError):
+        to_tq_cache(full, 4)  # already used
