@@ -13,7 +13,8 @@ import mlx.nn as nn
 from hf2q_mlx.cache import KVCache, RotatingKVCache, causal_mask
 from hf2q_mlx.errors import UnsupportedArchitectureError
 
-from .base import BaseModelArgs, scaled_dot_product_attention
+from ..attention import attend
+from .base import BaseModelArgs
 from .gemma4_gguf import GGUF_TENSOR_MAP, args_from_gguf, gguf_transform  # noqa: F401
 from .gemma4_moe import Experts, Router
 
@@ -194,7 +195,7 @@ class Attention(nn.Module):
             v = mx.fast.rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)  # weightless norm
             if cache is not None:
                 k, v, mask = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = attend(q, k, v, cache, 1.0, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out), (k, v, mask)
 

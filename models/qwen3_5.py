@@ -8,11 +8,12 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..attention import attend
 from ..cache import KVCache, causal_mask
 from ..custom_kernels.gated_delta import gated_delta_update
 from ..errors import UnsupportedArchitectureError
 from ..recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
-from .base import BaseModelArgs, scaled_dot_product_attention
+from .base import BaseModelArgs
 
 
 @dataclass
@@ -169,7 +170,7 @@ class Attention(nn.Module):
             mask = causal_mask(L)
         else:
             k, v, mask = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, self.scale, mask)
+        out = attend(q, k, v, cache, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(sigmoid_gate(out, gate.reshape(B, L, -1)))
 
