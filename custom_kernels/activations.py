@@ -1,0 +1,117 @@
+"""Gated activations act(gate) * up (SiLU, GELU-tanh), from separate or fused gate_up arrays."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import mlx.core as mx
+
+from . import backend
+from ._render import Example, Kernel
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _act(g: mx.array, kind: str) -> mx.array:
+    if kind == "silu":
+        return g * mx.sigmoid(g)
+    c = math.sqrt(2.0 / math.pi)
+    return 0.5 * g * (1.0 + mx.tanh(c * (g + 0.044715 * g * g * g)))
+
+
+def _split(gate: mx.array, up: mx.array | None) -> tuple[mx.array, mx.array]:
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(f"a fused gate_up needs an even last axis, got {gate.shape}")
+        return mx.split(gate, 2, axis=-1)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {gate.shape} and up {up.shape} differ")
+    return gate, up
+
+
+def gated_activation_reference(gate: mx.array, up: mx.array | None = None, kind: str = "silu"):
+    """act(gate) * up in fp32, returned in gate's dtype. ``up`` None: ``gate`` is the fused
+    (..., 2 I) gate_up projection, gate first. silu(g) = g * sigmoid(g); gelu_tanh(g) =
+    0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (PyTorch's approximate="tanh")."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation {kind!r} is not one of {ACTIVATIONS}")
+    g, u = _split(gate, up)
+    return (_act(g.astype(mx.float32), kind) * u.astype(mx.float32)).astype(gate.dtype)
+
+
+# Template: T, ACT (0 silu, 1 gelu_tanh), FUSED (gate_up rows of 2 I). params: n outputs, I.
+_BODY = """
+  // One thread per output element (row, i): gate and up from their own arrays, or from one
+  // fused row [gate (I) | up (I)].
+  const uint64_t e = uint64_t(gid_x) * tg_size + tid;
+  if (e >= uint64_t(params[0])) return;
+  const uint I = params[1];
+  const uint64_t row = e / I;
+  const uint64_t gi = FUSED ? row * I + e : e;  // fused: row r starts at 2 I r
+  const float g = to_float(gate[gi]);
+  const float u = to_float(FUSED ? gate[gi + I] : up[e]);
+  float a;
+  if (ACT == 0) {
+    a = g / (1.0f + exp_f(-g));
+  } else {
+    a = 0.5f * g * (1.0f + tanh_f(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  }
+  out[e] = from_float<T>(a * u);
+"""
+
+_kernel = Kernel(
+    "gated_activation",
+    inputs=["gate", "up", "params"],
+    outputs=["out"],
+    body=_BODY,
+    examples=[
+        Example({"gate": t, "up": t, "params": (mx.uint32, 2)}, {"out": t},
+                {"T": t, "ACT": act, "FUSED": fused})
+        for t, act, fused in ((mx.bfloat16, 1, 0), (mx.float16, 0, 1), (mx.float32, 1, 1))
+    ],
+)  # fmt: skip
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@lru_cache(maxsize=64)
+def _params(n: int, i: int) -> mx.array:
+    return mx.array([n, i], dtype=mx.uint32)
+
+
+def gated_activation(gate: mx.array, up: mx.array | None = None, kind: str = "silu") -> mx.array:
+    """Dispatcher: one kernel (no split copy for a fused gate_up), else the reference."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation {kind!r} is not one of {ACTIVATIONS}")
+    fused = up is None
+    _split(gate, up)  # shape checks
+    I = gate.shape[-1] // 2 if fused else gate.shape[-1]
+    n = gate.size // (2 if fused else 1)
+    if (
+        backend() is None
+        or gate.dtype not in _FLOATS
+        or (up is not None and up.dtype != gate.dtype)
+    ):
+        return gated_activation_reference(gate, up, kind)
+    if n == 0 or n >= 2**32:
+        return gated_activation_reference(gate, up, kind)
+    (out,) = _kernel(
+        [gate, gate if fused else up, _params(n, I)],
+        grid=(n,),
+        threadgroup=(256,),
+        output_shapes=[(*gate.shape[:-1], I)],
+        output_dtypes=[gate.dtype],
+        template={"T": gate.dtype, "ACT": ACTIVATIONS.index(kind), "FUSED": fused},
+    )
+    return out
+
+
+def silu_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """silu(gate) * up (``up`` None: fused gate_up)."""
+    return gated_activation(gate, up, "silu")
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:
+    """gelu_tanh(gate) * up (``up`` None: fused gate_up)."""
+    return gated_activation(gate, up, "gelu_tanh")

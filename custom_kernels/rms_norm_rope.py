@@ -1,0 +1,366 @@
+"""Per-head RMSNorm then rotary embedding (rotate-half pairs) of q, k (and v), out (B, H, L, D)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from hf2q_mlx.errors import UnsupportedArchitectureError
+
+from . import backend
+from ._render import Example, Kernel
+
+
+def rope_inv_freq(dims: int, base: float) -> mx.array:
+    """``base ** (-i / (dims / 2))`` for i < dims / 2, fp32, computed as ``mx.fast.rope`` does."""
+    half = dims // 2
+    log_step = mx.log(mx.array(base, dtype=mx.float32)) / half
+    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * log_step)
+
+
+def rope_config(params: dict | None, head_dim: int) -> tuple[int, mx.array]:
+    """HF ``rope_parameters`` -> (rotated dims R, inverse frequencies (R / 2,) fp32).
+
+    transformers' formulas: "default" / "linear" rotate the first ``partial_rotary_factor`` of the
+    head with ``base ** (-2i / R)`` (linear divides by ``factor``); "proportional" (Gemma 4 global
+    layers) pairs over the whole head with exponents over ``head_dim`` and gives the pairs past
+    ``partial_rotary_factor`` a zero frequency (passed through), also divided by ``factor``.
+    """
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    base = float(params.get("rope_theta", 10_000.0))
+    prf = float(params.get("partial_rotary_factor", 1.0))
+    factor = float(params.get("factor", 1.0)) if kind != "default" else 1.0
+    if kind in ("default", "linear"):
+        R = int(head_dim * prf)
+        inv = 1.0 / base ** (mx.arange(0, R, 2, dtype=mx.float32) / R)
+    elif kind == "proportional":
+        R, n_rot = head_dim, int(prf * head_dim // 2)
+        inv = 1.0 / base ** (mx.arange(0, 2 * n_rot, 2, dtype=mx.float32) / head_dim)
+        inv = mx.concatenate([inv, mx.zeros((head_dim // 2 - n_rot,), mx.float32)])
+    else:
+        raise UnsupportedArchitectureError(f"rope_type {kind!r} is not supported")
+    return R, (inv / factor).astype(mx.float32)
+
+
+def _positions(B: int, L: int, offset, positions) -> mx.array:
+    """Absolute positions, int32 (1 or B, L)."""
+    if positions is not None:
+        p = positions.astype(mx.int32)
+        return p.reshape(1, L) if p.ndim == 1 else p
+    off = mx.array(offset, dtype=mx.int32) if not isinstance(offset, mx.array) else offset
+    return off.astype(mx.int32).reshape(-1, 1) + mx.arange(L, dtype=mx.int32)
+
+
+def rms_norm_rope_reference(
+    x: mx.array,
+    weight: mx.array | None,
+    inv_freq: mx.array | None,
+    *,
+    eps: float,
+    offset: int | mx.array = 0,
+    positions: mx.array | None = None,
+    scale: float = 1.0,
+    weight_offset: float = 0.0,
+    dims: int | None = None,
+    transpose: bool = True,
+) -> mx.array:
+    """x (B, L, H, P) -> (B, H, L, D) (or (B, L, H, D)) in x.dtype, fp32 math in MLX ops.
+
+    Uses the first ``D = dims or P`` values of each head: ``y = x * rsqrt(mean(x^2) + eps) *
+    (weight + weight_offset)``, then the first ``R = 2 * len(inv_freq)`` dims rotate in pairs
+    ``(i, i + R/2)`` by ``(position * scale) * inv_freq[i]`` (``mx.fast.rope``, traditional=False)
+    and the rest pass through. Positions: ``offset`` (int, scalar or (B,) array) + arange(L), or
+    ``positions`` (L,) / (B, L).
+    """
+    B, L, H, _ = x.shape
+    D = dims or x.shape[-1]
+    xf = x[..., :D].astype(mx.float32)
+    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * (weight.astype(mx.float32) + weight_offset)
+    if inv_freq is not None:
+        half = inv_freq.shape[0]
+        pos = _positions(B, L, offset, positions).astype(mx.float32) * scale
+        theta = pos[..., None] * inv_freq  # (1 or B, L, R/2)
+        c, s = mx.cos(theta)[:, :, None, :], mx.sin(theta)[:, :, None, :]
+        y1, y2 = y[..., :half], y[..., half : 2 * half]
+        y = mx.concatenate([y1 * c - y2 * s, y1 * s + y2 * c, y[..., 2 * half :]], axis=-1)
+    y = y.astype(x.dtype)
+    return y.transpose(0, 2, 1, 3) if transpose else y
+
+
+# Template: T (activations), WT (weights), D (values per row). Everything else is a run-time
+# value, so one build serves every model shape: params (int32) B, L, H0..H2 (heads per tensor,
+# 0 = absent), P0..P2 (values per head in the input, >= D), R (rotated dims, 0 = none), ROPE (bit
+# t: tensor t rotates), HASW (bit t: tensor t has a weight), POS (0 offset, 1 per-batch offsets,
+# 2 positions (L,), 3 positions (B, L)), TRANS (write (B, H, L, D)); fparams: eps, scale, w offset.
+_HEADER = r"""
+// sin / cos are not in the shared vocabulary yet
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+FN float nr_sin(float a) { return sinf(a); }
+FN float nr_cos(float a) { return cosf(a); }
+FN float nr_rint(float a) { return rintf(a); }
+#else
+FN float nr_sin(float a) { return sin(a); }
+FN float nr_cos(float a) { return cos(a); }
+FN float nr_rint(float a) { return rint(a); }
+#endif
+// Reduce an angle to [-pi, pi] with 2 pi split in three parts (Cody-Waite): fast-math sin / cos
+// (Metal's default) lose accuracy on large arguments, and angles reach ~10^5 rad at long context.
+FN float nr_reduce(float a) {
+  const float k = nr_rint(a * 0.15915494309189535f);
+  a = fma_f(-k, 6.28125f, a);
+  a = fma_f(-k, 1.9353071795864769e-3f, a);
+  return fma_f(-k, 2.3406740737876e-11f, a);
+}
+"""
+
+_BODY = """
+  // One SIMD group per (tensor, batch, token, head) row of D values, 4 rows per threadgroup;
+  // lane owns elements lane + 32 j. The norm is one SIMD sum; a RoPE partner (i +- R/2) comes
+  // from the row's copy in shared memory, so any even R works.
+  SHARED float rows[4 * D];
+  const uint B = uint(params[0]);
+  const uint L = uint(params[1]);
+  const uint n0 = B * L * uint(params[2]);
+  const uint n1 = B * L * uint(params[3]);
+  const uint n2 = B * L * uint(params[4]);
+  const uint R = uint(params[8]);
+  const uint row = gid_x * 4 + simd_id;
+  if (row >= n0 + n1 + n2) return;  // whole SIMD group: only SIMD barriers below
+  const uint t = row < n0 ? 0u : (row < n0 + n1 ? 1u : 2u);
+  const uint r = row - (t == 0 ? 0u : (t == 1 ? n0 : n0 + n1));
+  const uint H = uint(params[2 + t]);
+  const uint h = r % H;
+  const uint l = (r / H) % L;
+  const uint b = r / (H * L);
+  DEVICE_PTR(const T) src = (t == 0 ? x0 : (t == 1 ? x1 : x2)) + uint64_t(r) * uint(params[5 + t]);
+
+  float v[D / 32];
+  float ss = 0.0f;
+  UNROLL for (int j = 0; j < D / 32; ++j) {
+    v[j] = to_float(src[lane + 32 * j]);
+    ss = fma_f(v[j], v[j], ss);
+  }
+  const float inv = rsqrt_f(simd_sum(ss) / float(D) + fparams[0]);
+  const bool has_w = ((params[10] >> t) & 1) != 0;
+  DEVICE_PTR(const WT) w = t == 0 ? w0 : (t == 1 ? w1 : w2);
+  UNROLL for (int j = 0; j < D / 32; ++j) {
+    v[j] *= inv;
+    if (has_w) v[j] *= to_float(w[lane + 32 * j]) + fparams[2];
+  }
+  if (R > 0 && ((params[9] >> t) & 1) != 0) {
+    SHARED_PTR(float) buf = rows + simd_id * uint(D);
+    UNROLL for (int j = 0; j < D / 32; ++j) buf[lane + 32 * j] = v[j];
+    SIMD_BARRIER();
+    const int mode = params[11];
+    int p;
+    if (mode == 0) p = pos[0] + int(l);
+    else if (mode == 1) p = pos[b] + int(l);
+    else if (mode == 2) p = pos[l];
+    else p = pos[b * L + l];
+    const float tp = float(p) * fparams[1];
+    UNROLL for (int j = 0; j < D / 32; ++j) {
+      const uint e = lane + 32 * j;
+      if (e < R) {
+        const bool lo = e < R / 2;
+        const float a = nr_reduce(tp * inv_freq[lo ? e : e - R / 2]);
+        const float c = nr_cos(a);
+        const float s = nr_sin(a);
+        v[j] = lo ? v[j] * c - buf[e + R / 2] * s : buf[e - R / 2] * s + v[j] * c;
+      }
+    }
+  }
+  DEVICE_PTR(T) dst = t == 0 ? o0 : (t == 1 ? o1 : o2);
+  const uint64_t orow = params[12] ? uint64_t(b * H + h) * L + l : uint64_t(r);
+  UNROLL for (int j = 0; j < D / 32; ++j) dst[orow * uint(D) + lane + 32 * j] = from_float<T>(v[j]);
+"""
+
+
+_kernel = Kernel(
+    "rms_norm_rope",
+    inputs=["x0", "x1", "x2", "w0", "w1", "w2", "inv_freq", "pos", "params", "fparams"],
+    outputs=["o0", "o1", "o2"],
+    body=_BODY,
+    header=_HEADER,
+    examples=[
+        Example(
+            {"x0": t, "x1": t, "x2": t, "w0": wt, "w1": wt, "w2": wt, "inv_freq": mx.float32,
+             "pos": (mx.int32, 1), "params": (mx.int32, 13), "fparams": (mx.float32, 3)},
+            {"o0": t, "o1": t, "o2": t},
+            {"T": t, "WT": wt, "D": d},
+        )
+        for t, wt, d in ((mx.bfloat16, mx.bfloat16, 256), (mx.float16, mx.float32, 512),
+                         (mx.float32, mx.float32, 128))
+    ],
+)  # fmt: skip
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@lru_cache(maxsize=64)
+def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
+    """Small parameter arrays, made once per distinct value set (no upload per decode step)."""
+    return mx.array(values, dtype=dtype)
+
+
+def _pos_input(B: int, L: int, offset, positions) -> tuple[mx.array, int]:
+    if positions is not None:
+        if positions.shape not in ((L,), (B, L)):
+            raise ValueError(
+                f"positions must be (L,) or (B, L) = ({B}, {L}), got {positions.shape}"
+            )
+        mode = 2 if positions.ndim == 1 else 3
+        return positions.astype(mx.int32).reshape(-1), mode
+    if isinstance(offset, mx.array):
+        if offset.size == 1:
+            return offset.astype(mx.int32).reshape(1), 0
+        if offset.shape != (B,):
+            raise ValueError(f"offset must be a scalar or (B,) = ({B},), got {offset.shape}")
+        return offset.astype(mx.int32), 1
+    return mx.array([int(offset)], dtype=mx.int32), 0
+
+
+def _check(x: mx.array, w: mx.array | None, D: int, name: str) -> None:
+    if x.ndim != 4 or x.shape[-1] < D:
+        raise ValueError(f"{name} must be (B, L, H, >= {D}), got {x.shape}")
+    if w is not None and w.shape != (D,):
+        raise ValueError(f"{name} norm weight must be ({D},), got {w.shape}")
+
+
+def qk_norm_rope(
+    q: mx.array,
+    k: mx.array,
+    q_weight: mx.array | None,
+    k_weight: mx.array | None,
+    inv_freq: mx.array | None,
+    *,
+    eps: float,
+    offset: int | mx.array = 0,
+    positions: mx.array | None = None,
+    scale: float = 1.0,
+    weight_offset: float = 0.0,
+    dims: int | None = None,
+    transpose: bool = True,
+    v: mx.array | None = None,
+    v_weight: mx.array | None = None,
+) -> tuple[mx.array, ...]:
+    """Norm + RoPE of q (B, L, Hq, Pq) and k (B, L, Hk, Pk) in one launch -> (q, k) (B, H, L, D).
+
+    ``v`` (optional) is normed with ``v_weight`` (None = no weight) but not rotated, and returned
+    third (Gemma 4). D = ``dims`` or k's last dim; wider heads use their first D values (Qwen 3.5's
+    [query | gate] heads). Semantics: ``rms_norm_rope_reference`` applied to each tensor.
+    """
+    D = dims or k.shape[-1]
+    xs, ws = (
+        [q, k] + ([v] if v is not None else []),
+        [q_weight, k_weight, v_weight][: 2 + (v is not None)],
+    )
+    for x, w, name in zip(xs, ws, ("q", "k", "v")):
+        _check(x, w, D, name)
+    B, L = q.shape[:2]
+    if any(x.shape[:2] != (B, L) for x in xs):
+        raise ValueError(f"q, k, v disagree on (B, L): {[x.shape for x in xs]}")
+    rope = [True, True, False][: len(xs)]
+    return _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, weight_offset, D,
+                   transpose)  # fmt: skip
+
+
+def rms_norm_rope(
+    x: mx.array,
+    weight: mx.array | None,
+    inv_freq: mx.array | None,
+    *,
+    eps: float,
+    offset: int | mx.array = 0,
+    positions: mx.array | None = None,
+    scale: float = 1.0,
+    weight_offset: float = 0.0,
+    dims: int | None = None,
+    transpose: bool = True,
+) -> mx.array:
+    """Dispatcher for one tensor: see ``rms_norm_rope_reference``; inv_freq None = norm only."""
+    D = dims or x.shape[-1]
+    _check(x, weight, D, "x")
+    (out,) = _launch([x], [weight], [True], inv_freq, eps, offset, positions, scale,
+                     weight_offset, D, transpose)  # fmt: skip
+    return out
+
+
+def _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, woff, D, transpose):
+    B, L = xs[0].shape[:2]
+    R = 0 if inv_freq is None else 2 * inv_freq.shape[0]
+    if inv_freq is not None and (inv_freq.ndim != 1 or R > D):
+        raise ValueError(f"inv_freq must be (R/2,) with R <= {D}, got {inv_freq.shape}")
+    pos, pos_mode = _pos_input(B, L, offset, positions) if R else (_const((0,) * 8, mx.int32), 2)
+    wts = {w.dtype for w in ws if w is not None}
+    covered = (
+        backend() is not None
+        and D % 32 == 0
+        and D <= 1024
+        and xs[0].dtype in _FLOATS
+        and all(x.dtype == xs[0].dtype for x in xs)
+        and len(wts) <= 1
+        and wts <= set(_FLOATS)
+        and B * L > 0
+    )
+    if not covered:
+        return [
+            rms_norm_rope_reference(
+                x, w, inv_freq if r else None, eps=eps, offset=offset, positions=positions,
+                scale=scale, weight_offset=woff, dims=D, transpose=transpose,
+            )
+            for x, w, r in zip(xs, ws, rope)
+        ]  # fmt: skip
+    n, T = len(xs), xs[0].dtype
+    # unused slots get stand-ins that are never read (8+ elements: Metal keeps every pointer
+    # in the device address space, which the body's pointer selects need)
+    dummy_w = next((w for w in ws if w is not None), None)
+    if dummy_w is None:
+        dummy_w = _const((0.0,) * 8, T)
+    WT = dummy_w.dtype
+    win = [w if w is not None else dummy_w for w in ws] + [dummy_w] * (3 - n)
+    xin = xs + [xs[0]] * (3 - n)
+    freqs = inv_freq.astype(mx.float32) if R else _const((0.0,) * 8, mx.float32)
+    heads = tuple(x.shape[2] for x in xs)
+    pitch = tuple(x.shape[3] for x in xs)
+    has_w = tuple(w is not None for w in ws)
+    params, fparams, grid, shapes, template = _plan(
+        B, L, heads, pitch, tuple(rope), has_w, R, pos_mode, bool(transpose), float(eps),
+        float(scale), float(woff), D, T, WT,
+    )  # fmt: skip
+    outs = _kernel(
+        [*xin, *win, freqs, pos, params, fparams],
+        grid=grid,
+        threadgroup=(128,),
+        output_shapes=shapes,
+        output_dtypes=[T] * 3,
+        template=template,
+    )
+    return outs[:n]
+
+
+@lru_cache(maxsize=256)
+def _plan(B, L, heads, pitch, rope, has_w, R, pos_mode, transpose, eps, scale, woff, D, T, WT):
+    """Launch values of one call shape, computed once (the decode loop repeats a few shapes)."""
+    n = len(heads)
+    heads3 = heads + (0,) * (3 - n)
+    pitch3 = pitch + (D,) * (3 - n)
+    flags = (
+        R,
+        sum(1 << i for i, r in enumerate(rope) if r),
+        sum(1 << i for i, w in enumerate(has_w) if w),
+        pos_mode,
+        int(transpose),
+    )
+    rows = sum(B * L * h for h in heads)
+    shapes = [(B, h, L, D) if transpose else (B, L, h, D) for h in heads] + [(1,)] * (3 - n)
+    return (
+        mx.array((B, L, *heads3, *pitch3, *flags), dtype=mx.int32),
+        mx.array((eps, scale, woff), dtype=mx.float32),
+        (-(-rows // 4) * 128,),
+        shapes,
+        {"T": T, "WT": WT, "D": D},
+    )

@@ -1,0 +1,58 @@
+"""Logit soft-capping: cap * tanh(x / cap), elementwise."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from . import backend
+from ._render import Example, Kernel
+
+
+def softcap_reference(x: mx.array, cap: float) -> mx.array:
+    """cap * tanh(x / cap) in fp32, returned in x.dtype."""
+    return (mx.tanh(x.astype(mx.float32) / cap) * cap).astype(x.dtype)
+
+
+_BODY = """
+  // One thread per element; the cap arrives as a 1-element fp32 array.
+  const uint64_t e = uint64_t(gid_x) * tg_size + tid;
+  if (e >= uint64_t(n[0])) return;
+  out[e] = from_float<T>(tanh_f(to_float(x[e]) / cap[0]) * cap[0]);
+"""
+
+_kernel = Kernel(
+    "softcap",
+    inputs=["x", "cap", "n"],
+    outputs=["out"],
+    body=_BODY,
+    examples=[
+        Example({"x": t, "cap": (mx.float32, 1), "n": (mx.uint32, 1)}, {"out": t}, {"T": t})
+        for t in (mx.float32, mx.bfloat16, mx.float16)
+    ],
+)
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@lru_cache(maxsize=64)
+def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
+    return mx.array(values, dtype=dtype)
+
+
+def softcap(x: mx.array, cap: float) -> mx.array:
+    """Dispatcher: the kernel for float arrays under 2^32 elements, else the reference."""
+    if not cap > 0:
+        raise ValueError(f"softcap must be > 0, got {cap}")
+    if backend() is None or x.dtype not in _FLOATS or not 0 < x.size < 2**32:
+        return softcap_reference(x, cap)
+    (out,) = _kernel(
+        [x, _const((float(cap),), mx.float32), _const((x.size,), mx.uint32)],
+        grid=(x.size,),
+        threadgroup=(256,),
+        output_shapes=[x.shape],
+        output_dtypes=[x.dtype],
+        template={"T": x.dtype},
+    )
+    return out
