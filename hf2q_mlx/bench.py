@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.utils
 
 from .errors import SamplingOptionsError
-from .generate import make_prompt_cache, prefill, stream_generate
+from .generate import make_prompt_cache, parse_kv_bits, prefill, stream_generate
 
 
 def random_prompt(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
@@ -58,6 +58,7 @@ def run_bench(
     warmup: bool = True,
     seed: int = 0,
     prefill_step_size: int = 512,
+    kv_bits=None,
 ) -> dict[str, Any]:
     """Greedy generation of ``gen_tokens`` after a random ``prompt_tokens`` prompt (EOS ignored),
     after an untimed warm-up run that builds the kernels. Speeds in tokens/s, memory in GB."""
@@ -66,7 +67,7 @@ def run_bench(
             f"bench needs at least 1 prompt and 1 generated token, got {prompt_tokens}/{gen_tokens}"
         )
     prompt = random_prompt(tokenizer, prompt_tokens, seed)
-    opts = dict(ignore_eos=True, prefill_step_size=prefill_step_size)
+    opts = dict(ignore_eos=True, prefill_step_size=prefill_step_size, kv_bits=kv_bits)
     if warmup:
         # one prefill and one decode step build every kernel the timed run uses
         for _ in stream_generate(model, tokenizer, prompt[:16], max_tokens=2, **opts):
@@ -88,6 +89,7 @@ def run_bench(
         "total_s": round(total, 4),
         "peak_memory_gb": round(last.peak_memory, 4),
         "decode_step_ops": decode_step_ops(model, prompt[:1]),
+        "kv_bits": list(parse_kv_bits(kv_bits)) if kv_bits is not None else None,
         "model": model_info(model),
         "device": str(mx.default_device()),
         "mlx_version": mx.__version__,

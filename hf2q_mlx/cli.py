@@ -24,6 +24,12 @@ def _common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]
     model.add_argument(
         "--model", metavar="PATH", help="GGUF file or model directory (default: the demo model)"
     )
+    model.add_argument(
+        "--kv-bits",
+        metavar="B[,BV]",
+        default=None,
+        help="TurboQuant KV cache bits (2,3,4,5,6,8), e.g. 8 or 8,4 for K8/V4 (default: fp)",
+    )
     sampling = argparse.ArgumentParser(add_help=False)
     g = sampling.add_argument_group("generation")
     g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (256)")
@@ -72,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens to decode (128)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
+    p.add_argument(
+        "--profile", action="store_true", help="also time one decode step per op and layer"
+    )
     return parser
 
 
@@ -98,7 +107,13 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
         repetition_penalty=args.repetition_penalty,
     )
     validate_sampling_options(**opts)  # before the model loads, so bad flags fail fast
-    return {**opts, "seed": args.seed, "stop": args.stop}
+    return {**opts, "seed": args.seed, "stop": args.stop, "kv_bits": _kv_bits(args)}
+
+
+def _kv_bits(args: argparse.Namespace):
+    from .generate import parse_kv_bits
+
+    return parse_kv_bits(args.kv_bits)
 
 
 def _messages(system: str | None) -> list[dict[str, str]]:
@@ -182,13 +197,19 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise Hf2qError(f"cannot read text file {args.file}: {err}") from None
+    kv_bits = _kv_bits(args)
     model, tokenizer = _load(args.model)
     tokens = tokenizer.encode(text, add_special_tokens=False)
     # a tokenizer that starts every text with BOS gets one at the start of every window
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
     result = perplexity(
-        model, tokens, args.context, args.batch_size, bos_token_id=bos if adds_bos else None
+        model,
+        tokens,
+        args.context,
+        args.batch_size,
+        bos_token_id=bos if adds_bos else None,
+        kv_bits=kv_bits,
     )
     if args.json:
         out = {
@@ -196,6 +217,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
             "nll": result.nll,
             "n_tokens": result.n_tokens,
             "context": args.context,
+            "kv_bits": list(kv_bits) if kv_bits else None,
             "file": args.file,
         }
         print(json.dumps(out))
@@ -208,9 +230,21 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
+    kv_bits = _kv_bits(args)
     model, tokenizer = _load(args.model)
-    result = run_bench(model, tokenizer, args.prompt_tokens, args.gen_tokens)
+    result = run_bench(model, tokenizer, args.prompt_tokens, args.gen_tokens, kv_bits=kv_bits)
     result["model_path"] = args.model or "default demo model"
+    if args.profile:
+        import mlx.core as mx
+
+        from .bench import random_prompt
+        from .generate import make_prompt_cache, prefill
+        from .profile import format_profile, profile_decode_step
+
+        prompt = random_prompt(tokenizer, min(args.prompt_tokens, 64))
+        cache = make_prompt_cache(model, kv_bits)
+        prefill(model, mx.array(prompt, mx.int32), cache)
+        result["profile"] = profile_decode_step(model, cache, prompt[-1])
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
@@ -220,6 +254,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{key}: {result[key]}")
     print(f"prompt/gen tokens: {result['prompt_tokens']}/{result['gen_tokens']}")
     print(f"device: {result['device']}, mlx {result['mlx_version']}")
+    if args.profile:
+        print(format_profile(result["profile"]))
     return 0
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import mlx.core as mx
 
@@ -58,8 +58,39 @@ def context_limit(model: Any) -> int | None:
     return None
 
 
-def make_prompt_cache(model: Any) -> list:
-    """One cache per layer: the model's own ``make_cache()``, else growing KV caches."""
+KVBits = Union[int, tuple[int, int], None]
+
+
+def parse_kv_bits(kv_bits: KVBits | str) -> tuple[int, int] | None:
+    """None (full precision), 8, (8, 4) or "8,4" -> (k_bits, v_bits); bad values raise."""
+    if kv_bits is None:
+        return None
+    if isinstance(kv_bits, str):
+        try:
+            parts = tuple(int(b) for b in kv_bits.split(","))
+        except ValueError:
+            parts = ()
+        kv_bits = parts[0] if len(parts) == 1 else parts
+    pair = (kv_bits, kv_bits) if isinstance(kv_bits, int) else tuple(kv_bits)
+    from .turboquant import SUPPORTED_BITS
+
+    if len(pair) != 2 or any(not isinstance(b, int) or b not in SUPPORTED_BITS for b in pair):
+        raise SamplingOptionsError(
+            f"kv_bits must be one of {SUPPORTED_BITS} or a K,V pair of them, got {kv_bits!r}"
+        )
+    return pair
+
+
+def make_prompt_cache(model: Any, kv_bits: KVBits | str = None) -> list:
+    """One cache per layer: the model's own ``make_cache()``, else growing KV caches.
+
+    ``kv_bits`` (8, or (8, 4) for K8/V4) turns every attention cache into a TurboQuant cache.
+    """
+    pair = parse_kv_bits(kv_bits)
+    if pair is not None:
+        from .tq_cache import make_tq_cache
+
+        return make_tq_cache(model, *pair)
     if hasattr(model, "make_cache"):
         return model.make_cache()
     return [KVCache() for _ in model.layers]
@@ -164,6 +195,7 @@ def stream_generate(
     stop: str | Sequence[str] | None = None,
     prefill_step_size: int = 512,
     cache: list | None = None,
+    kv_bits: KVBits | str = None,
     ignore_eos: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per generated token.
@@ -172,8 +204,10 @@ def stream_generate(
     a list of chat messages ``{"role": ..., "content": ...}`` rendered with the chat template.
     Generation ends at an EOS token (unless ``ignore_eos``), when the text contains a ``stop``
     string (never emitted), after ``max_tokens`` tokens, or at the model's context length.
-    ``seed`` makes sampling reproducible. ``cache`` (from ``make_prompt_cache``) continues an
-    earlier sequence; after the call it also holds the generated tokens that were fed back.
+    ``kv_bits`` (8, or (8, 4) for K8/V4) keeps the KV cache in TurboQuant form; the default is
+    full precision. ``seed`` makes sampling reproducible. ``cache`` (from
+    ``make_prompt_cache``) continues an earlier sequence; after the call it also holds the
+    generated tokens that were fed back.
     Options are checked here, before the first token: SamplingOptionsError for a bad option,
     ContextLengthError for a prompt longer than the model's context.
     """
@@ -189,6 +223,8 @@ def stream_generate(
     if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
         raise SamplingOptionsError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     stops = _normalize_stop(stop)
+    if cache is None:
+        cache = make_prompt_cache(model, kv_bits)
     ids = encode_prompt(tokenizer, prompt)
     start = getattr(cache[0], "offset", 0) if cache else 0
     limit = context_limit(model)
@@ -214,7 +250,7 @@ def stream_generate(
         key=key,
         stops=stops,
         prefill_step_size=prefill_step_size,
-        cache=make_prompt_cache(model) if cache is None else cache,
+        cache=cache,
         eos_ids=set() if ignore_eos else set(tokenizer.eos_token_ids),
     )
 

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import SamplingOptionsError
+from .generate import make_prompt_cache, parse_kv_bits
 
 
 @dataclass
@@ -38,9 +39,13 @@ def _windows(tokens: list[int], context: int, bos_token_id: int | None) -> list[
     return [w for w in wins if len(w) >= 2]
 
 
-def window_nll(model: Any, batch: mx.array) -> mx.array:
-    """Summed NLL (fp32) of tokens 1..L-1 of each row of ``batch`` (B, L) -> (B,)."""
-    logits = model(batch[:, :-1]).astype(mx.float32)  # (B, L - 1, V)
+def window_nll(model: Any, batch: mx.array, kv_bits=None) -> mx.array:
+    """Summed NLL (fp32) of tokens 1..L-1 of each row of ``batch`` (B, L) -> (B,).
+
+    With ``kv_bits`` the window runs through a fresh TurboQuant cache, so attention reads the
+    quantized keys/values."""
+    cache = make_prompt_cache(model, kv_bits) if kv_bits is not None else None
+    logits = model(batch[:, :-1], cache=cache).astype(mx.float32)  # (B, L - 1, V)
     targets = batch[:, 1:, None]
     picked = mx.take_along_axis(logits, targets, axis=-1)[..., 0]
     return (mx.logsumexp(logits, axis=-1) - picked).sum(axis=-1)
@@ -52,12 +57,14 @@ def perplexity(
     context: int = 1024,
     batch_size: int = 1,
     bos_token_id: int | None = None,
+    kv_bits=None,
 ) -> PerplexityResult:
     """Perplexity of ``tokens`` under ``model`` (see the module docstring for the windows)."""
     if context < 2 or (bos_token_id is not None and context < 3):
         raise SamplingOptionsError(f"perplexity context must be at least 2 tokens, got {context}")
     if batch_size < 1:
         raise SamplingOptionsError(f"batch_size must be >= 1, got {batch_size}")
+    parse_kv_bits(kv_bits)  # validate before any work
     windows = _windows(list(tokens), context, bos_token_id)
     if not windows:
         raise SamplingOptionsError("perplexity needs at least 2 tokens of text")
@@ -69,7 +76,7 @@ def perplexity(
     groups = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     groups += [[w] for w in rest]
     for group in groups:
-        nll = window_nll(model, mx.array(group, dtype=mx.int32))
+        nll = window_nll(model, mx.array(group, dtype=mx.int32), kv_bits)
         total += float(nll.sum().item())
         n += sum(len(w) - 1 for w in group)
     mean = total / n

@@ -82,6 +82,8 @@ def test_bad_gguf(tmp_path):
         (["--top-k", "-3"], "top_k"),
         (["--max-tokens", "-1"], "max_tokens"),
         (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--kv-bits", "7"], "kv_bits"),
+        (["--kv-bits", "8,x"], "kv_bits"),
     ],
 )
 def test_bad_sampling_options_fail_before_loading(flags, fragment, capsys):

@@ -461,3 +461,25 @@ def test_real_model_decode_matches_full_forward(gemma3):
     # fp32 with cached vs full attention: rounding-level differences only
     np.testing.assert_allclose([r.logprob for r in responses], np.array(want), atol=2e-3)
     assert "".join(texts(responses)) == tokenizer.decode(tokens)
+
+
+def test_kv_bits_selects_turboquant_cache():
+    from hf2q_mlx.generate import make_prompt_cache, parse_kv_bits
+    from hf2q_mlx.tq_cache import TQKVCache
+
+    model = TinyModel(seed=5)
+    assert parse_kv_bits("8,4") == (8, 4) and parse_kv_bits(6) == (6, 6)
+    cache = make_prompt_cache(model, (8, 4))
+    assert all(isinstance(c, TQKVCache) for c in cache)
+    prompt = [0, 5, 9, 12, 30, 7, 7, 21]
+    fp = list(stream_generate(model, TOK, prompt, max_tokens=6, ignore_eos=True))
+    tq = list(stream_generate(model, TOK, prompt, max_tokens=6, ignore_eos=True, kv_bits=8))
+    assert len(tq) == 6 and cache[0].offset == 0
+    # 8-bit keys/values move the first token's log-probability by far less than 0.05 nats
+    assert tq[0].token == fp[0].token and abs(tq[0].logprob - fp[0].logprob) < 0.05
+
+
+@pytest.mark.parametrize("bad", [7, (8, 1), "8,x", (4, 4, 4)])
+def test_bad_kv_bits_raise(bad):
+    with pytest.raises(SamplingOptionsError):
+        stream_generate(TinyModel(seed=0), TOK, [0, 1, 2], kv_bits=bad)
