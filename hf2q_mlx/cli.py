@@ -138,8 +138,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     opts = _generation_options(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer = _load(args.model)
-    # a model without a chat template (a base model) gets the text as it is
-    if args.raw or not getattr(tokenizer, "chat_template", None):
+    # a model whose files carry no chat template (a base model) gets the text as it is
+    templated = getattr(tokenizer, "chat_template", None) and not getattr(
+        tokenizer, "chat_template_is_builtin", False
+    )
+    if args.raw or not templated:
         prompt: Any = text if args.system is None else f"{args.system}\n\n{text}"
     else:
         prompt = _messages(args.system) + [{"role": "user", "content": text}]

@@ -226,6 +226,8 @@ class Tokenizer:
         self._prefix = list(prefix_ids)
         self._suffix = list(suffix_ids)
         self.chat_template = chat_template
+        # True when the template is our built-in fallback, not one the model files carry
+        self.chat_template_is_builtin = False
         self.special_tokens = dict(special_tokens or {})
 
     # ---- loaders -------------------------------------------------------------------------------
@@ -277,11 +279,12 @@ class Tokenizer:
         special = {t.id for t in added if t.special}
         eos |= {vocab[t] for t in _END_OF_TURN if vocab.get(t) in special}
         template = metadata.get("tokenizer.chat_template")
+        builtin = template is None and arch in GEMMA_ARCHS + QWEN35_ARCHS
         if template is None and arch in GEMMA_ARCHS:
             template = GEMMA_CHAT_TEMPLATE
         elif template is None and arch in QWEN35_ARCHS:
             template = QWEN35_CHAT_TEMPLATE
-        return cls(
+        tokenizer = cls(
             added_tokens=added,
             bos_token_id=bos,
             eos_token_ids=eos,
@@ -291,6 +294,8 @@ class Tokenizer:
             special_tokens=names,
             **kwargs,
         )
+        tokenizer.chat_template_is_builtin = builtin
+        return tokenizer
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
