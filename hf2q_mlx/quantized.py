@@ -1,14 +1,48 @@
-"""Linear and embedding layers whose weights stay in GGML block layout (raw uint8 rows)."""
+"""Linear and embedding layers whose weights stay in GGML block layout (raw uint8 rows).
+
+On the CPU (default device the CPU, so no GPU kernel applies, and no ``reference_only()`` /
+``HF2Q_KERNELS=reference``) a layer whose type has an exact MLX affine form (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q3_K, Q4_K, Q5_K: ``custom_kernels/affine_repack.py``) multiplies with
+``mx.quantized_matmul`` on a repack built lazily on its first call, instead of dequantizing the
+whole weight to fp32 on every call. Memory: the raw blocks stay (they are the parameter that
+loads and is checked), and the repack adds about bits + 2 bits per weight (the codes plus an
+fp32 scale and bias per 32 weights): 6 for the 4-bit types, 7 for the 5-bit ones, 10 for Q8_0
+and Q3_K; on the CPU only. Q2_K and Q6_K keep the dequantize-per-call path; on a GPU
+``ggml_matmul`` dispatches as before.
+"""
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
+from . import custom_kernels
+from .custom_kernels.affine_repack import GROUP_SIZE, affine_repack
 from .custom_kernels.dequant import DENSE_TYPES, dequantize_reference, row_bytes
 from .custom_kernels.qmatmul import ggml_matmul
 from .errors import WeightMismatchError
+
+
+def _cpu_affine_path() -> bool:
+    """True when the CPU runs the layers and no override forces the reference path."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return False  # on a GPU ggml_matmul picks the kernel (or its reference)
+    # backend() is None on the CPU either way; tell a forced reference apart (same checks).
+    forced = custom_kernels._forced_reference.get() > 0
+    env = os.environ.get(custom_kernels.ENV_VAR, "").strip().lower() == "reference"
+    return not (forced or env)
+
+
+def _affine_matmul(x: mx.array, packed: tuple) -> mx.array:
+    """x (..., K) @ W.T for W in affine form: fp32 math like the reference, out in x.dtype."""
+    wq, scales, biases, bits = packed
+    y = mx.quantized_matmul(
+        x.astype(mx.float32), wq, scales, biases, transpose=True, group_size=GROUP_SIZE, bits=bits
+    )
+    return y.astype(x.dtype)
 
 
 class _GGMLModule(nn.Module):
@@ -19,7 +53,23 @@ class _GGMLModule(nn.Module):
         # Python ints, not arrays or tuples: mlx.nn keeps those in the parameter tree.
         self.ggml_type = ggml_type
         self.row_bytes = row_bytes(ggml_type, cols)
-        self._rows = rows
+        self._rows, self._cols = rows, cols
+
+    def _affine_weight(self) -> tuple | None:
+        """(wq, scales, biases, bits) of ``weight`` on the CPU path, else None.
+
+        Built once, lazily (the first forward evaluates it with the rest of its graph), and kept
+        in a plain attribute: nn.Module would put a tuple of arrays into the parameter tree.
+        Dropped when ``weight`` is assigned; the identity check covers any other way in.
+        """
+        if not _cpu_affine_path():
+            return None
+        weight = self["weight"]
+        cached = vars(self).get("_affine")
+        if cached is None or cached[0] is not weight:
+            cached = (weight, affine_repack(weight, self.ggml_type, self._cols))
+            object.__setattr__(self, "_affine", cached)
+        return cached[1]
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -32,6 +82,7 @@ class _GGMLModule(nn.Module):
                     f"{type(self).__name__} ({self._extra_repr()}) expects a uint8 weight of "
                     f"shape {self.weight_shape} (raw GGML blocks), got {value.dtype} {value.shape}"
                 )
+            vars(self).pop("_affine", None)  # the repack of the old weight
         elif key == "bias" and isinstance(value, mx.array):
             if value.shape != self.weight_shape[:1]:
                 raise WeightMismatchError(
@@ -57,7 +108,11 @@ class GGMLLinear(_GGMLModule):
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (..., in_features) -> (..., out_features) in x.dtype."""
-        y = ggml_matmul(x, self.weight, self.ggml_type, self.in_features)
+        packed = self._affine_weight() if x.shape[-1] == self.in_features else None
+        if packed is None:
+            y = ggml_matmul(x, self.weight, self.ggml_type, self.in_features)
+        else:
+            y = _affine_matmul(x, packed)
         return y + self.bias.astype(y.dtype) if "bias" in self else y
 
 
@@ -74,12 +129,19 @@ class GGMLEmbedding(_GGMLModule):
         return f"{self.num_embeddings}, {self.dims}, {T(self.ggml_type).name}"
 
     def __call__(self, ids: mx.array) -> mx.array:
-        """ids (...) int -> (..., dims) fp32."""
+        """ids (...) int -> (..., dims) fp32.
+
+        Always from the raw rows: a gather of a few rows is cheap, and it keeps the reference's
+        bits exactly (the affine repack turns its -0.0 under negative scales into +0.0).
+        """
         return dequantize_reference(self.weight[ids], self.ggml_type, self.dims)
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x (..., dims) -> logits (..., num_embeddings) in x.dtype (tied output head)."""
-        return ggml_matmul(x, self.weight, self.ggml_type, self.dims)
+        packed = self._affine_weight() if x.shape[-1] == self.dims else None
+        if packed is None:
+            return ggml_matmul(x, self.weight, self.ggml_type, self.dims)
+        return _affine_matmul(x, packed)
 
 
 def _child(parent, key: str):
