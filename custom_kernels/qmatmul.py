@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
+import math
 
-from .dequant import dequantize_reference
+import mlx.core as mx
+from gguf import GGMLQuantizationType as T
+
+from hf2q_mlx.errors import WeightMismatchError
+
+from . import backend
+from ._render import Example, Kernel
+from .dequant import GGML_BLOCK_INFO, dequantize_reference, row_bytes
 
 
 def ggml_matmul_reference(
@@ -18,6 +25,554 @@ def ggml_matmul_reference(
     return (x.astype(mx.float32) @ w.T).astype(x.dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# Kernel. Every type shares one loop (_BODY); a type supplies how a lane loads its bytes of a
+# block (load_*), decodes them into exact small-integer floats with a scale and a bias per group
+# of GS weights (dq_*), where each group's x values sit (xoff_*) and at which bit position each
+# of its fields was read (p0_*). No repacking: the bytes are read where GGUF put them, with 2- or
+# 4-byte loads as each format's alignment allows.
+
+_COMMON = r"""
+// The float trick: a 16-bit half of a word under 0x4B000000 (the bits of 2^23), masked down to
+// one field at bit p (p + width <= 16), reads as 2^23 + 2^p * field; one subtraction leaves
+// 2^p * (field - zero) exactly. x is pre-scaled by 2^-p instead (exact), so decoding costs one
+// LOP3 and one FADD per weight, with no int->float conversion and no constant registers.
+FN uint mlo(uint v) { return (v & 0xFFFFu) | 0x4B000000u; }
+FN uint mhi(uint v) { return (v >> 16) | 0x4B000000u; }
+FN float fld(uint m, int p, uint wmask, float zero) {
+  return bitcast<float>(m & (0xFF000000u | (wmask << p))) - (8388608.0f + zero * float(1u << p));
+}
+// Fields at bits p0 and p0 + 8 of each half of v: out = 2^{p0, p0+8, p0, p0+8} * (field - zero).
+FN void quad(uint v, int p0, uint wmask, float zero, THREAD_PTR(float) out) {
+  const uint lo = mlo(v), hi = mhi(v);
+  out[0] = fld(lo, p0, wmask, zero);
+  out[1] = fld(lo, p0 + 8, wmask, zero);
+  out[2] = fld(hi, p0, wmask, zero);
+  out[3] = fld(hi, p0 + 8, wmask, zero);
+}
+FN uint ld16(DEVICE_PTR(const uchar) p, uint i) { return uint(DEVICE_CAST(const ushort, p)[i]); }
+FN uint ld32(DEVICE_PTR(const uchar) p, uint i) { return DEVICE_CAST(const uint, p)[i]; }
+// 4 bytes at a 2-byte aligned offset (2*i): formats whose blocks are only 2-byte aligned.
+FN uint ld32u(DEVICE_PTR(const uchar) p, uint i) { return ld16(p, i) | (ld16(p, i + 1) << 16); }
+FN float f16lo(uint v) { return f16_bits_to_float(ushort(v & 0xFFFFu)); }
+FN float f16hi(uint v) { return f16_bits_to_float(ushort(v >> 16)); }
+FN void load_x4(DEVICE_PTR(const float) p, THREAD_PTR(float) v) {
+  const float4 a = DEVICE_CAST(const float4, p)[0];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+FN void load_x4(DEVICE_PTR(const half_t) p, THREAD_PTR(float) v) {
+  const uint2 a = DEVICE_CAST(const uint2, p)[0];
+  v[0] = f16lo(a.x); v[1] = f16hi(a.x); v[2] = f16lo(a.y); v[3] = f16hi(a.y);
+}
+FN void load_x4(DEVICE_PTR(const bfloat_t) p, THREAD_PTR(float) v) {
+  const uint2 a = DEVICE_CAST(const uint2, p)[0];
+  v[0] = bf16_bits_to_float(ushort(a.x & 0xFFFFu)); v[1] = bf16_bits_to_float(ushort(a.x >> 16));
+  v[2] = bf16_bits_to_float(ushort(a.y & 0xFFFFu)); v[3] = bf16_bits_to_float(ushort(a.y >> 16));
+}
+// bit i of v (i < 4) -> bit 8i+4: the fifth bit of four packed nibbles (shifted copies of v
+// do not overlap, so the multiply is an OR).
+FN uint spread4(uint v) { return (v * 0x02040810u) & 0x10101010u; }
+"""
+
+
+_Q4_0 = r"""
+// Lane t owns qs bytes 4t..4t+3: weights 4t+i (low nibbles, read at bits 0/8) and 16+4t+i
+// (high nibbles, read at bits 4/12).
+struct RawQ4_0 { uint d; uint q; };
+FN RawQ4_0 load_q4_0(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ4_0 r; r.d = ld16(p, 0); r.q = ld32u(p, 1 + 2 * t); return r;
+}
+FN uint xoff_q4_0(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
+FN int p0_q4_0(int g, int p) { return 4 * p; }
+FN void dq_q4_0(RawQ4_0 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  quad(r.q, 0, 0xFu, 8.0f, w); quad(r.q, 4, 0xFu, 8.0f, w + 4);
+  sc[0] = f16lo(r.d); bi[0] = 0.0f;
+}
+"""
+
+_Q4_1 = r"""
+struct RawQ4_1 { uint dm; uint q; };
+FN RawQ4_1 load_q4_1(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ4_1 r; r.dm = ld32(p, 0); r.q = ld32(p, 1 + t); return r;
+}
+FN uint xoff_q4_1(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
+FN int p0_q4_1(int g, int p) { return 4 * p; }
+FN void dq_q4_1(RawQ4_1 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  quad(r.q, 0, 0xFu, 0.0f, w); quad(r.q, 4, 0xFu, 0.0f, w + 4);
+  sc[0] = f16lo(r.dm); bi[0] = f16hi(r.dm);
+}
+"""
+
+_Q5_0 = r"""
+// As Q4_0; bit j of qh is the fifth bit of weight j (moved next to its nibble: 5-bit bytes).
+struct RawQ5_0 { uint d; uint qh; uint q; };
+FN RawQ5_0 load_q5_0(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ5_0 r; r.d = ld16(p, 0); r.qh = ld32u(p, 1); r.q = ld32u(p, 3 + 2 * t); return r;
+}
+FN uint xoff_q5_0(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
+FN int p0_q5_0(int g, int p) { return 0; }
+FN void dq_q5_0(RawQ5_0 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  const uint lo = (r.q & 0x0F0F0F0Fu) | spread4((r.qh >> (4 * t)) & 0xFu);
+  const uint hi = ((r.q >> 4) & 0x0F0F0F0Fu) | spread4((r.qh >> (16 + 4 * t)) & 0xFu);
+  quad(lo, 0, 0x1Fu, 16.0f, w); quad(hi, 0, 0x1Fu, 16.0f, w + 4);
+  sc[0] = f16lo(r.d); bi[0] = 0.0f;
+}
+"""
+
+_Q5_1 = r"""
+struct RawQ5_1 { uint dm; uint qh; uint q; };
+FN RawQ5_1 load_q5_1(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ5_1 r; r.dm = ld32(p, 0); r.qh = ld32(p, 1); r.q = ld32(p, 2 + t); return r;
+}
+FN uint xoff_q5_1(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
+FN int p0_q5_1(int g, int p) { return 0; }
+FN void dq_q5_1(RawQ5_1 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  const uint lo = (r.q & 0x0F0F0F0Fu) | spread4((r.qh >> (4 * t)) & 0xFu);
+  const uint hi = ((r.q >> 4) & 0x0F0F0F0Fu) | spread4((r.qh >> (16 + 4 * t)) & 0xFu);
+  quad(lo, 0, 0x1Fu, 0.0f, w); quad(hi, 0, 0x1Fu, 0.0f, w + 4);
+  sc[0] = f16lo(r.dm); bi[0] = f16hi(r.dm);
+}
+"""
+
+_Q8_0 = r"""
+// Lane t owns weights 8t..8t+7; signed bytes are biased by 128 (xor 0x80) for the float trick.
+struct RawQ8_0 { uint d; uint a; uint b; };
+FN RawQ8_0 load_q8_0(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ8_0 r; r.d = ld16(p, 0); r.a = ld32u(p, 1 + 4 * t); r.b = ld32u(p, 3 + 4 * t); return r;
+}
+FN uint xoff_q8_0(uint t, int g, int p) { return 8 * t + uint(4 * p); }
+FN int p0_q8_0(int g, int p) { return 0; }
+FN void dq_q8_0(RawQ8_0 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  quad(r.a ^ 0x80808080u, 0, 0xFFu, 128.0f, w); quad(r.b ^ 0x80808080u, 0, 0xFFu, 128.0f, w + 4);
+  sc[0] = f16lo(r.d); bi[0] = 0.0f;
+}
+"""
+
+_Q2_K = r"""
+// Lane t: half n = t/8, bytes l0..l0+3 (l0 = 4(t%8)) of that half's qs; group j holds weights
+// 128n + 32j + l0 + i (2-bit fields at bit 2j), sub-block 8n + 2j + h (h = (t%8)/4), whose
+// scale byte (low nibble: scale, high: min) is byte 2j + h of the half's 8 scale bytes.
+struct RawQ2_K { uint q; uint s0; uint s1; uint dd; };
+FN RawQ2_K load_q2_k(DEVICE_PTR(const uchar) p, uint t) {
+  const uint n = t >> 3;
+  RawQ2_K r; r.q = ld32(p, 4 + t); r.s0 = ld32(p, 2 * n); r.s1 = ld32(p, 2 * n + 1);
+  r.dd = ld32(p, 20); return r;
+}
+FN uint xoff_q2_k(uint t, int g, int p) { return 128 * (t >> 3) + uint(32 * g) + 4 * (t & 7); }
+FN int p0_q2_k(int g, int p) { return 2 * g; }
+FN void dq_q2_k(RawQ2_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  quad(r.q, 2 * g, 0x3u, 0.0f, w);
+  const uint m = (g & 1) ? mhi((g < 2 ? r.s0 : r.s1) >> (8 * ((t & 7) >> 2)))
+                         : mlo((g < 2 ? r.s0 : r.s1) >> (8 * ((t & 7) >> 2)));
+  sc[0] = f16lo(r.dd) * fld(m, 0, 0xFu, 0.0f);
+  bi[0] = -(f16hi(r.dd) * 0.0625f) * fld(m, 4, 0xFu, 0.0f);
+}
+"""
+
+_Q3_K = r"""
+// Lanes as Q2_K; the high bit of weight 128n + 32j + l is bit 4n + j of hmask[l]; 6-bit scales
+// (minus 32) are split into low nibbles (bytes 0-7) and 2-bit pairs (bytes 8-11). The lane's
+// four scales are gathered into one word, bytes [j0, j2, j1, j3], and decoded as a quad.
+struct RawQ3_K { uint hm; uint q; uint a0; uint a1; uint a2; uint d; };
+FN RawQ3_K load_q3_k(DEVICE_PTR(const uchar) p, uint t) {
+  const uint n = t >> 3, c = t & 7;
+  RawQ3_K r; r.hm = ld32u(p, 2 * c); r.q = ld32u(p, 16 + 16 * n + 2 * c);
+  r.a0 = ld32u(p, 48); r.a1 = ld32u(p, 50); r.a2 = ld32u(p, 52); r.d = ld16(p, 54); return r;
+}
+FN uint xoff_q3_k(uint t, int g, int p) { return 128 * (t >> 3) + uint(32 * g) + 4 * (t & 7); }
+FN int p0_q3_k(int g, int p) { return 0; }
+FN void dq_q3_k(RawQ3_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  const uint n = t >> 3, sh = 8 * ((t & 7) >> 2) + 4 * n;
+  const uint v = ((r.q >> (2 * g)) & 0x03030303u) | (((r.hm >> (4 * n + g)) & 0x01010101u) << 2);
+  quad(v, 0, 0x7u, 4.0f, w);
+  const uint a0 = r.a0 >> sh, a1 = r.a1 >> sh, h = r.a2 >> sh;
+  const uint s6 = (a0 & 0x000F000Fu) | ((a1 & 0x000F000Fu) << 8)
+                | ((h & 0x00030003u) << 4) | ((h & 0x000C000Cu) << 10);
+  float s[4];
+  quad(s6, 0, 0x3Fu, 32.0f, s);  // s = {j0, 256 j2, j1, 256 j3}
+  const float d = f16lo(r.d);
+  sc[0] = (g & 1) ? ((g & 2) ? s[3] * (d * 0.00390625f) : s[2] * d)
+                  : ((g & 2) ? s[1] * (d * 0.00390625f) : s[0] * d);
+  bi[0] = 0.0f;
+}
+"""
+
+_K4_SCALES = r"""
+// Q4_K / Q5_K: the eight 6-bit scales (or mins) of a block as two words of bytes, sub-blocks
+// 0-3 and 4-7; `which` 0 = scales, 1 = mins; then sub-block s as d * value (exact d * sc).
+FN uint k4_word(uint s0, uint s1, uint s2, int which, int half) {
+  const uint a = which ? s1 : s0;
+  return half ? (((which ? s2 >> 4 : s2) & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u))
+              : (a & 0x3F3F3F3Fu);
+}
+FN float k4_value(uint s0, uint s1, uint s2, int which, int s, float d) {
+  const uint word = k4_word(s0, s1, s2, which, s >> 2);
+  const uint m = (s & 2) ? mhi(word) : mlo(word);
+  return (s & 1) ? fld(m, 8, 0x3Fu, 0.0f) * (d * 0.00390625f) : fld(m, 0, 0x3Fu, 0.0f) * d;
+}
+"""
+
+_Q4_K = (
+    _K4_SCALES
+    + r"""
+// Lane t (of 4) owns words t and t+4 of each quarter j's 32 qs bytes; group g = (j, half hh):
+// weights 64j + 32hh + {4t, 16+4t} + i, nibble hh (bits 4hh / 4hh+8), sub-block g.
+struct RawQ4_K { uint dd; uint s0; uint s1; uint s2; uint q[8]; };
+FN RawQ4_K load_q4_k(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ4_K r; r.dd = ld32(p, 0); r.s0 = ld32(p, 1); r.s1 = ld32(p, 2); r.s2 = ld32(p, 3);
+  UNROLL for (int j = 0; j < 4; ++j) {
+    r.q[2 * j] = ld32(p, 4 + 8 * j + t); r.q[2 * j + 1] = ld32(p, 8 + 8 * j + t);
+  }
+  return r;
+}
+FN uint xoff_q4_k(uint t, int g, int p) { return uint(32 * g + 16 * p) + 4 * t; }
+FN int p0_q4_k(int g, int p) { return 4 * (g & 1); }
+FN void dq_q4_k(RawQ4_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  const int j = g >> 1, hh = g & 1;
+  quad(r.q[2 * j], 4 * hh, 0xFu, 0.0f, w);
+  quad(r.q[2 * j + 1], 4 * hh, 0xFu, 0.0f, w + 4);
+  sc[0] = k4_value(r.s0, r.s1, r.s2, 0, g, f16lo(r.dd));
+  bi[0] = -k4_value(r.s0, r.s1, r.s2, 1, g, f16hi(r.dd));
+}
+"""
+)
+
+_Q5_K = (
+    _K4_SCALES
+    + r"""
+// As Q4_K; bit g of qh[l] is the fifth bit of weight 32g + l (qh words t and t+4 for this lane).
+struct RawQ5_K { uint dd; uint s0; uint s1; uint s2; uint h0; uint h1; uint q[8]; };
+FN RawQ5_K load_q5_k(DEVICE_PTR(const uchar) p, uint t) {
+  RawQ5_K r; r.dd = ld32(p, 0); r.s0 = ld32(p, 1); r.s1 = ld32(p, 2); r.s2 = ld32(p, 3);
+  r.h0 = ld32(p, 4 + t); r.h1 = ld32(p, 8 + t);
+  UNROLL for (int j = 0; j < 4; ++j) {
+    r.q[2 * j] = ld32(p, 12 + 8 * j + t); r.q[2 * j + 1] = ld32(p, 16 + 8 * j + t);
+  }
+  return r;
+}
+FN uint xoff_q5_k(uint t, int g, int p) { return uint(32 * g + 16 * p) + 4 * t; }
+FN int p0_q5_k(int g, int p) { return 0; }
+FN void dq_q5_k(RawQ5_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  const int j = g >> 1, hh = g & 1;
+  const uint v0 = ((r.q[2 * j] >> (4 * hh)) & 0x0F0F0F0Fu) | (((r.h0 >> g) & 0x01010101u) << 4);
+  const uint v1 = ((r.q[2 * j + 1] >> (4 * hh)) & 0x0F0F0F0Fu) | (((r.h1 >> g) & 0x01010101u) << 4);
+  quad(v0, 0, 0x1Fu, 0.0f, w); quad(v1, 0, 0x1Fu, 0.0f, w + 4);
+  sc[0] = k4_value(r.s0, r.s1, r.s2, 0, g, f16lo(r.dd));
+  bi[0] = -k4_value(r.s0, r.s1, r.s2, 1, g, f16hi(r.dd));
+}
+"""
+)
+
+_Q6_K = r"""
+// Lane t: half n = t/8, l0 = 4(t%8); group c holds weights 128n + 32c + l0 + i: low (c < 2) or
+// high nibbles of ql[64n + 32(c%2) + l], plus bits 2c, 2c+1 of qh[32n + l]; scale 8n + 2c + h.
+struct RawQ6_K { uint qa; uint qb; uint qh; uint s[4]; uint d; };
+FN RawQ6_K load_q6_k(DEVICE_PTR(const uchar) p, uint t) {
+  const uint n = t >> 3, c = t & 7, h = c >> 2;
+  RawQ6_K r; r.qa = ld32u(p, 32 * n + 2 * c); r.qb = ld32u(p, 32 * n + 16 + 2 * c);
+  r.qh = ld32u(p, 64 + 16 * n + 2 * c);
+  UNROLL for (int k = 0; k < 4; ++k) r.s[k] = ld16(p, 96 + 4 * n + k) >> (8 * h);
+  r.d = ld16(p, 104); return r;
+}
+FN uint xoff_q6_k(uint t, int g, int p) { return 128 * (t >> 3) + uint(32 * g) + 4 * (t & 7); }
+FN int p0_q6_k(int g, int p) { return 0; }
+FN void dq_q6_k(RawQ6_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
+                THREAD_PTR(float) bi) {
+  const uint src = (g & 1) ? r.qb : r.qa;
+  const uint v = ((src >> (4 * (g >> 1))) & 0x0F0F0F0Fu) | (((r.qh >> (2 * g)) & 0x03030303u) << 4);
+  quad(v, 0, 0x3Fu, 32.0f, w);
+  sc[0] = f16lo(r.d) * fld(mlo(r.s[g] ^ 0x80u), 0, 0xFFu, 128.0f);
+  bi[0] = 0.0f;
+}
+"""
+
+# Per type: (header code, QK, BB, lanes per block, groups per lane, weights per group, has bias).
+# Lane t = lane % LPB; "group" g: GS weights sharing one scale, x at xoff(t, g, p) + 0..3.
+_TYPES: dict[int, tuple[str, int, int, int, int, int, bool]] = {
+    T.Q4_0: (_Q4_0, 32, 18, 4, 1, 8, False),
+    T.Q4_1: (_Q4_1, 32, 20, 4, 1, 8, True),
+    T.Q5_0: (_Q5_0, 32, 22, 4, 1, 8, False),
+    T.Q5_1: (_Q5_1, 32, 24, 4, 1, 8, True),
+    T.Q8_0: (_Q8_0, 32, 34, 4, 1, 8, False),
+    T.Q2_K: (_Q2_K, 256, 84, 16, 4, 4, True),
+    T.Q3_K: (_Q3_K, 256, 110, 16, 4, 4, False),
+    T.Q4_K: (_Q4_K, 256, 144, 4, 8, 8, True),
+    T.Q5_K: (_Q5_K, 256, 176, 4, 8, 8, True),
+    T.Q6_K: (_Q6_K, 256, 210, 16, 4, 4, False),
+}
+
+_BODY = r"""
+  // Thread mapping: a threadgroup owns R consecutive rows; its n_simd SIMD groups take
+  // interleaved runs of U steps along K (a step = BPS blocks); the LPB lanes of a block each own
+  // one unit of it (t = lane % LPB), and every lane keeps partial sums for all R rows x MT columns.
+  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, BPS = 32 / LPB, NG = @NG@, GS = @GS@;
+  const uint Mrt = uint(dims[0]);
+  const uint N = uint(dims[1]);
+  const uint K = uint(dims[2]);
+  const uint nb = K / QK;
+  const size_t row_bytes = size_t(nb) * BB;
+  const uint row0 = gid_x * R;
+  const uint t = lane % LPB;
+  const uint bsub = lane / LPB;
+  const uint nsteps = (nb + BPS - 1) / BPS;
+  float acc[R][MT];
+  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
+  DEVICE_PTR(const uchar) wrow[R];  // rows past N re-read row N-1; their sums are dropped
+  UNROLL for (int r = 0; r < R; ++r)
+    wrow[r] = w + size_t(row0 + r < N ? row0 + r : N - 1) * row_bytes;
+  for (uint s0 = simd_id * U; s0 < nsteps; s0 += n_simd * U) {
+    // All loads of the run first, so U * R blocks' bytes are in flight together. (Measured:
+    // double-buffering the next run's loads was slower on the H200, docs/kernel_notes.md.)
+    Raw@SUF@ raw[U][R];
+    UNROLL for (int u = 0; u < U; ++u) {
+      const uint blk = (s0 + u) * BPS + bsub;
+      const uint off = (blk < nb ? blk : 0) * BB;  // past the end: read block 0, skip its math
+      UNROLL for (int r = 0; r < R; ++r) raw[u][r] = load_@suf@(wrow[r] + off, t);
+    }
+    UNROLL for (int u = 0; u < U; ++u) {
+      const uint blk = (s0 + u) * BPS + bsub;
+      if (blk >= nb) continue;
+      DEVICE_PTR(const T) xb = x + size_t(blk) * QK;
+      UNROLL for (int g = 0; g < int(NG); ++g) {
+        float wv[R][GS];
+        float sc[R];
+        float bi[R];
+        UNROLL for (int r = 0; r < R; ++r) dq_@suf@(raw[u][r], t, g, wv[r], &sc[r], &bi[r]);
+        UNROLL for (int m = 0; m < MT; ++m) {
+          float xv[GS];
+          if (uint(m) < Mrt) {
+            UNROLL for (int p = 0; p < int(GS / 4); ++p)
+              load_x4(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 4 * p);
+          } else {
+            UNROLL for (int i = 0; i < int(GS); ++i) xv[i] = 0.0f;
+          }
+          float sx = 0.0f;
+          if (@BIAS@) { UNROLL for (int i = 0; i < int(GS); ++i) sx += xv[i]; }
+          // x * 2^-p for a field read at bit p (exact): the decoded weights carry 2^p
+          UNROLL for (int i = 0; i < int(GS); ++i)
+            xv[i] *= 1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1)));
+          UNROLL for (int r = 0; r < R; ++r) {
+            float s = 0.0f;
+            UNROLL for (int i = 0; i < int(GS); ++i) s = fma_f(wv[r][i], xv[i], s);
+            acc[r][m] = fma_f(sc[r], s, acc[r][m]);
+            if (@BIAS@) acc[r][m] = fma_f(bi[r], sx, acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+  // Sum the lanes, then the SIMD groups (through shared memory), and write (M, N).
+  SHARED float red[8 * R * MT];
+  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
+    const float v = simd_sum(acc[r][m]);
+    if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
+  }
+  BARRIER();
+  if (tid < uint(R * MT)) {
+    const uint r = tid / MT, m = tid % MT, row = row0 + r;
+    float v = 0.0f;
+    for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
+    if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
+  }
+"""
+
+_MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups: threadgroups of at most 256 threads
+_M_BUCKETS = (1, 2, 4, 8, 16)  # MT template values; M is rounded up to one of these
+_X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+_DEQ_BODY = r"""
+  // Thread mapping: one thread per (row, block, lane unit t), writing the unit's weights.
+  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, NG = @NG@, GS = @GS@;
+  const uint N = uint(dims[0]);
+  const uint K = uint(dims[1]);
+  const uint nb = K / QK;
+  const uint row = pos_x / (nb * LPB);
+  const uint blk = (pos_x / LPB) % nb;
+  const uint t = pos_x % LPB;
+  if (row >= N) return;  // no barriers or SIMD operations below
+  const Raw@SUF@ raw = load_@suf@(w + size_t(row) * nb * BB + size_t(blk) * BB, t);
+  DEVICE_PTR(T) o = out + size_t(row) * K + size_t(blk) * QK;
+  UNROLL for (int g = 0; g < int(NG); ++g) {
+    float wv[GS];
+    float sc;
+    float bi;
+    dq_@suf@(raw, t, g, wv, &sc, &bi);
+    UNROLL for (int i = 0; i < int(GS); ++i) {
+      // wv carries 2^p: fold 2^-p into the scale (exact), so sc2 * wv rounds once as d * q
+      const float sc2 = sc * (1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1))));
+      o[xoff_@suf@(t, g, i >> 2) + uint(i & 3)] = from_float<T>(sc2 * wv[i] + bi);
+    }
+  }
+"""
+
+
+def _substitute(body: str, ggml_type: int) -> str:
+    _, qk, bb, lpb, ng, gs, bias = _TYPES[ggml_type]
+    for key, val in (("QK", qk), ("BB", bb), ("LPB", lpb), ("NG", ng), ("GS", gs)):
+        body = body.replace(f"@{key}@", str(val))
+    body = body.replace("@SUF@", T(ggml_type).name).replace("@suf@", T(ggml_type).name.lower())
+    return body.replace("@BIAS@", "true" if bias else "false")
+
+
+def _make_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"x": dt, "w": mx.uint8, "dims": (mx.int32, 3)},
+            {"out": dt},
+            {"T": dt, "MT": mt, "R": r, "U": u},
+        )
+        for dt, mt, r, u in ((mx.float32, 1, 4, 2), (mx.float16, 8, 2, 1), (mx.bfloat16, 16, 1, 1))
+    ]
+    return Kernel(
+        f"ggml_qmv_{T(ggml_type).name.lower()}",
+        inputs=["x", "w", "dims"],
+        outputs=["out"],
+        body=_substitute(_BODY, ggml_type),
+        header=_COMMON + _TYPES[ggml_type][0],
+        examples=examples,
+    )
+
+
+def _make_dequant_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example({"w": mx.uint8, "dims": (mx.int32, 2)}, {"out": dt}, {"T": dt})
+        for dt in (mx.float32, mx.bfloat16)
+    ]
+    return Kernel(
+        f"ggml_dequant_{T(ggml_type).name.lower()}",
+        inputs=["w", "dims"],
+        outputs=["out"],
+        body=_substitute(_DEQ_BODY, ggml_type),
+        header=_COMMON + _TYPES[ggml_type][0],
+        examples=examples,
+    )
+
+
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in _TYPES}
+_DEQUANT_KERNELS: dict[int, Kernel] = {t: _make_dequant_kernel(t) for t in _TYPES}
+
+
+def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
+    """MT (columns compiled for), R (rows per threadgroup), U (steps per run), W (SIMD groups).
+
+    From the H200 measurements (docs/kernel_notes.md, M = 1): rows of up to ~8k weights run
+    best with 4 rows per threadgroup and up to 4 SIMD groups; long rows (K = 14336) with 2 rows
+    and 8 SIMD groups (more loads in flight per row, +30 % for Q4_0). W never exceeds the runs
+    a row has, so no SIMD group idles.
+    """
+    qk, lpb = _TYPES[ggml_type][1], _TYPES[ggml_type][3]
+    mt = next(b for b in _M_BUCKETS if b >= M)
+    long_rows = K >= 8192
+    if qk == 32:
+        r, u, w_max = (2, 4, 8) if long_rows else (4, 2, 4)
+    else:
+        r, u, w_max = (2, 1, 8) if long_rows else (4, 1, 4)
+    r = max(1, min(r, 16 // mt))  # R x MT accumulators per lane
+    nsteps = -(-(K // qk) // (32 // lpb))
+    w = max(1, min(w_max, -(-nsteps // u)))
+    return {"MT": mt, "R": r, "U": u, "W": w}
+
+
+def ggml_matmul_kernel(
+    x: mx.array,
+    w_raw: mx.array,
+    ggml_type: int,
+    in_features: int,
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """The GPU kernel alone: x (M, K) with 1 <= M <= 16, w_raw (N, row_bytes) -> (M, N).
+
+    ``config`` overrides ``launch_config`` (benchmarks); ``init_value`` pre-fills the output
+    (tests poison it with NaN to prove every element is written).
+    """
+    M, K = x.shape
+    N = w_raw.shape[0]
+    cfg = config or launch_config(ggml_type, M, N, K)
+    dims = mx.array([M, N, K], dtype=mx.int32)
+    (out,) = _KERNELS[ggml_type](
+        [x, w_raw, dims],
+        grid=(-(-N // cfg["R"]) * 32 * cfg["W"],),
+        threadgroup=(32 * cfg["W"],),
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+        template={"T": x.dtype, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]},
+        init_value=init_value,
+    )
+    return out
+
+
+def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dtype: mx.Dtype):
+    """The GPU dequantizer: w_raw (N, row_bytes) -> (N, in_features) in ``dtype``.
+
+    Equal to ``dequantize_reference`` up to one rounding (the GPU may fuse scale * q + bias)
+    and the final cast to ``dtype``.
+    """
+    qk, lpb = _TYPES[ggml_type][1], _TYPES[ggml_type][3]
+    n = w_raw.shape[0]
+    (out,) = _DEQUANT_KERNELS[ggml_type](
+        [w_raw, mx.array([n, in_features], dtype=mx.int32)],
+        grid=(n * (in_features // qk) * lpb,),
+        threadgroup=(256,),
+        output_shapes=[(n, in_features)],
+        output_dtypes=[dtype],
+        template={"T": dtype},
+    )
+    return out
+
+
+_DEQ_CHUNK = 1 << 26  # elements of dequantized weight alive at once on the many-rows path
+
+
+def _ggml_matmul_dequant(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -> mx.array:
+    """Many rows of x: dequantize row chunks of W on the GPU, then mx.matmul in x.dtype."""
+    n = w_raw.shape[0]
+    rows = max(1, _DEQ_CHUNK // k)
+    parts = [
+        x @ ggml_dequantize_kernel(w_raw[r : r + rows], ggml_type, k, x.dtype).T
+        for r in range(0, n, rows)
+    ]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
 def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) -> mx.array:
-    """Dispatcher: GPU kernel where one covers the type/shape, otherwise the reference."""
-    return ggml_matmul_reference(x, w_raw, ggml_type, in_features)
+    """x (..., K) @ dequant(w_raw).T -> (..., N) in x.dtype, fp32 accumulation.
+
+    Dispatcher, for the ten block types and x in fp32/fp16/bf16 on a GPU: the mat-vec kernel
+    for 1..16 rows of x; for more, the GPU dequantizer by row chunks and mx.matmul. The reference
+    elsewhere (CPU, HF2Q_KERNELS=reference, dense GGML types, other dtypes).
+    """
+    if x.shape[-1] != in_features:
+        raise WeightMismatchError(f"x has {x.shape[-1]} features, the weight {in_features}")
+    rb = row_bytes(ggml_type, in_features)  # raises for unknown types / bad K
+    if ggml_type in GGML_BLOCK_INFO and GGML_BLOCK_INFO[ggml_type][0] > 1:
+        if w_raw.ndim != 2 or w_raw.shape[1] != rb or w_raw.dtype != mx.uint8:
+            raise WeightMismatchError(
+                f"expected uint8 weight blocks (N, {rb}), got {w_raw.dtype} {w_raw.shape}"
+            )
+    M = math.prod(x.shape[:-1])
+    if (
+        backend() is None
+        or ggml_type not in _KERNELS
+        or x.dtype not in _X_DTYPES
+        or M == 0
+        or w_raw.shape[0] == 0
+    ):
+        return ggml_matmul_reference(x, w_raw, ggml_type, in_features)
+    x2 = x.reshape(M, in_features)
+    if M <= _M_BUCKETS[-1]:
+        out = ggml_matmul_kernel(x2, w_raw, ggml_type, in_features)
+    else:
+        out = _ggml_matmul_dequant(x2, w_raw, ggml_type, in_features)
+    return out.reshape(*x.shape[:-1], w_raw.shape[0])

@@ -1,0 +1,229 @@
+"""Benchmark ggml_matmul's GPU kernel at M = 1 against the copy bandwidth and mx.quantized_matmul.
+
+    python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--sweep] [--profile]
+
+Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
+262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
+exceed the 60 MB L2 several times, so every call streams from HBM.
+
+Timing: `wall_us` is the median over repetitions of (one mx.eval of B independent calls) / B,
+after warm-up, synchronised: it includes MLX's per-op CPU cost (~5 us), which hides the kernel
+for the small shapes. With --profile, `gpu_us` is the median kernel duration that CUPTI records
+(through torch.profiler, in the same process), the number to hold against the copy bandwidth.
+GB/s counts the weight bytes read once per call; the copy bandwidth counts bytes read + written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from functools import partial
+
+import mlx.core as mx
+from gguf import GGMLQuantizationType as T
+
+from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.random_weights import random_ggml_blocks
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (262144, 2816)]
+ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+ROTATE_BYTES = 512 << 20  # weight copies per case: at least this many bytes (>> L2)
+SWEEP = [  # (R, U, W) configurations tried with --sweep (MT = 1)
+    (2, 2, 8), (2, 1, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8), (1, 2, 8), (1, 4, 8), (2, 2, 4),
+]  # fmt: skip
+
+
+class Profiler:
+    """Kernel durations from CUPTI via torch.profiler; inert when torch is absent."""
+
+    def __init__(self, enabled: bool):
+        self.prof = None
+        if enabled:
+            import torch  # noqa: F401  (only to check it imports before we rely on it)
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def __enter__(self):
+        if self.prof is not None:
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+
+    def median_us(self, name_part: str) -> float | None:
+        if self.prof is None:
+            return None
+        from torch.autograd import DeviceType
+
+        times = [
+            e.time_range.elapsed_us()
+            for e in self.prof.events()
+            if e.device_type == DeviceType.CUDA and name_part in e.name
+        ]
+        return statistics.median(times) if times else None
+
+
+def _time(fn_list, reps: int, batch: int, profile: bool, name_part: str):
+    """fn_list: callables returning an array (one per weight copy). -> (wall_us, gpu_us)."""
+    for f in fn_list:  # warm-up: compile, allocate
+        mx.eval(f())
+    mx.synchronize()
+    walls = []
+    with Profiler(profile) as prof:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            outs = [fn_list[i % len(fn_list)]() for i in range(batch)]
+            mx.eval(outs)
+            mx.synchronize()
+            walls.append((time.perf_counter() - t0) / batch * 1e6)
+    return statistics.median(walls), prof.median_us(name_part)
+
+
+def copy_bandwidth(profile: bool) -> dict:
+    n = 1 << 28  # 1 GiB of uint32
+    a = mx.random.randint(0, 1 << 30, (n,), dtype=mx.uint32)
+    mx.eval(a)
+    wall, gpu = _time([lambda: a ^ 1], reps=10, batch=1, profile=profile, name_part="")
+    nbytes = 2 * a.nbytes  # read + write
+    return {
+        "bytes": nbytes,
+        "wall_us": wall,
+        "GBps_wall": nbytes / wall / 1e3,
+        "gpu_us": gpu,
+        "GBps_gpu": nbytes / gpu / 1e3 if gpu else None,
+    }
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(64, -(-ROTATE_BYTES // nbytes)))
+
+
+def bench_ggml(tname, n, k, dtype, cfg, args) -> dict:
+    t = T[tname]
+    w0 = random_ggml_blocks(n, k, t, seed=1)
+    ws = [w0] + [random_ggml_blocks(n, k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)]
+    x = mx.random.normal((1, k)).astype(dtype)
+    mx.eval(ws, x)
+    fns = [lambda w=w: Q.ggml_matmul_kernel(x, w, t, k, config=cfg) for w in ws]
+    batch = max(args.batch, len(ws))
+    wall, gpu = _time(fns, args.reps, batch, args.profile, f"ggml_qmv_{tname.lower()}")
+    return {"type": tname, "N": n, "K": k, "bytes": w0.nbytes, "wall_us": wall, "gpu_us": gpu,
+            "config": cfg or Q.launch_config(t, 1, n, k), "copies": len(ws)}  # fmt: skip
+
+
+def bench_affine(bits, n, k, dtype, args) -> dict:
+    w = mx.random.normal((n, k)).astype(mx.float16)
+    q = mx.quantize(w, group_size=32, bits=bits)
+    nbytes = sum(a.nbytes for a in q)
+    del w
+    qs = [q] + [
+        mx.quantize(mx.random.normal((n, k)).astype(mx.float16), group_size=32, bits=bits)
+        for _ in range(_copies(nbytes) - 1)
+    ]
+    x = mx.random.normal((1, k)).astype(dtype)
+    mx.eval(qs, x)
+    fns = [
+        lambda q=q: mx.quantized_matmul(x, *q, transpose=True, group_size=32, bits=bits) for q in qs
+    ]
+    batch = max(args.batch, len(qs))
+    wall, gpu = _time(fns, args.reps, batch, args.profile, "")  # only its kernels run
+    return {"type": f"mlx_affine{bits}_g32", "N": n, "K": k, "bytes": nbytes, "wall_us": wall,
+            "gpu_us": gpu, "copies": len(qs)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="JSON output path")
+    ap.add_argument("--dtype", default="f16", choices=list(DTYPES))
+    ap.add_argument("--types", default=",".join(ALL_TYPES))
+    ap.add_argument("--shapes", default="all", help="'all' or e.g. 4096x14336,14336x4096")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=32, help="calls per evaluation")
+    ap.add_argument("--sweep", action="store_true", help="also try the SWEEP configurations")
+    ap.add_argument("--profile", action="store_true", help="kernel times via torch.profiler")
+    ap.add_argument("--no-affine", action="store_true")
+    args = ap.parse_args()
+    dtype = DTYPES[args.dtype]
+    shapes = SHAPES
+    if args.shapes != "all":
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    types = [s for s in args.types.split(",") if s]
+
+    res = {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "dtype": args.dtype,
+        "device": str(mx.default_device()),
+        "copy": copy_bandwidth(args.profile),
+        "rows": [],
+    }
+    cp = res["copy"]
+    print(f"copy: {cp['GBps_wall']:.0f} GB/s wall, gpu {cp['GBps_gpu'] or float('nan'):.0f} GB/s")
+    for n, k in shapes:
+        for tname in types:
+            cfgs = [None]
+            if args.sweep:
+                cfgs += [{"MT": 1, "R": r, "U": u, "W": w} for r, u, w in SWEEP]
+            for cfg in cfgs:
+                _run(res, partial(bench_ggml, tname, n, k, dtype, cfg, args), (tname, n, k, cfg))
+        if not args.no_affine:
+            for bits in (4, 8):
+                _run(res, partial(bench_affine, bits, n, k, dtype, args), (bits, n, k))
+        with open(args.out, "w") as f:  # rewrite after every shape: partial results survive
+            json.dump(res, f, indent=1)
+    _print_table(res)
+
+
+def _run(res: dict, fn, what) -> None:
+    """One benchmark row; a failure is recorded and reported, not fatal for the others."""
+    try:
+        row = fn()
+    except Exception as e:  # noqa: BLE001 (report and go on: partial results are useful)
+        print(f"FAILED {what}: {type(e).__name__}: {e}", flush=True)
+        res.setdefault("errors", []).append(f"{what}: {type(e).__name__}: {e}")
+        return
+    res["rows"].append(row)
+    _print_row(row, res["copy"])
+
+
+def _rates(row: dict, copy: dict) -> tuple[float, float | None]:
+    wall = row["bytes"] / row["wall_us"] / 1e3
+    gpu = row["bytes"] / row["gpu_us"] / 1e3 if row.get("gpu_us") else None
+    return wall, gpu
+
+
+def _print_row(row: dict, copy: dict) -> None:
+    wall, gpu = _rates(row, copy)
+    ref = copy["GBps_gpu"] or copy["GBps_wall"]
+    best = gpu or wall
+    cfg = row.get("config") or {}
+    print(
+        f"{row['type']:>16} {row['N']:>6}x{row['K']:<6} {row['wall_us']:8.1f} us "
+        f"{wall:6.0f} GB/s  gpu {row.get('gpu_us') or float('nan'):8.1f} us "
+        f"{gpu or float('nan'):6.0f} GB/s  {best / ref:5.1%} of copy  "
+        f"R{cfg.get('R', '-')} U{cfg.get('U', '-')} W{cfg.get('W', '-')}",
+        flush=True,
+    )
+
+
+def _print_table(res: dict) -> None:
+    print("\n== summary (best config per type and shape; % of copy bandwidth) ==")
+    best: dict = {}
+    for row in res["rows"]:
+        wall, gpu = _rates(row, res["copy"])
+        key = (row["type"], row["N"], row["K"])
+        if key not in best or (gpu or wall) > best[key][0]:
+            best[key] = (gpu or wall, row)
+    ref = res["copy"]["GBps_gpu"] or res["copy"]["GBps_wall"]
+    for (tname, n, k), (rate, row) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        print(f"{tname:>16} {n:>6}x{k:<6} {rate:6.0f} GB/s {rate / ref:6.1%}  {row.get('config')}")
+
+
+if __name__ == "__main__":
+    main()

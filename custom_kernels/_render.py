@@ -1,0 +1,543 @@
+"""One kernel body, two GPU back ends: render a portable body to Metal and CUDA source.
+
+A body is the inside of a kernel function, written once in the common subset of Metal (C++14)
+and CUDA C++ plus the vocabulary below; ``Kernel`` renders it for ``mx.fast.metal_kernel`` or
+``mx.fast.cuda_kernel``, builds each back-end kernel lazily and once, and registers itself so
+tests can syntax-check every kernel. docs/kernels.md is the long version of this list.
+
+Thread indices (``const uint``, defined by the preamble before the body; reserved names):
+    tid              linear thread index in the threadgroup (CUDA block)
+    tid_x/y/z        thread position in the threadgroup
+    gid_x/y/z        threadgroup position in the grid
+    ngroups_x/y/z    threadgroups in the grid
+    tg_size          threads per threadgroup (tg_size_x/y/z per dimension)
+    pos_x/y/z        thread position in the grid (gid * tg_size + tid)
+    lane             index in the SIMD group / warp (0..31)
+    simd_id          SIMD group / warp index in the threadgroup;  n_simd: how many
+    SIMD_SIZE        32 on both (Apple GPUs and NVIDIA warps)
+Memory:
+    SHARED float buf[N];        threadgroup / __shared__ array, static size, at body scope
+    SHARED_PTR(T)               pointer type to shared memory (threadgroup T* / T*)
+    DEVICE_PTR(T)               pointer type to device memory (device T* / T*)
+    CONSTANT_PTR(T)             pointer to a small input (< 8 elements: Metal passes those in
+                                the constant address space); scalars: read ``name[0]`` in the body
+    THREAD_PTR(T)               pointer to a thread-local array (helper-function parameters)
+    DEVICE_CAST(T, p)           reinterpret a device pointer, e.g. DEVICE_CAST(const uint4, w + o)
+    BARRIER()                   threadgroup barrier on shared memory (__syncthreads)
+    BARRIER_DEVICE()            same, also ordering device memory within the threadgroup
+    SIMD_BARRIER()              SIMD-group barrier (__syncwarp)
+SIMD / warp (every lane of the SIMD group must call; int, uint, float, half types):
+    simd_sum, simd_max, simd_min, simd_prefix_inclusive_sum, simd_prefix_exclusive_sum,
+    simd_shuffle(x, src_lane), simd_broadcast(x, src_lane), simd_shuffle_xor(x, mask),
+    simd_shuffle_down(x, delta), simd_shuffle_up(x, delta), simd_any(b), simd_all(b)
+Types and conversions:
+    half_t, bfloat_t, uint, ushort, uchar; uint2/uint4/float2/float4 (member access .x.y.z.w only)
+    to_float(x)  from_float<T>(f)  bitcast<To>(x)  f16_bits_to_float(u16)  bf16_bits_to_float(u16)
+Math (float): exp_f fast_exp_f log_f sqrt_f rsqrt_f tanh_f max_f min_f abs_f fma_f isnan_f
+    isinf_f, INF_F; popcount_u(uint)
+Misc: UNROLL (before a loop), FN (qualifier for helper functions in a kernel's header).
+
+Inputs and outputs arrive as typed pointers (``const device T* x`` / ``const T* x``). Run-time
+scalars go in as 1-element arrays (``n[0]``) or as template parameters (``constexpr`` on CUDA,
+``template <...>`` on Metal). The grid is given in threads on both back ends and rounded up
+here to whole threadgroups, so both launch the same threads: guard the edges in the body.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+import mlx.core as mx
+
+TemplateValue = Union[int, bool, mx.Dtype]
+
+# --------------------------------------------------------------------------------------------
+# Per-backend headers: the vocabulary. Metal maps onto built-ins; CUDA implements them.
+
+METAL_HEADER = r"""
+#include <metal_stdlib>
+using namespace metal;
+#define SHARED threadgroup
+#define SHARED_PTR(T) threadgroup T*
+#define DEVICE_PTR(T) device T*
+#define CONSTANT_PTR(T) constant T*
+#define THREAD_PTR(T) thread T*
+#define DEVICE_CAST(T, p) ((device T*)(p))
+#define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define BARRIER_DEVICE() threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup)
+#define SIMD_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define UNROLL _Pragma("unroll")
+#define FN inline
+#define SIMD_SIZE 32
+#define INF_F INFINITY
+typedef half half_t;
+typedef bfloat16_t bfloat_t;
+template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
+template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
+template <typename To, typename From> inline To bitcast(From x) { return as_type<To>(x); }
+inline float f16_bits_to_float(uint16_t h) { return static_cast<float>(as_type<half>(h)); }
+inline float bf16_bits_to_float(uint16_t h) { return as_type<float>(uint(h) << 16); }
+inline float exp_f(float x) { return metal::exp(x); }
+inline float fast_exp_f(float x) { return metal::fast::exp(x); }
+inline float log_f(float x) { return metal::log(x); }
+inline float sqrt_f(float x) { return metal::sqrt(x); }
+inline float rsqrt_f(float x) { return metal::rsqrt(x); }
+inline float tanh_f(float x) { return metal::tanh(x); }
+inline float max_f(float a, float b) { return metal::fmax(a, b); }
+inline float min_f(float a, float b) { return metal::fmin(a, b); }
+inline float abs_f(float x) { return metal::fabs(x); }
+inline float fma_f(float a, float b, float c) { return metal::fma(a, b, c); }
+inline bool isnan_f(float x) { return metal::isnan(x); }
+inline bool isinf_f(float x) { return metal::isinf(x); }
+inline uint popcount_u(uint x) { return metal::popcount(x); }
+"""
+
+CUDA_HEADER = r"""
+#define SHARED __shared__
+#define SHARED_PTR(T) T*
+#define DEVICE_PTR(T) T*
+#define CONSTANT_PTR(T) T*
+#define THREAD_PTR(T) T*
+#define DEVICE_CAST(T, p) ((T*)(p))
+#define BARRIER() __syncthreads()
+#define BARRIER_DEVICE() __syncthreads()
+#define SIMD_BARRIER() __syncwarp()
+#define UNROLL _Pragma("unroll")
+#define FN __device__ __forceinline__
+#define SIMD_SIZE 32
+#define INF_F (__int_as_float(0x7f800000))
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+typedef __half half_t;
+typedef __nv_bfloat16 bfloat_t;
+template <typename T> FN float to_float(T x) { return static_cast<float>(x); }
+FN float to_float(float x) { return x; }
+FN float to_float(__half x) { return __half2float(x); }
+FN float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> FN T from_float(float x) { return static_cast<T>(x); }
+template <> FN __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> FN __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <typename To, typename From> FN To bitcast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bitcast: sizes differ");
+  return *reinterpret_cast<const To*>(&x);
+}
+FN float f16_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+FN float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint(h) << 16); }
+FN float exp_f(float x) { return expf(x); }
+FN float fast_exp_f(float x) { return __expf(x); }
+FN float log_f(float x) { return logf(x); }
+FN float sqrt_f(float x) { return sqrtf(x); }
+FN float rsqrt_f(float x) { return rsqrtf(x); }
+FN float tanh_f(float x) { return tanhf(x); }
+FN float max_f(float a, float b) { return fmaxf(a, b); }
+FN float min_f(float a, float b) { return fminf(a, b); }
+FN float abs_f(float x) { return fabsf(x); }
+FN float fma_f(float a, float b, float c) { return fmaf(a, b, c); }
+FN bool isnan_f(float x) { return x != x; }
+FN bool isinf_f(float x) { return fabsf(x) == __int_as_float(0x7f800000); }
+FN uint popcount_u(uint x) { return __popc(x); }
+FN uint hq_lane_id() {
+  return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
+}
+#define HQ_FULL 0xffffffffu
+template <typename T> FN T simd_shuffle(T x, uint s) { return __shfl_sync(HQ_FULL, x, int(s)); }
+template <typename T> FN T simd_broadcast(T x, uint s) { return __shfl_sync(HQ_FULL, x, int(s)); }
+template <typename T> FN T simd_shuffle_xor(T x, uint m) {
+  return __shfl_xor_sync(HQ_FULL, x, int(m));
+}
+template <typename T> FN T simd_shuffle_down(T x, uint d) {
+  return __shfl_down_sync(HQ_FULL, x, d);
+}
+template <typename T> FN T simd_shuffle_up(T x, uint d) { return __shfl_up_sync(HQ_FULL, x, d); }
+template <typename T> FN T simd_sum(T x) {
+  UNROLL for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(HQ_FULL, x, o);
+  return x;
+}
+template <typename T> FN T simd_max(T x) {
+  UNROLL for (int o = 16; o > 0; o >>= 1) {
+    T y = __shfl_xor_sync(HQ_FULL, x, o);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+template <typename T> FN T simd_min(T x) {
+  UNROLL for (int o = 16; o > 0; o >>= 1) {
+    T y = __shfl_xor_sync(HQ_FULL, x, o);
+    x = y < x ? y : x;
+  }
+  return x;
+}
+template <typename T> FN T simd_prefix_inclusive_sum(T x) {
+  const uint l = hq_lane_id();
+  UNROLL for (uint o = 1; o < 32; o <<= 1) {
+    T y = __shfl_up_sync(HQ_FULL, x, o);
+    if (l >= o) x += y;
+  }
+  return x;
+}
+template <typename T> FN T simd_prefix_exclusive_sum(T x) {
+  return simd_prefix_inclusive_sum(x) - x;
+}
+FN bool simd_any(bool b) { return __any_sync(HQ_FULL, b) != 0; }
+FN bool simd_all(bool b) { return __all_sync(HQ_FULL, b) != 0; }
+"""
+
+# The attribute names MLX's metal_kernel looks for in the source and turns into parameters.
+_METAL_ATTRIBUTES = (
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+)
+
+METAL_PREAMBLE = """  // hf2q preamble (Metal): thread indices
+  const uint tid = thread_index_in_threadgroup;
+  const uint tid_x = thread_position_in_threadgroup.x;
+  const uint tid_y = thread_position_in_threadgroup.y;
+  const uint tid_z = thread_position_in_threadgroup.z;
+  const uint gid_x = threadgroup_position_in_grid.x;
+  const uint gid_y = threadgroup_position_in_grid.y;
+  const uint gid_z = threadgroup_position_in_grid.z;
+  const uint ngroups_x = threadgroups_per_grid.x;
+  const uint ngroups_y = threadgroups_per_grid.y;
+  const uint ngroups_z = threadgroups_per_grid.z;
+  const uint tg_size_x = threads_per_threadgroup.x;
+  const uint tg_size_y = threads_per_threadgroup.y;
+  const uint tg_size_z = threads_per_threadgroup.z;
+  const uint tg_size = tg_size_x * tg_size_y * tg_size_z;
+  const uint pos_x = thread_position_in_grid.x;
+  const uint pos_y = thread_position_in_grid.y;
+  const uint pos_z = thread_position_in_grid.z;
+  const uint lane = thread_index_in_simdgroup;
+  const uint simd_id = simdgroup_index_in_threadgroup;
+  const uint n_simd = simdgroups_per_threadgroup;
+  (void)tid; (void)tid_x; (void)tid_y; (void)tid_z; (void)gid_x; (void)gid_y; (void)gid_z;
+  (void)ngroups_x; (void)ngroups_y; (void)ngroups_z; (void)tg_size; (void)pos_x; (void)pos_y;
+  (void)pos_z; (void)lane; (void)simd_id; (void)n_simd;  // silence unused-variable warnings
+"""
+
+CUDA_PREAMBLE = """  // hf2q preamble (CUDA): thread indices
+  const uint tid_x = threadIdx.x;
+  const uint tid_y = threadIdx.y;
+  const uint tid_z = threadIdx.z;
+  const uint tg_size_x = blockDim.x;
+  const uint tg_size_y = blockDim.y;
+  const uint tg_size_z = blockDim.z;
+  const uint tid = tid_x + tg_size_x * (tid_y + tg_size_y * tid_z);
+  const uint tg_size = tg_size_x * tg_size_y * tg_size_z;
+  const uint gid_x = blockIdx.x;
+  const uint gid_y = blockIdx.y;
+  const uint gid_z = blockIdx.z;
+  const uint ngroups_x = gridDim.x;
+  const uint ngroups_y = gridDim.y;
+  const uint ngroups_z = gridDim.z;
+  const uint pos_x = gid_x * tg_size_x + tid_x;
+  const uint pos_y = gid_y * tg_size_y + tid_y;
+  const uint pos_z = gid_z * tg_size_z + tid_z;
+  const uint lane = tid & 31u;
+  const uint simd_id = tid >> 5;
+  const uint n_simd = (tg_size + 31u) >> 5;
+  (void)tid; (void)tid_x; (void)tid_y; (void)tid_z; (void)gid_x; (void)gid_y; (void)gid_z;
+  (void)ngroups_x; (void)ngroups_y; (void)ngroups_z; (void)tg_size; (void)pos_x; (void)pos_y;
+  (void)pos_z; (void)lane; (void)simd_id; (void)n_simd;  // silence unused-variable warnings
+"""
+
+# What MLX's cuda_kernel puts before our header (mlx/backend/cuda/custom_kernel.cpp).
+CUDA_MLX_PRELUDE = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+#define inf cuda::std::numeric_limits<float>::infinity()
+
+"""
+
+_METAL_TYPES = {
+    mx.bool_: "bool",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.float32: "float",
+}
+_CUDA_TYPES = {
+    **_METAL_TYPES,
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+}
+_SHORT = {
+    mx.bool_: "b",
+    mx.uint8: "u8",
+    mx.uint16: "u16",
+    mx.uint32: "u32",
+    mx.uint64: "u64",
+    mx.int8: "i8",
+    mx.int16: "i16",
+    mx.int32: "i32",
+    mx.int64: "i64",
+    mx.float16: "f16",
+    mx.bfloat16: "bf16",
+    mx.float32: "f32",
+}
+_METAL_CONSTANT_MAX = 8  # MLX passes inputs with fewer elements in the constant address space
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+BACKENDS = ("metal", "cuda")
+
+
+def gpu_backend() -> str | None:
+    """The GPU back end MLX has here ('cuda', 'metal') regardless of overrides, else None."""
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return None
+
+
+def _norm_template(template: Mapping[str, TemplateValue] | Sequence | None) -> list:
+    items = list(template.items()) if isinstance(template, Mapping) else list(template or ())
+    out = []
+    for name, value in items:
+        if not _IDENT.match(name):
+            raise ValueError(f"template parameter name {name!r} is not an identifier")
+        # bool -> int: both back ends use it as a constant; avoids nanobind variant ambiguity.
+        out.append((name, int(value) if isinstance(value, bool) else value))
+    return out
+
+
+def _dims3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    t = (v,) if isinstance(v, int) else tuple(int(a) for a in v)
+    if not 1 <= len(t) <= 3 or any(a < 1 for a in t):
+        raise ValueError(f"{what} must be 1-3 positive ints, got {v!r}")
+    return (t + (1, 1))[:3]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One instantiation used to render a full kernel for syntax checks.
+
+    inputs: name -> dtype (a large array) or (dtype, n_elements) (n_elements < 8 lands in
+    Metal's constant address space; 0 means a 0-d scalar array). outputs: name -> dtype.
+    """
+
+    inputs: Mapping[str, mx.Dtype | tuple[mx.Dtype, int]]
+    outputs: Mapping[str, mx.Dtype]
+    template: Mapping[str, TemplateValue] = field(default_factory=dict)
+
+
+REGISTRY: dict[str, Kernel] = {}
+
+
+def registered_kernels() -> list[Kernel]:
+    """Every Kernel constructed so far (import the kernel modules first)."""
+    return list(REGISTRY.values())
+
+
+class Kernel:
+    """A portable kernel body plus what MLX needs to build and launch it on Metal or CUDA.
+
+    ``name``: identifier (also the registry key); ``inputs`` / ``outputs``: parameter names in
+    order; ``body``: the portable body; ``header``: helper functions (use ``FN``) placed after the
+    vocabulary; ``examples``: at least one ``Example`` for the syntax checks.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        body: str,
+        *,
+        header: str = "",
+        examples: Sequence[Example],
+        ensure_row_contiguous: bool = True,
+        register: bool = True,
+    ) -> None:
+        for n in (name, *inputs, *outputs):
+            if not _IDENT.match(n):
+                raise ValueError(f"{n!r} is not a C identifier")
+        if not outputs:
+            raise ValueError("a kernel needs at least one output")
+        if not examples:
+            raise ValueError(f"kernel {name!r}: give at least one Example for the syntax checks")
+        self.name = name
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.body = body
+        self.header_extra = header
+        self.examples = tuple(examples)
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self._built: dict[tuple[str, str], object] = {}
+        for ex in self.examples:
+            if tuple(ex.inputs) != self.inputs or tuple(ex.outputs) != self.outputs:
+                raise ValueError(f"kernel {name!r}: Example names differ from inputs/outputs")
+        if register:
+            if name in REGISTRY:
+                raise ValueError(f"a kernel named {name!r} is already registered")
+            REGISTRY[name] = self
+
+    # -- source text ---------------------------------------------------------------------------
+    def source(self, backend: str) -> str:
+        """What goes in ``source=``: the preamble (thread indices) then the body."""
+        preamble = {"metal": METAL_PREAMBLE, "cuda": CUDA_PREAMBLE}[backend]
+        return preamble + self.body
+
+    def header(self, backend: str) -> str:
+        """What goes in ``header=``: the vocabulary for ``backend`` then the kernel's helpers."""
+        vocab = {"metal": METAL_HEADER, "cuda": CUDA_HEADER}[backend]
+        return vocab + "\n" + self.header_extra + "\n"
+
+    def render(self, backend: str, example: Example | None = None) -> str:
+        """The full translation unit MLX generates for ``example`` (default: the first one).
+
+        MLX's own headers (Metal utils, mlx/backend/cuda/device/utils.cuh) are not inlined.
+        """
+        ex = example or self.examples[0]
+        template = _norm_template(ex.template)
+        inputs = [(n, *(v if isinstance(v, tuple) else (v, 1 << 20))) for n, v in ex.inputs.items()]
+        outputs = list(ex.outputs.items())
+        src, fname = self.source(backend), f"custom_kernel_{self.name}"
+        if backend == "cuda":
+            return self._render_cuda(fname, src, inputs, outputs, template)
+        if backend == "metal":
+            return self._render_metal(fname, src, inputs, outputs, template)
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def _render_cuda(self, fname, src, inputs, outputs, template) -> str:
+        lines = [CUDA_MLX_PRELUDE + self.header("cuda"), "namespace mlx::core::cu {\n"]
+        lines.append("namespace cg = cooperative_groups;\n")
+        params = []
+        for name, dt, size in inputs:
+            params.append(f"    const {_CUDA_TYPES[dt]}* {name}")
+            if size != 0:  # MLX adds shape info only for arrays with ndim > 0
+                if f"{name}_shape" in src:
+                    params.append(f"    const __grid_constant__ Shape {name}_shape")
+                if f"{name}_strides" in src:
+                    params.append(f"    const __grid_constant__ Strides {name}_strides")
+                if f"{name}_ndim" in src:
+                    params.append(f"    const __grid_constant__ int {name}_ndim")
+        params += [f"    {_CUDA_TYPES[dt]}* {name}" for name, dt in outputs]
+        lines.append(f"__global__ void {fname}(\n" + ",\n".join(params) + ") {")
+        for name, v in template:
+            if isinstance(v, mx.Dtype):
+                lines.append(f"  using {name} = {_CUDA_TYPES[v]};")
+            else:
+                lines.append(f"  constexpr int {name} = {v};")
+        lines += [src, "}\n", "} // namespace mlx::core::cu\n"]
+        return "\n".join(lines)
+
+    def _render_metal(self, fname, src, inputs, outputs, template) -> str:
+        lines = [self.header("metal")]
+        if template:
+            kinds = ", ".join(
+                f"{'typename' if isinstance(v, mx.Dtype) else 'int'} {n}" for n, v in template
+            )
+            lines.append(f"template <{kinds}>")
+        params, index = [], 0
+        for name, dt, size in inputs:
+            space = "constant" if size < _METAL_CONSTANT_MAX else "device"
+            ref = "&" if size == 0 else "*"
+            params.append(f"  const {space} {_METAL_TYPES[dt]}{ref} {name} [[buffer({index})]]")
+            index += 1
+            if size != 0:
+                for suffix, typ in (("shape", "int*"), ("strides", "int64_t*"), ("ndim", "int&")):
+                    if f"{name}_{suffix}" in src:
+                        params.append(f"  const constant {typ} {name}_{suffix} [[buffer({index})]]")
+                        index += 1
+        for name, dt in outputs:
+            params.append(f"  device {_METAL_TYPES[dt]}* {name} [[buffer({index})]]")
+            index += 1
+        params += [f"  {typ} {a} [[{a}]]" for a, typ in _METAL_ATTRIBUTES if a in src]
+        lines.append(f"[[kernel]] void {fname}(\n" + ",\n".join(params) + ") {")
+        lines += [src, "}"]
+        if template:
+            args = ", ".join(
+                _METAL_TYPES[v] if isinstance(v, mx.Dtype) else str(v) for _, v in template
+            )
+            inst = f"{fname}<{args}>"
+            lines.append(f'template [[host_name("{fname}")]] [[kernel]] decltype({inst}) {inst};')
+        return "\n".join(lines) + "\n"
+
+    # -- building and launching ----------------------------------------------------------------
+    def _kernel_for(self, backend: str, signature: str):
+        # CUDA's JIT cache is keyed by name + template values only, not by dtypes: give each
+        # dtype signature its own name so an f16 call never reuses an f32 build.
+        key = (backend, signature)
+        k = self._built.get(key)
+        if k is None:
+            name = f"{self.name}_{signature}"
+            common = dict(
+                name=name,
+                input_names=list(self.inputs),
+                output_names=list(self.outputs),
+                source=self.source(backend),
+                header=self.header(backend),
+                ensure_row_contiguous=self.ensure_row_contiguous,
+            )
+            if backend == "cuda":
+                k = mx.fast.cuda_kernel(**common)
+            else:
+                k = mx.fast.metal_kernel(**common)
+            self._built[key] = k
+        return k
+
+    def __call__(
+        self,
+        inputs: Sequence[mx.array],
+        *,
+        grid: int | Sequence[int],
+        threadgroup: int | Sequence[int],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+        template: Mapping[str, TemplateValue] | Sequence | None = None,
+        init_value: float | None = None,
+        backend: str | None = None,
+        verbose: bool = False,
+    ) -> list[mx.array]:
+        """Launch on the GPU: grid in threads (rounded up to whole threadgroups) -> outputs."""
+        backend = backend or gpu_backend()
+        if backend not in BACKENDS:
+            raise RuntimeError(f"kernel {self.name!r}: no GPU back end (MLX has no CUDA or Metal)")
+        if len(inputs) != len(self.inputs) or len(output_dtypes) != len(self.outputs):
+            raise ValueError(f"kernel {self.name!r}: wrong number of inputs or outputs")
+        tg = _dims3(threadgroup, "threadgroup")
+        gr = tuple(-(-g // t) * t for g, t in zip(_dims3(grid, "grid"), tg))
+        sig = "_".join(_SHORT[a.dtype] + ("s" if a.ndim == 0 else "") for a in inputs)
+        sig += "__" + "_".join(_SHORT[d] for d in output_dtypes)
+        kernel = self._kernel_for(backend, sig)
+        return kernel(
+            inputs=list(inputs),
+            template=_norm_template(template) or None,
+            grid=gr,
+            threadgroup=tg,
+            output_shapes=[tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            init_value=init_value,
+            verbose=verbose,
+        )

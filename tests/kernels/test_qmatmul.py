@@ -1,0 +1,248 @@
+"""ggml_matmul: the dispatcher and reference on the CPU, the kernel logic through the CPU emulator,
+and the GPU kernel against an fp32 CPU reference over types x dtypes x M x odd shapes."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import kernel_emulator
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from gguf import GGMLQuantizationType as T
+
+from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.custom_kernels import reference_only
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.dequant import dequantize_reference
+from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
+from hf2q_mlx.random_weights import random_ggml_blocks
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+# fp32: the kernel and the reference sum the same exact products in a different order; over
+# K <= 4352 terms that moves the result by ~sqrt(K) fp32 ulps, far below 2e-5 of its norm.
+FP32_TOL = 2e-5
+
+_W_CACHE: dict = {}
+
+
+def _weight(ggml_type: int, n: int, k: int) -> tuple[mx.array, mx.array]:
+    """Random valid blocks (fixed seed per case) and their fp32 dequantization, on the CPU."""
+    key = (ggml_type, n, k)
+    if key not in _W_CACHE:
+        w = random_ggml_blocks(n, k, ggml_type, seed=n * 31 + k + int(ggml_type))
+        with mx.stream(mx.cpu):
+            wf = dequantize_reference(w, ggml_type, k)
+        mx.eval(w, wf)
+        _W_CACHE[key] = (w, wf)
+    return _W_CACHE[key]
+
+
+def _x(m: int, k: int, dtype: mx.Dtype, seed: int) -> mx.array:
+    return mx.random.normal((m, k), key=mx.random.key(seed)).astype(dtype)
+
+
+def _check(out: mx.array, x: mx.array, wf: mx.array) -> None:
+    """Relative error (Frobenius) against fp32 math on the same inputs, computed on the CPU.
+
+    fp16/bf16: at most twice the error of the reference computed in that dtype (fp32 math on
+    the same rounded inputs, output rounded to the dtype), floored at the fp32 tolerance.
+    """
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], wf.shape[0])
+    with mx.stream(mx.cpu):
+        ref32 = x.astype(mx.float32) @ wf.T
+        o = out.astype(mx.float32)
+        assert not bool(mx.isnan(o).any()), "unwritten (NaN-poisoned) or NaN outputs"
+        norm = float(mx.linalg.norm(ref32)) or 1.0
+        err = float(mx.linalg.norm(o - ref32)) / norm
+        tol = FP32_TOL
+        if x.dtype != mx.float32:
+            err_ref = float(mx.linalg.norm(ref32.astype(x.dtype).astype(mx.float32) - ref32)) / norm
+            tol = max(2 * err_ref, FP32_TOL)
+    assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: reference path and caller errors
+
+
+def test_dispatcher_uses_the_reference_on_cpu_and_keeps_batch_dims():
+    w, _ = _weight(T.Q4_K, 5, 512)
+    x = mx.random.normal((2, 3, 512), key=mx.random.key(1))
+    with reference_only():
+        y = Q.ggml_matmul(x, w, T.Q4_K, 512)
+    ref = Q.ggml_matmul_reference(x, w, T.Q4_K, 512)
+    assert y.shape == (2, 3, 5) and bool(mx.array_equal(y, ref))
+
+
+def test_reference_matches_numpy_on_gguf_dequant():
+    """The oracle itself: fp32 x @ dequant(W).T, with W from gguf-py's dequantizer."""
+    from gguf.quants import dequantize
+
+    w, _ = _weight(T.Q6_K, 7, 512)
+    x = np.random.default_rng(0).normal(size=(3, 512)).astype(np.float32)
+    wf = dequantize(np.array(w), T.Q6_K).reshape(7, 512)
+    with mx.stream(mx.cpu):
+        y = np.array(Q.ggml_matmul_reference(mx.array(x), w, T.Q6_K, 512))
+    np.testing.assert_allclose(y, x @ wf.T, rtol=1e-5, atol=1e-5)
+
+
+def test_caller_errors():
+    w, _ = _weight(T.Q4_0, 4, 256)
+    with pytest.raises(WeightMismatchError):  # x has the wrong number of features
+        Q.ggml_matmul(mx.zeros((1, 128)), w, T.Q4_0, 256)
+    with pytest.raises(WeightMismatchError):  # row bytes do not match in_features
+        Q.ggml_matmul(mx.zeros((1, 512)), w, T.Q4_0, 512)
+    with pytest.raises(WeightMismatchError):  # K not a multiple of the block
+        Q.ggml_matmul(mx.zeros((1, 100)), w, T.Q4_0, 100)
+    with pytest.raises(UnsupportedQuantTypeError):
+        Q.ggml_matmul(mx.zeros((1, 256)), w, 9999, 256)
+
+
+def test_launch_config():
+    for t in TYPES:
+        for m in (1, 2, 3, 5, 9, 16):
+            cfg = Q.launch_config(t, m, 4096, 4096)
+            assert cfg["MT"] >= m and cfg["MT"] in (1, 2, 4, 8, 16)
+            assert 1 <= cfg["W"] <= 8 and cfg["R"] * cfg["MT"] <= 16
+    # K-quant rows of 4096 are 2 steps of 8 blocks (Q4_K): no more SIMD groups than steps
+    assert Q.launch_config(T.Q4_K, 1, 4096, 4096)["W"] <= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU emulator: the CUDA rendering's logic for every type, a few configurations
+
+# (type, dtype, M, N, K, config or None)
+_EMU_CASES = [(t, mx.float32, 1, 7, 768 if Q._TYPES[t][1] == 256 else 352, None) for t in TYPES] + [
+    (T.Q4_0, mx.float16, 5, 9, 256, None),
+    (T.Q6_K, mx.bfloat16, 16, 3, 512, None),
+    (T.Q4_K, mx.float16, 3, 5, 2304, {"MT": 4, "R": 3, "U": 2, "W": 3}),
+    (T.Q5_0, mx.bfloat16, 2, 6, 800, {"MT": 2, "R": 2, "U": 3, "W": 2}),
+    # several runs per SIMD group: both prefetch buffers and the loop's exits
+    (T.Q4_0, mx.float32, 2, 5, 1792, {"MT": 2, "R": 2, "U": 1, "W": 1}),
+    (T.Q6_K, mx.float16, 1, 3, 1792, {"MT": 1, "R": 1, "U": 1, "W": 2}),
+    (T.Q4_K, mx.bfloat16, 3, 3, 10240, {"MT": 4, "R": 1, "U": 1, "W": 1}),
+]
+
+
+def _emu_call(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, template=None,
+              init_value=None, backend=None):  # fmt: skip
+    return kernel_emulator.emulate(
+        self,
+        inputs,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=output_shapes,
+        output_dtypes=output_dtypes,
+        template=template,
+    )
+
+
+def _emu_example(case) -> tuple[Kernel, Example]:
+    """The instantiation ggml_matmul_kernel will ask for, so it can be built ahead."""
+    t, dt, m, n, k, cfg = case
+    cfg = cfg or Q.launch_config(t, m, n, k)
+    rb = Q.row_bytes(t, k)
+    ex = Example(
+        {"x": (dt, m * k), "w": (mx.uint8, n * rb), "dims": (mx.int32, 3)},
+        {"out": dt},
+        {"T": dt, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]},
+    )
+    return Q._KERNELS[t], ex
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """Build the emulator binaries two at a time (g++ dominates), then run every case."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: kernel_emulator.build(*_emu_example(c)), _EMU_CASES))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Kernel, "__call__", _emu_call)
+    try:
+        outs = {}
+        for i, (t, dt, m, n, k, cfg) in enumerate(_EMU_CASES):
+            w, _ = _weight(t, n, k)
+            outs[i] = Q.ggml_matmul_kernel(_x(m, k, dt, i), w, t, k, config=cfg)
+    finally:
+        mp.undo()
+    return outs
+
+
+@pytest.mark.parametrize("i", range(len(_EMU_CASES)))
+def test_kernel_logic_on_the_emulator(emulated, i):
+    t, dt, m, n, k, _ = _EMU_CASES[i]
+    _check(emulated[i], _x(m, k, dt, i), _weight(t, n, k)[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every type x dtype x M x shape, output poisoned with NaN
+
+
+SHAPES = [(1, 4352), (7, 256), (257, 512), (4099, 2816)]  # (N rows out, K in)
+
+
+@requires_gpu
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 33])
+def test_gpu_kernel_matches_reference(m, dtype, ggml_type, n, k):
+    w, wf = _weight(ggml_type, n, k)
+    x = _x(m, k, dtype, seed=m * 7 + n)
+    if m <= 16:
+        out = Q.ggml_matmul_kernel(x, w, ggml_type, k, init_value=float("nan"))
+    else:  # past the kernel's rows the dispatcher takes the reference
+        out = Q.ggml_matmul(x, w, ggml_type, k)
+    mx.eval(out)
+    _check(out, x, wf)
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"MT": 4, "R": 1, "U": 1, "W": 1},
+        {"MT": 4, "R": 3, "U": 4, "W": 3},
+        {"MT": 4, "R": 2, "U": 2, "W": 8},
+    ],
+    ids=["r1u1w1", "r3u4w3", "r2u2w8"],
+)
+def test_gpu_launch_configs(ggml_type, cfg):
+    """Configurations the benchmark sweeps: every one must compute the same function."""
+    n, k = 257, 2816
+    w, wf = _weight(ggml_type, n, k)
+    x = _x(3, k, mx.float32, seed=5)
+    out = Q.ggml_matmul_kernel(x, w, ggml_type, k, config=cfg, init_value=float("nan"))
+    _check(out, x, wf)
+
+
+@requires_gpu
+def test_gpu_dispatcher_takes_the_kernel():
+    w, _ = _weight(T.Q4_K, 257, 512)
+    x = _x(2, 512, mx.float16, seed=3).reshape(1, 2, 512)
+    y = Q.ggml_matmul(x, w, T.Q4_K, 512)
+    direct = Q.ggml_matmul_kernel(x.reshape(2, 512), w, T.Q4_K, 512)
+    assert y.shape == (1, 2, 257) and bool(mx.array_equal(y.reshape(2, 257), direct))
+    _check(y.reshape(2, 257), x.reshape(2, 512), _weight(T.Q4_K, 257, 512)[1])
+
+
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+@pytest.mark.parametrize("ggml_type,dtype", [(T.Q5_1, mx.float32), (T.Q3_K, mx.bfloat16)])
+def test_dequant_kernel_on_the_emulator(ggml_type, dtype):
+    """The many-rows path's dequantizer: the reference's values up to one fp32 rounding (the
+    GPU may fuse scale * q + bias), then the cast to dtype."""
+    n, k = 5, 768
+    w, wf = _weight(ggml_type, n, k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Kernel, "__call__", _emu_call)
+        got = Q.ggml_dequantize_kernel(w, ggml_type, k, dtype)
+    assert got.shape == (n, k) and got.dtype == dtype
+    got, want = np.array(got.astype(mx.float32)), np.array(wf.astype(dtype).astype(mx.float32))
+    scale = np.abs(np.array(wf)).max()
+    ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-7  # one rounding of the largest term
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 * ulp * scale)
