@@ -1,0 +1,309 @@
+"""Gemma 3 text model: interleaved sliding-window / global attention, q/k norms, 4 norms a block."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, RotatingKVCache, causal_mask
+from ..errors import UnsupportedArchitectureError
+from .base import BaseModelArgs, scaled_dot_product_attention
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # defaults are transformers' Gemma3TextConfig defaults: multimodal configs omit them
+    hidden_size: int = 2304
+    num_hidden_layers: int = 26
+    intermediate_size: int = 9216
+    num_attention_heads: int = 8
+    vocab_size: int = 262_208
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    model_type: str = "gemma3_text"
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256
+    sliding_window: int = 4096
+    sliding_window_pattern: int = 6
+    layer_types: list[str] | None = None
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool = False
+    attention_bias: bool = False
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131_072
+
+    @classmethod
+    def from_dict(cls, params: dict) -> ModelArgs:
+        # the multimodal "gemma3" config nests the language model's settings in text_config
+        if "text_config" in params:
+            params = {**params["text_config"], "model_type": params.get("model_type", "gemma3")}
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.attn_logit_softcapping is not None or self.use_bidirectional_attention:
+            raise UnsupportedArchitectureError(
+                "gemma3: attention logit softcapping / bidirectional attention are not supported"
+            )
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedArchitectureError(f"gemma3: activation {self.hidden_activation}")
+        if self.layer_types is None:
+            p = self.sliding_window_pattern
+            self.layer_types = [
+                "sliding_attention" if (i + 1) % p else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        # transformers >= 5 writes rope settings per layer type in rope_parameters
+        rp = self.rope_parameters or {}
+        full = rp.get("full_attention") or self.rope_scaling or {}
+        self.rope_theta = full.get("rope_theta", self.rope_theta)
+        self.rope_local_base_freq = (rp.get("sliding_attention") or {}).get(
+            "rope_theta", self.rope_local_base_freq
+        )
+        rope_type = full.get("rope_type", full.get("type", "default"))
+        if rope_type not in ("default", "linear"):
+            raise UnsupportedArchitectureError(f"gemma3: rope type {rope_type!r}")
+        self.rope_scaling = {"rope_type": rope_type, "factor": float(full.get("factor", 1.0))}
+
+
+def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm holding the effective weight ``1 + w`` (HF stores w, GGUF stores 1 + w)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        dim, self.head_dim = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = args.query_pre_attn_scalar**-0.5
+        self.is_sliding = args.layer_types[layer_idx] == "sliding_attention"
+        self.window = args.sliding_window if self.is_sliding else None
+        if self.is_sliding:
+            self.rope_base, self.rope_scale = args.rope_local_base_freq, 1.0
+        else:
+            self.rope_base = args.rope_theta
+            self.rope_scale = 1.0 / args.rope_scaling["factor"]
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def _rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.head_dim,
+            traditional=False,
+            base=self.rope_base,
+            scale=self.rope_scale,
+            offset=offset,
+        )
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.q_norm(q), self.k_norm(k)
+        offset = cache.offset if cache is not None else 0
+        q, k = self._rope(q, offset), self._rope(k, offset)
+        if cache is not None:
+            k, v, mask = cache.update_and_fetch(k, v)
+        else:
+            mask = causal_mask(L, 0, self.window)
+        out = scaled_dot_product_attention(q, k, v, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        dim, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(dim, args.intermediate_size)
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        # the scale is rounded to the activation dtype first, as the reference does
+        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Gemma3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, reserve: int = 0) -> list:
+        return [
+            RotatingKVCache(self.args.sliding_window, reserve)
+            if layer.self_attn.is_sliding
+            else KVCache()
+            for layer in self.layers
+        ]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """HF / mlx-lm names -> ours; drops the vision tower; norms w -> effective 1 + w."""
+        out = {}
+        for name, w in weights.items():
+            if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower")):
+                continue
+            if name.startswith("model.multi_modal_projector"):
+                continue
+            for prefix, repl in _PREFIXES:
+                if name.startswith(prefix):
+                    name = repl + name[len(prefix) :]
+                    break
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            if name.endswith("norm.weight"):
+                w = 1.0 + w.astype(mx.float32)  # add in fp32: HF computes 1 + w in fp32
+            out[name] = w
+        return out
+
+
+# checkpoint prefixes of the multimodal Gemma3ForConditionalGeneration (old and new layouts)
+_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+
+# llama.cpp tensor names -> module parameters; llama.cpp already stores norms as 1 + w
+GGUF_TENSOR_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any]) -> ModelArgs:
+    """llama.cpp's gemma3 metadata -> ModelArgs, with llama.cpp's defaults for what it omits."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"gemma3.{key}", default)
+
+    n_layers, hidden = get("block_count"), get("embedding_length")
+    n_heads, head_dim = get("attention.head_count"), get("attention.key_length", 256)
+    # llama.cpp hard-codes what its converter does not write: pattern 6, local base 10k, and the
+    # 27B model (62 layers) scaling queries by hidden / heads instead of head_dim
+    pattern = get("attention.sliding_window_pattern", 6)
+    layer_types = None
+    if isinstance(pattern, list):
+        layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
+        pattern = 6
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    return ModelArgs(
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        intermediate_size=get("feed_forward_length"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=get("attention.head_count_kv", n_heads),
+        head_dim=head_dim,
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        query_pre_attn_scalar=hidden // n_heads if n_layers == 62 else head_dim,
+        sliding_window=get("attention.sliding_window", 4096),
+        sliding_window_pattern=pattern,
+        layer_types=layer_types,
+        rope_theta=get("rope.freq_base", 1_000_000.0),
+        rope_local_base_freq=get("rope.freq_base_swa", 10_000.0),
+        rope_scaling=scaling,
+        final_logit_softcapping=get("final_logit_softcapping"),
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=get("context_length", 131_072),
+    )
+
+
+def gguf_transform(name: str, array: mx.array, args: ModelArgs) -> mx.array:
+    """No value fixes: GGUF norms already hold 1 + w, which is what RMSNorm keeps."""
+    return array

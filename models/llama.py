@@ -1,0 +1,268 @@
+"""Llama (and SmolLM2): pre-norm blocks, grouped-query attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, causal_mask
+from ..errors import UnsupportedArchitectureError
+from .base import BaseModelArgs, scaled_dot_product_attention
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise UnsupportedArchitectureError(f"llama: activation {self.hidden_act!r}")
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
+        rope = dict(self.rope_parameters or self.rope_scaling or {})
+        self.rope_theta = rope.pop("rope_theta", self.rope_theta)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedArchitectureError(f"llama: rope type {rope_type!r}")
+        self.rope_scaling = {**rope, "rope_type": rope_type} if rope_type != "default" else None
+
+
+def rope_periods(args: ModelArgs) -> mx.array | None:
+    """Per-pair RoPE periods (1 / inverse frequency) for llama3 scaling, else None."""
+    s = args.rope_scaling
+    if s is None or s["rope_type"] != "llama3":
+        return None
+    d = args.head_dim
+    inv_freq = [args.rope_theta ** (-i / d) for i in range(0, d, 2)]
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    periods = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_ctx / hi:  # high frequencies stay
+            g = f
+        elif wavelen > old_ctx / lo:  # low frequencies are slowed down by the factor
+            g = f / factor
+        else:  # in between: interpolate
+            smooth = (old_ctx / wavelen - lo) / (hi - lo)
+            g = (1 - smooth) * f / factor + smooth * f
+        periods.append(1.0 / g)
+    return mx.array(periods, dtype=mx.float32)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, self.head_dim = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = self.head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        s = args.rope_scaling
+        self.rope_scale = 1.0 / s["factor"] if s and s["rope_type"] == "linear" else 1.0
+        self._periods = rope_periods(args)
+        self.rope_base = None if self._periods is not None else args.rope_theta
+
+    def _rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.head_dim,
+            traditional=False,
+            base=self.rope_base,
+            scale=self.rope_scale,
+            offset=offset,
+            freqs=self._periods,
+        )
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self._rope(q, offset), self._rope(k, offset)
+        if cache is not None:
+            k, v, mask = cache.update_and_fetch(k, v)
+        else:
+            mask = causal_mask(L, 0)
+        out = scaled_dot_product_attention(q, k, v, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, reserve: int = 0) -> list:
+        return [KVCache() for _ in self.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drops precomputed rotary tables and, when tied, the duplicate output head."""
+        return {
+            k: v
+            for k, v in weights.items()
+            if "rotary_emb.inv_freq" not in k
+            and not (k == "lm_head.weight" and self.args.tie_word_embeddings)
+        }
+
+
+GGUF_TENSOR_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.ffn_gate.bias": "model.layers.{i}.mlp.gate_proj.bias",
+    "blk.{i}.ffn_up.bias": "model.layers.{i}.mlp.up_proj.bias",
+    "blk.{i}.ffn_down.bias": "model.layers.{i}.mlp.down_proj.bias",
+}
+
+
+def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any]) -> ModelArgs:
+    """llama.cpp's llama metadata -> ModelArgs; an absent output.weight means tied embeddings."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"llama.{key}", default)
+
+    n_heads, hidden = get("attention.head_count"), get("embedding_length")
+    if "rope_freqs.weight" in tensors:
+        raise UnsupportedArchitectureError("llama: GGUF rope_freqs (llama3 RoPE) is not supported")
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    return ModelArgs(
+        hidden_size=hidden,
+        num_hidden_layers=get("block_count"),
+        intermediate_size=get("feed_forward_length"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=get("attention.head_count_kv", n_heads),
+        head_dim=get("attention.key_length", get("rope.dimension_count", hidden // n_heads)),
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=get("rope.freq_base", 10_000.0),
+        rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=get("context_length"),
+    )
+
+
+def _unpermute_rows(array: mx.array, n_heads: int) -> mx.array:
+    # llama.cpp interleaves each head's two rotary halves row by row (its RoPE pairs adjacent
+    # dims); rows are independent, so this also works on raw quantized block rows
+    rows = array.shape[0]
+    half = rows // n_heads // 2
+    x = array.reshape(n_heads, half, 2, *array.shape[1:])
+    return x.swapaxes(1, 2).reshape(array.shape)
+
+
+def gguf_transform(name: str, array: mx.array, args: ModelArgs) -> mx.array:
+    """Undo llama.cpp's q/k row permutation (weights and biases)."""
+    if ".attn_q." in name:
+        return _unpermute_rows(array, args.num_attention_heads)
+    if ".attn_k." in name:
+        return _unpermute_rows(array, args.num_key_value_heads)
+    return array
