@@ -116,10 +116,6 @@ def load_gemma4_bench():
     return mod
 
 
-def _sdpa_via_attend(queries, keys, values, scale, mask):
-    return attend(queries, keys, values, None, scale, mask)
-
-
 def decode_step(model, y: mx.array, cache: list) -> mx.array:
     return mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None]
 
@@ -128,11 +124,6 @@ def model_bench(tiny: bool, contexts: list[int], n_decode: int) -> list[dict]:
     g4b = load_gemma4_bench()
     from hf2q_mlx.models import gemma4
 
-    if "attend" not in vars(gemma4):
-        # the one-line model change, emulated: with flash_attend set up front, a decode step's
-        # update_and_fetch returns TQPacked placeholders, which attend() sends to the kernel
-        print("note: models/gemma4.py does not call attend(); the bench routes its attention")
-        gemma4.scaled_dot_product_attention = _sdpa_via_attend
     config = g4b.TINY["tiny-moe"] if tiny else g4b.SHAPES["26b-a4b"]
     args = gemma4.ModelArgs.from_dict(config)
     dtype = mx.bfloat16 if mx.default_device().type == mx.DeviceType.gpu else mx.float32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES, row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import expert_matmul, gathered_matmul
 

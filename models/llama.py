@@ -10,9 +10,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..attention import attend
 from ..cache import KVCache, causal_mask
 from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs, scaled_dot_product_attention
+from .base import BaseModelArgs
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Attention(nn.Module):
             k, v, mask = cache.update_and_fetch(k, v)
         else:
             mask = causal_mask(L, 0)
-        out = scaled_dot_product_attention(q, k, v, self.scale, mask)
+        out = attend(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
