@@ -38,7 +38,24 @@ def causal_mask(length: int, offset: int = 0, window: int | None = None) -> mx.a
     return attention_mask(q, k, window)
 
 
-class KVCache:
+class _KVBuffers:
+    """What every K/V buffer cache shares: ``keys``/``values`` arrays (None until the first
+    write), the Python ``offset`` and the bytes they hold."""
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class KVCache(_KVBuffers):
     """Full-attention cache: one buffer per K and V that grows in steps of ``step`` tokens."""
 
     step = 256
@@ -76,23 +93,14 @@ class KVCache:
         mask = causal_mask(L, prev)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :], mask
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def trim(self, n: int) -> int:
         """Forget the last n tokens (speculative-decoding rollback); returns how many went."""
         n = max(0, min(n, self.offset))
         self.offset -= n
         return n
 
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
-
-class RotatingKVCache:
+class RotatingKVCache(_KVBuffers):
     """Sliding-window cache: a ring of ``window + reserve`` slots; slot = position % capacity.
 
     Attention is order-free once RoPE is applied, so a decode step attends the whole ring in slot
@@ -159,9 +167,6 @@ class RotatingKVCache:
         self.offset = o + L
         return k_all, v_all, mask
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.offset))
         # once wrapped, a trimmed slot's earlier token is gone; it is still needed when n is
@@ -174,12 +179,6 @@ class RotatingKVCache:
             )
         self.offset -= n
         return n
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
 
 def trim_cache(cache: list, n: int) -> int:

@@ -9,18 +9,9 @@ from pathlib import Path
 # fp32 parity tests need true fp32 matmuls; MLX's CUDA back end uses TF32 unless told not to.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
 
-
-def gpu_backend() -> str | None:
-    """'cuda' or 'metal' when MLX has that GPU back end here, else None."""
-    if mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    return None
-
+from hf2q_mlx.custom_kernels._render import gpu_backend  # noqa: E402
 
 requires_gpu = pytest.mark.skipif(gpu_backend() is None, reason="no MLX GPU back end (CUDA/Metal)")
 
