@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
+import math
 
-from .dequant import dequantize_reference
+import mlx.core as mx
+from gguf import GGMLQuantizationType
+
+from hf2q_mlx.errors import WeightMismatchError
+
+from . import backend
+from . import qmatmul as Q
+from ._render import Example, Kernel
+from .dequant import BLOCK_TYPES, dequantize_reference, row_bytes
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
 # weight is read once per call (gather_mm's sorted path) instead of once per pair.
@@ -70,6 +78,112 @@ def _gather_dense(x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:
     )
 
 
+# --------------------------------------------------------------------------------------------
+# Kernel: qmatmul's GGML mat-vec loop (Q._BODY, with its per-type block decoders, unchanged)
+# behind a prefix that aims it at one (token, slot) pair. Q._BODY reads `dims` (M, N, K), `x`,
+# `w` and `gid_x` (block of R rows) and writes `out[m * N + row]`; the prefix defines those as
+# locals: M = 1, x = the pair's row, w = its expert's (N, row_bytes) blocks, out = its output row.
+
+_PREFIX = r"""
+  // Thread mapping: threadgroup (gid_x, gid_y) = (block of R rows, (token, slot) pair p); its
+  // SIMD groups run the mat-vec loop below over expert ids[p]'s rows only, so the weights of
+  // unselected experts are never read. edims = (1, N, K, slots per x row, E).
+  const uint ex_pair = gid_y;
+  const uint ex_n = uint(edims[1]);
+  const uint ex_k = uint(edims[2]);
+  const uint ex_e = uint(ids[ex_pair]);
+  DEVICE_PTR(T) out = ys + size_t(ex_pair) * ex_n;
+  if (ex_e >= uint(edims[4])) {
+    // An id past the last expert: NaN rows, nothing read. The whole threadgroup leaves here,
+    // before any barrier or SIMD operation.
+    const uint ex_row = gid_x * uint(R) + tid;
+    if (tid < uint(R) && ex_row < ex_n) out[ex_row] = from_float<T>(bitcast<float>(0x7FC00000u));
+    return;
+  }
+  // (M, N, K) for the loop, read from the input as qmatmul reads its own: a compile-time M = 1
+  // looked simpler but cost up to 26 more registers per thread in the sm_90 build (NVRTC).
+  CONSTANT_PTR(const int) dims = edims;
+  DEVICE_PTR(const T) x = xs + size_t(ex_pair / uint(edims[3])) * ex_k;
+  DEVICE_PTR(const uchar) w = wq + size_t(ex_e) * ex_n * (size_t(ex_k / @QK@) * @BB@);
+"""
+
+MAX_TOKENS = 16  # tokens per call the kernel takes; more go through the dequantizing paths
+
+
+def _make_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "edims": (mx.int32, 5)},
+            {"ys": dt},
+            {"T": dt, "MT": 1, "R": r, "U": u},
+        )
+        for dt, r, u in ((mx.float32, 4, 2), (mx.float16, 2, 1), (mx.bfloat16, 1, 4))
+    ]
+    return Kernel(
+        f"ggml_expert_qmv_{GGMLQuantizationType(ggml_type).name.lower()}",
+        inputs=["xs", "wq", "ids", "edims"],
+        outputs=["ys"],
+        body=Q._substitute(_PREFIX + Q._BODY, ggml_type),
+        header=Q._COMMON + Q._TYPES[ggml_type][0],
+        examples=examples,
+    )
+
+
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q._TYPES}
+
+
+def expert_matmul_kernel(
+    x: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    ggml_type: int,
+    in_features: int,
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """The GPU kernel alone, with the contract of :func:`expert_matmul_reference` for GGML
+    weights w (E, N, row_bytes); x's leading dims must equal the ids' (no broadcasting).
+
+    An id >= E gives NaN rows (nothing outside w is read). ``config`` overrides qmatmul's
+    ``launch_config`` R, U, W (MT is always 1: one x row per threadgroup); ``init_value``
+    pre-fills the output (tests poison it with NaN to prove every element is written).
+    """
+    E, N, _ = w.shape
+    k, K = expert_ids.shape[-1], in_features
+    per_slot = x.ndim == expert_ids.ndim + 1
+    pairs = expert_ids.size
+    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K), MT=1)
+    ids = expert_ids.reshape(pairs)
+    if ids.dtype != mx.uint32:
+        ids = ids.astype(mx.uint32)  # negative int ids wrap past E: NaN rows
+    edims = mx.array([1, N, K, 1 if per_slot else k, E], dtype=mx.int32)
+    (out,) = _KERNELS[ggml_type](
+        [x.reshape(-1, K), w, ids, edims],
+        grid=(-(-N // cfg["R"]) * 32 * cfg["W"], pairs),
+        threadgroup=(32 * cfg["W"], 1),
+        output_shapes=[(pairs, N)],
+        output_dtypes=[x.dtype],
+        template={"T": x.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
+        init_value=init_value,
+    )
+    return out.reshape(*expert_ids.shape, N)
+
+
+def _kernel_covers(x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int) -> bool:
+    lead = expert_ids.shape if x.ndim == expert_ids.ndim + 1 else expert_ids.shape[:-1]
+    return (
+        backend() is not None
+        and ggml_type in _KERNELS
+        and x.dtype in Q._X_DTYPES
+        and tuple(x.shape[:-1]) == tuple(lead)  # broadcast x: the reference handles it
+        and 1 <= math.prod(expert_ids.shape[:-1]) <= MAX_TOKENS
+        and expert_ids.size > 0
+        and w.shape[0] > 0
+        and w.shape[1] > 0
+    )
+
+
 def expert_matmul(
     x: mx.array,
     w: mx.array,
@@ -80,10 +194,11 @@ def expert_matmul(
     """Dispatcher with the contract of :func:`expert_matmul_reference`.
 
     Float weights go through ``mx.gather_mm`` (the reference for half-precision weights on the
-    CPU, where gather_mm is float32-only). GGML weights: while there are fewer (token,
-    expert) pairs than experts (decode), gather the selected blocks and dequantize them (the
-    reference); from then on every expert is needed about once anyway, so all experts are
-    dequantized once for this call and multiplied with gather_mm (prefill).
+    CPU, where gather_mm is float32-only). GGML weights: on a GPU, for 1..16 tokens, the expert
+    mat-vec kernel (each (token, slot) pair reads its expert's blocks only). Otherwise, while
+    there are fewer (token, expert) pairs than experts (decode), gather the selected blocks and
+    dequantize them (the reference); from then on every expert is needed about once anyway, so
+    all experts are dequantized once for this call and multiplied with gather_mm (prefill).
     """
     if ggml_type is None:
         if w.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
@@ -93,6 +208,16 @@ def expert_matmul(
         return _gather_dense(x, w, expert_ids).astype(x.dtype)
     if in_features is None:
         raise ValueError("in_features is required for GGML expert weights")
+    _per_slot(x, expert_ids)  # raises for mismatched ranks
+    if x.shape[-1] != in_features:
+        raise WeightMismatchError(f"x has {x.shape[-1]} features, the experts {in_features}")
+    rb = row_bytes(ggml_type, in_features)  # raises for unknown types / bad K
+    if ggml_type in BLOCK_TYPES and (w.ndim != 3 or w.shape[-1] != rb or w.dtype != mx.uint8):
+        raise WeightMismatchError(
+            f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
+        )
+    if _kernel_covers(x, w, expert_ids, ggml_type):
+        return expert_matmul_kernel(x, w, expert_ids, ggml_type, in_features)
     if expert_ids.size < w.shape[0]:
         return expert_matmul_reference(x, w, expert_ids, ggml_type, in_features)
     w_all = dequantize_reference(w, ggml_type, in_features)  # (E, N, K) fp32, this call only
