@@ -55,14 +55,15 @@ def main() -> int:
             dict(prompt=prompt, match=match, kernel_tps=fast_tps, reference_tps=ref_tps,
                  text=tokenizer.decode(fast), kernel_tokens=fast, reference_tokens=ref)
         )  # fmt: skip
-        print(f"{'SAME' if match else 'DIFFERENT'} tokens | kernels {fast_tps:7.1f} tok/s | "
-              f"reference {ref_tps:7.1f} tok/s | {prompt!r} -> {tokenizer.decode(fast)!r}")  # fmt: skip
+        verdict = "SAME" if match else "DIFFERENT"
+        print(f"{verdict} tokens | kernels {fast_tps:7.1f} tok/s | reference {ref_tps:7.1f} tok/s"
+              f" | {prompt!r} -> {tokenizer.decode(fast)!r}")  # fmt: skip
     result = dict(model=args.model, backend=backend(), device=str(mx.default_device()),
                   tokens=args.tokens, all_same=same, rows=rows)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    print("all greedy continuations identical" if same else "MISMATCH between kernels and reference")
+    print("all greedy continuations identical" if same else "MISMATCH: kernels vs reference")
     return 0 if same else 1
 
 

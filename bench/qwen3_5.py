@@ -25,9 +25,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
-from hf2q_mlx.models import qwen3_5, qwen3_5_moe
 from mlx.utils import tree_flatten
 
+from hf2q_mlx.models import qwen3_5, qwen3_5_moe
 from hf2q_mlx.quantized import ggml_quantize_modules
 from hf2q_mlx.random_weights import random_ggml_blocks
 

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from hf2q_mlx.custom_kernels.dequant import GGML_BLOCK_INFO, dequantize_reference, row_bytes
 
+from hf2q_mlx.custom_kernels.dequant import GGML_BLOCK_INFO, dequantize_reference, row_bytes
 from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
 from hf2q_mlx.gguf import GGUFFile
 

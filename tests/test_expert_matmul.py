@@ -7,13 +7,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+
 from hf2q_mlx.custom_kernels.expert_matmul import (
     SORT_THRESHOLD,
     expert_matmul,
     expert_matmul_reference,
 )
 from hf2q_mlx.models.gemma4_moe import ExpertLinear
-
 from hf2q_mlx.random_weights import random_ggml_blocks
 
 E, N = 12, 24  # experts, output rows per expert

@@ -11,11 +11,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES
-from hf2q_mlx.models import gemma4
 from mlx.utils import tree_flatten, tree_unflatten
 
 from hf2q_mlx.cache import trim_cache
+from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES
+from hf2q_mlx.models import gemma4
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

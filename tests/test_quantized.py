@@ -7,9 +7,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from mlx.utils import tree_flatten
 
+from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
 from hf2q_mlx.quantized import GGMLEmbedding, GGMLLinear, ggml_quantize_modules
 from hf2q_mlx.random_weights import random_ggml_blocks

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
-from hf2q_mlx.custom_kernels import gated_delta, reference_only
-from hf2q_mlx.models import qwen3_5, qwen3_5_moe
 
 from hf2q_mlx.cache import trim_cache
+from hf2q_mlx.custom_kernels import gated_delta, reference_only
+from hf2q_mlx.models import qwen3_5, qwen3_5_moe
 
 # fp32 on both sides; the implementations sum in different orders (and HF uses its chunked
 # delta rule), so allow 1e-4 of the largest logit

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import requires_gpu
+
 from hf2q_mlx.custom_kernels import gated_delta as gd
 from hf2q_mlx.custom_kernels import reference_only
 
