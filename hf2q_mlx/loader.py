@@ -311,6 +311,8 @@ def load_model(
     p = resolve_model_path(path)
     dtype = resolve_dtype(dtype)
     model, info = _load_hf(p, dtype) if p.is_dir() else _load_gguf(p, dtype)
+    if hasattr(model, "fuse_projections"):  # q/k/v and gate/up as one matmul each, lossless
+        model.fuse_projections()
     model.eval()
     mx.eval(model.parameters())
     return model, info

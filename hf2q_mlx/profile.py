@@ -216,6 +216,8 @@ def profiling(model: Any = None) -> Iterator[OpProfile]:
     session = _Session(profile)
     undo: list = []
     token = _active.set(session)
+    # compiled glue would trace through the hooks, which evaluate: run it uncompiled here
+    mx.disable_compile()
     try:
         if model is not None:
             _patch_modules(model, session, undo)
@@ -227,6 +229,7 @@ def profiling(model: Any = None) -> Iterator[OpProfile]:
         for holder, name, orig in reversed(undo):
             setattr(holder, name, orig)
         _active.reset(token)
+        mx.enable_compile()
 
 
 def _step(model: Any, tokens: mx.array, cache: list) -> mx.array:

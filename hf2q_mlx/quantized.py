@@ -176,3 +176,115 @@ def ggml_quantize_modules(model: nn.Module, ggml_types: dict[str, int]) -> nn.Mo
             new = GGMLEmbedding(*layer.weight.shape, ggml_type)
         parent[int(last) if isinstance(parent, list) else last] = new
     return model
+
+
+# ----- fused projections ---------------------------------------------------------------------
+
+
+def _bias_dtype(layer: nn.Module) -> str | None:
+    # dtypes as strings: mx.Dtype does not compare with None
+    return str(layer["bias"].dtype) if "bias" in layer else None
+
+
+def linear_fusion_key(layer: nn.Module) -> tuple | None:
+    """What a linear layer must share with others to be stacked into one matmul, or None.
+
+    Layers with equal keys compute each output row from the same input with the same kind of
+    weight, so concatenating their weights along the output axis gives one layer whose output is
+    theirs side by side: GGML layers of one ``ggml_type`` (raw block rows are independent),
+    dense ``nn.Linear`` of one dtype, and mlx affine ``nn.QuantizedLinear`` of one
+    mode / group size / bits. Input size and bias presence must match too.
+    """
+    kind = type(layer)
+    if kind is GGMLLinear:
+        return (kind, layer.ggml_type, layer.in_features, _bias_dtype(layer))
+    if kind is nn.Linear:
+        w = layer["weight"]
+        return (kind, str(w.dtype), w.shape[1], _bias_dtype(layer))
+    if kind is nn.QuantizedLinear:
+        w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+        return (
+            kind,
+            layer.mode,
+            layer.group_size,
+            layer.bits,
+            str(w.dtype),
+            w.shape[1],
+            str(scales.dtype),
+            None if biases is None else str(biases.dtype),
+            _bias_dtype(layer),
+        )
+    return None
+
+
+def fuse_linears(layers: list[nn.Module]) -> nn.Module:
+    """One layer equal to ``layers`` side by side: its output is their outputs concatenated on
+    the last axis. The layers must have one ``linear_fusion_key`` (ValueError otherwise)."""
+    key = linear_fusion_key(layers[0])
+    if key is None or any(linear_fusion_key(layer) != key for layer in layers[1:]):
+        raise ValueError(f"cannot fuse {[type(layer).__name__ for layer in layers]}")
+    first, has_bias = layers[0], "bias" in layers[0]
+
+    def cat(name: str) -> mx.array:
+        return mx.concatenate([layer[name] for layer in layers], axis=0)
+
+    if type(first) is GGMLLinear:
+        out = sum(layer.out_features for layer in layers)
+        fused = GGMLLinear(first.in_features, out, first.ggml_type, bias=has_bias)
+        names = ["weight"]
+    elif type(first) is nn.Linear:
+        out = sum(layer["weight"].shape[0] for layer in layers)
+        fused = nn.Linear(first["weight"].shape[1], out, bias=has_bias)
+        names = ["weight"]
+    else:
+        out = sum(layer["weight"].shape[0] for layer in layers)
+        in_dims = first["weight"].shape[1] * 32 // first.bits
+        fused = nn.QuantizedLinear(
+            in_dims, out, has_bias, first.group_size, first.bits, mode=first.mode
+        )
+        # affine mode has per-group biases, the float-scale modes none (as the constructor makes)
+        names = ["weight", "scales"] + (["biases"] if first.get("biases") is not None else [])
+    # the constructors' random initial weights are lazy and never evaluated
+    fused.update({name: cat(name) for name in names + (["bias"] if has_bias else [])})
+    fused.train(first.training)
+    return fused
+
+
+def fused_name(members: tuple[str, ...]) -> str:
+    """("q_proj", "k_proj", "v_proj") -> "qkv_proj"; ("gate_proj", "up_proj") -> "gate_up_proj"."""
+    stems = [m.removesuffix("_proj") for m in members]
+    sep = "" if all(len(stem) == 1 for stem in stems) else "_"
+    return sep.join(stems) + "_proj"
+
+
+def fuse_linear_groups(
+    parent: nn.Module, names: tuple[str, ...]
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Replace the linear layers ``parent.<name>`` by fused layers, one per set of layers with
+    one ``linear_fusion_key`` (for instance q and k fused, v apart when only v has another GGML
+    type); a layer that fuses with nothing stays as it is, under its name.
+
+    A fused layer is named by ``fused_name`` (q_proj + k_proj -> qk_proj). Returns the groups in
+    order of their first member, each as (attribute name, member names); the names that are not
+    layers of ``parent`` (fused already) are skipped. Each fused weight is evaluated here, so
+    the separate weights are freed layer by layer.
+    """
+    groups: dict[object, list[str]] = {}
+    for i, name in enumerate(names):
+        if name not in parent:
+            continue
+        key = linear_fusion_key(parent[name])
+        groups.setdefault(i if key is None else key, []).append(name)
+    out = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append((members[0], tuple(members)))
+            continue
+        fused = fuse_linears([parent[name] for name in members])
+        mx.eval(fused.parameters())
+        for name in members:
+            delattr(parent, name)
+        target = fused_name(tuple(members))
+        setattr(parent, target, fused)
+        out.append((target, tuple(members)))
+    return tuple(out)

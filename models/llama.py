@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -13,6 +15,7 @@ import mlx.nn as nn
 from ..attention import attend
 from ..cache import KVCache, causal_mask
 from ..errors import UnsupportedArchitectureError
+from ..quantized import fuse_linear_groups
 from .base import BaseModelArgs
 
 
@@ -75,6 +78,39 @@ def rope_periods(args: ModelArgs) -> mx.array | None:
     return mx.array(periods, dtype=mx.float32)
 
 
+# Elementwise glue compiled (a decode step is counted in launches): silu(gate) * up becomes one
+# kernel. mx.fast.rms_norm / rope stay one kernel each on a GPU (compile does not merge them with
+# the adds around them), but on the CPU they expand into a dozen primitives each, which compile
+# fuses. Matmuls and cache writes stay outside.
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+@partial(mx.compile, shapeless=True)
+def _add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float):
+    """h = x + y (a residual) and norm(h) (the next pre-norm)."""
+    h = x + y
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+# shape-specialised: on the CPU mx.fast.rope expands into slices, which shapeless tracing refuses;
+# ``offset`` is an array so that decode steps reuse one trace
+@mx.compile
+def _rope_qk(q, k, offset: mx.array, dims: int, base, scale: float, freqs):
+    def rope(x):
+        return mx.fast.rope(
+            x, dims, traditional=False, base=base, scale=scale, offset=offset, freqs=freqs
+        )
+
+    return rope(q), rope(k)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -90,31 +126,54 @@ class Attention(nn.Module):
         self.rope_scale = 1.0 / s["factor"] if s and s["rope_type"] == "linear" else 1.0
         self._periods = rope_periods(args)
         self.rope_base = None if self._periods is not None else args.rope_theta
+        self._set_qkv_plan(tuple((name, (name,)) for name in _QKV))
 
-    def _rope(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(
-            x,
-            self.head_dim,
-            traditional=False,
-            base=self.rope_base,
-            scale=self.rope_scale,
-            offset=offset,
-            freqs=self._periods,
-        )
+    def _set_qkv_plan(self, groups) -> None:
+        # plain attributes (object.__setattr__), outside the parameter tree
+        object.__setattr__(self, "_qkv_plan", _heads_plan(groups, self.n_heads, self.n_kv_heads))
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one matmul where their weights stack (``quantized.fuse_linear_groups``)."""
+        if all(name in self for name in _QKV):  # not fused yet
+            self._set_qkv_plan(fuse_linear_groups(self, _QKV))
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self._rope(q, offset), self._rope(k, offset)
+        q, k, v = _project_heads(self, x, self._qkv_plan, self.head_dim)  # each (B, H, L, D)
+        offset = mx.array(cache.offset if cache is not None else 0, dtype=mx.int32)
+        q, k = _rope_qk(q, k, offset, self.head_dim, self.rope_base, self.rope_scale, self._periods)
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
         else:
             mask = causal_mask(L, 0)
         out = attend(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _heads_plan(groups, n_heads: int, n_kv_heads: int):
+    """((attribute, head split points), ...) and the order that puts the outputs back as q, k, v."""
+    heads = {"q_proj": n_heads, "k_proj": n_kv_heads, "v_proj": n_kv_heads}
+    plan, produced = [], []
+    for attr, members in groups:
+        counts = [heads[m] for m in members]
+        plan.append((attr, tuple(itertools.accumulate(counts[:-1]))))
+        produced.extend(members)
+    return tuple(plan), tuple(produced.index(name) for name in _QKV)
+
+
+def _project_heads(attn: nn.Module, x: mx.array, plan, head_dim: int) -> list[mx.array]:
+    """q, k, v as (B, H, L, D) from the (possibly fused) projections: one reshape and transpose
+    per matmul, then one split along the head axis (whole heads, contiguous when L == 1)."""
+    B, L, _ = x.shape
+    groups, order = plan
+    outs = []
+    for attr, splits in groups:
+        y = attn[attr](x).reshape(B, L, -1, head_dim).transpose(0, 2, 1, 3)
+        outs.extend(mx.split(y, list(splits), axis=1) if splits else [y])
+    return [outs[i] for i in order]
 
 
 class MLP(nn.Module):
@@ -124,8 +183,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
+    def fuse_projections(self) -> None:
+        """gate/up as one matmul where their weights stack."""
+        fuse_linear_groups(self, ("gate_proj", "up_proj"))
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_silu_mul(gate, up))
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +202,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 class TransformerBlock(nn.Module):
@@ -147,8 +214,10 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        y = self.self_attn(self.input_layernorm(x), cache)
+        norm = self.post_attention_layernorm
+        h, n = _add_norm(x, y, norm.weight, norm.eps)
+        return h + self.mlp(n)
 
 
 class LlamaModel(nn.Module):
@@ -184,6 +253,15 @@ class Model(nn.Module):
     @property
     def layers(self) -> list[TransformerBlock]:
         return self.model.layers
+
+    def fuse_projections(self) -> Model:
+        """After ``load_weights``: q/k/v and gate/up as one matmul each where the weights stack
+        (one dtype, GGML type or mlx quantization); differing ones stay apart. Outputs do not
+        change. The fused model loads no more checkpoints (its parameter names changed)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        return self
 
     def make_cache(self, reserve: int = 0) -> list:
         return [KVCache() for _ in self.layers]
