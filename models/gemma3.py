@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,8 +14,8 @@ import mlx.nn as nn
 from ..attention import attend
 from ..cache import KVCache, RotatingKVCache, causal_mask
 from ..errors import UnsupportedArchitectureError
-from ..quantized import fuse_linear_groups
 from .base import BaseModelArgs
+from .fused_projections import FusedQKV, fuse_gate_up, gate_up, rms_norm
 
 
 @dataclass
@@ -86,11 +85,6 @@ class ModelArgs(BaseModelArgs):
 # on the CPU they expand into a dozen primitives each, which compile fuses. Matmuls and cache
 # writes stay outside.
 @partial(mx.compile, shapeless=True)
-def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x, weight, eps)
-
-
-@partial(mx.compile, shapeless=True)
 def _residual_norm(x, y, w_y, w_h, eps: float) -> tuple[mx.array, mx.array]:
     """h = x + norm(y) (a post-norm residual) and norm(h) (the next pre-norm)."""
     h = x + mx.fast.rms_norm(y, w_y, eps)
@@ -131,10 +125,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
-class Attention(nn.Module):
+class Attention(FusedQKV, nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         dim, self.head_dim = args.hidden_size, args.head_dim
@@ -154,20 +148,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self._set_qkv_plan(tuple((name, (name,)) for name in _QKV))
-
-    def _set_qkv_plan(self, groups) -> None:
-        # plain attributes (object.__setattr__), outside the parameter tree
-        object.__setattr__(self, "_qkv_plan", _heads_plan(groups, self.n_heads, self.n_kv_heads))
-
-    def fuse_projections(self) -> None:
-        """q/k/v as one matmul where their weights stack (``quantized.fuse_linear_groups``)."""
-        if all(name in self for name in _QKV):  # not fused yet
-            self._set_qkv_plan(fuse_linear_groups(self, _QKV))
+        self._set_qkv_plan()
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = _project_heads(self, x, self._qkv_plan, self.head_dim)  # each (B, H, L, D)
+        q, k, v = self.project_heads(x)  # each (B, H, L, D)
         offset = mx.array(cache.offset if cache is not None else 0, dtype=mx.int32)
         q, k = _qk_norm_rope(
             q,
@@ -188,32 +173,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-def _heads_plan(groups, n_heads: int, n_kv_heads: int):
-    """((attribute, head split points), ...) and the order that puts the outputs back as q, k, v."""
-    heads = {"q_proj": n_heads, "k_proj": n_kv_heads, "v_proj": n_kv_heads}
-    plan, produced = [], []
-    for attr, members in groups:
-        counts = [heads[m] for m in members]
-        plan.append((attr, tuple(itertools.accumulate(counts[:-1]))))
-        produced.extend(members)
-    return tuple(plan), tuple(produced.index(name) for name in _QKV)
-
-
-def _project_heads(attn: nn.Module, x: mx.array, plan, head_dim: int) -> list[mx.array]:
-    """q, k, v as (B, H, L, D) from the (possibly fused) projections: one reshape and transpose
-    per matmul, then one split along the head axis (whole heads, contiguous when L == 1)."""
-    B, L, _ = x.shape
-    groups, order = plan
-    outs = []
-    for attr, splits in groups:
-        y = attn[attr](x).reshape(B, L, -1, head_dim).transpose(0, 2, 1, 3)
-        outs.extend(mx.split(y, list(splits), axis=1) if splits else [y])
-    return [outs[i] for i in order]
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -222,14 +181,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def fuse_projections(self) -> None:
-        """gate/up as one matmul where their weights stack."""
-        fuse_linear_groups(self, ("gate_proj", "up_proj"))
+        fuse_gate_up(self)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if "gate_up_proj" in self:
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = gate_up(self, x)
         return self.down_proj(_gelu_mul(gate, up))
 
 

@@ -1,0 +1,70 @@
+"""Fused q/k/v and gate/up projections shared by the dense decoders (Gemma 3, Llama)."""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..quantized import fuse_linear_groups
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+@partial(mx.compile, shapeless=True)
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    # compiled: on the CPU mx.fast.rms_norm expands into a dozen primitives, which compile fuses
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def heads_plan(groups, n_heads: int, n_kv_heads: int):
+    """((attribute, head split points), ...) and the order that puts the outputs back as q, k, v."""
+    heads = {"q_proj": n_heads, "k_proj": n_kv_heads, "v_proj": n_kv_heads}
+    plan, produced = [], []
+    for attr, members in groups:
+        counts = [heads[m] for m in members]
+        plan.append((attr, tuple(itertools.accumulate(counts[:-1]))))
+        produced.extend(members)
+    return tuple(plan), tuple(produced.index(name) for name in QKV)
+
+
+class FusedQKV:
+    """Mixin for an attention module with ``q_proj``/``k_proj``/``v_proj``, ``n_heads``,
+    ``n_kv_heads`` and ``head_dim``: projects through whichever layers hold q/k/v after
+    ``fuse_projections`` (one matmul per weight kind)."""
+
+    def _set_qkv_plan(self, groups=tuple((name, (name,)) for name in QKV)) -> None:
+        # a plain attribute (object.__setattr__), outside the parameter tree
+        object.__setattr__(self, "_qkv_plan", heads_plan(groups, self.n_heads, self.n_kv_heads))
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one matmul where their weights stack (``quantized.fuse_linear_groups``)."""
+        if all(name in self for name in QKV):  # not fused yet
+            self._set_qkv_plan(fuse_linear_groups(self, QKV))
+
+    def project_heads(self, x: mx.array) -> list[mx.array]:
+        """q, k, v as (B, H, L, D): one reshape and transpose per matmul, then one split along
+        the head axis (whole heads, contiguous when L == 1)."""
+        B, L, _ = x.shape
+        groups, order = self._qkv_plan
+        outs = []
+        for attr, splits in groups:
+            y = self[attr](x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            outs.extend(mx.split(y, list(splits), axis=1) if splits else [y])
+        return [outs[i] for i in order]
+
+
+def fuse_gate_up(mlp: nn.Module) -> None:
+    """gate/up as one matmul where their weights stack."""
+    fuse_linear_groups(mlp, GATE_UP)
+
+
+def gate_up(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """(gate, up) from the fused ``gate_up_proj`` or the separate projections."""
+    if "gate_up_proj" in mlp:
+        gate, up = mx.split(mlp.gate_up_proj(x), 2, axis=-1)
+        return gate, up
+    return mlp.gate_proj(x), mlp.up_proj(x)
