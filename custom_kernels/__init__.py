@@ -17,7 +17,7 @@ import contextvars
 import os
 from collections.abc import Iterator
 
-__all__ = ["backend", "reference_only", "ENV_VAR"]
+__all__ = ["backend", "reference_only", "reference_forced", "ENV_VAR"]
 
 ENV_VAR = "HF2Q_KERNELS"
 
@@ -37,15 +37,20 @@ def reference_only() -> Iterator[None]:
         _forced_reference.reset(token)
 
 
+def reference_forced() -> bool:
+    """True inside ``reference_only()`` or with ``HF2Q_KERNELS=reference``."""
+    return _forced_reference.get() > 0 or (
+        os.environ.get(ENV_VAR, "").strip().lower() == "reference"
+    )
+
+
 def backend() -> str | None:
     """'cuda' or 'metal' when a GPU kernel may run now, None to use the references.
 
     None when ``HF2Q_KERNELS=reference``, inside ``reference_only()``, when MLX has no GPU back
     end, or when the default device is the CPU (custom kernels only run on the GPU).
     """
-    if _forced_reference.get() > 0:
-        return None
-    if os.environ.get(ENV_VAR, "").strip().lower() == "reference":
+    if reference_forced():
         return None
     import mlx.core as mx
 

@@ -13,8 +13,6 @@ and Q3_K; on the CPU only. Q2_K and Q6_K keep the dequantize-per-call path; on a
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
@@ -30,10 +28,8 @@ def _cpu_affine_path() -> bool:
     """True when the CPU runs the layers and no override forces the reference path."""
     if mx.default_device().type != mx.DeviceType.cpu:
         return False  # on a GPU ggml_matmul picks the kernel (or its reference)
-    # backend() is None on the CPU either way; tell a forced reference apart (same checks).
-    forced = custom_kernels._forced_reference.get() > 0
-    env = os.environ.get(custom_kernels.ENV_VAR, "").strip().lower() == "reference"
-    return not (forced or env)
+    # backend() is None on the CPU either way; tell a forced reference apart
+    return not custom_kernels.reference_forced()
 
 
 def _affine_matmul(x: mx.array, packed: tuple) -> mx.array:
