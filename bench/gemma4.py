@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten, tree_unflatten
 
 from hf2q_mlx.models import gemma4
-from hf2q_mlx.models.gemma4_moe import ExpertLinear
+from hf2q_mlx.models.experts import ExpertLinear
 from hf2q_mlx.quantized import ggml_quantize_modules
 from hf2q_mlx.random_weights import random_ggml_blocks
 

@@ -1,6 +1,14 @@
 """Benchmark ggml_matmul's GPU kernel at M = 1 against the copy bandwidth and mx.quantized_matmul.
 
     python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--sweep] [--profile]
+        [--budget SECONDS]
+
+--sweep times every SWEEP configuration (variant V: 0 fp32 math, 1 packed fp16, fp16 x only;
+R rows per threadgroup, U steps per run, W SIMD groups) after the default one, on the same
+weights, and the summary (also in the JSON under "best") gives per type and shape the fastest
+configuration, its % of copy bandwidth and its speed against mx.quantized_matmul 4-bit, plus
+the qmatmul.DEFAULTS lines it suggests. --budget stops sweeping (defaults still run) once that
+many seconds have passed, so a capped device call still returns every shape.
 
 Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
 262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
@@ -32,8 +40,9 @@ SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (262144, 2816)]
 ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 ROTATE_BYTES = 512 << 20  # weight copies per case: at least this many bytes (>> L2)
-SWEEP = [  # (R, U, W) configurations tried with --sweep (MT = 1)
-    (2, 2, 8), (2, 1, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8), (1, 2, 8), (1, 4, 8), (2, 2, 4),
+SWEEP = [  # (V, R, U, W) configurations tried with --sweep (MT = 1); V = 1 needs fp16 x
+    (1, 8, 1, 4), (1, 4, 1, 8), (1, 4, 1, 4), (1, 2, 1, 8), (1, 4, 2, 4), (1, 2, 4, 8),
+    (1, 8, 1, 8), (0, 4, 2, 4), (0, 2, 4, 8), (0, 2, 1, 8), (0, 4, 1, 4),
 ]  # fmt: skip
 
 
@@ -105,17 +114,37 @@ def _copies(nbytes: int) -> int:
     return max(1, min(64, -(-ROTATE_BYTES // nbytes)))
 
 
-def bench_ggml(tname, n, k, dtype, cfg, args) -> dict:
+def bench_ggml(tname, n, k, dtype, cfgs, args, t_start) -> list[dict]:
+    """One weight set per (type, shape), every configuration of ``cfgs`` timed on it."""
     t = T[tname]
     w0 = random_ggml_blocks(n, k, t, seed=1)
     ws = [w0] + [random_ggml_blocks(n, k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)]
     x = mx.random.normal((1, k)).astype(dtype)
     mx.eval(ws, x)
-    fns = [lambda w=w: Q.ggml_matmul_kernel(x, w, t, k, config=cfg) for w in ws]
-    batch = max(args.batch, len(ws))
-    wall, gpu = _time(fns, args.reps, batch, args.profile, f"ggml_qmv_{tname.lower()}")
-    return {"type": tname, "N": n, "K": k, "bytes": w0.nbytes, "wall_us": wall, "gpu_us": gpu,
-            "config": cfg or Q.launch_config(t, 1, n, k), "copies": len(ws)}  # fmt: skip
+    rows = []
+    for cfg in cfgs:
+        if cfg is not None and time.perf_counter() - t_start > args.budget:
+            print(f"budget: skipping the sweep for {tname} {n}x{k}", flush=True)
+            break
+        if cfg is not None and cfg["V"] == 1 and dtype != mx.float16:
+            continue
+        c = Q.clamp_w(t, k, cfg) if cfg else Q.launch_config(t, 1, n, k, dtype)
+        if cfg is not None and any(r.get("config") == c for r in rows):
+            continue  # W clamped onto a configuration already timed
+        fns = [lambda w=w, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c) for w in ws]
+        batch = max(args.batch, len(ws))
+        name = Q.kernel_name(t, c["V"])
+        row = {"type": tname, "N": n, "K": k, "bytes": w0.nbytes, "config": c,
+               "default": cfg is None, "copies": len(ws)}  # fmt: skip
+        try:
+            row["wall_us"], row["gpu_us"] = _time(fns, args.reps, batch, args.profile, name)
+        except Exception as e:  # noqa: BLE001 (report and go on: partial results are useful)
+            print(f"FAILED {tname} {n}x{k} {c}: {type(e).__name__}: {e}", flush=True)
+            row["error"] = f"{type(e).__name__}: {e}"
+            continue
+        rows.append(row)
+    del ws
+    return rows
 
 
 def bench_affine(bits, n, k, dtype, args) -> dict:
@@ -149,6 +178,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also try the SWEEP configurations")
     ap.add_argument("--profile", action="store_true", help="kernel times via torch.profiler")
     ap.add_argument("--no-affine", action="store_true")
+    ap.add_argument("--budget", type=float, default=170, help="seconds of sweeping at most")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
     shapes = SHAPES
@@ -165,19 +195,22 @@ def main() -> None:
     }
     cp = res["copy"]
     print(f"copy: {cp['GBps_wall']:.0f} GB/s wall, gpu {cp['GBps_gpu'] or float('nan'):.0f} GB/s")
+    t_start = time.perf_counter()
+    sweep = [{"V": v, "MT": 1, "R": r, "U": u, "W": w} for v, r, u, w in SWEEP]
     for n, k in shapes:
-        for tname in types:
-            cfgs = [None]
-            if args.sweep:
-                cfgs += [{"MT": 1, "R": r, "U": u, "W": w} for r, u, w in SWEEP]
-            for cfg in cfgs:
-                _run(res, partial(bench_ggml, tname, n, k, dtype, cfg, args), (tname, n, k, cfg))
         if not args.no_affine:
             for bits in (4, 8):
                 _run(res, partial(bench_affine, bits, n, k, dtype, args), (bits, n, k))
+        for tname in types:
+            cfgs = [None] + (sweep if args.sweep else [])
+            for row in bench_ggml(tname, n, k, dtype, cfgs, args, t_start):
+                res["rows"].append(row)
+                _print_row(row, res["copy"])
+        res["best"] = _best(res)
         with open(args.out, "w") as f:  # rewrite after every shape: partial results survive
             json.dump(res, f, indent=1)
     _print_table(res)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
 
 
 def _run(res: dict, fn, what) -> None:
@@ -207,22 +240,48 @@ def _print_row(row: dict, copy: dict) -> None:
         f"{row['type']:>16} {row['N']:>6}x{row['K']:<6} {row['wall_us']:8.1f} us "
         f"{wall:6.0f} GB/s  gpu {row.get('gpu_us') or float('nan'):8.1f} us "
         f"{gpu or float('nan'):6.0f} GB/s  {best / ref:5.1%} of copy  "
-        f"R{cfg.get('R', '-')} U{cfg.get('U', '-')} W{cfg.get('W', '-')}",
+        f"V{cfg.get('V', '-')} R{cfg.get('R', '-')} U{cfg.get('U', '-')} W{cfg.get('W', '-')}",
         flush=True,
     )
 
 
-def _print_table(res: dict) -> None:
-    print("\n== summary (best config per type and shape; % of copy bandwidth) ==")
+def _best(res: dict) -> list[dict]:
+    """Per (type, N, K): the fastest configuration, % of copy, x mx.quantized_matmul 4-bit."""
+    ref = res["copy"]["GBps_gpu"] or res["copy"]["GBps_wall"]
     best: dict = {}
     for row in res["rows"]:
         wall, gpu = _rates(row, res["copy"])
         key = (row["type"], row["N"], row["K"])
-        if key not in best or (gpu or wall) > best[key][0]:
-            best[key] = (gpu or wall, row)
-    ref = res["copy"]["GBps_gpu"] or res["copy"]["GBps_wall"]
-    for (tname, n, k), (rate, row) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        print(f"{tname:>16} {n:>6}x{k:<6} {rate:6.0f} GB/s {rate / ref:6.1%}  {row.get('config')}")
+        if key not in best or (gpu or wall) > best[key]["GBps"]:
+            rate = gpu or wall
+            best[key] = {"type": row["type"], "N": row["N"], "K": row["K"], "GBps": rate,
+                         "pct_copy": 100 * rate / ref, "config": row.get("config")}  # fmt: skip
+    for key, b in best.items():
+        dflt = [r for r in res["rows"] if (r["type"], r["N"], r["K"]) == key and r.get("default")]
+        if dflt:
+            wall, gpu = _rates(dflt[0], res["copy"])
+            b["default_pct_copy"] = 100 * (gpu or wall) / ref
+        aff = best.get(("mlx_affine4_g32", key[1], key[2]))
+        if aff and not b["type"].startswith("mlx"):
+            b["x_mx_affine4"] = b["GBps"] / aff["GBps"]
+    return sorted(best.values(), key=lambda b: (b["N"], b["K"], b["type"]))
+
+
+def _print_table(res: dict) -> None:
+    print("\n== summary (best config per type and shape; % of copy bandwidth) ==")
+    best = res.get("best") or _best(res)
+    for b in best:
+        c = b.get("config") or {}
+        cfg = " ".join(f"{k}{c[k]}" for k in ("V", "R", "U", "W") if k in c)
+        print(f"{b['type']:>16} {b['N']:>6}x{b['K']:<6} {b['GBps']:6.0f} GB/s "
+              f"{b['pct_copy']:5.1f} % (default {b.get('default_pct_copy') or 0:5.1f} %)  "
+              f"x{b.get('x_mx_affine4') or 0:4.2f} mx-affine4  {cfg}")  # fmt: skip
+    print("\nsuggested qmatmul.TYPE_DEFAULTS entries (type, K >= 8192) -> (V, R, U, W):")
+    for b in best:
+        c = b.get("config")
+        if c and "V" in c:
+            print(f"  ({b['type']!r}, {b['K'] >= 8192}): ({c['V']}, {c['R']}, {c['U']}, {c['W']}),"
+                  f"  # {b['N']}x{b['K']} {b['pct_copy']:.0f} %")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ environment variable ``HF2Q_KERNELS=reference`` or, for a block of code, by::
     with hf2q_mlx.custom_kernels.reference_only():
         y = ggml_matmul(x, w, ggml_type, in_features)   # reference path
 
-Kept light: importing this package imports no kernel module.
+Kept light: importing this package imports no kernel module. ``backend()`` runs many times per
+decode step, so it costs a few attribute reads: the GPU kind is looked up once, and the
+environment variable is re-parsed only when its value changes (``refresh()`` forgets both).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextvars
 import os
 from collections.abc import Iterator
 
-__all__ = ["backend", "reference_only", "reference_forced", "ENV_VAR"]
+__all__ = ["backend", "reference_only", "reference_forced", "refresh", "ENV_VAR"]
 
 ENV_VAR = "HF2Q_KERNELS"
 
@@ -25,6 +27,37 @@ ENV_VAR = "HF2Q_KERNELS"
 _forced_reference: contextvars.ContextVar[int] = contextvars.ContextVar(
     "hf2q_forced_reference", default=0
 )
+
+# os.environ keeps the encoded values in ``_data`` (POSIX): reading the raw bytes object and
+# comparing it by identity skips os.environ.get's key encoding and value decoding (~0.7 us).
+# Any assignment, even of an equal value, stores a new bytes object, so a change is never missed.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if hasattr(os.environ, "encodekey") else ENV_VAR
+_UNSET = object()
+_env_raw: object = _UNSET  # the raw value last parsed
+_env_forced = False
+# (kind, the GPU Device, mx.default_device), looked up once
+_gpu: tuple[str | None, object, object] | None = None
+
+
+def refresh() -> None:
+    """Forget the cached GPU kind and environment setting (tests that patch MLX call this)."""
+    global _env_raw, _gpu
+    _env_raw, _gpu = _UNSET, None
+
+
+def _env_says_reference() -> bool:
+    global _env_raw, _env_forced
+    raw = _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else os.environ.get(ENV_VAR)
+    if raw is not _env_raw:
+        value = os.environ.get(ENV_VAR, "")
+        _env_raw, _env_forced = raw, value.strip().lower() == "reference"
+    return _env_forced
+
+
+def reference_forced() -> bool:
+    """True inside ``reference_only()`` or with ``HF2Q_KERNELS=reference``."""
+    return _forced_reference.get() > 0 or _env_says_reference()
 
 
 @contextlib.contextmanager
@@ -37,11 +70,13 @@ def reference_only() -> Iterator[None]:
         _forced_reference.reset(token)
 
 
-def reference_forced() -> bool:
-    """True inside ``reference_only()`` or with ``HF2Q_KERNELS=reference``."""
-    return _forced_reference.get() > 0 or (
-        os.environ.get(ENV_VAR, "").strip().lower() == "reference"
-    )
+def _gpu_kind() -> tuple[str | None, object, object]:
+    global _gpu
+    import mlx.core as mx
+
+    kind = "cuda" if mx.cuda.is_available() else ("metal" if mx.metal.is_available() else None)
+    _gpu = (kind, mx.Device(mx.DeviceType.gpu) if kind else None, mx.default_device)
+    return _gpu
 
 
 def backend() -> str | None:
@@ -50,14 +85,9 @@ def backend() -> str | None:
     None when ``HF2Q_KERNELS=reference``, inside ``reference_only()``, when MLX has no GPU back
     end, or when the default device is the CPU (custom kernels only run on the GPU).
     """
-    if reference_forced():
+    if _forced_reference.get() or _env_says_reference():
         return None
-    import mlx.core as mx
-
-    if mx.default_device().type != mx.DeviceType.gpu:
+    kind, device, default_device = _gpu or _gpu_kind()
+    if kind is None or default_device() != device:
         return None
-    if mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    return None
+    return kind

@@ -46,8 +46,9 @@ here to whole threadgroups, so both launch the same threads: guard the edges in 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Union
 
 import mlx.core as mx
@@ -307,6 +308,7 @@ _SHORT = {
 }
 _METAL_CONSTANT_MAX = 8  # MLX passes inputs with fewer elements in the constant address space
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MAX_PLANS = 512  # launch plans kept per kernel (a model repeats a handful of call shapes)
 
 BACKENDS = ("metal", "cuda")
 
@@ -394,6 +396,7 @@ class Kernel:
         self.examples = tuple(examples)
         self.ensure_row_contiguous = ensure_row_contiguous
         self._built: dict[tuple[str, str], object] = {}
+        self._plans: dict[tuple, Callable[..., list[mx.array]]] = {}
         for ex in self.examples:
             if tuple(ex.inputs) != self.inputs or tuple(ex.outputs) != self.outputs:
                 raise ValueError(f"kernel {name!r}: Example names differ from inputs/outputs")
@@ -507,6 +510,47 @@ class Kernel:
             self._built[key] = k
         return k
 
+    def launcher(
+        self,
+        input_dtypes: Sequence[mx.Dtype],
+        *,
+        grid: int | Sequence[int],
+        threadgroup: int | Sequence[int],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+        template: Mapping[str, TemplateValue] | Sequence | None = None,
+        init_value: float | None = None,
+        backend: str | None = None,
+        scalar_inputs: Sequence[int] = (),
+        verbose: bool = False,
+    ) -> Callable[..., list[mx.array]]:
+        """Everything but the arrays, checked and resolved once: ``launcher(...)(inputs=[...])``
+        launches like ``__call__`` with those values. ``scalar_inputs``: positions of 0-d inputs.
+        Dispatchers cache the result per call shape, so a decode step pays one call per op."""
+        backend = backend or gpu_backend()
+        if backend not in BACKENDS:
+            raise RuntimeError(f"kernel {self.name!r}: no GPU back end (MLX has no CUDA or Metal)")
+        if len(input_dtypes) != len(self.inputs) or len(output_dtypes) != len(self.outputs):
+            raise ValueError(f"kernel {self.name!r}: wrong number of inputs or outputs")
+        if len(output_shapes) != len(output_dtypes):
+            raise ValueError(f"kernel {self.name!r}: {len(output_shapes)} output shapes given")
+        tg = _dims3(threadgroup, "threadgroup")
+        gr = tuple(-(-g // t) * t for g, t in zip(_dims3(grid, "grid"), tg))
+        sig = "_".join(
+            _SHORT[d] + ("s" if i in scalar_inputs else "") for i, d in enumerate(input_dtypes)
+        )
+        sig += "__" + "_".join(_SHORT[d] for d in output_dtypes)
+        return partial(
+            self._kernel_for(backend, sig),
+            template=_norm_template(template) or None,
+            grid=gr,
+            threadgroup=tg,
+            output_shapes=[tuple(int(n) for n in s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            init_value=init_value,
+            verbose=verbose,
+        )
+
     def __call__(
         self,
         inputs: Sequence[mx.array],
@@ -520,24 +564,38 @@ class Kernel:
         backend: str | None = None,
         verbose: bool = False,
     ) -> list[mx.array]:
-        """Launch on the GPU: grid in threads (rounded up to whole threadgroups) -> outputs."""
+        """Launch on the GPU: grid in threads (rounded up to whole threadgroups) -> outputs.
+
+        The launch values are resolved once per distinct call (``launcher``) and kept."""
         backend = backend or gpu_backend()
-        if backend not in BACKENDS:
-            raise RuntimeError(f"kernel {self.name!r}: no GPU back end (MLX has no CUDA or Metal)")
-        if len(inputs) != len(self.inputs) or len(output_dtypes) != len(self.outputs):
-            raise ValueError(f"kernel {self.name!r}: wrong number of inputs or outputs")
-        tg = _dims3(threadgroup, "threadgroup")
-        gr = tuple(-(-g // t) * t for g, t in zip(_dims3(grid, "grid"), tg))
-        sig = "_".join(_SHORT[a.dtype] + ("s" if a.ndim == 0 else "") for a in inputs)
-        sig += "__" + "_".join(_SHORT[d] for d in output_dtypes)
-        kernel = self._kernel_for(backend, sig)
-        return kernel(
-            inputs=list(inputs),
-            template=_norm_template(template) or None,
-            grid=gr,
-            threadgroup=tg,
-            output_shapes=[tuple(s) for s in output_shapes],
-            output_dtypes=list(output_dtypes),
-            init_value=init_value,
-            verbose=verbose,
-        )
+        try:
+            key = (
+                backend,
+                grid,
+                threadgroup,
+                tuple(output_shapes),
+                tuple(output_dtypes),
+                tuple(template.items()) if type(template) is dict else template,
+                init_value,
+                verbose,
+                tuple([a.dtype if a.ndim else (a.dtype,) for a in inputs]),
+            )
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable value (a list): resolve it every time
+            key, plan = None, None
+        if plan is None:
+            plan = self.launcher(
+                [a.dtype for a in inputs],
+                grid=grid,
+                threadgroup=threadgroup,
+                output_shapes=output_shapes,
+                output_dtypes=output_dtypes,
+                template=template,
+                init_value=init_value,
+                backend=backend,
+                scalar_inputs=[i for i, a in enumerate(inputs) if a.ndim == 0],
+                verbose=verbose,
+            )
+            if key is not None and len(self._plans) < _MAX_PLANS:
+                self._plans[key] = plan
+        return plan(inputs=inputs)

@@ -75,36 +75,43 @@ _kernel = Kernel(
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
-@lru_cache(maxsize=64)
-def _params(n: int, i: int) -> mx.array:
-    return mx.array([n, i], dtype=mx.uint32)
-
-
 def gated_activation(gate: mx.array, up: mx.array | None = None, kind: str = "silu") -> mx.array:
     """Dispatcher: one kernel (no split copy for a fused gate_up), else the reference."""
+    be = backend()
+    if be is not None:
+        usig = None if up is None else (up.shape, up.dtype)
+        plan = _plan(_kernel, be, gate.shape, gate.dtype, usig, kind)
+        if plan is not None:
+            launch, params = plan
+            return launch(inputs=[gate, gate if up is None else up, params])[0]
+    return gated_activation_reference(gate, up, kind)
+
+
+@lru_cache(maxsize=256)
+def _plan(kernel, be, shape, dtype, usig, kind):
+    """(launcher, params) for one call shape, or None for the reference; raises for caller
+    errors (unknown activation, mismatched shapes)."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activation {kind!r} is not one of {ACTIVATIONS}")
-    fused = up is None
-    _split(gate, up)  # shape checks
-    I = gate.shape[-1] // 2 if fused else gate.shape[-1]
-    n = gate.size // (2 if fused else 1)
-    if (
-        backend() is None
-        or gate.dtype not in _FLOATS
-        or (up is not None and up.dtype != gate.dtype)
-    ):
-        return gated_activation_reference(gate, up, kind)
-    if n == 0 or n >= 2**32:
-        return gated_activation_reference(gate, up, kind)
-    (out,) = _kernel(
-        [gate, gate if fused else up, _params(n, I)],
+    fused = usig is None
+    if fused and shape[-1] % 2:
+        raise ValueError(f"a fused gate_up needs an even last axis, got {shape}")
+    if not fused and usig[0] != shape:
+        raise ValueError(f"gate {shape} and up {usig[0]} differ")
+    I = shape[-1] // 2 if fused else shape[-1]
+    n = math.prod(shape) // (2 if fused else 1)
+    if dtype not in _FLOATS or (not fused and usig[1] != dtype) or not 0 < n < 2**32:
+        return None
+    launch = kernel.launcher(
+        [dtype, dtype, mx.uint32],
         grid=(n,),
         threadgroup=(256,),
-        output_shapes=[(*gate.shape[:-1], I)],
-        output_dtypes=[gate.dtype],
-        template={"T": gate.dtype, "ACT": ACTIVATIONS.index(kind), "FUSED": fused},
+        output_shapes=[(*shape[:-1], I)],
+        output_dtypes=[dtype],
+        template={"T": dtype, "ACT": ACTIVATIONS.index(kind), "FUSED": fused},
+        backend=be,
     )
-    return out
+    return launch, mx.array([n, I], dtype=mx.uint32)
 
 
 def silu_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:

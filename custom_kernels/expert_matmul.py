@@ -79,10 +79,11 @@ def _gather_dense(x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel: qmatmul's GGML mat-vec loop (Q._BODY, with its per-type block decoders, unchanged)
-# behind a prefix that aims it at one (token, slot) pair. Q._BODY reads `dims` (M, N, K), `x`,
-# `w` and `gid_x` (block of R rows) and writes `out[m * N + row]`; the prefix defines those as
-# locals: M = 1, x = the pair's row, w = its expert's (N, row_bytes) blocks, out = its output row.
+# Kernel: qmatmul's GGML mat-vec loop (Q.mat_vec_body, its fp32 variant, with the per-type
+# block decoders) behind a prefix that aims it at one (token, slot) pair. The loop reads `dims`
+# (M, N, K), `x`, `w` and `gid_x` (block of R rows) and writes `out[m * N + row]`; the prefix
+# defines those as locals: M = 1, x = the pair's row, w = its expert's (N, row_bytes) blocks,
+# out = its output row.
 
 _PREFIX = r"""
   // Thread mapping: threadgroup (gid_x, gid_y) = (block of R rows, (token, slot) pair p); its
@@ -119,17 +120,18 @@ def _make_kernel(ggml_type: int) -> Kernel:
         )
         for dt, r, u in ((mx.float32, 4, 2), (mx.float16, 2, 1), (mx.bfloat16, 1, 4))
     ]
+    body, header = Q.mat_vec_body(ggml_type, 0, prefix=_PREFIX)
     return Kernel(
         f"ggml_expert_qmv_{GGMLQuantizationType(ggml_type).name.lower()}",
         inputs=["xs", "wq", "ids", "edims"],
         outputs=["ys"],
-        body=Q._substitute(_PREFIX + Q._BODY, ggml_type),
-        header=Q._COMMON + Q._TYPES[ggml_type][0],
+        body=body,
+        header=header,
         examples=examples,
     )
 
 
-_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q._TYPES}
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 
 
 def expert_matmul_kernel(
@@ -153,7 +155,7 @@ def expert_matmul_kernel(
     k, K = expert_ids.shape[-1], in_features
     per_slot = x.ndim == expert_ids.ndim + 1
     pairs = expert_ids.size
-    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K), MT=1)
+    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32), MT=1)
     ids = expert_ids.reshape(pairs)
     if ids.dtype != mx.uint32:
         ids = ids.astype(mx.uint32)  # negative int ids wrap past E: NaN rows
@@ -175,7 +177,7 @@ def _kernel_covers(x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: in
     return (
         backend() is not None
         and ggml_type in _KERNELS
-        and x.dtype in Q._X_DTYPES
+        and x.dtype in Q.X_DTYPES
         and tuple(x.shape[:-1]) == tuple(lead)  # broadcast x: the reference handles it
         and 1 <= math.prod(expert_ids.shape[:-1]) <= MAX_TOKENS
         and expert_ids.size > 0

@@ -3,6 +3,8 @@
 // Metal semantics (address spaces vanish, see docs/kernels.md). Include dir must supply an
 // empty <metal_stdlib>.
 #pragma once
+// Take the kernels' `#ifdef __METAL_VERSION__` branches, as the Metal compiler does.
+#define __METAL_VERSION__ 310
 #include <cmath>
 #include <cstdint>
 #define device
@@ -19,7 +21,7 @@ template <typename T> struct vec2 { T x, y; };
 template <typename T> struct vec3 { T x, y, z; };
 template <typename T> struct vec4 { T x, y, z, w; };
 typedef vec2<uint> uint2; typedef vec3<uint> uint3; typedef vec4<uint> uint4;
-typedef vec2<float> float2; typedef vec4<float> float4; typedef vec4<half> half4;
+typedef vec2<float> float2; typedef vec2<half> half2; typedef vec4<float> float4; typedef vec4<half> half4;
 namespace metal {
 enum mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
@@ -35,6 +37,6 @@ template <typename T> T simd_shuffle_down(T, ushort); template <typename T> T si
 bool simd_any(bool); bool simd_all(bool);
 float exp(float); float log(float); float sqrt(float); float rsqrt(float); float tanh(float);
 float fmax(float, float); float fmin(float, float); float fabs(float);
-float fma(float, float, float); bool isnan(float); bool isinf(float); uint popcount(uint);
+float fma(float, float, float); half2 fma(half2, half2, half2); bool isnan(float); bool isinf(float); uint popcount(uint);
 namespace fast { float exp(float); }
 }  // namespace metal

@@ -26,11 +26,13 @@ def ggml_matmul_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel. Every type shares one loop (_BODY); a type supplies how a lane loads its bytes of a
-# block (load_*), decodes them into exact small-integer floats with a scale and a bias per group
-# of GS weights (dq_*), where each group's x values sit (xoff_*) and at which bit position each
-# of its fields was read (p0_*). No repacking: the bytes are read where GGUF put them, with 2- or
-# 4-byte loads as each format's alignment allows.
+# Kernel. Every type shares two loops: _BODY (fp32 decode and math, any x dtype) and _BODY_H2
+# (packed fp16, fp16 x: the `h2` kernels, variant V = 1). A type supplies how a lane loads its
+# bytes of a block (load_*), decodes them into exact small integers with a scale and a bias per
+# group of GS weights (dq_*, templated on the output: floats carrying 2^p, or fp16 pairs), where
+# each group's x values sit (xoff_*) and at which bit position each of its fields was read
+# (p0_*). No repacking: the bytes are read where GGUF put them, with 2- or 4-byte loads as each
+# format's alignment allows.
 
 _COMMON = r"""
 // The float trick: a 16-bit half of a word under 0x4B000000 (the bits of 2^23), masked down to
@@ -69,6 +71,69 @@ FN void load_x4(DEVICE_PTR(const bfloat_t) p, THREAD_PTR(float) v) {
   v[0] = bf16_bits_to_float(ushort(a.x & 0xFFFFu)); v[1] = bf16_bits_to_float(ushort(a.x >> 16));
   v[2] = bf16_bits_to_float(ushort(a.y & 0xFFFFu)); v[3] = bf16_bits_to_float(ushort(a.y >> 16));
 }
+// Packed fp16 pairs (the `h2` kernels, fp16 x): a uint holds two fp16 values, low half first.
+// h2_fma is one HFMA2 on CUDA and a half2 fma on Metal; elsewhere (the CPU emulator, syntax
+// checks) it is computed in fp32 and rounded once to fp16 (the product of two fp16 is exact in
+// fp32, so only rare double roundings differ from a fused fp16 fma).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+FN uint h2_fma(uint a, uint b, uint c) {
+  return bitcast<uint>(__hfma2(bitcast<__half2>(a), bitcast<__half2>(b), bitcast<__half2>(c)));
+}
+#elif defined(__METAL_VERSION__)
+FN uint h2_fma(uint a, uint b, uint c) {
+  return as_type<uint>(fma(as_type<half2>(a), as_type<half2>(b), as_type<half2>(c)));
+}
+#else
+FN uint h1_fma(uint a, uint b, uint c) {
+  const float f = fma_f(f16_bits_to_float(ushort(a & 0xFFFFu)),
+                        f16_bits_to_float(ushort(b & 0xFFFFu)),
+                        f16_bits_to_float(ushort(c & 0xFFFFu)));
+  return uint(bitcast<ushort>(from_float<half_t>(f)));
+}
+FN uint h2_fma(uint a, uint b, uint c) {
+  return h1_fma(a, b, c) | (h1_fma(a >> 16, b >> 16, c >> 16) << 16);
+}
+#endif
+// fp16 bits of f, f an integer or a power of two inside fp16's normal range (constants only).
+FN uint f16_bits(float f) {
+  const uint u = bitcast<uint>(f);
+  return ((u >> 16) & 0x8000u) | ((((u >> 23) & 0xFFu) - 112u) << 10) | ((u >> 13) & 0x3FFu);
+}
+FN uint h2_splat(float f) { return f16_bits(f) * 0x00010001u; }
+// Bytes of (y, x) picked by the nibbles of s: result byte n = byte (s >> 4n) & 7 of the pair,
+// x holding bytes 0-3 and y 4-7 (CUDA's __byte_perm, one PRMT; spelled out elsewhere).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+FN uint byte_perm(uint x, uint y, uint s) { return __byte_perm(x, y, s); }
+#else
+FN uint byte_perm(uint x, uint y, uint s) {
+  uint r = 0u;
+  UNROLL for (int n = 0; n < 4; ++n) {
+    const uint sel = (s >> (4 * n)) & 7u;
+    r |= (((sel < 4u ? x : y) >> (8u * (sel & 3u))) & 0xFFu) << (8 * n);
+  }
+  return r;
+}
+#endif
+// The fp16 twin of the float trick: a field of at most 8 - p bits at bit p of a byte, moved
+// into the low byte of a 16-bit half under 0x64 (the high byte of 1024 in fp16), reads as
+// 1024 + 2^p * field; one fma by (2^-p, -(1024 2^-p + zero)) leaves field - zero, exact.
+// out[0] pairs bytes (0, 2) of v, out[1] bytes (1, 3): one mask for the word, one byte
+// permutation per pair (the magic is a register operand, hoisted out of the loop).
+FN void quad(uint v, int p0, uint wmask, float zero, THREAD_PTR(uint) out) {
+  const uint vm = v & ((wmask << p0) * 0x01010101u);
+  const uint s = h2_splat(1.0f / float(1u << p0));
+  const uint c = h2_splat(-(1024.0f / float(1u << p0) + zero));
+  out[0] = h2_fma(byte_perm(vm, 0x64006400u, 0x7250u), s, c);
+  out[1] = h2_fma(byte_perm(vm, 0x64006400u, 0x7351u), s, c);
+}
+FN int qstride(THREAD_PTR(float) w) { return 4; }  // a quad fills 4 floats or 2 fp16 pairs
+FN int qstride(THREAD_PTR(uint) w) { return 2; }
+// 4 consecutive fp16 x as the pairs quad() makes: out[0] = (x0, x2), out[1] = (x1, x3).
+FN void load_xh(DEVICE_PTR(const half_t) p, THREAD_PTR(uint) out) {
+  const uint2 a = DEVICE_CAST(const uint2, p)[0];
+  out[0] = (a.x & 0xFFFFu) | (a.y << 16);
+  out[1] = (a.x >> 16) | (a.y & 0xFFFF0000u);
+}
 // bit i of v (i < 4) -> bit 8i+4: the fifth bit of four packed nibbles (shifted copies of v
 // do not overlap, so the multiply is an OR).
 FN uint spread4(uint v) { return (v * 0x02040810u) & 0x10101010u; }
@@ -84,9 +149,10 @@ FN RawQ4_0 load_q4_0(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q4_0(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
 FN int p0_q4_0(int g, int p) { return 4 * p; }
-FN void dq_q4_0(RawQ4_0 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
-  quad(r.q, 0, 0xFu, 8.0f, w); quad(r.q, 4, 0xFu, 8.0f, w + 4);
+template <typename W>
+FN void dq_q4_0(RawQ4_0 r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
+  quad(r.q, 0, 0xFu, 8.0f, w); quad(r.q, 4, 0xFu, 8.0f, w + qstride(w));
   sc[0] = f16lo(r.d); bi[0] = 0.0f;
 }
 """
@@ -98,9 +164,10 @@ FN RawQ4_1 load_q4_1(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q4_1(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
 FN int p0_q4_1(int g, int p) { return 4 * p; }
-FN void dq_q4_1(RawQ4_1 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
-  quad(r.q, 0, 0xFu, 0.0f, w); quad(r.q, 4, 0xFu, 0.0f, w + 4);
+template <typename W>
+FN void dq_q4_1(RawQ4_1 r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
+  quad(r.q, 0, 0xFu, 0.0f, w); quad(r.q, 4, 0xFu, 0.0f, w + qstride(w));
   sc[0] = f16lo(r.dm); bi[0] = f16hi(r.dm);
 }
 """
@@ -113,11 +180,12 @@ FN RawQ5_0 load_q5_0(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q5_0(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
 FN int p0_q5_0(int g, int p) { return 0; }
-FN void dq_q5_0(RawQ5_0 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q5_0(RawQ5_0 r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   const uint lo = (r.q & 0x0F0F0F0Fu) | spread4((r.qh >> (4 * t)) & 0xFu);
   const uint hi = ((r.q >> 4) & 0x0F0F0F0Fu) | spread4((r.qh >> (16 + 4 * t)) & 0xFu);
-  quad(lo, 0, 0x1Fu, 16.0f, w); quad(hi, 0, 0x1Fu, 16.0f, w + 4);
+  quad(lo, 0, 0x1Fu, 16.0f, w); quad(hi, 0, 0x1Fu, 16.0f, w + qstride(w));
   sc[0] = f16lo(r.d); bi[0] = 0.0f;
 }
 """
@@ -129,11 +197,12 @@ FN RawQ5_1 load_q5_1(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q5_1(uint t, int g, int p) { return uint(16 * p) + 4 * t; }
 FN int p0_q5_1(int g, int p) { return 0; }
-FN void dq_q5_1(RawQ5_1 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q5_1(RawQ5_1 r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   const uint lo = (r.q & 0x0F0F0F0Fu) | spread4((r.qh >> (4 * t)) & 0xFu);
   const uint hi = ((r.q >> 4) & 0x0F0F0F0Fu) | spread4((r.qh >> (16 + 4 * t)) & 0xFu);
-  quad(lo, 0, 0x1Fu, 0.0f, w); quad(hi, 0, 0x1Fu, 0.0f, w + 4);
+  quad(lo, 0, 0x1Fu, 0.0f, w); quad(hi, 0, 0x1Fu, 0.0f, w + qstride(w));
   sc[0] = f16lo(r.dm); bi[0] = f16hi(r.dm);
 }
 """
@@ -146,9 +215,11 @@ FN RawQ8_0 load_q8_0(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q8_0(uint t, int g, int p) { return 8 * t + uint(4 * p); }
 FN int p0_q8_0(int g, int p) { return 0; }
-FN void dq_q8_0(RawQ8_0 r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
-  quad(r.a ^ 0x80808080u, 0, 0xFFu, 128.0f, w); quad(r.b ^ 0x80808080u, 0, 0xFFu, 128.0f, w + 4);
+template <typename W>
+FN void dq_q8_0(RawQ8_0 r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
+  quad(r.a ^ 0x80808080u, 0, 0xFFu, 128.0f, w);
+  quad(r.b ^ 0x80808080u, 0, 0xFFu, 128.0f, w + qstride(w));
   sc[0] = f16lo(r.d); bi[0] = 0.0f;
 }
 """
@@ -165,8 +236,9 @@ FN RawQ2_K load_q2_k(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q2_k(uint t, int g, int p) { return 128 * (t >> 3) + uint(32 * g) + 4 * (t & 7); }
 FN int p0_q2_k(int g, int p) { return 2 * g; }
-FN void dq_q2_k(RawQ2_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q2_k(RawQ2_K r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   quad(r.q, 2 * g, 0x3u, 0.0f, w);
   const uint m = (g & 1) ? mhi((g < 2 ? r.s0 : r.s1) >> (8 * ((t & 7) >> 2)))
                          : mlo((g < 2 ? r.s0 : r.s1) >> (8 * ((t & 7) >> 2)));
@@ -187,8 +259,9 @@ FN RawQ3_K load_q3_k(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q3_k(uint t, int g, int p) { return 128 * (t >> 3) + uint(32 * g) + 4 * (t & 7); }
 FN int p0_q3_k(int g, int p) { return 0; }
-FN void dq_q3_k(RawQ3_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q3_k(RawQ3_K r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   const uint n = t >> 3, sh = 8 * ((t & 7) >> 2) + 4 * n;
   const uint v = ((r.q >> (2 * g)) & 0x03030303u) | (((r.hm >> (4 * n + g)) & 0x01010101u) << 2);
   quad(v, 0, 0x7u, 4.0f, w);
@@ -217,6 +290,17 @@ FN float k4_value(uint s0, uint s1, uint s2, int which, int s, float d) {
   const uint m = (s & 2) ? mhi(word) : mlo(word);
   return (s & 1) ? fld(m, 8, 0x3Fu, 0.0f) * (d * 0.00390625f) : fld(m, 0, 0x3Fu, 0.0f) * d;
 }
+// The same value for each kernel's decode (overloaded on its weight pointer): the fp32 kernels
+// take k4_value; the packed fp16 ones decode the block's four words of 6-bit values as fp16
+// pairs, which the unrolled group loop computes once per block and row (same expressions).
+FN float k4_get(uint s0, uint s1, uint s2, int which, int s, float d, THREAD_PTR(float) w) {
+  return k4_value(s0, s1, s2, which, s, d);
+}
+FN float k4_get(uint s0, uint s1, uint s2, int which, int s, float d, THREAD_PTR(uint) w) {
+  uint pr[2];  // bytes (0, 2) and (1, 3) of the word: sub-blocks 4 (s / 4) + 0..3
+  quad(k4_word(s0, s1, s2, which, s >> 2), 0, 0x3Fu, 0.0f, pr);
+  return ((s & 2) ? f16hi(pr[s & 1]) : f16lo(pr[s & 1])) * d;
+}
 """
 
 _Q4_K = (
@@ -234,13 +318,14 @@ FN RawQ4_K load_q4_k(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q4_k(uint t, int g, int p) { return uint(32 * g + 16 * p) + 4 * t; }
 FN int p0_q4_k(int g, int p) { return 4 * (g & 1); }
-FN void dq_q4_k(RawQ4_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q4_k(RawQ4_K r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   const int j = g >> 1, hh = g & 1;
   quad(r.q[2 * j], 4 * hh, 0xFu, 0.0f, w);
-  quad(r.q[2 * j + 1], 4 * hh, 0xFu, 0.0f, w + 4);
-  sc[0] = k4_value(r.s0, r.s1, r.s2, 0, g, f16lo(r.dd));
-  bi[0] = -k4_value(r.s0, r.s1, r.s2, 1, g, f16hi(r.dd));
+  quad(r.q[2 * j + 1], 4 * hh, 0xFu, 0.0f, w + qstride(w));
+  sc[0] = k4_get(r.s0, r.s1, r.s2, 0, g, f16lo(r.dd), w);
+  bi[0] = -k4_get(r.s0, r.s1, r.s2, 1, g, f16hi(r.dd), w);
 }
 """
 )
@@ -260,14 +345,15 @@ FN RawQ5_K load_q5_k(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q5_k(uint t, int g, int p) { return uint(32 * g + 16 * p) + 4 * t; }
 FN int p0_q5_k(int g, int p) { return 0; }
-FN void dq_q5_k(RawQ5_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q5_k(RawQ5_K r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   const int j = g >> 1, hh = g & 1;
   const uint v0 = ((r.q[2 * j] >> (4 * hh)) & 0x0F0F0F0Fu) | (((r.h0 >> g) & 0x01010101u) << 4);
   const uint v1 = ((r.q[2 * j + 1] >> (4 * hh)) & 0x0F0F0F0Fu) | (((r.h1 >> g) & 0x01010101u) << 4);
-  quad(v0, 0, 0x1Fu, 0.0f, w); quad(v1, 0, 0x1Fu, 0.0f, w + 4);
-  sc[0] = k4_value(r.s0, r.s1, r.s2, 0, g, f16lo(r.dd));
-  bi[0] = -k4_value(r.s0, r.s1, r.s2, 1, g, f16hi(r.dd));
+  quad(v0, 0, 0x1Fu, 0.0f, w); quad(v1, 0, 0x1Fu, 0.0f, w + qstride(w));
+  sc[0] = k4_get(r.s0, r.s1, r.s2, 0, g, f16lo(r.dd), w);
+  bi[0] = -k4_get(r.s0, r.s1, r.s2, 1, g, f16hi(r.dd), w);
 }
 """
 )
@@ -285,8 +371,9 @@ FN RawQ6_K load_q6_k(DEVICE_PTR(const uchar) p, uint t) {
 }
 FN uint xoff_q6_k(uint t, int g, int p) { return 128 * (t >> 3) + uint(32 * g) + 4 * (t & 7); }
 FN int p0_q6_k(int g, int p) { return 0; }
-FN void dq_q6_k(RawQ6_K r, uint t, int g, THREAD_PTR(float) w, THREAD_PTR(float) sc,
-                THREAD_PTR(float) bi) {
+template <typename W>
+FN void dq_q6_k(RawQ6_K r, uint t, int g, THREAD_PTR(W) w, THREAD_PTR(float) sc,
+          THREAD_PTR(float) bi) {
   const uint src = (g & 1) ? r.qb : r.qa;
   const uint v = ((src >> (4 * (g >> 1))) & 0x0F0F0F0Fu) | (((r.qh >> (2 * g)) & 0x03030303u) << 4);
   quad(v, 0, 0x3Fu, 32.0f, w);
@@ -385,9 +472,102 @@ _BODY = r"""
   }
 """
 
+# One run of U steps of the packed fp16 loop; @CHECK@ guards steps past the row's end (only the
+# last run of a SIMD group can have them, so the main loop's copy has no guards at all).
+_RUN_H2 = r"""
+    {
+      const uint blk0 = s0 * BPS + bsub;
+      Raw@SUF@ raw[U][R];
+      UNROLL for (int r = 0; r < R; ++r) {
+        // one base address per row and run: the U steps are immediate offsets of the loads
+        DEVICE_PTR(const uchar) wb = wrow[r] + size_t(blk0) * BB;
+        UNROLL for (int u = 0; u < U; ++u)
+          if (@CHECK@) raw[u][r] = load_@suf@(wb + u * BPS * BB, t);
+      }
+      DEVICE_PTR(const T) xb0 = x + size_t(blk0) * QK;
+      UNROLL for (int u = 0; u < U; ++u) {
+        if (!(@CHECK@)) continue;
+        DEVICE_PTR(const T) xb = xb0 + u * BPS * QK;
+        UNROLL for (int g = 0; g < int(NG); ++g) {
+          uint wv[R][GP];
+          float sc[R];
+          float bi[R];
+          UNROLL for (int r = 0; r < R; ++r) dq_@suf@(raw[u][r], t, g, wv[r], &sc[r], &bi[r]);
+          UNROLL for (int m = 0; m < MT; ++m) {
+            uint xv[GP];
+            if (uint(m) < Mrt) {
+              UNROLL for (int p = 0; p < int(GS / 4); ++p)
+                load_xh(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 2 * p);
+            } else {
+              UNROLL for (int i = 0; i < int(GP); ++i) xv[i] = 0u;
+            }
+            float sx = 0.0f;
+            if (@BIAS@) {  // the group's x sum: fp16 pair adds, the last one in fp32
+              uint hs = xv[0];
+              UNROLL for (int i = 1; i < int(GP); ++i) hs = h2_fma(xv[i], 0x3C003C00u, hs);
+              sx = f16lo(hs) + f16hi(hs);
+            }
+            UNROLL for (int r = 0; r < R; ++r) {
+              uint s = 0u;
+              UNROLL for (int i = 0; i < int(GP); ++i) s = h2_fma(wv[r][i], xv[i], s);
+              acc[r][m] = fma_f(sc[r], f16lo(s) + f16hi(s), acc[r][m]);
+              if (@BIAS@) acc[r][m] = fma_f(bi[r], sx, acc[r][m]);
+            }
+          }
+        }
+      }
+    }
+"""
+
+_BODY_H2 = r"""
+  // Thread mapping as _BODY (R rows per threadgroup, SIMD groups on interleaved runs of U steps,
+  // LPB lanes per block). fp16 x only: weights decode to exact fp16 pairs (field - zero) and
+  // meet x in packed fp16 fmas, two weights per instruction; each group's GS products are summed
+  // in fp16 (GS / 2 roundings), then scaled and accumulated in fp32 across groups and blocks.
+  // Range: a lane's fp16 group sum is GS / 2 products of |field - zero| * |x|, so it overflows
+  // past 65504 / (GS / 2 * max |field - zero|): |x| ~2048 for Q4_0, ~500 for Q5_K, ~128 Q8_0.
+  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, BPS = 32 / LPB, NG = @NG@, GS = @GS@;
+  constexpr uint GP = GS / 2;  // fp16 pairs per group
+  const uint Mrt = uint(dims[0]);
+  const uint N = uint(dims[1]);
+  const uint K = uint(dims[2]);
+  const uint nb = K / QK;
+  const size_t row_bytes = size_t(nb) * BB;
+  const uint row0 = gid_x * R;
+  const uint t = lane % LPB;
+  const uint bsub = lane / LPB;
+  const uint nsteps = (nb + BPS - 1) / BPS;
+  float acc[R][MT];
+  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
+  DEVICE_PTR(const uchar) wrow[R];  // rows past N re-read row N-1; their sums are dropped
+  UNROLL for (int r = 0; r < R; ++r)
+    wrow[r] = w + size_t(row0 + r < N ? row0 + r : N - 1) * row_bytes;
+  uint s0 = simd_id * U;
+  // Whole runs (all U steps of every lane inside the row), then at most one partial run.
+  for (; (s0 + U) * BPS <= nb; s0 += n_simd * U) @RUN_FULL@
+  if (s0 < nsteps) @RUN_TAIL@
+  // Sum the lanes, then the SIMD groups (through shared memory), and write (M, N).
+  SHARED float red[8 * R * MT];
+  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
+    const float v = simd_sum(acc[r][m]);
+    if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
+  }
+  BARRIER();
+  if (tid < uint(R * MT)) {
+    const uint r = tid / MT, m = tid % MT, row = row0 + r;
+    float v = 0.0f;
+    for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
+    if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
+  }
+""".replace("@RUN_FULL@", _RUN_H2.replace("@CHECK@", "true")).replace(
+    "@RUN_TAIL@", _RUN_H2.replace("@CHECK@", "blk0 + uint(u) * BPS < nb")
+)
+
 _MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups: threadgroups of at most 256 threads
 _M_BUCKETS = (1, 2, 4, 8, 16)  # MT template values; M is rounded up to one of these
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+X_DTYPES = _X_DTYPES  # x dtypes the mat-vec kernels take
+MAT_VEC_TYPES = tuple(_TYPES)  # GGML types with a mat-vec kernel
 
 
 _DEQ_BODY = r"""
@@ -424,21 +604,40 @@ def _substitute(body: str, ggml_type: int) -> str:
     return body.replace("@BIAS@", "true" if bias else "false")
 
 
-def _make_kernel(ggml_type: int) -> Kernel:
+def mat_vec_body(ggml_type: int, variant: int = 0, prefix: str = "") -> tuple[str, str]:
+    """(body, header) of the mat-vec loop for one GGML type: what expert_matmul builds on.
+
+    ``prefix`` goes before the loop (its @QK@ / @BB@ become the type's block size and bytes).
+    The loop reads ``dims`` (M, N, K), ``x``, ``w`` and ``gid_x`` (block of R rows), takes the
+    template values T, MT, R, U, and writes ``out[m * N + row]``. ``variant`` 0 works for fp32,
+    fp16 and bf16 x (fp32 decode and math); 1 (``VARIANTS``) for fp16 x only (packed fp16 math).
+    """
+    body = _BODY_H2 if variant == 1 else _BODY
+    return _substitute(prefix + body, ggml_type), _COMMON + _TYPES[ggml_type][0]
+
+
+# Kernel variants: 0 = fp32 decode and fmas (any x dtype), 1 = packed fp16 (fp16 x only).
+VARIANTS = {0: "f32", 1: "h2"}
+
+
+def _make_kernel(ggml_type: int, variant: int) -> Kernel:
+    dts = (mx.float32, mx.float16, mx.bfloat16) if variant == 0 else (mx.float16,) * 3
     examples = [
         Example(
             {"x": dt, "w": mx.uint8, "dims": (mx.int32, 3)},
             {"out": dt},
             {"T": dt, "MT": mt, "R": r, "U": u},
         )
-        for dt, mt, r, u in ((mx.float32, 1, 4, 2), (mx.float16, 8, 2, 1), (mx.bfloat16, 16, 1, 1))
+        for dt, mt, r, u in zip(dts, (1, 8, 16), (4, 2, 1), (2, 1, 1))
     ]
+    body, header = mat_vec_body(ggml_type, variant)
+    suffix = "" if variant == 0 else VARIANTS[variant] + "_"
     return Kernel(
-        f"ggml_qmv_{T(ggml_type).name.lower()}",
+        f"ggml_qmv_{suffix}{T(ggml_type).name.lower()}",
         inputs=["x", "w", "dims"],
         outputs=["out"],
-        body=_substitute(_BODY, ggml_type),
-        header=_COMMON + _TYPES[ggml_type][0],
+        body=body,
+        header=header,
         examples=examples,
     )
 
@@ -458,29 +657,97 @@ def _make_dequant_kernel(ggml_type: int) -> Kernel:
     )
 
 
-_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in _TYPES}
+_KERNELS: dict[tuple[int, int], Kernel] = {
+    (t, v): _make_kernel(t, v) for t in _TYPES for v in VARIANTS
+}
 _DEQUANT_KERNELS: dict[int, Kernel] = {t: _make_dequant_kernel(t) for t in _TYPES}
 
 
-def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
-    """MT (columns compiled for), R (rows per threadgroup), U (steps per run), W (SIMD groups).
+def kernel_name(ggml_type: int, variant: int = 0) -> str:
+    """The registered name of a mat-vec kernel (benchmarks match profiler events on it)."""
+    return _KERNELS[(ggml_type, variant)].name
+
+
+# Defaults at M = 1, per block family and row length: (V, R, U, W max). One table so the H200
+# sweep (bench/qmatmul.py --sweep) can switch them by editing a line. V = 1 applies to fp16 x
+# only; other dtypes take V = 0 with the same R, U, W. Rows of K >= 8192 count as long.
+# V = 0 rows are the H200-measured bests (docs/kernel_notes.md); the V = 1 rows are predicted
+# from the sm_90 builds (fewest instructions per weight and row: U = 1, R = 8 for 32-weight
+# blocks, 4 for K-quants) and wait for the sweep.
+DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
+    ("32", False): (1, 8, 1, 4),  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+    ("32", True): (1, 4, 1, 8),
+    ("256", False): (1, 4, 1, 4),  # K-quants
+    ("256", True): (1, 2, 1, 8),
+}
+# Per type overrides of DEFAULTS, keyed (type name, long rows). The packed fp16 decode costs
+# more instructions than the fp32 one for the 4-weight groups of Q3_K and Q6_K (sm_90 build).
+# Q8_0 stays on fp32 math: its fp16 group sums (4 products of |q| <= 128 per half) overflow once
+# |x| reaches ~128, where the 4-bit types (|q| <= 8 .. 31) have 4-16x more headroom.
+TYPE_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
+    ("Q8_0", False): (0, 4, 2, 4),
+    ("Q8_0", True): (0, 2, 4, 8),
+    ("Q3_K", False): (0, 4, 1, 4),
+    ("Q3_K", True): (0, 2, 1, 8),
+    ("Q6_K", False): (0, 4, 1, 4),
+    ("Q6_K", True): (0, 2, 1, 8),
+}
+
+
+def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> dict[str, int]:
+    """V (variant), MT (columns compiled for), R (rows per threadgroup), U (steps per run),
+    W (SIMD groups).
 
     From the H200 measurements (docs/kernel_notes.md, M = 1): rows of up to ~8k weights run
     best with 4 rows per threadgroup and up to 4 SIMD groups; long rows (K = 14336) with 2 rows
     and 8 SIMD groups (more loads in flight per row, +30 % for Q4_0). W never exceeds the runs
     a row has, so no SIMD group idles.
     """
-    qk, lpb = _TYPES[ggml_type][1], _TYPES[ggml_type][3]
+    qk = _TYPES[ggml_type][1]
     mt = next(b for b in _M_BUCKETS if b >= M)
     long_rows = K >= 8192
-    if qk == 32:
-        r, u, w_max = (2, 4, 8) if long_rows else (4, 2, 4)
-    else:
-        r, u, w_max = (2, 1, 8) if long_rows else (4, 1, 4)
+    name = T(ggml_type).name
+    v, r, u, w_max = TYPE_DEFAULTS.get((name, long_rows)) or DEFAULTS[(str(qk), long_rows)]
+    if dtype != mx.float16:
+        v = 0
     r = max(1, min(r, 16 // mt))  # R x MT accumulators per lane
+    return clamp_w(ggml_type, K, {"V": v, "MT": mt, "R": r, "U": u, "W": w_max})
+
+
+def clamp_w(ggml_type: int, K: int, cfg: dict[str, int]) -> dict[str, int]:
+    """cfg with W cut to the runs of U steps a row has, so no SIMD group idles."""
+    qk, lpb = _TYPES[ggml_type][1], _TYPES[ggml_type][3]
     nsteps = -(-(K // qk) // (32 // lpb))
-    w = max(1, min(w_max, -(-nsteps // u)))
-    return {"MT": mt, "R": r, "U": u, "W": w}
+    return dict(cfg, W=max(1, min(cfg["W"], -(-nsteps // cfg["U"]))))
+
+
+class _Plan:
+    """Everything a launch needs for one (type, M, N, K, dtype, config), built once."""
+
+    __slots__ = ("kernel", "grid", "threadgroup", "out_shapes", "out_dtypes", "template", "dims")
+
+    def __init__(self, ggml_type: int, M: int, N: int, K: int, dtype, cfg: dict[str, int]):
+        self.kernel = _KERNELS[(ggml_type, cfg.get("V", 0))]
+        self.grid = (-(-N // cfg["R"]) * 32 * cfg["W"],)
+        self.threadgroup = (32 * cfg["W"],)
+        self.out_shapes = [(M, N)]
+        self.out_dtypes = [dtype]
+        self.template = {"T": dtype, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]}
+        self.dims = mx.array([M, N, K], dtype=mx.int32)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(ggml_type: int, M: int, N: int, K: int, dtype, config: dict | None) -> _Plan:
+    key = (ggml_type, M, N, K, dtype, None if config is None else tuple(sorted(config.items())))
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = config or launch_config(ggml_type, M, N, K, dtype)
+        if cfg.get("V", 0) == 1 and dtype != mx.float16:
+            raise ValueError("the h2 variant (V = 1) takes fp16 x only")
+        plan = _PLANS[key] = _Plan(ggml_type, M, N, K, dtype, cfg)
+    return plan
 
 
 def ggml_matmul_kernel(
@@ -494,23 +761,20 @@ def ggml_matmul_kernel(
 ) -> mx.array:
     """The GPU kernel alone: x (M, K) with 1 <= M <= 16, w_raw (N, row_bytes) -> (M, N).
 
-    ``config`` overrides ``launch_config`` (benchmarks); ``init_value`` pre-fills the output
-    (tests poison it with NaN to prove every element is written).
+    ``config`` overrides ``launch_config`` (benchmarks; V defaults to 0); ``init_value``
+    pre-fills the output (tests poison it with NaN to prove every element is written).
     """
     M, K = x.shape
-    N = w_raw.shape[0]
-    cfg = config or launch_config(ggml_type, M, N, K)
-    dims = mx.array([M, N, K], dtype=mx.int32)
-    (out,) = _KERNELS[ggml_type](
-        [x, w_raw, dims],
-        grid=(-(-N // cfg["R"]) * 32 * cfg["W"],),
-        threadgroup=(32 * cfg["W"],),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-        template={"T": x.dtype, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]},
+    p = _plan(ggml_type, M, w_raw.shape[0], K, x.dtype, config)
+    return p.kernel(
+        [x, w_raw, p.dims],
+        grid=p.grid,
+        threadgroup=p.threadgroup,
+        output_shapes=p.out_shapes,
+        output_dtypes=p.out_dtypes,
+        template=p.template,
         init_value=init_value,
-    )
-    return out
+    )[0]
 
 
 def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dtype: mx.Dtype):
@@ -546,6 +810,12 @@ def _ggml_matmul_dequant(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+# Launch plans by call signature: a repeat call (every decode step) is one dict lookup, then
+# the launch. x goes in with its own shape (the kernel reads M, N, K from dims) and the output
+# is created in (..., N): no reshapes.
+_CALLS: dict[tuple, _Plan] = {}
+
+
 def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) -> mx.array:
     """x (..., K) @ dequant(w_raw).T -> (..., N) in x.dtype, fp32 accumulation.
 
@@ -553,6 +823,18 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     for 1..16 rows of x; for more, the GPU dequantizer by row chunks and mx.matmul. The reference
     elsewhere (CPU, HF2Q_KERNELS=reference, dense GGML types, other dtypes).
     """
+    be = backend()
+    if be is not None:
+        p = _CALLS.get((ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype))
+        if p is not None:
+            return p.kernel(
+                [x, w_raw, p.dims],
+                grid=p.grid,
+                threadgroup=p.threadgroup,
+                output_shapes=p.out_shapes,
+                output_dtypes=p.out_dtypes,
+                template=p.template,
+            )[0]
     if x.shape[-1] != in_features:
         raise WeightMismatchError(f"x has {x.shape[-1]} features, the weight {in_features}")
     rb = row_bytes(ggml_type, in_features)  # raises for unknown types / bad K
@@ -563,16 +845,19 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
             )
     M = math.prod(x.shape[:-1])
     if (
-        backend() is None
-        or ggml_type not in _KERNELS
+        be is None
+        or ggml_type not in _TYPES
         or x.dtype not in _X_DTYPES
         or M == 0
         or w_raw.shape[0] == 0
     ):
         return ggml_matmul_reference(x, w_raw, ggml_type, in_features)
-    x2 = x.reshape(M, in_features)
     if M <= _M_BUCKETS[-1]:
-        out = ggml_matmul_kernel(x2, w_raw, ggml_type, in_features)
-    else:
-        out = _ggml_matmul_dequant(x2, w_raw, ggml_type, in_features)
+        N = w_raw.shape[0]
+        plan = _Plan(ggml_type, M, N, in_features, x.dtype,
+                     launch_config(ggml_type, M, N, in_features, x.dtype))  # fmt: skip
+        plan.out_shapes = [(*x.shape[:-1], N)]
+        _CALLS[(ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype)] = plan
+        return ggml_matmul(x, w_raw, ggml_type, in_features)
+    out = _ggml_matmul_dequant(x.reshape(M, in_features), w_raw, ggml_type, in_features)
     return out.reshape(*x.shape[:-1], w_raw.shape[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -101,30 +102,52 @@ def residual_rms_norm(
     weight_offset: float = 0.0,
 ) -> tuple[mx.array, mx.array]:
     """Dispatcher: one kernel for (h, y) where it applies, else the reference."""
-    if x.shape != residual.shape:
-        raise ValueError(f"x {x.shape} and residual {residual.shape} differ")
-    H = x.shape[-1]
-    if weight is not None and weight.shape != (H,):
-        raise ValueError(f"weight must be ({H},), got {weight.shape}")
+    be = backend()
+    if be is not None:
+        wsig = None if weight is None else (weight.shape, weight.dtype)
+        plan = _plan(_kernel, be, x.shape, x.dtype, residual.shape, residual.dtype, wsig, eps,
+                     weight_offset)  # fmt: skip
+        if plan is not None:
+            launch, w_none, fparams = plan
+            h, y = launch(inputs=[x, residual, w_none if weight is None else weight, fparams])
+            return h, y
+    _check(x.shape, residual.shape, None if weight is None else weight.shape)
+    return residual_rms_norm_reference(x, residual, weight, eps, weight_offset)
+
+
+def _check(shape, res_shape, w_shape) -> None:
+    if shape != res_shape:
+        raise ValueError(f"x {shape} and residual {res_shape} differ")
+    H = shape[-1]
+    if w_shape is not None and w_shape != (H,):
+        raise ValueError(f"weight must be ({H},), got {w_shape}")
+
+
+@lru_cache(maxsize=256)
+def _plan(kernel, be, shape, dtype, res_shape, res_dtype, wsig, eps, woff):
+    """(launcher, stand-in weight, fparams) for one call shape, or None for the reference."""
+    _check(shape, res_shape, None if wsig is None else wsig[0])
+    H = shape[-1]
+    size = math.prod(shape)
     covered = (
-        backend() is not None
-        and x.dtype in _FLOATS
-        and residual.dtype == x.dtype
-        and (weight is None or weight.dtype in _FLOATS)
-        and x.size > 0
+        dtype in _FLOATS
+        and res_dtype == dtype
+        and (wsig is None or wsig[1] in _FLOATS)
+        and size > 0
         and H <= 16384
     )
     if not covered:
-        return residual_rms_norm_reference(x, residual, weight, eps, weight_offset)
+        return None
     tg = threads_for(H)
-    w = weight if weight is not None else _const((0.0,) * 8, x.dtype)
-    h, y = _kernel(
-        [x, residual, w, _const((float(eps), float(weight_offset)), mx.float32)],
-        grid=(x.size // H * tg,),
+    WT = dtype if wsig is None else wsig[1]
+    launch = kernel.launcher(
+        [dtype, dtype, WT, mx.float32],
+        grid=(size // H * tg,),
         threadgroup=(tg,),
-        output_shapes=[x.shape, x.shape],
-        output_dtypes=[x.dtype, x.dtype],
-        template={"T": x.dtype, "WT": w.dtype, "H": H, "TG": tg, "NPT": -(-H // tg),
-                  "HAS_W": weight is not None},
+        output_shapes=[shape, shape],
+        output_dtypes=[dtype, dtype],
+        template={"T": dtype, "WT": WT, "H": H, "TG": tg, "NPT": -(-H // tg),
+                  "HAS_W": wsig is not None},
+        backend=be,
     )  # fmt: skip
-    return h, y
+    return launch, _const((0.0,) * 8, dtype), _const((float(eps), float(woff)), mx.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -206,28 +207,34 @@ def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
     return mx.array(values, dtype=dtype)
 
 
-def _pos_input(B: int, L: int, offset, positions) -> tuple[mx.array, int]:
+def _pos_key(offset, positions) -> tuple:
+    """How positions arrive: ("p", shape, dtype) positions, ("o", shape, dtype) an offset array,
+    ("i",) a Python int."""
     if positions is not None:
-        if positions.shape not in ((L,), (B, L)):
-            raise ValueError(
-                f"positions must be (L,) or (B, L) = ({B}, {L}), got {positions.shape}"
-            )
-        mode = 2 if positions.ndim == 1 else 3
-        return positions.astype(mx.int32).reshape(-1), mode
+        return ("p", positions.shape, positions.dtype)
     if isinstance(offset, mx.array):
-        if offset.size == 1:
-            return offset.astype(mx.int32).reshape(1), 0
-        if offset.shape != (B,):
-            raise ValueError(f"offset must be a scalar or (B,) = ({B},), got {offset.shape}")
-        return offset.astype(mx.int32), 1
-    return mx.array([int(offset)], dtype=mx.int32), 0
+        return ("o", offset.shape, offset.dtype)
+    return ("i",)
 
 
-def _check(x: mx.array, w: mx.array | None, D: int, name: str) -> None:
-    if x.ndim != 4 or x.shape[-1] < D:
-        raise ValueError(f"{name} must be (B, L, H, >= {D}), got {x.shape}")
-    if w is not None and w.shape != (D,):
-        raise ValueError(f"{name} norm weight must be ({D},), got {w.shape}")
+def _validate(shapes, wshapes, fshape, pkey, D) -> None:
+    """Raise ValueError for caller errors (both paths; shapes only, so plans can cache it)."""
+    for shape, w, name in zip(shapes, wshapes, ("q", "k", "v") if len(shapes) > 1 else ("x",)):
+        if len(shape) != 4 or shape[-1] < D:
+            raise ValueError(f"{name} must be (B, L, H, >= {D}), got {shape}")
+        if w is not None and w != (D,):
+            raise ValueError(f"{name} norm weight must be ({D},), got {w}")
+    B, L = shapes[0][:2]
+    if any(shape[:2] != (B, L) for shape in shapes):
+        raise ValueError(f"q, k, v disagree on (B, L): {shapes}")
+    if fshape is None:
+        return
+    if len(fshape) != 1 or 2 * fshape[0] > D:
+        raise ValueError(f"inv_freq must be (R/2,) with R <= {D}, got {fshape}")
+    if pkey[0] == "p" and pkey[1] not in ((L,), (B, L)):
+        raise ValueError(f"positions must be (L,) or (B, L) = ({B}, {L}), got {pkey[1]}")
+    if pkey[0] == "o" and math.prod(pkey[1]) != 1 and pkey[1] != (B,):
+        raise ValueError(f"offset must be a scalar or (B,) = ({B},), got {pkey[1]}")
 
 
 def qk_norm_rope(
@@ -251,21 +258,16 @@ def qk_norm_rope(
 
     ``v`` (optional) is normed with ``v_weight`` (None = no weight) but not rotated, and returned
     third (Gemma 4). D = ``dims`` or k's last dim; wider heads use their first D values (Qwen 3.5's
-    [query | gate] heads). Semantics: ``rms_norm_rope_reference`` applied to each tensor.
+    [query | gate] heads). Semantics: ``rms_norm_rope_reference`` applied to each tensor. Pass
+    positions as an int32 array (``offset`` (1,) or ``positions``) so decode steps share a graph.
     """
-    D = dims or k.shape[-1]
-    xs, ws = (
-        [q, k] + ([v] if v is not None else []),
-        [q_weight, k_weight, v_weight][: 2 + (v is not None)],
-    )
-    for x, w, name in zip(xs, ws, ("q", "k", "v")):
-        _check(x, w, D, name)
-    B, L = q.shape[:2]
-    if any(x.shape[:2] != (B, L) for x in xs):
-        raise ValueError(f"q, k, v disagree on (B, L): {[x.shape for x in xs]}")
-    rope = [True, True, False][: len(xs)]
-    return _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, weight_offset, D,
-                   transpose)  # fmt: skip
+    if v is None:
+        xs, ws, rope = (q, k), (q_weight, k_weight), (True, True)
+    else:
+        xs, ws, rope = (q, k, v), (q_weight, k_weight, v_weight), (True, True, False)
+    out = _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, weight_offset,
+                  dims or k.shape[-1], transpose)  # fmt: skip
+    return tuple(out)
 
 
 def rms_norm_rope(
@@ -282,85 +284,117 @@ def rms_norm_rope(
     transpose: bool = True,
 ) -> mx.array:
     """Dispatcher for one tensor: see ``rms_norm_rope_reference``; inv_freq None = norm only."""
-    D = dims or x.shape[-1]
-    _check(x, weight, D, "x")
-    (out,) = _launch([x], [weight], [True], inv_freq, eps, offset, positions, scale,
-                     weight_offset, D, transpose)  # fmt: skip
-    return out
+    return _launch((x,), (weight,), (True,), inv_freq, eps, offset, positions, scale,
+                   weight_offset, dims or x.shape[-1], transpose)[0]  # fmt: skip
 
 
 def _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, woff, D, transpose):
-    B, L = xs[0].shape[:2]
-    R = 0 if inv_freq is None else 2 * inv_freq.shape[0]
-    if inv_freq is not None and (inv_freq.ndim != 1 or R > D):
-        raise ValueError(f"inv_freq must be (R/2,) with R <= {D}, got {inv_freq.shape}")
-    pos, pos_mode = _pos_input(B, L, offset, positions) if R else (_const((0,) * 8, mx.int32), 2)
-    wts = {w.dtype for w in ws if w is not None}
+    be = backend()
+    fshape = None if inv_freq is None else inv_freq.shape
+    if be is not None:
+        plan = _plan(
+            _kernel, be, tuple([(x.shape, x.dtype) for x in xs]),
+            tuple([None if w is None else (w.shape, w.dtype) for w in ws]), rope,
+            None if inv_freq is None else (fshape, inv_freq.dtype), _pos_key(offset, positions),
+            eps, scale, woff, D, transpose,
+        )  # fmt: skip
+        if plan is not None:
+            launch, wslot, consts, n = plan
+            if inv_freq is None:
+                pos, freqs = consts[0], consts[1]
+            else:
+                freqs = inv_freq if inv_freq.dtype == mx.float32 else inv_freq.astype(mx.float32)
+                pos = _pos_array(offset, positions)
+            wd = ws[wslot] if wslot is not None else consts[2]
+            xin = [*xs, *xs[:1] * (3 - n)]
+            win = [wd if w is None else w for w in ws] + [wd] * (3 - n)
+            return launch(inputs=[*xin, *win, freqs, pos, consts[3], consts[4]])[:n]
+    wshapes = [None if w is None else w.shape for w in ws]
+    _validate([x.shape for x in xs], wshapes, fshape, _pos_key(offset, positions), D)
+    return [
+        rms_norm_rope_reference(
+            x, w, inv_freq if r else None, eps=eps, offset=offset, positions=positions,
+            scale=scale, weight_offset=woff, dims=D, transpose=transpose,
+        )
+        for x, w, r in zip(xs, ws, rope)
+    ]  # fmt: skip
+
+
+def _pos_array(offset, positions) -> mx.array:
+    """The kernel's ``pos`` input (int32, 1-d) without copies when it already is one."""
+    p = positions if positions is not None else offset
+    if not isinstance(p, mx.array):
+        return mx.array([int(p)], dtype=mx.int32)
+    if p.dtype != mx.int32:
+        p = p.astype(mx.int32)
+    return p if p.ndim == 1 else p.reshape(-1)
+
+
+def _pos_mode(pkey: tuple, B: int) -> int:
+    """0 one offset, 1 per-batch offsets, 2 positions (L,), 3 positions (B, L)."""
+    if pkey[0] == "p":
+        return 2 if len(pkey[1]) == 1 else 3
+    if pkey[0] == "o" and math.prod(pkey[1]) != 1:
+        return 1
+    return 0
+
+
+@lru_cache(maxsize=256)
+def _plan(kernel, be, xsig, wsig, rope, fsig, pkey, eps, scale, woff, D, transpose):
+    """Everything about a call that its shapes and dtypes decide, checked and computed once:
+    (launcher, index of a weight to stand in for missing ones, constants, tensors) or None for
+    the reference. Caller errors raise here (not cached: every such call raises)."""
+    shapes = [s for s, _ in xsig]
+    dtypes = {d for _, d in xsig}
+    _validate(shapes, [None if w is None else w[0] for w in wsig], fsig and fsig[0], pkey, D)
+    B, L = shapes[0][:2]
+    R = 0 if fsig is None else 2 * fsig[0][0]
+    wts = {w[1] for w in wsig if w is not None}
+    T = xsig[0][1]
     covered = (
-        backend() is not None
-        and D % 32 == 0
+        D % 32 == 0
         and D <= 1024
-        and xs[0].dtype in _FLOATS
-        and all(x.dtype == xs[0].dtype for x in xs)
+        and T in _FLOATS
+        and len(dtypes) == 1
         and len(wts) <= 1
         and wts <= set(_FLOATS)
         and B * L > 0
     )
     if not covered:
-        return [
-            rms_norm_rope_reference(
-                x, w, inv_freq if r else None, eps=eps, offset=offset, positions=positions,
-                scale=scale, weight_offset=woff, dims=D, transpose=transpose,
-            )
-            for x, w, r in zip(xs, ws, rope)
-        ]  # fmt: skip
-    n, T = len(xs), xs[0].dtype
+        return None
+    n = len(xsig)
+    heads = tuple(s[2] for s in shapes)
+    pitch = tuple(s[3] for s in shapes)
     # unused slots get stand-ins that are never read (8+ elements: Metal keeps every pointer
     # in the device address space, which the body's pointer selects need)
-    dummy_w = next((w for w in ws if w is not None), None)
-    if dummy_w is None:
-        dummy_w = _const((0.0,) * 8, T)
-    WT = dummy_w.dtype
-    win = [w if w is not None else dummy_w for w in ws] + [dummy_w] * (3 - n)
-    xin = xs + [xs[0]] * (3 - n)
-    freqs = inv_freq.astype(mx.float32) if R else _const((0.0,) * 8, mx.float32)
-    heads = tuple(x.shape[2] for x in xs)
-    pitch = tuple(x.shape[3] for x in xs)
-    has_w = tuple(w is not None for w in ws)
-    params, fparams, grid, shapes, template = _plan(
-        B, L, heads, pitch, tuple(rope), has_w, R, pos_mode, bool(transpose), float(eps),
-        float(scale), float(woff), D, T, WT,
-    )  # fmt: skip
-    outs = _kernel(
-        [*xin, *win, freqs, pos, params, fparams],
-        grid=grid,
-        threadgroup=(128,),
-        output_shapes=shapes,
-        output_dtypes=[T] * 3,
-        template=template,
-    )
-    return outs[:n]
-
-
-@lru_cache(maxsize=256)
-def _plan(B, L, heads, pitch, rope, has_w, R, pos_mode, transpose, eps, scale, woff, D, T, WT):
-    """Launch values of one call shape, computed once (the decode loop repeats a few shapes)."""
-    n = len(heads)
-    heads3 = heads + (0,) * (3 - n)
-    pitch3 = pitch + (D,) * (3 - n)
+    wslot = next((i for i, w in enumerate(wsig) if w is not None), None)
+    WT = wsig[wslot][1] if wslot is not None else T
+    pos_mode = _pos_mode(pkey, B) if R else 2
     flags = (
         R,
         sum(1 << i for i, r in enumerate(rope) if r),
-        sum(1 << i for i, w in enumerate(has_w) if w),
+        sum(1 << i for i, w in enumerate(wsig) if w is not None),
         pos_mode,
         int(transpose),
     )
-    rows = sum(B * L * h for h in heads)
-    shapes = [(B, h, L, D) if transpose else (B, L, h, D) for h in heads] + [(1,)] * (3 - n)
-    return (
-        mx.array((B, L, *heads3, *pitch3, *flags), dtype=mx.int32),
-        mx.array((eps, scale, woff), dtype=mx.float32),
-        (-(-rows // 4) * 128,),
-        shapes,
-        {"T": T, "WT": WT, "D": D},
+    params = _const((B, L, *heads, *(0,) * (3 - n), *pitch, *(D,) * (3 - n), *flags), mx.int32)
+    fparams = _const((float(eps), float(scale), float(woff)), mx.float32)
+    consts = (
+        _const((0,) * 8, mx.int32),
+        _const((0.0,) * 8, mx.float32),
+        _const((0.0,) * 8, T),
+        params,
+        fparams,
     )
+    rows = sum(B * L * h for h in heads)
+    out_shapes = [(B, h, L, D) if transpose else (B, L, h, D) for h in heads] + [(1,)] * (3 - n)
+    launch = kernel.launcher(
+        [T] * 3 + [WT] * 3 + [mx.float32, mx.int32, mx.int32, mx.float32],
+        grid=(-(-rows // 4) * 128,),
+        threadgroup=(128,),
+        output_shapes=out_shapes,
+        output_dtypes=[T] * 3,
+        template={"T": T, "WT": WT, "D": D},
+        backend=be,
+    )
+    return launch, wslot, consts, n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -45,14 +46,28 @@ def softcap(x: mx.array, cap: float) -> mx.array:
     """Dispatcher: the kernel for float arrays under 2^32 elements, else the reference."""
     if not cap > 0:
         raise ValueError(f"softcap must be > 0, got {cap}")
-    if backend() is None or x.dtype not in _FLOATS or not 0 < x.size < 2**32:
-        return softcap_reference(x, cap)
-    (out,) = _kernel(
-        [x, _const((float(cap),), mx.float32), _const((x.size,), mx.uint32)],
-        grid=(x.size,),
+    be = backend()
+    if be is not None:
+        plan = _plan(_kernel, be, x.shape, x.dtype, cap)
+        if plan is not None:
+            launch, cap_arr, n_arr = plan
+            return launch(inputs=[x, cap_arr, n_arr])[0]
+    return softcap_reference(x, cap)
+
+
+@lru_cache(maxsize=64)
+def _plan(kernel, be, shape, dtype, cap):
+    """(launcher, cap, n) for one call shape, or None for the reference."""
+    size = math.prod(shape)
+    if dtype not in _FLOATS or not 0 < size < 2**32:
+        return None
+    launch = kernel.launcher(
+        [dtype, mx.float32, mx.uint32],
+        grid=(size,),
         threadgroup=(256,),
-        output_shapes=[x.shape],
-        output_dtypes=[x.dtype],
-        template={"T": x.dtype},
+        output_shapes=[shape],
+        output_dtypes=[dtype],
+        template={"T": dtype},
+        backend=be,
     )
-    return out
+    return launch, _const((float(cap),), mx.float32), _const((size,), mx.uint32)

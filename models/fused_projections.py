@@ -8,6 +8,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..custom_kernels.activations import gated_activation
 from ..quantized import fuse_linear_groups
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -45,15 +46,19 @@ class FusedQKV:
         if all(name in self for name in QKV):  # not fused yet
             self._set_qkv_plan(fuse_linear_groups(self, QKV))
 
-    def project_heads(self, x: mx.array) -> list[mx.array]:
-        """q, k, v as (B, H, L, D): one reshape and transpose per matmul, then one split along
-        the head axis (whole heads, contiguous when L == 1)."""
+    def project_heads(self, x: mx.array, transpose: bool = True) -> list[mx.array]:
+        """q, k, v as (B, H, L, D) (``transpose`` False: (B, L, H, D)): one reshape (and
+        transpose) per matmul, then one split along the head axis (whole heads, contiguous when
+        L == 1)."""
         B, L, _ = x.shape
         groups, order = self._qkv_plan
+        axis = 1 if transpose else 2
         outs = []
         for attr, splits in groups:
-            y = self[attr](x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
-            outs.extend(mx.split(y, list(splits), axis=1) if splits else [y])
+            y = self[attr](x).reshape(B, L, -1, self.head_dim)
+            if transpose:
+                y = y.transpose(0, 2, 1, 3)
+            outs.extend(mx.split(y, list(splits), axis=axis) if splits else [y])
         return [outs[i] for i in order]
 
 
@@ -68,3 +73,11 @@ def gate_up(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
         gate, up = mx.split(mlp.gate_up_proj(x), 2, axis=-1)
         return gate, up
     return mlp.gate_proj(x), mlp.up_proj(x)
+
+
+def gated_mlp_hidden(mlp: nn.Module, x: mx.array, kind: str) -> mx.array:
+    """act(gate) * up through the gated-activation kernel (``kind`` "silu" / "gelu_tanh"); a fused
+    ``gate_up_proj`` output goes in whole, no split."""
+    if "gate_up_proj" in mlp:
+        return gated_activation(mlp.gate_up_proj(x), None, kind)
+    return gated_activation(mlp.gate_proj(x), mlp.up_proj(x), kind)

@@ -13,9 +13,12 @@ import mlx.nn as nn
 
 from ..attention import attend
 from ..cache import KVCache, RotatingKVCache, causal_mask
+from ..custom_kernels.residual_rms_norm import residual_rms_norm
+from ..custom_kernels.rms_norm_rope import qk_norm_rope, rope_inv_freq
+from ..custom_kernels.softcap import softcap
 from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs
-from .fused_projections import FusedQKV, fuse_gate_up, gate_up, rms_norm
+from .base import BaseModelArgs, position_array, use_kernels
+from .fused_projections import FusedQKV, fuse_gate_up, gate_up, gated_mlp_hidden, rms_norm
 
 
 @dataclass
@@ -148,10 +151,21 @@ class Attention(FusedQKV, nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self._inv_freq = rope_inv_freq(self.head_dim, self.rope_base)  # for the fused kernel
         self._set_qkv_plan()
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, cache=None, pos: mx.array | None = None) -> mx.array:
+        """``pos``: the first position as a (1,) int32 array (kernel path; made here if None)."""
         B, L, _ = x.shape
+        if use_kernels():  # q/k norm + RoPE in one kernel, reading (B, L, H, D) heads
+            if pos is None:
+                pos = position_array(cache.offset if cache is not None else 0)
+            q, k, v = self.project_heads(x, transpose=False)
+            q, k = qk_norm_rope(
+                q, k, self.q_norm.weight, self.k_norm.weight, self._inv_freq,
+                eps=self.q_norm.eps, scale=self.rope_scale, offset=pos,
+            )  # fmt: skip
+            return self._attend(q, k, v.transpose(0, 2, 1, 3), cache)
         q, k, v = self.project_heads(x)  # each (B, H, L, D)
         offset = mx.array(cache.offset if cache is not None else 0, dtype=mx.int32)
         q, k = _qk_norm_rope(
@@ -165,6 +179,10 @@ class Attention(FusedQKV, nn.Module):
             self.rope_base,
             self.rope_scale,
         )
+        return self._attend(q, k, v, cache)
+
+    def _attend(self, q, k, v, cache) -> mx.array:
+        B, _, L, _ = q.shape
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
         else:
@@ -184,6 +202,8 @@ class MLP(nn.Module):
         fuse_gate_up(self)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if use_kernels():
+            return self.down_proj(gated_mlp_hidden(self, x, "gelu_tanh"))
         gate, up = gate_up(self, x)
         return self.down_proj(_gelu_mul(gate, up))
 
@@ -206,6 +226,16 @@ class TransformerBlock(nn.Module):
         h, n = _residual_norm(x, y, w_post, w_pre, eps)
         return _residual(h, self.mlp(n), self.post_feedforward_layernorm.weight, eps)
 
+    def fused(self, x: mx.array, n: mx.array, cache, next_weight: mx.array, pos: mx.array):
+        """The block on the kernel path: ``n`` = input_layernorm(x) (from the previous block) ->
+        (residual out, its norm by ``next_weight``: the next block's input norm or the final
+        one). Each residual add shares one kernel with the norm that follows it."""
+        eps = self.input_layernorm.eps
+        y = rms_norm(self.self_attn(n, cache, pos), self.post_attention_layernorm.weight, eps)
+        h, n = residual_rms_norm(x, y, self.pre_feedforward_layernorm.weight, eps)
+        f = rms_norm(self.mlp(n), self.post_feedforward_layernorm.weight, eps)
+        return residual_rms_norm(h, f, next_weight, eps)
+
 
 class Gemma3Model(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -220,6 +250,13 @@ class Gemma3Model(nn.Module):
         # the scale is rounded to the activation dtype first, as the reference does
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
+        if use_kernels():
+            pos = position_array(cache[0].offset if cache[0] is not None else 0)
+            n = self.layers[0].input_layernorm(h)
+            nexts = [layer.input_layernorm.weight for layer in self.layers[1:]]
+            for layer, c, w in zip(self.layers, cache, nexts + [self.norm.weight]):
+                h, n = layer.fused(h, n, c, w, pos)
+            return n
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
         return self.norm(h)
@@ -241,7 +278,9 @@ class Model(nn.Module):
         else:
             logits = self.lm_head(h)
         cap = self.args.final_logit_softcapping
-        if cap is not None:
+        if cap is not None and use_kernels():
+            logits = softcap(logits, cap)
+        elif cap is not None:
             logits = _softcap(logits, mx.array(cap, dtype=logits.dtype))
         return logits
 

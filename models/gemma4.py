@@ -14,7 +14,11 @@ from hf2q_mlx.cache import KVCache, RotatingKVCache, causal_mask
 from hf2q_mlx.errors import UnsupportedArchitectureError
 
 from ..attention import attend
-from .base import BaseModelArgs
+from ..custom_kernels.activations import gated_activation
+from ..custom_kernels.residual_rms_norm import residual_rms_norm
+from ..custom_kernels.rms_norm_rope import qk_norm_rope, rms_norm_rope, rope_inv_freq
+from ..custom_kernels.softcap import softcap
+from .base import BaseModelArgs, position_array, use_kernels
 from .gemma4_gguf import GGUF_TENSOR_MAP, args_from_gguf, gguf_transform  # noqa: F401
 from .gemma4_moe import Experts, Router
 
@@ -123,10 +127,25 @@ _GATED = {
 }
 
 
-def _gated_activation(name: str):
-    if name not in _GATED:
-        raise UnsupportedArchitectureError(f"Gemma 4 activation {name!r} is not supported")
-    return _GATED[name]
+# the same activations as the gated-activation kernel knows them (exact GELU: no kernel)
+KERNEL_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
+
+
+class GLU:
+    """act(gate) * up: the compiled MLX function, or the kernel dispatcher when kernels run."""
+
+    def __init__(self, name: str):
+        if name not in _GATED:
+            raise UnsupportedArchitectureError(f"Gemma 4 activation {name!r} is not supported")
+        self.reference, self.kind = _GATED[name], KERNEL_ACTIVATIONS.get(name)
+
+    def __call__(self, gate: mx.array, up: mx.array | None = None) -> mx.array:
+        """``up`` None: ``gate`` is a fused [gate | up] output (last axis)."""
+        if self.kind is not None and use_kernels():
+            return gated_activation(gate, up, self.kind)
+        if up is None:
+            gate, up = mx.split(gate, 2, axis=-1)
+        return self.reference(gate, up)
 
 
 @partial(mx.compile, shapeless=True)
@@ -155,6 +174,10 @@ class RoPE:
             self.scale = 1.0
         elif kind != "linear":
             raise UnsupportedArchitectureError(f"Gemma 4 rope_type {kind!r} is not supported")
+        # the fused kernel's form: inverse frequencies (0 = unrotated pair), same scale
+        self.inv_freq = (
+            1.0 / self.freqs if self.freqs is not None else rope_inv_freq(head_dim, theta)
+        )
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(
@@ -181,9 +204,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=bias)
         self.rope = RoPE(args.rope_parameters[args.layer_types[i]], D)
 
-    def __call__(self, x, offset: int, cache=None, shared_kv=None, mask=None):
-        """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V."""
+    def __call__(self, x, offset: int | mx.array, cache=None, shared_kv=None, mask=None):
+        """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V.
+        ``offset``: an int, or on the kernel path a (1,) int32 array."""
         B, L, _ = x.shape
+        if isinstance(offset, mx.array):  # the kernel path: norms + RoPE fused
+            return self._fused(x, offset, cache, shared_kv, mask)
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset)  # (B, Hq, L, D)
         if shared_kv is not None:
@@ -195,9 +221,31 @@ class Attention(nn.Module):
             v = mx.fast.rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)  # weightless norm
             if cache is not None:
                 k, v, mask = cache.update_and_fetch(k, v)
+        return self._attend(q, k, v, cache, mask)
+
+    def _attend(self, q, k, v, cache, mask):
+        B, _, L, _ = q.shape
         out = attend(q, k, v, cache, 1.0, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out), (k, v, mask)
+
+    def _fused(self, x, offset: mx.array, cache, shared_kv, mask):
+        """q (and k, v) norms + RoPE in one kernel launch from the (B, L, H, D) projections."""
+        B, L, _ = x.shape
+        rope = dict(eps=self.eps, offset=offset, scale=self.rope.scale)
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        if shared_kv is not None:
+            q = rms_norm_rope(q, self.q_norm.weight, self.rope.inv_freq, **rope)
+            k, v, mask = shared_kv
+        else:
+            k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+            v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+            q, k, v = qk_norm_rope(
+                q, k, self.q_norm.weight, self.k_norm.weight, self.rope.inv_freq, v=v, **rope
+            )  # v: weightless norm, no RoPE
+            if cache is not None:
+                k, v, mask = cache.update_and_fetch(k, v)
+        return self._attend(q, k, v, cache, mask)
 
 
 class MLP(nn.Module):
@@ -215,7 +263,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, i: int):
         super().__init__()
-        H, eps, glu = args.hidden_size, args.rms_norm_eps, _gated_activation(args.hidden_activation)
+        H, eps, glu = args.hidden_size, args.rms_norm_eps, GLU(args.hidden_activation)
         self.self_attn = Attention(args, i)
         wide = args.use_double_wide_mlp and args.kv_source[i] is not None
         self.mlp = MLP(H, args.intermediate_size * (2 if wide else 1), glu)
@@ -241,15 +289,23 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, offset, cache=None, shared_kv=None, mask=None, per_layer_input=None):
         h, kv = self.self_attn(self.input_layernorm(x), offset, cache, shared_kv, mask)
-        h = x + self.post_attention_layernorm(h)
-        f = self.mlp(self.pre_feedforward_layernorm(h))
+        if isinstance(offset, mx.array):  # kernel path: the residual add shares the next norm
+            eps = self.pre_feedforward_layernorm.eps
+            h, n = residual_rms_norm(
+                x, self.post_attention_layernorm(h), self.pre_feedforward_layernorm.weight, eps
+            )
+            f = self.mlp(n)
+        else:
+            h = x + self.post_attention_layernorm(h)
+            f = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
             ids, weights = self.router(h)  # routed on the residual stream, not the normed input
             e = self.experts(self.pre_feedforward_layernorm_2(h), ids, weights)
             f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(e)
         h = h + self.post_feedforward_layernorm(f)
         if self.ple:
-            g = self._glu(self.per_layer_input_gate(h), per_layer_input)
+            # compiled MLX even with kernels: it reads the strided per-layer slice in place
+            g = self._glu.reference(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return h * self.layer_scalar, kv  # the scalar scales the whole residual stream
 
@@ -284,6 +340,8 @@ class Gemma4TextModel(nn.Module):
         ple = self._per_layer_inputs(inputs, h) if self.args.hidden_size_per_layer_input else None
         L = inputs.shape[1]
         offset = cache[0].offset if cache else 0
+        if use_kernels():  # positions as an array: the fused kernels' form
+            offset = position_array(offset)
         masks = {}
         if cache is None:
             masks = {FULL: causal_mask(L), SLIDING: causal_mask(L, 0, self.args.sliding_window)}
@@ -319,7 +377,9 @@ class Model(nn.Module):
         else:
             logits = self.lm_head(h)
         cap = self.args.final_logit_softcapping
-        if cap:
+        if cap and use_kernels():
+            logits = softcap(logits, cap)
+        elif cap:
             logits = _softcap(logits, mx.array(cap, dtype=logits.dtype))
         return logits
 

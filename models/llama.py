@@ -13,9 +13,10 @@ import mlx.nn as nn
 
 from ..attention import attend
 from ..cache import KVCache, causal_mask
+from ..custom_kernels.residual_rms_norm import residual_rms_norm
 from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs
-from .fused_projections import FusedQKV, fuse_gate_up, gate_up, rms_norm
+from .base import BaseModelArgs, use_kernels
+from .fused_projections import FusedQKV, fuse_gate_up, gate_up, gated_mlp_hidden, rms_norm
 
 
 @dataclass
@@ -146,6 +147,8 @@ class MLP(nn.Module):
         fuse_gate_up(self)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if use_kernels():
+            return self.down_proj(gated_mlp_hidden(self, x, "silu"))
         gate, up = gate_up(self, x)
         return self.down_proj(_silu_mul(gate, up))
 
@@ -174,6 +177,14 @@ class TransformerBlock(nn.Module):
         h, n = _add_norm(x, y, norm.weight, norm.eps)
         return h + self.mlp(n)
 
+    def fused(self, x: mx.array, n: mx.array, cache, next_weight: mx.array):
+        """The block on the kernel path: ``n`` = input_layernorm(x) (from the previous block) ->
+        (residual out, its norm by ``next_weight``: the next block's input norm or the final
+        one). Each residual add shares one kernel with the norm that follows it."""
+        norm = self.post_attention_layernorm
+        h, n = residual_rms_norm(x, self.self_attn(n, cache), norm.weight, norm.eps)
+        return residual_rms_norm(h, self.mlp(n), next_weight, norm.eps)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -185,6 +196,12 @@ class LlamaModel(nn.Module):
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         h = self.embed_tokens(inputs)
         cache = cache if cache is not None else [None] * len(self.layers)
+        if use_kernels():
+            n = self.layers[0].input_layernorm(h)
+            nexts = [layer.input_layernorm.weight for layer in self.layers[1:]]
+            for layer, c, w in zip(self.layers, cache, nexts + [self.norm.weight]):
+                h, n = layer.fused(h, n, c, w)
+            return n
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
         return self.norm(h)

@@ -11,9 +11,12 @@ import mlx.nn as nn
 from ..attention import attend
 from ..cache import KVCache, causal_mask
 from ..custom_kernels.gated_delta import gated_delta_update
+from ..custom_kernels.residual_rms_norm import residual_rms_norm
+from ..custom_kernels.rms_norm_rope import qk_norm_rope, rope_inv_freq
 from ..errors import UnsupportedArchitectureError
 from ..recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
-from .base import BaseModelArgs
+from .base import BaseModelArgs, position_array, use_kernels
+from .fused_projections import gated_mlp_hidden
 
 
 @dataclass
@@ -151,10 +154,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        self._inv_freq = rope_inv_freq(self.rope_dims, self.rope_theta)  # for the fused kernel
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, L, _ = x.shape
         qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
+        if use_kernels():
+            return self._fused(x, qg, cache)
         q, gate = mx.split(qg, 2, axis=-1)  # per head: [query | gate]
         q = self.q_norm(q).transpose(0, 2, 1, 3)  # (B, H, L, D)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
@@ -166,6 +172,10 @@ class Attention(nn.Module):
         k = mx.fast.rope(
             k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
         )
+        return self._attend(q, k, v, gate, cache)
+
+    def _attend(self, q, k, v, gate, cache) -> mx.array:
+        B, _, L, _ = q.shape
         if cache is None:
             mask = causal_mask(L)
         else:
@@ -173,6 +183,18 @@ class Attention(nn.Module):
         out = attend(q, k, v, cache, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(sigmoid_gate(out, gate.reshape(B, L, -1)))
+
+    def _fused(self, x: mx.array, qg: mx.array, cache) -> mx.array:
+        """q/k norms + partial RoPE in one kernel; it reads the queries out of the
+        [query | gate] heads in place."""
+        B, L, _ = x.shape
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        q, k = qk_norm_rope(
+            qg, k, self.q_norm.weight, self.k_norm.weight, self._inv_freq, eps=self.q_norm.eps,
+            offset=position_array(0 if cache is None else cache.offset), dims=self.head_dim,
+        )  # fmt: skip
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self._attend(q, k, v, qg[..., self.head_dim :], cache)
 
 
 class MLP(nn.Module):
@@ -183,6 +205,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if use_kernels():
+            return self.down_proj(gated_mlp_hidden(self, x, "silu"))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -203,6 +227,15 @@ class DecoderLayer(nn.Module):
         h = x + mixer(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def fused(self, x: mx.array, n: mx.array, cache, next_weight: mx.array):
+        """The layer on the kernel path: ``n`` = input_layernorm(x) (from the previous layer) ->
+        (residual out, its norm by ``next_weight``: the next layer's input norm or the final
+        one). Each residual add shares one kernel with the norm that follows it."""
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        norm = self.post_attention_layernorm
+        h, n = residual_rms_norm(x, mixer(n, cache), norm.weight, norm.eps)
+        return residual_rms_norm(h, self.mlp(n), next_weight, norm.eps)
+
 
 class TextModel(nn.Module):
     def __init__(self, args: ModelArgs, make_mlp):
@@ -216,7 +249,14 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         h = self.embed_tokens(inputs)
-        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+        caches = cache or [None] * len(self.layers)
+        if use_kernels():
+            n = self.layers[0].input_layernorm(h)
+            nexts = [layer.input_layernorm.weight for layer in self.layers[1:]]
+            for layer, c, w in zip(self.layers, caches, nexts + [self.norm.weight]):
+                h, n = layer.fused(h, n, c, w)
+            return n
+        for layer, c in zip(self.layers, caches):
             h = layer(h, c)
         return self.norm(h)
 

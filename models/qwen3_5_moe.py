@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..custom_kernels.activations import silu_mul
 from . import qwen3_5
-from .gemma4_moe import ExpertLinear
+from .base import use_kernels
+from .experts import ExpertLinear
 from .qwen3_5 import MLP, gguf_config, sigmoid_gate, swiglu
 
 
@@ -42,6 +44,12 @@ class Experts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (N, D), indices (N, k) -> (N, k, D)."""
+        if use_kernels():  # SwiGLU kernel; a fused [gate | up] output goes in whole
+            if "gate_up_proj" in self:
+                h = silu_mul(self.gate_up_proj(x, indices))
+            else:
+                h = silu_mul(self.gate_proj(x, indices), self.up_proj(x, indices))
+            return self.down_proj(h, indices)
         if "gate_up_proj" in self:
             gate, up = mx.split(self.gate_up_proj(x, indices), 2, axis=-1)  # (N, k, I) each
         else:

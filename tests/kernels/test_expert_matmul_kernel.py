@@ -177,7 +177,7 @@ def _case_inputs(i: int):
 def _emu_example(case) -> tuple[Kernel, Example]:
     """The instantiation expert_matmul_kernel asks for, so it can be built ahead."""
     t, dt, m, k, per_slot, e, n, kk, cfg = case
-    cfg = cfg or X.Q.launch_config(t, 1, n, kk)
+    cfg = cfg or X.Q.launch_config(t, 1, n, kk, mx.float32)
     ex = Example(
         {"xs": (dt, 64), "wq": (mx.uint8, 64), "ids": (mx.uint32, 8), "edims": (mx.int32, 5)},
         {"ys": dt},

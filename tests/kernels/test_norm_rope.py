@@ -30,6 +30,11 @@ class Emulated:
         self.launches += 1
         return kernel_emulator.emulate(self.kernel, list(inputs), **launch)
 
+    def launcher(self, input_dtypes, *, backend=None, scalar_inputs=(), verbose=False, **launch):
+        """``Kernel.launcher``'s stand-in: the dispatchers cache what it returns per call shape
+        (keyed by this object, so each test's stand-in gets its own)."""
+        return lambda inputs: self(inputs, **launch)
+
 
 needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ not found")
 
@@ -172,6 +177,36 @@ def test_dispatchers_fall_back_on_cpu():
         nr.rms_norm_rope(x, None, inv, eps=1e-6, offset=mx.array([1, 2, 3]))
     with pytest.raises(ValueError):
         rrn.residual_rms_norm(x, x[..., :32], None, 1e-6)
+
+
+def test_kernel_path_plans_once_and_still_checks_callers(monkeypatch):
+    """On the kernel path the launch plan is built once per call shape (the launcher is asked
+    once), and caller errors raise there as on the reference path."""
+    asked = []
+
+    class Stub:
+        def launcher(self, input_dtypes, **launch):
+            asked.append(launch["output_shapes"])
+            shapes, dtypes = launch["output_shapes"], launch["output_dtypes"]
+            return lambda inputs: [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+
+    monkeypatch.setattr(nr, "backend", lambda: "cuda")
+    monkeypatch.setattr(nr, "_kernel", Stub())
+    q, k = mx.zeros((1, 1, 4, 64)), mx.zeros((1, 1, 2, 64))
+    inv = nr.rope_inv_freq(64, 1e4)
+    for step in range(3):
+        out = nr.qk_norm_rope(q, k, None, None, inv, eps=1e-6, offset=mx.array([step]))
+        assert [o.shape for o in out] == [(1, 4, 1, 64), (1, 2, 1, 64)]
+    assert len(asked) == 1
+    with pytest.raises(ValueError):
+        nr.qk_norm_rope(q, k, mx.ones((32,)), None, inv, eps=1e-6)
+    with pytest.raises(ValueError):
+        nr.qk_norm_rope(q, k[:, :, :, :32], None, None, inv, eps=1e-6)
+    with pytest.raises(ValueError):
+        nr.rms_norm_rope(q, None, inv, eps=1e-6, offset=mx.array([1, 2, 3]))
+    monkeypatch.setattr(rrn, "backend", lambda: "cuda")
+    with pytest.raises(ValueError):
+        rrn.residual_rms_norm(q, k, None, 1e-6)
 
 
 # ---- the kernel bodies, emulated on the CPU ----------------------------------------------------

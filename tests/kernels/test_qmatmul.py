@@ -24,6 +24,14 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 # fp32: the kernel and the reference sum the same exact products in a different order; over
 # K <= 4352 terms that moves the result by ~sqrt(K) fp32 ulps, far below 2e-5 of its norm.
 FP32_TOL = 2e-5
+# The packed fp16 kernels (V = 1, fp16 x) round each product and each partial sum of a group
+# (GS / 2 = 4 or 2 fmas per lane) to fp16 before the fp32 accumulation: about 2-3 fp16
+# roundings per weight on top of the output's one, all independent, so their error is a small
+# multiple of the dtype's own: they may err up to H2_FACTOR times the reference in fp16, or
+# H2_FLOOR (two fp16 unit roundoffs, 2 * 2^-11) where few outputs make that reference's error
+# itself small by chance (7 rows: measured 8e-5 against the usual 2e-4).
+H2_FACTOR = 4
+H2_FLOOR = 2 * 2.0**-11
 
 _W_CACHE: dict = {}
 
@@ -44,11 +52,12 @@ def _x(m: int, k: int, dtype: mx.Dtype, seed: int) -> mx.array:
     return mx.random.normal((m, k), key=mx.random.key(seed)).astype(dtype)
 
 
-def _check(out: mx.array, x: mx.array, wf: mx.array) -> None:
+def _check(out: mx.array, x: mx.array, wf: mx.array, h2: bool = False) -> None:
     """Relative error (Frobenius) against fp32 math on the same inputs, computed on the CPU.
 
     fp16/bf16: at most twice the error of the reference computed in that dtype (fp32 math on
-    the same rounded inputs, output rounded to the dtype), floored at the fp32 tolerance.
+    the same rounded inputs, output rounded to the dtype), floored at the fp32 tolerance; for the
+    packed fp16 kernels (``h2``) H2_FACTOR times that error, floored at H2_FLOOR.
     """
     assert out.dtype == x.dtype and out.shape == (x.shape[0], wf.shape[0])
     with mx.stream(mx.cpu):
@@ -61,6 +70,8 @@ def _check(out: mx.array, x: mx.array, wf: mx.array) -> None:
         if x.dtype != mx.float32:
             err_ref = float(mx.linalg.norm(ref32.astype(x.dtype).astype(mx.float32) - ref32)) / norm
             tol = max(2 * err_ref, FP32_TOL)
+            if h2:
+                tol = max(H2_FACTOR * err_ref, H2_FLOOR)
     assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
 
 
@@ -107,6 +118,10 @@ def test_launch_config():
             cfg = Q.launch_config(t, m, 4096, 4096)
             assert cfg["MT"] >= m and cfg["MT"] in (1, 2, 4, 8, 16)
             assert 1 <= cfg["W"] <= 8 and cfg["R"] * cfg["MT"] <= 16
+            assert cfg["V"] in Q.VARIANTS
+            # the packed fp16 variant is for fp16 x only
+            assert Q.launch_config(t, m, 4096, 4096, mx.bfloat16)["V"] == 0
+            assert Q.launch_config(t, m, 4096, 4096, mx.float32)["V"] == 0
     # K-quant rows of 4096 are 2 steps of 8 blocks (Q4_K): no more SIMD groups than steps
     assert Q.launch_config(T.Q4_K, 1, 4096, 4096)["W"] <= 2
 
@@ -124,6 +139,17 @@ _EMU_CASES = [(t, mx.float32, 1, 7, 768 if Q._TYPES[t][1] == 256 else 352, None)
     (T.Q4_0, mx.float32, 2, 5, 1792, {"MT": 2, "R": 2, "U": 1, "W": 1}),
     (T.Q6_K, mx.float16, 1, 3, 1792, {"MT": 1, "R": 1, "U": 1, "W": 2}),
     (T.Q4_K, mx.bfloat16, 3, 3, 10240, {"MT": 4, "R": 1, "U": 1, "W": 1}),
+]
+# The packed fp16 variant (V = 1) for every type, then odd configurations and M > 1.
+_H2 = {"V": 1, "MT": 1, "R": 2, "U": 2, "W": 2}
+_EMU_CASES += [
+    (t, mx.float16, 1, 7, 1280 if Q._TYPES[t][1] == 256 else 352, _H2) for t in TYPES
+] + [
+    (T.Q4_0, mx.float16, 5, 9, 256, {"V": 1, "MT": 8, "R": 1, "U": 3, "W": 1}),
+    (T.Q4_K, mx.float16, 3, 5, 2304, {"V": 1, "MT": 4, "R": 3, "U": 1, "W": 3}),
+    (T.Q8_0, mx.float16, 1, 5, 1792, {"V": 1, "MT": 1, "R": 4, "U": 4, "W": 1}),
+    # R = 8 with rows past N (13 rows: the second threadgroup re-reads row 12 three times)
+    (T.Q4_1, mx.float16, 1, 13, 512, {"V": 1, "MT": 1, "R": 8, "U": 1, "W": 4}),
 ]
 
 
@@ -143,14 +169,14 @@ def _emu_call(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, 
 def _emu_example(case) -> tuple[Kernel, Example]:
     """The instantiation ggml_matmul_kernel will ask for, so it can be built ahead."""
     t, dt, m, n, k, cfg = case
-    cfg = cfg or Q.launch_config(t, m, n, k)
+    cfg = cfg or Q.launch_config(t, m, n, k, dt)
     rb = Q.row_bytes(t, k)
     ex = Example(
         {"x": (dt, m * k), "w": (mx.uint8, n * rb), "dims": (mx.int32, 3)},
         {"out": dt},
         {"T": dt, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]},
     )
-    return Q._KERNELS[t], ex
+    return Q._KERNELS[(t, cfg.get("V", 0))], ex
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +200,9 @@ def emulated():
 
 @pytest.mark.parametrize("i", range(len(_EMU_CASES)))
 def test_kernel_logic_on_the_emulator(emulated, i):
-    t, dt, m, n, k, _ = _EMU_CASES[i]
-    _check(emulated[i], _x(m, k, dt, i), _weight(t, n, k)[1])
+    t, dt, m, n, k, cfg = _EMU_CASES[i]
+    h2 = (cfg or Q.launch_config(t, m, n, k, dt)).get("V") == 1
+    _check(emulated[i], _x(m, k, dt, i), _weight(t, n, k)[1], h2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,27 +225,35 @@ def test_gpu_kernel_matches_reference(m, dtype, ggml_type, n, k):
     else:  # past the kernel's rows the dispatcher takes the reference
         out = Q.ggml_matmul(x, w, ggml_type, k)
     mx.eval(out)
-    _check(out, x, wf)
+    h2 = m <= 16 and Q.launch_config(ggml_type, m, n, k, dtype)["V"] == 1
+    _check(out, x, wf, h2)
 
 
 @requires_gpu
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name
+)
 @pytest.mark.parametrize(
     "cfg",
     [
         {"MT": 4, "R": 1, "U": 1, "W": 1},
         {"MT": 4, "R": 3, "U": 4, "W": 3},
         {"MT": 4, "R": 2, "U": 2, "W": 8},
+        {"MT": 1, "R": 8, "U": 2, "W": 4},
     ],
-    ids=["r1u1w1", "r3u4w3", "r2u2w8"],
+    ids=["r1u1w1", "r3u4w3", "r2u2w8", "r8u2w4"],
 )
 def test_gpu_launch_configs(ggml_type, cfg):
-    """Configurations the benchmark sweeps: every one must compute the same function."""
+    """Configurations the benchmark sweeps: every one must compute the same function, in both
+    variants (V = 0 with fp32 x, V = 1 with fp16 x; V = 0 with fp16 x is the default of Q6_K,
+    Q3_K and Q8_0, which test_gpu_kernel_matches_reference covers)."""
     n, k = 257, 2816
     w, wf = _weight(ggml_type, n, k)
-    x = _x(3, k, mx.float32, seed=5)
-    out = Q.ggml_matmul_kernel(x, w, ggml_type, k, config=cfg, init_value=float("nan"))
-    _check(out, x, wf)
+    for v, dt in ((0, mx.float32), (1, mx.float16)):
+        x = _x(3, k, dt, seed=5)
+        c = dict(cfg, V=v)
+        out = Q.ggml_matmul_kernel(x, w, ggml_type, k, config=c, init_value=float("nan"))
+        _check(out, x, wf, v == 1)
 
 
 @requires_gpu
@@ -228,7 +263,25 @@ def test_gpu_dispatcher_takes_the_kernel():
     y = Q.ggml_matmul(x, w, T.Q4_K, 512)
     direct = Q.ggml_matmul_kernel(x.reshape(2, 512), w, T.Q4_K, 512)
     assert y.shape == (1, 2, 257) and bool(mx.array_equal(y.reshape(2, 257), direct))
-    _check(y.reshape(2, 257), x.reshape(2, 512), _weight(T.Q4_K, 257, 512)[1])
+    _check(y.reshape(2, 257), x.reshape(2, 512), _weight(T.Q4_K, 257, 512)[1], h2=True)
+
+
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+def test_dispatcher_plan_cache_on_the_emulator(monkeypatch):
+    """ggml_matmul's repeat calls go through one cached launch plan per call signature: the
+    batch dims stay on x and the output (no reshapes), and the result equals the first call's."""
+    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "__call__", _emu_call)
+    monkeypatch.setattr(Q, "_CALLS", {})
+    w, wf = _weight(T.Q4_0, 7, 352)
+    x = _x(2, 352, mx.float16, seed=11).reshape(1, 2, 352)
+    y1 = Q.ggml_matmul(x, w, T.Q4_0, 352)
+    assert len(Q._CALLS) == 1
+    y2 = Q.ggml_matmul(x, w, T.Q4_0, 352)
+    assert y1.shape == y2.shape == (1, 2, 7) and bool(mx.array_equal(y1, y2))
+    _check(y1.reshape(2, 7), x.reshape(2, 352), wf, h2=True)
+    with pytest.raises(WeightMismatchError):  # a new signature is validated again
+        Q.ggml_matmul(x[..., :256], w, T.Q4_0, 352)
 
 
 @pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")

@@ -123,9 +123,15 @@ def test_call_rounds_grid_and_keys_builds_by_dtype(monkeypatch):
         )
     assert calls[0]["grid"] == (128, 3, 1) and calls[0]["threadgroup"] == (64, 1, 1)
     assert calls[0]["template"] == [("T", mx.float16), ("D", 32), ("FLAG", 1)]
-    # one build key per dtype signature: f16 twice -> same key; bf16 -> a new one
-    assert built[0] == built[1] == ("cuda", "f16_i32__f16")
-    assert built[2] == ("cuda", "bf16_i32__bf16")
+    assert len(calls) == 3
+    # one build key per dtype signature; the second f16 call reuses the first one's launch plan
+    assert built == [("cuda", "f16_i32__f16"), ("cuda", "bf16_i32__bf16")]
+    # a launcher resolves everything but the arrays once; 0-d inputs get their own signature
+    launch = k.launcher([mx.float32, mx.int32], grid=5, threadgroup=32, output_shapes=[(5,)],
+                        output_dtypes=[mx.float32], backend="cuda", scalar_inputs=[1])  # fmt: skip
+    assert built[-1] == ("cuda", "f32_i32s__f32")
+    launch(inputs=[mx.zeros((5,)), mx.array(3)])
+    assert calls[-1]["grid"] == (32, 1, 1) and calls[-1]["template"] is None
     with pytest.raises(ValueError):
         k(
             [n],
