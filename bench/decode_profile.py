@@ -1,0 +1,159 @@
+"""Where a decode step's time goes on the GPU: kernel time against wall time, by kernel.
+
+Builds one random-weight model at a real shape with the builders of bench/gemma4.py and
+bench/qwen3_5.py, prefills a prompt, then times greedy decode steps (pipelined as in
+``stream_generate``: the next graph is built while the GPU runs the last one) under CUPTI
+(through torch.profiler). Reports per token: wall time, the number of GPU kernels, their summed
+duration and the GPU-busy share (summed kernel time / wall), and the kernels that take the most
+time. Busy well under 100 % means launch gaps and host time, not kernels, set the speed.
+
+    python3 bench/decode_profile.py gemma4:26b-a4b q4_k [--prompt 512] [--steps 16] [--json F]
+    python3 bench/decode_profile.py qwen3_5:9b mlx4
+    python3 bench/decode_profile.py gemma4:tiny-moe q4_k        # CPU smoke run (no CUPTI)
+
+Needs torch with CUDA for the kernel columns; without it only wall times are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import mlx.core as mx
+
+
+def _bench_module(name: str):
+    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(family: str, shape: str, fmt: str, dtype: mx.Dtype):
+    """-> (model, vocab size) with random weights in ``fmt`` (q4_k or mlx4)."""
+    if family == "gemma4":
+        g = _bench_module("gemma4")
+        config = {**g.SHAPES, **g.TINY}[shape]
+        args = g.gemma4.ModelArgs.from_dict(config)
+        model = g.build_ggml(args, dtype) if fmt == "q4_k" else g.build_mlx4(args, dtype)
+        return model, args.vocab_size
+    if family == "qwen3_5":
+        q = _bench_module("qwen3_5")
+        config = {**q.SHAPES, **q.TINY_SHAPES}[shape]
+        model = q.build_ours(config, dtype)
+        if fmt == "q4_k":
+            q.randomize_q4k(model, dtype)
+        else:
+            q.randomize_mlx_quantized(model, dtype)
+            q.cast_floats(model, dtype)
+        return model, config["vocab_size"]
+    raise SystemExit(f"unknown model family {family!r}: gemma4 or qwen3_5")
+
+
+def _cuda_kernels(prof) -> list[tuple[str, float]]:
+    from torch.autograd import DeviceType
+
+    return [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+
+
+def profile_decode(model, vocab: int, prompt: int, steps: int, use_cuda: bool) -> dict:
+    cache = model.make_cache()
+    ids = mx.random.randint(0, vocab, (1, prompt), key=mx.random.key(0))
+    y = mx.argmax(model(ids, cache)[:, -1, :], axis=-1)
+    mx.eval(y)
+
+    def step(y):
+        return mx.argmax(model(y[:, None], cache)[:, -1, :], axis=-1)
+
+    for _ in range(4):  # warm-up: kernel builds, graph caches
+        y = step(y)
+        mx.eval(y)
+    prof = None
+    if use_cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    tic = time.perf_counter()
+    for _ in range(steps):
+        y = step(y)
+        mx.async_eval(y)
+    mx.eval(y)
+    mx.synchronize()
+    wall_ms = (time.perf_counter() - tic) * 1e3 / steps
+    out = {"prompt": prompt, "steps": steps, "wall_ms_per_token": wall_ms}
+    if prof is None:
+        return out
+    prof.__exit__(None, None, None)
+    kernels = _cuda_kernels(prof)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in kernels:
+        by_name[name][0] += 1
+        by_name[name][1] += us
+    gpu_ms = sum(us for _, us in kernels) / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    out.update(
+        kernels_per_token=len(kernels) / steps,
+        kernel_ms_per_token=gpu_ms,
+        gpu_busy=gpu_ms / wall_ms,
+        top=[
+            {
+                "kernel": n[:120],
+                "per_token": c / steps,
+                "us_per_token": t / steps,
+                "avg_us": t / c,
+            }  # fmt: skip
+            for n, (c, t) in top[:25]
+        ],
+    )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="family:shape, e.g. gemma4:26b-a4b, qwen3_5:9b")
+    ap.add_argument("format", choices=["q4_k", "mlx4"])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    family, _, shape = a.model.partition(":")
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    use_cuda = gpu and importlib.util.find_spec("torch") is not None
+    if use_cuda:
+        import torch
+
+        use_cuda = torch.cuda.is_available()
+    dtype = mx.bfloat16 if gpu else mx.float32
+    model, vocab = build(family, shape, a.format, dtype)
+    r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda)
+    r.update(model=a.model, format=a.format, device=str(mx.default_device()))
+    print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall", end="")
+    if "kernel_ms_per_token" in r:
+        print(f", {r['kernels_per_token']:.0f} kernels/token, {r['kernel_ms_per_token']:.2f} ms "
+              f"kernel time/token, GPU busy {100 * r['gpu_busy']:.0f} %")  # fmt: skip
+        print(f"{'kernel':<80} {'/token':>7} {'us/token':>9} {'avg us':>8}")
+        for t in r["top"]:
+            print(f"{t['kernel'][:80]:<80} {t['per_token']:>7.1f} {t['us_per_token']:>9.1f} "
+                  f"{t['avg_us']:>8.2f}")  # fmt: skip
+    else:
+        print(" (no CUPTI: kernel columns need torch with CUDA)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
