@@ -134,6 +134,30 @@ def _make_kernel(ggml_type: int) -> Kernel:
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 
 
+def _launch(
+    x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int, config: dict | None
+) -> tuple[dict, list[int]]:
+    """Launch arguments (grid, threadgroup, outputs, template) and the ``edims`` values."""
+    E, N, _ = w.shape
+    k = expert_ids.shape[-1]
+    per_slot = x.ndim == expert_ids.ndim + 1
+    pairs = expert_ids.size
+    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32), MT=1)
+    launch = dict(
+        grid=(-(-N // cfg["R"]) * 32 * cfg["W"], pairs),
+        threadgroup=(32 * cfg["W"], 1),
+        output_shapes=[(pairs, N)],
+        output_dtypes=[x.dtype],
+        template={"T": x.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
+    )
+    return launch, [1, N, K, 1 if per_slot else k, E]
+
+
+def _uint32_ids(expert_ids: mx.array) -> mx.array:
+    ids = expert_ids.reshape(expert_ids.size)
+    return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)  # negative ids: NaN rows
+
+
 def expert_matmul_kernel(
     x: mx.array,
     w: mx.array,
@@ -151,25 +175,35 @@ def expert_matmul_kernel(
     ``launch_config`` R, U, W (MT is always 1: one x row per threadgroup); ``init_value``
     pre-fills the output (tests poison it with NaN to prove every element is written).
     """
-    E, N, _ = w.shape
-    k, K = expert_ids.shape[-1], in_features
-    per_slot = x.ndim == expert_ids.ndim + 1
-    pairs = expert_ids.size
-    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32), MT=1)
-    ids = expert_ids.reshape(pairs)
-    if ids.dtype != mx.uint32:
-        ids = ids.astype(mx.uint32)  # negative int ids wrap past E: NaN rows
-    edims = mx.array([1, N, K, 1 if per_slot else k, E], dtype=mx.int32)
+    launch, edims = _launch(x, w, expert_ids, ggml_type, in_features, config)
     (out,) = _KERNELS[ggml_type](
-        [x.reshape(-1, K), w, ids, edims],
-        grid=(-(-N // cfg["R"]) * 32 * cfg["W"], pairs),
-        threadgroup=(32 * cfg["W"], 1),
-        output_shapes=[(pairs, N)],
-        output_dtypes=[x.dtype],
-        template={"T": x.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
+        [x.reshape(-1, in_features), w, _uint32_ids(expert_ids), mx.array(edims, dtype=mx.int32)],
         init_value=init_value,
+        **launch,
     )
-    return out.reshape(*expert_ids.shape, N)
+    return out.reshape(*expert_ids.shape, w.shape[1])
+
+
+class _Plan:
+    """One dispatcher call signature's launch, resolved once: a decode step pays a dict lookup,
+    two views and the launch (no per-call validation, config or host-made arrays)."""
+
+    __slots__ = ("launch", "edims", "out_shape", "K")
+
+    def __init__(self, x, w, expert_ids, ggml_type: int, K: int):
+        launch, edims = _launch(x, w, expert_ids, ggml_type, K, None)
+        self.launch = _KERNELS[ggml_type].launcher([x.dtype, mx.uint8, mx.uint32, mx.int32],
+                                                   **launch)  # fmt: skip
+        self.edims = mx.array(edims, dtype=mx.int32)
+        self.out_shape = (*expert_ids.shape, w.shape[1])
+        self.K = K
+
+    def __call__(self, x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:
+        inputs = [x.reshape(-1, self.K), w, _uint32_ids(expert_ids), self.edims]
+        return self.launch(inputs=inputs)[0].reshape(self.out_shape)
+
+
+_CALLS: dict[tuple, _Plan] = {}
 
 
 def _kernel_covers(x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int) -> bool:
@@ -202,6 +236,12 @@ def expert_matmul(
     dequantize them (the reference); from then on every expert is needed about once anyway, so
     all experts are dequantized once for this call and multiplied with gather_mm (prefill).
     """
+    if ggml_type is not None and backend() is not None:
+        key = (ggml_type, in_features, x.shape, x.dtype, w.shape, w.dtype, expert_ids.shape,
+               expert_ids.dtype)  # fmt: skip
+        plan = _CALLS.get(key)
+        if plan is not None:
+            return plan(x, w, expert_ids)
     if ggml_type is None:
         if w.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
             # MLX's CPU gather_mm is float32-only; gathering the selected experts costs less
@@ -219,7 +259,8 @@ def expert_matmul(
             f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
         )
     if _kernel_covers(x, w, expert_ids, ggml_type):
-        return expert_matmul_kernel(x, w, expert_ids, ggml_type, in_features)
+        plan = _CALLS[key] = _Plan(x, w, expert_ids, ggml_type, in_features)
+        return plan(x, w, expert_ids)
     if expert_ids.size < w.shape[0]:
         return expert_matmul_reference(x, w, expert_ids, ggml_type, in_features)
     w_all = dequantize_reference(w, ggml_type, in_features)  # (E, N, K) fp32, this call only

@@ -668,12 +668,10 @@ def kernel_name(ggml_type: int, variant: int = 0) -> str:
     return _KERNELS[(ggml_type, variant)].name
 
 
-# Defaults at M = 1, per block family and row length: (V, R, U, W max). One table so the H200
-# sweep (bench/qmatmul.py --sweep) can switch them by editing a line. V = 1 applies to fp16 x
-# only; other dtypes take V = 0 with the same R, U, W. Rows of K >= 8192 count as long.
-# V = 0 rows are the H200-measured bests (docs/kernel_notes.md); the V = 1 rows are predicted
-# from the sm_90 builds (fewest instructions per weight and row: U = 1, R = 8 for 32-weight
-# blocks, 4 for K-quants) and wait for the sweep.
+# Defaults at M = 1, per block family and row length: (V, R, U, W max), for fp16 x. One table
+# so the H200 sweep (bench/qmatmul.py --sweep, which prints ready lines) can switch them by
+# editing a line. Rows of K >= 8192 count as long. H200 sweep of 2026-11-30 07:51 UTC, fp16 x
+# (docs/kernel_notes.md): V = 1 won every 4-bit shape it ran.
 DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
     ("32", False): (1, 8, 1, 4),  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
     ("32", True): (1, 4, 1, 8),
@@ -681,16 +679,27 @@ DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
     ("256", True): (1, 2, 1, 8),
 }
 # Per type overrides of DEFAULTS, keyed (type name, long rows). The packed fp16 decode costs
-# more instructions than the fp32 one for the 4-weight groups of Q3_K and Q6_K (sm_90 build).
-# Q8_0 stays on fp32 math: its fp16 group sums (4 products of |q| <= 128 per half) overflow once
-# |x| reaches ~128, where the 4-bit types (|q| <= 8 .. 31) have 4-16x more headroom.
+# more instructions than the fp32 one for the 4-weight groups of Q3_K (sm_90 build). Q8_0 stays
+# on fp32 math: its fp16 group sums (4 products of |q| <= 128 per half) overflow once |x|
+# reaches ~128, where the 4-bit types (|q| <= 8 .. 31) have 4-16x more headroom.
 TYPE_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
+    ("Q4_0", True): (1, 2, 4, 8),  # 16.6 us at 4096x14336 against 28.7 for (1, 4, 1, 8)
+    ("Q4_K", False): (1, 4, 2, 1),  # lm_head 262144x2816: 209 us against 251 for (1, 4, 1, 2)
     ("Q8_0", False): (0, 4, 2, 4),
     ("Q8_0", True): (0, 2, 4, 8),
     ("Q3_K", False): (0, 4, 1, 4),
     ("Q3_K", True): (0, 2, 1, 8),
-    ("Q6_K", False): (0, 4, 1, 4),
-    ("Q6_K", True): (0, 2, 1, 8),
+    ("Q6_K", False): (0, 4, 1, 4),  # V = 1 won at 14336x4096 but the lm_head was not swept
+    ("Q6_K", True): (1, 2, 1, 8),  # 29.2 us at 4096x14336 against 31.8 for V = 0
+}
+# fp32 and bf16 x run the fp32 decode (V = 0), whose own measured bests differ (session 1):
+# 4 rows per threadgroup and 2 steps per run (1 for K-quants) below K = 8192, 2 rows and 8 SIMD
+# groups above. bf16 x is what the models run on a GPU.
+V0_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
+    ("32", False): (0, 4, 2, 4),
+    ("32", True): (0, 2, 4, 8),
+    ("256", False): (0, 4, 1, 4),
+    ("256", True): (0, 2, 1, 8),
 }
 
 
@@ -698,18 +707,17 @@ def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> d
     """V (variant), MT (columns compiled for), R (rows per threadgroup), U (steps per run),
     W (SIMD groups).
 
-    From the H200 measurements (docs/kernel_notes.md, M = 1): rows of up to ~8k weights run
-    best with 4 rows per threadgroup and up to 4 SIMD groups; long rows (K = 14336) with 2 rows
-    and 8 SIMD groups (more loads in flight per row, +30 % for Q4_0). W never exceeds the runs
-    a row has, so no SIMD group idles.
+    From the H200 measurements (docs/kernel_notes.md, M = 1): fp16 x takes the tables above;
+    other dtypes the fp32 decode with its own measured table. W never exceeds the runs a row
+    has, so no SIMD group idles.
     """
     qk = _TYPES[ggml_type][1]
     mt = next(b for b in _M_BUCKETS if b >= M)
     long_rows = K >= 8192
     name = T(ggml_type).name
     v, r, u, w_max = TYPE_DEFAULTS.get((name, long_rows)) or DEFAULTS[(str(qk), long_rows)]
-    if dtype != mx.float16:
-        v = 0
+    if dtype != mx.float16 and v != 0:
+        v, r, u, w_max = V0_DEFAULTS[(str(qk), long_rows)]
     r = max(1, min(r, 16 // mt))  # R x MT accumulators per lane
     return clamp_w(ggml_type, K, {"V": v, "MT": mt, "R": r, "U": u, "W": w_max})
 
@@ -724,7 +732,8 @@ def clamp_w(ggml_type: int, K: int, cfg: dict[str, int]) -> dict[str, int]:
 class _Plan:
     """Everything a launch needs for one (type, M, N, K, dtype, config), built once."""
 
-    __slots__ = ("kernel", "grid", "threadgroup", "out_shapes", "out_dtypes", "template", "dims")
+    __slots__ = ("kernel", "grid", "threadgroup", "out_shapes", "out_dtypes", "template", "dims",
+                 "launch")  # fmt: skip
 
     def __init__(self, ggml_type: int, M: int, N: int, K: int, dtype, cfg: dict[str, int]):
         self.kernel = _KERNELS[(ggml_type, cfg.get("V", 0))]
@@ -734,6 +743,7 @@ class _Plan:
         self.out_dtypes = [dtype]
         self.template = {"T": dtype, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]}
         self.dims = mx.array([M, N, K], dtype=mx.int32)
+        self.launch = None  # the resolved launch (Kernel.launcher), built on the first GPU call
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -783,17 +793,39 @@ def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dt
     Equal to ``dequantize_reference`` up to one rounding (the GPU may fuse scale * q + bias)
     and the final cast to ``dtype``.
     """
-    qk, lpb = _TYPES[ggml_type][1], _TYPES[ggml_type][3]
     n = w_raw.shape[0]
-    (out,) = _DEQUANT_KERNELS[ggml_type](
-        [w_raw, mx.array([n, in_features], dtype=mx.int32)],
-        grid=(n * (in_features // qk) * lpb,),
-        threadgroup=(256,),
-        output_shapes=[(n, in_features)],
-        output_dtypes=[dtype],
-        template={"T": dtype},
-    )
-    return out
+    key = (ggml_type, n, in_features, dtype)
+    plan = _DEQUANT_PLANS.get(key)
+    if plan is None:
+        qk, lpb = _TYPES[ggml_type][1], _TYPES[ggml_type][3]
+        # resolved once per shape; the dims array too (a host-made array per call costs more)
+        launch = _DEQUANT_KERNELS[ggml_type].launcher(
+            [mx.uint8, mx.int32],
+            grid=(n * (in_features // qk) * lpb,),
+            threadgroup=(256,),
+            output_shapes=[(n, in_features)],
+            output_dtypes=[dtype],
+            template={"T": dtype},
+        )
+        plan = _DEQUANT_PLANS[key] = (launch, mx.array([n, in_features], dtype=mx.int32))
+    launch, dims = plan
+    return launch(inputs=[w_raw, dims])[0]
+
+
+_DEQUANT_PLANS: dict[tuple, tuple] = {}
+
+
+def ggml_get_rows(w_raw: mx.array, ids: mx.array, ggml_type: int, in_features: int) -> mx.array:
+    """Rows ``ids`` (...) of a GGML table w_raw (V, row_bytes) -> (..., in_features) fp32.
+
+    On a GPU one gather and one dequantize launch (the reference's ~20 small ops per lookup
+    each cost a launch); the reference elsewhere (bit-exact with gguf-py).
+    """
+    rows = w_raw[ids]
+    if backend() is None or ggml_type not in _DEQUANT_KERNELS or ids.size == 0:
+        return dequantize_reference(rows, ggml_type, in_features)
+    flat = ggml_dequantize_kernel(rows.reshape(ids.size, -1), ggml_type, in_features, mx.float32)
+    return flat.reshape(*ids.shape, in_features)
 
 
 _DEQ_CHUNK = 1 << 26  # elements of dequantized weight alive at once on the many-rows path
@@ -827,14 +859,7 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     if be is not None:
         p = _CALLS.get((ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype))
         if p is not None:
-            return p.kernel(
-                [x, w_raw, p.dims],
-                grid=p.grid,
-                threadgroup=p.threadgroup,
-                output_shapes=p.out_shapes,
-                output_dtypes=p.out_dtypes,
-                template=p.template,
-            )[0]
+            return p.launch(inputs=[x, w_raw, p.dims])[0]
     if x.shape[-1] != in_features:
         raise WeightMismatchError(f"x has {x.shape[-1]} features, the weight {in_features}")
     rb = row_bytes(ggml_type, in_features)  # raises for unknown types / bad K
@@ -857,6 +882,15 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         plan = _Plan(ggml_type, M, N, in_features, x.dtype,
                      launch_config(ggml_type, M, N, in_features, x.dtype))  # fmt: skip
         plan.out_shapes = [(*x.shape[:-1], N)]
+        # resolved once: a template dict is unhashable, so Kernel.__call__ would redo it per call
+        plan.launch = plan.kernel.launcher(
+            [x.dtype, mx.uint8, mx.int32],
+            grid=plan.grid,
+            threadgroup=plan.threadgroup,
+            output_shapes=plan.out_shapes,
+            output_dtypes=plan.out_dtypes,
+            template=plan.template,
+        )
         _CALLS[(ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype)] = plan
         return ggml_matmul(x, w_raw, ggml_type, in_features)
     out = _ggml_matmul_dequant(x.reshape(M, in_features), w_raw, ggml_type, in_features)

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as T
 
 from . import custom_kernels
 from .custom_kernels.affine_repack import GROUP_SIZE, affine_repack
-from .custom_kernels.dequant import DENSE_TYPES, dequantize_reference, row_bytes
-from .custom_kernels.qmatmul import ggml_matmul
+from .custom_kernels.dequant import DENSE_TYPES, row_bytes
+from .custom_kernels.qmatmul import ggml_get_rows, ggml_matmul
 from .errors import WeightMismatchError
 
 
@@ -127,10 +127,11 @@ class GGMLEmbedding(_GGMLModule):
     def __call__(self, ids: mx.array) -> mx.array:
         """ids (...) int -> (..., dims) fp32.
 
-        Always from the raw rows: a gather of a few rows is cheap, and it keeps the reference's
-        bits exactly (the affine repack turns its -0.0 under negative scales into +0.0).
+        Always from the raw rows: a gather of a few rows is cheap, and on the CPU it keeps the
+        reference's bits exactly (the affine repack turns its -0.0 under negative scales into
+        +0.0). On a GPU the rows are dequantized by one kernel (up to one fp32 rounding).
         """
-        return dequantize_reference(self.weight[ids], self.ggml_type, self.dims)
+        return ggml_get_rows(self.weight, ids, self.ggml_type, self.dims)
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x (..., dims) -> logits (..., num_embeddings) in x.dtype (tied output head)."""

@@ -246,7 +246,8 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        h = self.embed_tokens(inputs)
+        # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
+        h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         # the scale is rounded to the activation dtype first, as the reference does
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)

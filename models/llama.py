@@ -194,7 +194,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        h = self.embed_tokens(inputs)
+        # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
+        h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
         if use_kernels():
             n = self.layers[0].input_layernorm(h)

@@ -248,7 +248,8 @@ class TextModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
-        h = self.embed_tokens(inputs)
+        # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
+        h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         caches = cache or [None] * len(self.layers)
         if use_kernels():
             n = self.layers[0].input_layernorm(h)

@@ -259,8 +259,11 @@ def test_gpu_greedy_kernels_match_reference(name, monkeypatch):
             want_tokens, want_logits = greedy(model, prompt, 16)
         assert all(c.launches == 0 for c in counters.values())
         got_tokens, got_logits = greedy(model, prompt, 16)
-    assert counters["rms_norm_rope"].launches > 0 and counters["residual_rms_norm"].launches > 0
-    assert counters["activations"].launches > 0
+    # Llama has no q/k norms: its RoPE stays mx.fast.rope (the H200 run of 07:47 caught this)
+    expected = ["residual_rms_norm", "activations"] + ["rms_norm_rope"] * (name != "llama")
+    assert all(counters[k].launches > 0 for k in expected), {
+        k: c.launches for k, c in counters.items()
+    }
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -248,14 +248,22 @@ def test_dispatcher_routing_on_the_emulator(monkeypatch):
         calls.append(self.name)
         return _emu_call(self, *args, **kwargs)
 
+    def counting_launcher(self, input_dtypes, **launch):
+        return lambda inputs: counting(self, inputs, **launch)
+
     monkeypatch.setattr(X, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "__call__", counting)
+    monkeypatch.setattr(Kernel, "launcher", counting_launcher)
+    monkeypatch.setattr(X, "_CALLS", {})
 
     ids = _ids(16, 3, e, seed=1).reshape(2, 8, 3).astype(mx.int32)  # 16 tokens: the limit
     x = _x(16, 3, kk, False, mx.float16, seed=2).reshape(2, 8, kk)
     y = X.expert_matmul(x, w, ids, t, kk)
     assert calls == ["ggml_expert_qmv_q4_k"] and y.shape == (2, 8, 3, n)
     _check(y.reshape(16, 3, n), x.reshape(16, kk), wf, ids.reshape(16, 3))
+    # a repeat call takes the cached plan: same launch, same result, no new plan
+    assert bool(mx.array_equal(X.expert_matmul(x, w, ids, t, kk), y)) and len(X._CALLS) == 1
+    assert calls == ["ggml_expert_qmv_q4_k"] * 2
 
     calls.clear()
     ids17 = _ids(17, 2, e, seed=3)

@@ -166,6 +166,11 @@ def _emu_call(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, 
     )
 
 
+def _emu_launcher(self, input_dtypes, *, backend=None, scalar_inputs=(), verbose=False, **launch):
+    """``Kernel.launcher``'s stand-in: the dispatcher keeps what it returns per call signature."""
+    return lambda inputs: _emu_call(self, inputs, **launch)
+
+
 def _emu_example(case) -> tuple[Kernel, Example]:
     """The instantiation ggml_matmul_kernel will ask for, so it can be built ahead."""
     t, dt, m, n, k, cfg = case
@@ -272,6 +277,7 @@ def test_dispatcher_plan_cache_on_the_emulator(monkeypatch):
     batch dims stay on x and the output (no reshapes), and the result equals the first call's."""
     monkeypatch.setattr(Q, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "__call__", _emu_call)
+    monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
     w, wf = _weight(T.Q4_0, 7, 352)
     x = _x(2, 352, mx.float16, seed=11).reshape(1, 2, 352)
@@ -292,10 +298,43 @@ def test_dequant_kernel_on_the_emulator(ggml_type, dtype):
     n, k = 5, 768
     w, wf = _weight(ggml_type, n, k)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Kernel, "__call__", _emu_call)
+        mp.setattr(Kernel, "launcher", _emu_launcher)
+        mp.setattr(Q, "_DEQUANT_PLANS", {})  # keep the emulator's launches out of the real cache
         got = Q.ggml_dequantize_kernel(w, ggml_type, k, dtype)
     assert got.shape == (n, k) and got.dtype == dtype
     got, want = np.array(got.astype(mx.float32)), np.array(wf.astype(dtype).astype(mx.float32))
     scale = np.abs(np.array(wf)).max()
     ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-7  # one rounding of the largest term
     np.testing.assert_allclose(got, want, rtol=0, atol=2 * ulp * scale)
+
+
+def _get_rows_check(got: mx.array, wf: mx.array, ids: mx.array) -> None:
+    want = np.array(wf)[np.array(ids)]
+    assert got.shape == want.shape and got.dtype == mx.float32
+    # one fp32 rounding of the largest term (the GPU may fuse scale * q + bias)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2 * 2.0**-23 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_get_rows_on_the_emulator(ggml_type, monkeypatch):
+    """The GGML embedding lookup with a GPU back end (faked): one gather, then the dequantizer
+    over just those rows, in the ids' shape; the reference's rows up to one fp32 rounding."""
+    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
+    monkeypatch.setattr(Q, "_DEQUANT_PLANS", {})
+    launches = []
+    real = Q.ggml_dequantize_kernel
+    monkeypatch.setattr(Q, "ggml_dequantize_kernel", lambda *a: launches.append(1) or real(*a))
+    w, wf = _weight(ggml_type, 9, 512)
+    ids = mx.array([[3, 0, 8], [8, 8, 1]])
+    _get_rows_check(Q.ggml_get_rows(w, ids, ggml_type, 512), wf, ids)
+    assert launches == [1]
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_gpu_get_rows(ggml_type):
+    w, wf = _weight(ggml_type, 300, 768)
+    ids = mx.array([[299, 0, 17, 17]])
+    _get_rows_check(Q.ggml_get_rows(w, ids, ggml_type, 768), wf, ids)
