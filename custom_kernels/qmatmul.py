@@ -807,6 +807,8 @@ def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dt
             output_dtypes=[dtype],
             template={"T": dtype},
         )
+        if len(_DEQUANT_PLANS) >= 512:  # one per prompt length on the lookup path: stay bounded
+            _DEQUANT_PLANS.clear()
         plan = _DEQUANT_PLANS[key] = (launch, mx.array([n, in_features], dtype=mx.int32))
     launch, dims = plan
     return launch(inputs=[w_raw, dims])[0]
