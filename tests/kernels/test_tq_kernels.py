@@ -62,24 +62,33 @@ def _emulated_backend() -> str | None:
 
 
 def _check_quantize(rows: mx.array, x: mx.array, codec: TQCodec) -> None:
-    """Kernel rows vs the reference: norms ~1 ulp, codes equal except rare boundary ties."""
+    """Kernel rows vs the reference: codes equal except rare boundary ties; each row's scale
+    within fp32 rounding of the scale its own codes imply."""
     ref = tqq.tq_quantize_reference(x, codec)
     assert rows.shape == ref.shape and rows.dtype == mx.uint32
-    words, norms = codec.split(rows)
-    words_r, norms_r = codec.split(ref)
-    # the norm is summed in another order: fp32 rounding
-    np.testing.assert_allclose(np.array(norms), np.array(norms_r), rtol=1e-5)
+    words, scales = codec.split(rows)
+    words_r, scales_r = codec.split(ref)
     c = np.array(unpack_bits(words, codec.bits, codec.padded_dim)).astype(np.int64)
     c_r = np.array(unpack_bits(words_r, codec.bits, codec.padded_dim)).astype(np.int64)
     # a coordinate within an fp32 rounding of a boundary may land on either side; nothing else
     diff = c != c_r
     assert np.all(np.abs(c - c_r)[diff] == 1)
     assert diff.mean() < 1e-3, diff.mean()
+    # scale = |x| * P / sum(codebook[code] * u), u the unit coordinates, here in float64; the
+    # kernel and the reference sum in other orders (fp32 rounding), and a tie changes the sum
+    y = np.array(codec.rotate(x)).astype(np.float64)
+    norm = np.linalg.norm(y, axis=-1)
+    u = y * (np.sqrt(codec.padded_dim) / np.maximum(norm, 1e-30)[..., None])
+    cb = np.array(codec.codebook).astype(np.float64)
+    for got, codes in ((scales, c), (scales_r, c_r)):
+        dot = np.sum(cb[codes] * u, axis=-1)
+        want = np.where(dot > 0, norm * codec.padded_dim / np.maximum(dot, 1e-300), 0.0)
+        np.testing.assert_allclose(np.array(got), want, rtol=2e-5)
     if not diff.any():
         np.testing.assert_array_equal(np.array(words), np.array(words_r))
 
 
-def _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed):
+def _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed, Hq=None):
     rng = np.random.default_rng(seed)
     B = 2
     cache = (
@@ -87,16 +96,24 @@ def _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed):
         if kind == "growing"
         else TQRotatingKVCache(window, kb, vb, seed=seed, reserve=reserve)
     )
+    # channels of unequal size and a value mean: the calibrated TQBalance is far from identity
+    k_ch = np.exp(rng.uniform(-1.0, 1.0, Dk)).astype(np.float32)
+    v_ch = np.exp(rng.uniform(-1.0, 1.0, Dv)).astype(np.float32)
+    v_mean = rng.standard_normal(Dv).astype(np.float32)
     for i, L in enumerate(lengths):
-        k = mx.array(rng.standard_normal((B, Hkv, L, Dk)).astype(np.float32))
-        v = mx.array(rng.standard_normal((B, Hkv, L, Dv)).astype(np.float32))
+        k = mx.array(rng.standard_normal((B, Hkv, L, Dk)).astype(np.float32) * k_ch)
+        v = mx.array(rng.standard_normal((B, Hkv, L, Dv)).astype(np.float32) * v_ch + v_mean)
         if i + 1 < len(lengths):
             # the bulk prefill through the reference quantizer (the emulator is slow for it);
             # the last write, the decode step, goes through the dispatcher
             with reference_only():
                 cache.update_and_fetch(k, v)
+                if cache.needs_calibration:  # as attend() does, with queries of Hq heads
+                    q = rng.standard_normal((B, Hq or 2 * Hkv, L, Dk)).astype(np.float32)
+                    cache.calibrate(mx.array(q))
         else:
             cache.update_and_fetch(k, v)
+    assert cache.tq_balance.k_scale is not None and cache.tq_balance.v_scale is not None
     return cache, rng
 
 
@@ -112,7 +129,7 @@ FLASH_CASES = [
 
 def _check_flash(case, seed, dtype=mx.float32):
     kind, Hq, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, M = case
-    cache, rng = _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed)
+    cache, rng = _fill_cache(kind, Hkv, Dk, Dv, kb, vb, window, reserve, lengths, seed, Hq)
     assert cache.can_flash(M)
     st = cache.packed_state()
     q = mx.array(rng.standard_normal((2, Hq, M, Dk)).astype(np.float32) * 2).astype(dtype)
