@@ -69,10 +69,10 @@ def chunk_stats(base: mx.array, logits: mx.array, targets: mx.array) -> dict[str
     return {"nll": nll.sum().item(), "cos": cos.sum().item(), "flips": flips.sum().item()}
 
 
-def quality(model, ids: list[int], chunk: int, settings=SETTINGS) -> dict:
+def quality(model, ids: list[int], chunk: int, settings=SETTINGS, balance: bool = True) -> dict:
     caches = {"full": model.make_cache()}
     for label, kb, vb in settings:
-        caches[label] = make_tq_cache(model, kb, vb)
+        caches[label] = make_tq_cache(model, kb, vb, balance=balance)
     sums = {name: {"nll": 0.0, "cos": 0.0, "flips": 0.0} for name in caches}
     n = len(ids) - 1
     for start in range(0, n, chunk):
@@ -131,6 +131,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--settings", default=None, help="comma list of labels (default: all)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--no-balance", action="store_true", help="without the per-channel balancing (TQBalance)"
+    )
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -140,7 +143,8 @@ def main() -> None:
     if len(ids) < args.tokens + 1:
         raise SystemExit(f"the text has only {len(ids)} tokens")
     picked = args.settings.split(",") if args.settings else [s[0] for s in SETTINGS]
-    rows = quality(model, ids, args.chunk, [s for s in SETTINGS if s[0] in picked])
+    picked = [s for s in SETTINGS if s[0] in picked]
+    rows = quality(model, ids, args.chunk, picked, balance=not args.no_balance)
     mem = memory_table()
     elapsed = time.perf_counter() - t0
 
@@ -157,8 +161,8 @@ def main() -> None:
         pl = m["bytes_per_token_per_layer"]
         print(f"{label:6} sliding {pl['sliding']:6d}  global {pl['global']:6d}  "
               f"total {m['total_bytes_32768'] / 2**20:8.1f} MiB")  # fmt: skip
-    result = {"tokens": args.tokens, "chunk": args.chunk, "seconds": elapsed,
-              "quality": rows, "memory_gemma4_26b_a4b": mem}  # fmt: skip
+    result = {"tokens": args.tokens, "chunk": args.chunk, "balance": not args.no_balance,
+              "seconds": elapsed, "quality": rows, "memory_gemma4_26b_a4b": mem}  # fmt: skip
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -55,6 +55,9 @@ def fill(cache, heads: int, dim: int, n: int, dtype: mx.Dtype, chunk: int = 4096
         k = mx.random.normal((1, heads, L, dim), key=k1).astype(dtype)
         v = mx.random.normal((1, heads, L, dim), key=k2).astype(dtype)
         cache.update_and_fetch(k, v)
+        if getattr(cache, "needs_calibration", False):
+            # what attend() does after the first write: key scales (TQBalance) from queries
+            cache.calibrate(mx.random.normal((1, heads, L, dim), key=key).astype(dtype))
         mx.eval(cache.keys, cache.values)
 
 

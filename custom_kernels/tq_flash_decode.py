@@ -38,8 +38,11 @@ def tq_flash_decode_reference(
 
     The kernel's algorithm: rotated queries, scores from codebook values, the keys split into
     ``n_parts`` partitions each reduced to (max, sum, weighted values), then one merge and the
-    inverse rotation of the output.
+    inverse rotation of the output; the state's ``TQBalance`` around it as in the dispatcher.
     """
+    bal = state.balance
+    dtype = queries.dtype
+    queries = bal.queries_in(queries)
     B, Hq, M, _ = queries.shape
     kc, vc = state.k_codec, state.v_codec
     Hkv, S = state.keys.shape[1], state.n_slots
@@ -62,15 +65,16 @@ def tq_flash_decode_reference(
     den = sum(l_i * mx.exp(m - m_all) for m, l_i, _ in parts)
     num = sum(acc * mx.exp(m - m_all) for m, _, acc in parts)
     out = vc.unrotate(num / den)  # (B, Hkv, rep*M, Dv)
-    return out.reshape(B, Hq, M, vc.dim).astype(queries.dtype)
+    return bal.output_out(out.reshape(B, Hq, M, vc.dim)).astype(dtype)
 
 
 def tq_attention_oracle(queries: mx.array, state: TQState, scale: float) -> mx.array:
-    """Dequantize the whole cache to the original domain, then plain fp32 attention (tests)."""
+    """Dequantize the whole cache to the model's domain (codec and ``TQBalance`` undone), then
+    plain fp32 attention (tests)."""
     B, Hq, M, _ = queries.shape
     S = state.n_slots
-    k = state.k_codec.dequantize(state.keys[:, :, :S])
-    v = state.v_codec.dequantize(state.values[:, :, :S])
+    k = state.balance.keys_out(state.k_codec.dequantize(state.keys[:, :, :S]))
+    v = state.balance.values_out(state.v_codec.dequantize(state.values[:, :, :S]))
     out = mx.fast.scaled_dot_product_attention(
         queries.astype(mx.float32), k, v, scale=scale, mask=visibility(state, M)
     )
@@ -337,9 +341,17 @@ def _covered(queries: mx.array, state: TQState) -> bool:
 
 
 def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array:
-    """Dispatcher: the GPU kernels where they apply, else the reference (one partition)."""
+    """Dispatcher: the GPU kernels where they apply, else the reference (one partition).
+
+    The kernels see only the stored vectors; the state's ``TQBalance`` goes around them: fp32
+    queries times the key scales in, the fp32 output times the value scales, then one rounding.
+    """
     if backend() is None or not _covered(queries, state):
         return tq_flash_decode_reference(queries, state, scale)
+    bal = state.balance
+    dtype = queries.dtype
+    out_dtype = dtype if bal.v_scale is None else mx.float32
+    queries = bal.queries_in(queries)
     B, Hq, M, Dk = queries.shape
     Hkv = state.keys.shape[1]
     kc, vc = state.k_codec, state.v_codec
@@ -369,7 +381,7 @@ def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array
         grid=(B * Hq * M * vc.padded_dim,),
         threadgroup=(vc.padded_dim,),
         output_shapes=[(B, Hq, M, vc.dim)],
-        output_dtypes=[queries.dtype],
-        template={"T": queries.dtype, "DV": vc.dim, "PV": vc.padded_dim},
+        output_dtypes=[out_dtype],
+        template={"T": out_dtype, "DV": vc.dim, "PV": vc.padded_dim},
     )
-    return out
+    return bal.output_out(out).astype(dtype)

@@ -1,4 +1,4 @@
-"""Quantize-on-write for TurboQuant caches: head vectors -> packed rows (codes + norm)."""
+"""Quantize-on-write for TurboQuant caches: head vectors -> packed rows (codes + scale)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ def tq_quantize_reference(x: mx.array, codec: TQCodec) -> mx.array:
 _BODY = """
   // One threadgroup per head vector, one thread per rotated coordinate (P threads): sign flip,
   // Walsh-Hadamard butterflies in shared memory, the norm from SIMD sums, a binary search of
-  // the Lloyd-Max boundaries, then thread w < CW assembles packed word w from the shared codes.
+  // the Lloyd-Max boundaries, the dot of codebook values with the unit coordinates (SIMD sums
+  // again) for the stored scale, then thread w < CW assembles packed word w from the codes.
   SHARED float buf[P];
   SHARED float partial[P / 32];
+  SHARED float dots[P / 32];
   SHARED uint codes[P];
   const uint row = gid_x;
   const uint j = tid;
@@ -51,6 +53,8 @@ _BODY = """
     if (u > boundaries[cand - 1]) code = cand;
   }
   codes[j] = code;
+  const float cu = simd_sum(codebook[code] * u);
+  if (lane == 0) dots[simd_id] = cu;
   BARRIER();
   if (j < uint(CW)) {
     // codes overlapping stream bits [32 j, 32 j + 32): a code may straddle two words
@@ -63,17 +67,23 @@ _BODY = """
     }
     out[row * uint(CW + 1) + j] = word;
   }
-  if (j == 0) out[row * uint(CW + 1) + uint(CW)] = bitcast<uint>(norm);
+  if (j == 0) {
+    // scale = norm * P / sum(c * u): the decoded vector's projection on x is exactly |x|
+    float dot = 0.0f;
+    for (uint s = 0; s < uint(P) / 32; ++s) dot += dots[s];
+    const float scale = dot > 0.0f ? norm * (float(P) / dot) : 0.0f;
+    out[row * uint(CW + 1) + uint(CW)] = bitcast<uint>(scale);
+  }
 """
 
 _kernel = Kernel(
     "tq_quantize",
-    inputs=["x", "signs", "boundaries"],
+    inputs=["x", "signs", "boundaries", "codebook"],
     outputs=["out"],
     body=_BODY,
     examples=[
         Example(
-            {"x": dt, "signs": mx.float32, "boundaries": mx.float32},
+            {"x": dt, "signs": mx.float32, "boundaries": mx.float32, "codebook": mx.float32},
             {"out": mx.uint32},
             {"T": dt, "D": d, "P": p, "BITS": b, "CW": p * b // 32},
         )
@@ -96,7 +106,7 @@ def tq_quantize(x: mx.array, codec: TQCodec) -> mx.array:
     n = x.size // codec.dim
     P = codec.padded_dim
     (rows,) = _kernel(
-        [x.reshape(n, codec.dim), codec.signs, codec.boundaries],
+        [x.reshape(n, codec.dim), codec.signs, codec.boundaries, codec.codebook],
         grid=(n * P,),
         threadgroup=(P,),
         output_shapes=[(n, codec.row_words)],

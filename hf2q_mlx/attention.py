@@ -3,7 +3,8 @@
 ``attend(queries, keys, values, cache, scale, mask)`` sends a decode step (M <= 8 queries) on a
 TurboQuant cache to the flash-decode kernel, which reads the packed cache. The first call marks
 the cache, so from then on its ``update_and_fetch`` returns ``TQPacked`` placeholders instead
-of dequantized keys/values for such steps (nothing unused is built). Everything else (prefill,
+of dequantized keys/values for such steps (nothing unused is built); right after the first write
+it hands the queries to the cache's key calibration (``TQBalance``). Everything else (prefill,
 plain caches, no cache) goes to ``mx.fast.scaled_dot_product_attention`` with the given keys,
 values and mask.
 """
@@ -35,6 +36,9 @@ def attend(
     if isinstance(keys, TQPacked):
         return tq_flash_decode(queries, keys.state, scale)
     if isinstance(cache, _TQMixin):
+        if cache.needs_calibration:
+            # the first write: key scales need these queries, so it is re-quantized with them
+            keys, values, mask = cache.calibrate(queries)
         cache.flash_attend = True
         if cache.can_flash(queries.shape[2]):
             return tq_flash_decode(queries, cache.packed_state(), scale)

@@ -9,19 +9,77 @@ computes them) and ``packed_state()`` hands the packed buffers to that kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .cache import KVCache, RotatingKVCache
 from .custom_kernels.tq_quantize import tq_quantize
 from .errors import Hf2qError
-from .turboquant import SUPPORTED_BITS, TQCodec
+from .turboquant import SUPPORTED_BITS, TQCodec, key_balance, value_balance
 
 # the flash-decode kernel covers up to this many query rows per sequence (decode, short drafts)
 MAX_FLASH_QUERIES = 8
 # window of a full-attention layer in the kernels' position test (larger than any context)
 FULL_WINDOW = 1 << 30
+
+
+@dataclass
+class TQBalance:
+    """Exact per-channel scales between the model's K/V and what the codec stores.
+
+    The cache stores ``k / k_scale`` and ``v / v_scale`` (each (Hkv, D) fp32, None = identity);
+    attention uses ``q * k_scale`` and multiplies its output by ``v_scale``. Scores and outputs
+    are unchanged in exact arithmetic; only the codec's error is spread more favourably
+    (``key_balance``, ``value_balance`` in ``turboquant.py``). Both sides of attention run in
+    fp32 then: scaled queries and the scaled output are not rounded to the model's dtype.
+    """
+
+    k_scale: mx.array | None = None
+    v_scale: mx.array | None = None
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    def set(self, **scales: mx.array) -> None:
+        """Set ``k_scale`` / ``v_scale`` (drops the shapes derived from the old ones)."""
+        for name, a in scales.items():
+            setattr(self, name, a)
+        self._derived.clear()
+
+    def _col(self, name: str, inverse: bool = False) -> mx.array:
+        """(Hkv, D) scale as (Hkv, 1, D), or its reciprocal; built once, reused every step."""
+        key = (name, inverse)
+        if key not in self._derived:
+            a = getattr(self, name)
+            self._derived[key] = (1.0 / a if inverse else a)[:, None, :]
+        return self._derived[key]
+
+    def keys_in(self, k: mx.array) -> mx.array:
+        return k if self.k_scale is None else k * self._col("k_scale", inverse=True)
+
+    def keys_out(self, k: mx.array) -> mx.array:
+        return k if self.k_scale is None else k * self._col("k_scale")
+
+    def values_in(self, v: mx.array) -> mx.array:
+        return v if self.v_scale is None else v * self._col("v_scale", inverse=True)
+
+    def values_out(self, v: mx.array) -> mx.array:
+        return v if self.v_scale is None else v * self._col("v_scale")
+
+    def _rep(self, name: str, hq: int) -> mx.array:
+        """The (Hkv, D) scale repeated for each query head of its group, (Hq, 1, D), kept."""
+        key = (name, hq)
+        if key not in self._derived:
+            a = getattr(self, name)
+            self._derived[key] = mx.repeat(a, hq // a.shape[0], axis=0)[:, None, :]
+        return self._derived[key]
+
+    def queries_in(self, q: mx.array) -> mx.array:
+        """q (B, Hq, M, D) -> q * k_scale of each query head's KV head (fp32 if scaled)."""
+        return q if self.k_scale is None else q * self._rep("k_scale", q.shape[1])
+
+    def output_out(self, o: mx.array) -> mx.array:
+        """Attention output over stored values (B, Hq, M, Dv) -> over the model's values."""
+        return o if self.v_scale is None else o * self._rep("v_scale", o.shape[1])
 
 
 @dataclass
@@ -41,6 +99,7 @@ class TQState:
     offset: int
     capacity: int
     window: int
+    balance: TQBalance = field(default_factory=TQBalance)
 
     @property
     def n_slots(self) -> int:
@@ -65,9 +124,16 @@ class _TQMixin:
     Once ``attend`` has seen the cache (``flash_attend``), a step it will send to the flash-decode
     kernel skips the dequantized views and the mask entirely: update_and_fetch then returns
     ``(TQPacked, TQPacked, None)``, which saves building ~50 unused graph nodes per layer.
+
+    With ``balance`` (the default) the first write calibrates the layer's ``TQBalance``: value
+    scales from its values, key scales from its keys and the queries ``attend`` passes to
+    ``calibrate`` right after, which re-quantizes that first write (a model that calls plain
+    attention instead keeps unscaled keys). Later writes reuse the calibration.
     """
 
-    def _init_tq(self, k_bits: int, v_bits: int, seed: int) -> None:
+    def _init_tq(
+        self, k_bits: int, v_bits: int, seed: int, balance: bool, rope_dims: int | None
+    ) -> None:
         for bits in (k_bits, v_bits):
             if bits not in SUPPORTED_BITS:
                 raise Hf2qError(f"TurboQuant supports {SUPPORTED_BITS} bits, not {bits}")
@@ -75,6 +141,24 @@ class _TQMixin:
         self.k_codec: TQCodec | None = None
         self.v_codec: TQCodec | None = None
         self.flash_attend = False
+        self.balance, self.rope_dims = balance, rope_dims
+        self.tq_balance = TQBalance()
+        self._first: tuple[mx.array, mx.array] | None = None  # raw first write, until calibrate
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether ``attend`` should call ``calibrate(queries)`` (right after the first write)."""
+        return self._first is not None
+
+    def calibrate(self, queries: mx.array):
+        """Key scales from the first write's keys and these queries; re-writes that first write
+        with them and returns what its ``update_and_fetch`` would have: (keys, values, mask)."""
+        keys, values = self._first
+        self._first = None
+        self.tq_balance.set(k_scale=key_balance(keys, queries, self.rope_dims))
+        self.keys = self.values = None
+        self.offset = 0
+        return self.update_and_fetch(keys, values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys (B, H, L, Dk), values (B, H, L, Dv) -> dequantized (keys, values, mask)."""
@@ -82,16 +166,22 @@ class _TQMixin:
             # K and V share a seed: one rotation per layer (and per head dim)
             self.k_codec = TQCodec(keys.shape[-1], self.k_bits, self.seed)
             self.v_codec = TQCodec(values.shape[-1], self.v_bits, self.seed)
-        pk = tq_quantize(keys, self.k_codec)
-        pv = tq_quantize(values, self.v_codec)
+            if self.balance:
+                self.tq_balance.set(v_scale=value_balance(values))
+                self._first = (keys, values)
+        elif self._first is not None:
+            self._first = None  # no calibrate() after the first write: keys stay unscaled
+        bal = self.tq_balance
+        pk = tq_quantize(bal.keys_in(keys), self.k_codec)
+        pv = tq_quantize(bal.values_in(values), self.v_codec)
         L = keys.shape[2]
         if self.flash_attend and self.keys is not None and L <= MAX_FLASH_QUERIES:
             if self._write_only(pk, pv):
                 packed = TQPacked(self.packed_state())
                 return packed, packed, None
         rows_k, rows_v, mask = super().update_and_fetch(pk, pv)
-        k = self.k_codec.dequantize(rows_k, keys.dtype)
-        v = self.v_codec.dequantize(rows_v, values.dtype)
+        k = bal.keys_out(self.k_codec.dequantize(rows_k)).astype(keys.dtype)
+        v = bal.values_out(self.v_codec.dequantize(rows_v)).astype(values.dtype)
         return k, v, mask
 
     def packed_state(self) -> TQState:
@@ -100,7 +190,7 @@ class _TQMixin:
         window = getattr(self, "window", None) or FULL_WINDOW
         return TQState(
             self.keys, self.values, self.k_codec, self.v_codec, self.offset,
-            self.keys.shape[2], window,
+            self.keys.shape[2], window, self.tq_balance,
         )  # fmt: skip
 
     def can_flash(self, n_queries: int) -> bool:
@@ -115,9 +205,17 @@ class _TQMixin:
 class TQKVCache(_TQMixin, KVCache):
     """Growing full-attention cache of TurboQuant rows (see ``KVCache``)."""
 
-    def __init__(self, k_bits: int, v_bits: int, seed: int = 0, max_size: int | None = None):
+    def __init__(
+        self,
+        k_bits: int,
+        v_bits: int,
+        seed: int = 0,
+        max_size: int | None = None,
+        balance: bool = True,
+        rope_dims: int | None = None,
+    ):
         KVCache.__init__(self, max_size)
-        self._init_tq(k_bits, v_bits, seed)
+        self._init_tq(k_bits, v_bits, seed, balance, rope_dims)
 
     def _write_only(self, pk: mx.array, pv: mx.array) -> bool:
         """KVCache.update_and_fetch without building the fetched views or the mask."""
@@ -135,9 +233,18 @@ class TQKVCache(_TQMixin, KVCache):
 class TQRotatingKVCache(_TQMixin, RotatingKVCache):
     """Sliding-window ring of TurboQuant rows, ``window + reserve`` slots (``RotatingKVCache``)."""
 
-    def __init__(self, window: int, k_bits: int, v_bits: int, seed: int = 0, reserve: int = 0):
+    def __init__(
+        self,
+        window: int,
+        k_bits: int,
+        v_bits: int,
+        seed: int = 0,
+        reserve: int = 0,
+        balance: bool = True,
+        rope_dims: int | None = None,
+    ):
         RotatingKVCache.__init__(self, window, reserve)
-        self._init_tq(k_bits, v_bits, seed)
+        self._init_tq(k_bits, v_bits, seed, balance, rope_dims)
 
     def _write_only(self, pk: mx.array, pv: mx.array) -> bool:
         """RotatingKVCache.update_and_fetch without the history views or the mask."""
@@ -150,10 +257,18 @@ class TQRotatingKVCache(_TQMixin, RotatingKVCache):
         return True
 
 
-def to_tq_cache(cache: list, k_bits: int, v_bits: int | None = None, seed: int = 0) -> list:
+def to_tq_cache(
+    cache: list,
+    k_bits: int,
+    v_bits: int | None = None,
+    seed: int = 0,
+    balance: bool = True,
+    rope_dims: list | None = None,
+) -> list:
     """Replace each empty ``KVCache`` / ``RotatingKVCache`` by its TurboQuant version.
 
-    Other layer caches (recurrent states) pass through. Layer i gets rotation seed ``seed + i``.
+    Other layer caches (recurrent states) pass through. Layer i gets rotation seed ``seed + i``
+    and ``rope_dims[i]`` (rotated channels of its head dim, None = all; see ``TQBalance``).
     """
     v_bits = k_bits if v_bits is None else v_bits
     out = []
@@ -163,25 +278,41 @@ def to_tq_cache(cache: list, k_bits: int, v_bits: int | None = None, seed: int =
             continue
         if isinstance(c, (KVCache, RotatingKVCache)) and c.offset > 0:
             raise Hf2qError("convert a cache to TurboQuant before its first use")
+        rd = rope_dims[i] if rope_dims is not None else None
         if isinstance(c, RotatingKVCache):
             reserve = c.capacity - c.window
-            out.append(TQRotatingKVCache(c.window, k_bits, v_bits, seed + i, reserve))
+            out.append(TQRotatingKVCache(c.window, k_bits, v_bits, seed + i, reserve, balance, rd))
         elif isinstance(c, KVCache):
-            out.append(TQKVCache(k_bits, v_bits, seed + i, c.max_size))
+            out.append(TQKVCache(k_bits, v_bits, seed + i, c.max_size, balance, rd))
         else:
             out.append(c)
     return out
 
 
+def model_rope_dims(model) -> list:
+    """Per layer: the attention's ``rope_dims`` attribute (partial RoPE), else None (all)."""
+    layers = getattr(model, "layers", None) or []
+    return [getattr(getattr(layer, "self_attn", None), "rope_dims", None) for layer in layers]
+
+
 def make_tq_cache(
-    model, k_bits: int, v_bits: int | None = None, reserve: int = 0, seed: int = 0
+    model,
+    k_bits: int,
+    v_bits: int | None = None,
+    reserve: int = 0,
+    seed: int = 0,
+    balance: bool = True,
 ) -> list:
     """The model's ``make_cache(reserve)`` with every attention cache in TurboQuant form.
 
-    ``k_bits`` / ``v_bits`` in (2, 3, 4, 5, 6, 8); ``v_bits`` defaults to ``k_bits``.
+    ``k_bits`` / ``v_bits`` in (2, 3, 4, 5, 6, 8); ``v_bits`` defaults to ``k_bits``;
+    ``balance`` calibrates per-channel scales at the first write (``TQBalance``).
     """
     if hasattr(model, "make_cache"):
         cache = model.make_cache(reserve=reserve)
     else:
         cache = [KVCache() for _ in model.layers]
-    return to_tq_cache(cache, k_bits, v_bits, seed)
+    dims = model_rope_dims(model)
+    return to_tq_cache(
+        cache, k_bits, v_bits, seed, balance, dims if len(dims) == len(cache) else None
+    )
