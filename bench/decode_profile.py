@@ -4,8 +4,9 @@ Builds one random-weight model at a real shape with the builders of bench/gemma4
 bench/qwen3_5.py, prefills a prompt, then times greedy decode steps (pipelined as in
 ``stream_generate``: the next graph is built while the GPU runs the last one) under CUPTI
 (through torch.profiler). Reports per token: wall time, the number of GPU kernels, their summed
-duration and the GPU-busy share (summed kernel time / wall), and the kernels that take the most
-time. Busy well under 100 % means launch gaps and host time, not kernels, set the speed.
+duration and the GPU-busy share (summed kernel time / wall), the host time split into building
+the step's graph in Python and MLX's ``async_eval`` (encoding and launching it), and the kernels
+that take the most time. Busy well under 100 % means host time, not kernels, sets the speed.
 
     python3 bench/decode_profile.py gemma4:26b-a4b q4_k [--prompt 512] [--steps 16] [--json F]
     python3 bench/decode_profile.py qwen3_5:9b mlx4
@@ -86,14 +87,24 @@ def profile_decode(model, vocab: int, prompt: int, steps: int, use_cuda: bool) -
 
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
+    build = submit = 0.0
     tic = time.perf_counter()
     for _ in range(steps):
-        y = step(y)
-        mx.async_eval(y)
+        t0 = time.perf_counter()
+        y = step(y)  # Python: the step's graph
+        t1 = time.perf_counter()
+        mx.async_eval(y)  # MLX: encode and launch it (the GPU runs behind)
+        build, submit = build + t1 - t0, submit + time.perf_counter() - t1
     mx.eval(y)
     mx.synchronize()
     wall_ms = (time.perf_counter() - tic) * 1e3 / steps
-    out = {"prompt": prompt, "steps": steps, "wall_ms_per_token": wall_ms}
+    out = {
+        "prompt": prompt,
+        "steps": steps,
+        "wall_ms_per_token": wall_ms,
+        "graph_build_ms_per_token": build * 1e3 / steps,
+        "eval_submit_ms_per_token": submit * 1e3 / steps,
+    }
     if prof is None:
         return out
     prof.__exit__(None, None, None)
@@ -140,7 +151,9 @@ def main() -> None:
     model, vocab = build(family, shape, a.format, dtype)
     r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda)
     r.update(model=a.model, format=a.format, device=str(mx.default_device()))
-    print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall", end="")
+    b_ms, s_ms = r["graph_build_ms_per_token"], r["eval_submit_ms_per_token"]
+    print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall (Python graph build "
+          f"{b_ms:.2f}, MLX eval submit {s_ms:.2f})", end="")  # fmt: skip
     if "kernel_ms_per_token" in r:
         print(f", {r['kernels_per_token']:.0f} kernels/token, {r['kernel_ms_per_token']:.2f} ms "
               f"kernel time/token, GPU busy {100 * r['gpu_busy']:.0f} %")  # fmt: skip
