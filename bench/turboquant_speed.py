@@ -14,6 +14,9 @@ Two parts (both on the default device; meant for the H200):
     python bench/turboquant_speed.py                 # attention part
     python bench/turboquant_speed.py --model         # + whole-model decode
     python bench/turboquant_speed.py --tiny          # CPU smoke run, small shapes
+
+With torch and CUDA present the attention part also reports CUPTI kernel time per step (the
+GPU time alone, launches excluded) and the bandwidth it implies.
 """
 
 from __future__ import annotations
@@ -99,14 +102,41 @@ def attention_bench(layers, ctx: int, bits: int | None, dtype: mx.Dtype, steps: 
             c.trim(1)  # the context stays at ctx; the cache still writes every step
         mx.eval(outs)
 
+    prof = cupti_profiler()
+    if prof is not None:
+        prof.__enter__()
     times = timed_steps(step, steps)
+    kernel_ms = None
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        from torch.autograd import DeviceType
+
+        us = sum(e.time_range.elapsed_us() for e in prof.events()
+                 if e.device_type == DeviceType.CUDA)  # fmt: skip
+        kernel_ms = us / 1e3 / (steps + 2)  # timed_steps runs two warm-ups inside the profile
     ms = 1e3 * statistics.median(times)
     kv_bytes = 0
     for c, (_, _, _, window) in zip(caches, shapes):
         slots = min(ctx + 1, window or ctx + 1)
         kv_bytes += c.nbytes * slots // c.keys.shape[2]  # the part a step reads
-    return {"ms_per_step": ms, "kv_mb_read": kv_bytes / 1e6,
-            "gb_s": kv_bytes / (ms * 1e-3) / 1e9}  # fmt: skip
+    out = {"ms_per_step": ms, "kv_mb_read": kv_bytes / 1e6, "gb_s": kv_bytes / (ms * 1e-3) / 1e9}
+    if kernel_ms is not None:  # GPU time alone: what the cache format changes, minus launches
+        out.update(kernel_ms_per_step=kernel_ms, kernel_gb_s=kv_bytes / (kernel_ms * 1e-3) / 1e9)
+    return out
+
+
+def cupti_profiler():
+    """A torch.profiler recording CUDA kernel durations, or None (no torch / no CUDA / not a GPU
+    run): the wall time of a step at these sizes is mostly launches, the kernel time is not."""
+    if mx.default_device().type != mx.DeviceType.gpu or importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA])
 
 
 def load_gemma4_bench():
@@ -178,8 +208,11 @@ def main() -> None:
         for label, bits in CACHES:
             r = attention_bench(layers, ctx, bits, dtype, steps)
             rows.append({"part": "attention", "context": ctx, "cache": label, **r})
+            kern = ""
+            if "kernel_ms_per_step" in r:
+                kern = f"   kernels {r['kernel_ms_per_step']:7.3f} ms, {r['kernel_gb_s']:7.1f} GB/s"
             print(f"{'attn':6} {ctx:7d} {label:5} {r['ms_per_step']:8.3f} "
-                  f"{r['kv_mb_read']:8.1f} {r['gb_s']:7.1f}", flush=True)  # fmt: skip
+                  f"{r['kv_mb_read']:8.1f} {r['gb_s']:7.1f}{kern}", flush=True)  # fmt: skip
             mx.clear_cache()
     if a.model:
         rows += model_bench(a.tiny, contexts, a.decode or (4 if a.tiny else 32))
