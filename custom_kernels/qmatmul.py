@@ -397,11 +397,8 @@ _TYPES: dict[int, tuple[str, int, int, int, int, int, bool]] = {
     T.Q6_K: (_Q6_K, 256, 210, 16, 4, 4, False),
 }
 
-_BODY = r"""
-  // Thread mapping: a threadgroup owns R consecutive rows; its n_simd SIMD groups take
-  // interleaved runs of U steps along K (a step = BPS blocks); the LPB lanes of a block each own
-  // one unit of it (t = lane % LPB), and every lane keeps partial sums for all R rows x MT columns.
-  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, BPS = 32 / LPB, NG = @NG@, GS = @GS@;
+# The rows, runs and accumulators both mat-vec loops start from.
+_PROLOGUE = r"""
   const uint Mrt = uint(dims[0]);
   const uint N = uint(dims[1]);
   const uint K = uint(dims[2]);
@@ -416,7 +413,14 @@ _BODY = r"""
   DEVICE_PTR(const uchar) wrow[R];  // rows past N re-read row N-1; their sums are dropped
   UNROLL for (int r = 0; r < R; ++r)
     wrow[r] = w + size_t(row0 + r < N ? row0 + r : N - 1) * row_bytes;
-  for (uint s0 = simd_id * U; s0 < nsteps; s0 += n_simd * U) {
+"""
+
+_BODY = r"""
+  // Thread mapping: a threadgroup owns R consecutive rows; its n_simd SIMD groups take
+  // interleaved runs of U steps along K (a step = BPS blocks); the LPB lanes of a block each own
+  // one unit of it (t = lane % LPB), and every lane keeps partial sums for all R rows x MT columns.
+  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, BPS = 32 / LPB, NG = @NG@, GS = @GS@;
+@PROLOGUE@  for (uint s0 = simd_id * U; s0 < nsteps; s0 += n_simd * U) {
     // All loads of the run first, so U * R blocks' bytes are in flight together. (Measured:
     // double-buffering the next run's loads was slower on the H200, docs/kernel_notes.md.)
     Raw@SUF@ raw[U][R];
@@ -528,21 +532,7 @@ _BODY_H2 = r"""
   // past 65504 / (GS / 2 * max |field - zero|): |x| ~2048 for Q4_0, ~500 for Q5_K, ~128 Q8_0.
   constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, BPS = 32 / LPB, NG = @NG@, GS = @GS@;
   constexpr uint GP = GS / 2;  // fp16 pairs per group
-  const uint Mrt = uint(dims[0]);
-  const uint N = uint(dims[1]);
-  const uint K = uint(dims[2]);
-  const uint nb = K / QK;
-  const size_t row_bytes = size_t(nb) * BB;
-  const uint row0 = gid_x * R;
-  const uint t = lane % LPB;
-  const uint bsub = lane / LPB;
-  const uint nsteps = (nb + BPS - 1) / BPS;
-  float acc[R][MT];
-  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-  DEVICE_PTR(const uchar) wrow[R];  // rows past N re-read row N-1; their sums are dropped
-  UNROLL for (int r = 0; r < R; ++r)
-    wrow[r] = w + size_t(row0 + r < N ? row0 + r : N - 1) * row_bytes;
-  uint s0 = simd_id * U;
+@PROLOGUE@  uint s0 = simd_id * U;
   // Whole runs (all U steps of every lane inside the row), then at most one partial run.
   for (; (s0 + U) * BPS <= nb; s0 += n_simd * U) @RUN_FULL@
   if (s0 < nsteps) @RUN_TAIL@
@@ -569,6 +559,8 @@ _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 X_DTYPES = _X_DTYPES  # x dtypes the mat-vec kernels take
 MAT_VEC_TYPES = tuple(_TYPES)  # GGML types with a mat-vec kernel
 
+
+_BODY, _BODY_H2 = (b.replace("@PROLOGUE@", _PROLOGUE.lstrip("\n")) for b in (_BODY, _BODY_H2))
 
 _DEQ_BODY = r"""
   // Thread mapping: one thread per (row, block, lane unit t), writing the unit's weights.
