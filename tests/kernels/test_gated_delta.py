@@ -3,11 +3,7 @@ forms, the fused step kernel on the GPU, and the kernel body itself run on the C
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
+import kernel_emulator
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -193,98 +189,28 @@ def test_dispatcher_uses_kernel(T, monkeypatch):
     check(got[2], np.array(ref[2]), 2e-5, "state")
 
 
-# ---- the kernel body executed on the CPU through the real dispatcher: lanes as threads ----
-
-_EMU = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <thread>
-#include <vector>
-typedef unsigned int uint;
-#define UNROLL
-#define SIMD_SIZE 32
-inline float to_float(float x) { return x; }
-template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
-inline float exp_f(float x) { return std::exp(x); }
-inline float log_f(float x) { return std::log(x); }
-inline float rsqrt_f(float x) { return 1.0f / std::sqrt(x); }
-struct Warp { std::barrier<> bar{32}; float buf[32]; };
-thread_local Warp* warp_;
-thread_local uint lane_;
-// xor butterfly, the order of the CUDA header's simd_sum
-inline float simd_sum(float x) {
-  for (uint o = 16; o > 0; o >>= 1) {
-    warp_->buf[lane_] = x;
-    warp_->bar.arrive_and_wait();
-    x += warp_->buf[lane_ ^ o];
-    warp_->bar.arrive_and_wait();
-  }
-  return x;
-}
-"""
+# ---- the kernel's CUDA rendering executed on the CPU through the real dispatcher ----
 
 
 class EmulatedStepKernel:
-    """Stands in for ``gated_delta._step_kernel`` (same call): each SIMD group of the launch
-    grid runs as 32 threads executing ``_STEP_BODY``; outputs start poisoned with NaN."""
+    """Stands in for ``gated_delta._step_kernel`` (same call): its CUDA rendering runs on the
+    shared CPU emulator (tests/kernels/kernel_emulator.py); outputs start poisoned."""
 
-    def __init__(self, build_dir: Path):
-        self.build_dir, self.launches = build_dir, 0
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
 
-    def _library(self, inputs, template) -> ctypes.CDLL:
-        consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template.items()
-                         if k != "OutT")  # fmt: skip
-        names = gd._STEP_INPUTS
-        params = [f"const {'int' if n == 'n_steps' else 'float'}* {n}" for n in names]
-        params += [f"float* {n}" for n in gd._STEP_OUTPUTS]
-        call = [f"({'int' if n == 'n_steps' else 'float'}*)in[{i}]" for i, n in enumerate(names)]
-        call += [f"(float*)out[{i}]" for i in range(len(gd._STEP_OUTPUTS))]
-        src = f"""{_EMU}{consts}using OutT = float;
-static void body({", ".join(params)}, uint lane, uint pos_y, uint pos_z) {{
-  lane_ = lane;
-{gd._STEP_BODY}
-}}
-extern "C" void launch(void** in, void** out, uint rows, uint groups) {{
-  for (uint z = 0; z < groups; ++z)
-    for (uint y = 0; y < rows; ++y) {{
-      Warp w;
-      std::vector<std::thread> lanes;
-      for (uint l = 0; l < 32; ++l)
-        lanes.emplace_back([&, l] {{ warp_ = &w; body({", ".join(call)}, l, y, z); }});
-      for (auto& t : lanes) t.join();
-    }}
-}}
-"""
-        key = "_".join(f"{k}{int(v)}" for k, v in template.items() if k != "OutT")
-        lib = self.build_dir / f"gd_{key}.so"
-        if not lib.exists():
-            cpp = lib.with_suffix(".cpp")
-            cpp.write_text(src)
-            cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(cpp), "-o"]
-            subprocess.run(cmd + [str(lib)], check=True, capture_output=True)
-        return ctypes.CDLL(str(lib))
-
-    def __call__(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, template, **_):
+    def __call__(self, inputs, **launch):
         self.launches += 1
-        assert threadgroup[0] == grid[0] == 32, "one SIMD group spans x"
-        assert all(d in (mx.float32, mx.int32) for d in [a.dtype for a in inputs])
-        in_np = [np.ascontiguousarray(np.array(a)) for a in inputs]
-        out_np = [np.full(s, np.nan, np.float32) for s in output_shapes]
-        rows = -(-grid[1] // threadgroup[1]) * threadgroup[1]  # whole threadgroups, as launched
-        ptrs = lambda arrs: (ctypes.c_void_p * len(arrs))(*[a.ctypes.data for a in arrs])  # noqa: E731
-        lib = self._library(inputs, template)
-        lib.launch(ptrs(in_np), ptrs(out_np), ctypes.c_uint(rows), ctypes.c_uint(grid[2]))
-        return [mx.array(o) for o in out_np]
+        return kernel_emulator.emulate(self.kernel, inputs, **launch)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20) to run the body")
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
 @pytest.mark.parametrize("T", [1, 3])
-def test_step_kernel_body_emulated(tiled, T, monkeypatch, tmp_path_factory):
+def test_step_kernel_body_emulated(tiled, T, monkeypatch):
     """``_STEP_BODY`` compiled as C++ and launched by the real dispatcher (decode, and a
     3-token 'step' prefill) against the float64 oracle."""
-    emu = EmulatedStepKernel(tmp_path_factory.getbasetemp())
+    emu = EmulatedStepKernel(gd._step_kernel)
     monkeypatch.setattr(gd, "_step_kernel", emu)
     monkeypatch.setattr(gd, "backend", lambda: "cuda")
     monkeypatch.setenv("HF2Q_GDN_PREFILL", "step")
