@@ -3,12 +3,14 @@
     python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--sweep] [--profile]
         [--budget SECONDS]
 
---sweep times every SWEEP configuration (variant V: 0 fp32 math, 1 packed fp16, fp16 x only;
-R rows per threadgroup, U steps per run, W SIMD groups) after the default one, on the same
-weights, and the summary (also in the JSON under "best") gives per type and shape the fastest
-configuration, its % of copy bandwidth and its speed against mx.quantized_matmul 4-bit, plus
-the qmatmul.DEFAULTS lines it suggests. --budget stops sweeping (defaults still run) once that
-many seconds have passed, so a capped device call still returns every shape.
+--sweep times every SWEEP configuration (variant V: 0 fp32 math, 1 packed fp16, fp16 x only,
+2 packed fp16 on bf16 x; R rows per threadgroup, U steps per run, W SIMD groups) after the
+default one, on the same weights, and the summary (also in the JSON under "best") gives per type
+and shape the fastest configuration, its % of copy bandwidth and its speed against
+mx.quantized_matmul 4-bit, plus the lines it suggests for the dtype's table (fp16:
+qmatmul.TYPE_DEFAULTS, bf16: qmatmul.BF16_DEFAULTS, the models' activations on a GPU). --budget
+stops sweeping (defaults still run) once that many seconds have passed, so a capped device call
+still returns every shape.
 
 Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
 262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
@@ -40,9 +42,11 @@ SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (262144, 2816)]
 ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 ROTATE_BYTES = 512 << 20  # weight copies per case: at least this many bytes (>> L2)
-SWEEP = [  # (V, R, U, W) configurations tried with --sweep (MT = 1); V = 1 needs fp16 x
+SWEEP = [  # (V, R, U, W) configurations tried with --sweep (MT = 1); V = 1 needs fp16 x,
+    # V = 2 bf16 x (the other dtypes skip them)
     (1, 8, 1, 4), (1, 4, 1, 8), (1, 4, 1, 4), (1, 2, 1, 8), (1, 4, 2, 4), (1, 2, 4, 8),
-    (1, 8, 1, 8), (0, 4, 2, 4), (0, 2, 4, 8), (0, 2, 1, 8), (0, 4, 1, 4),
+    (1, 8, 1, 8), (2, 8, 1, 4), (2, 4, 1, 8), (2, 4, 1, 4), (2, 2, 1, 8), (2, 4, 2, 4),
+    (2, 2, 4, 8), (2, 8, 1, 8), (0, 4, 2, 4), (0, 2, 4, 8), (0, 2, 1, 8), (0, 4, 1, 4),
 ]  # fmt: skip
 
 
@@ -126,8 +130,8 @@ def bench_ggml(tname, n, k, dtype, cfgs, args, t_start) -> list[dict]:
         if cfg is not None and time.perf_counter() - t_start > args.budget:
             print(f"budget: skipping the sweep for {tname} {n}x{k}", flush=True)
             break
-        if cfg is not None and cfg["V"] == 1 and dtype != mx.float16:
-            continue
+        if cfg is not None and Q.VARIANT_DTYPES.get(cfg["V"], dtype) != dtype:
+            continue  # a packed variant for another x dtype
         c = Q.clamp_w(t, k, cfg) if cfg else Q.launch_config(t, 1, n, k, dtype)
         if cfg is not None and any(r.get("config") == c for r in rows):
             continue  # W clamped onto a configuration already timed
@@ -276,7 +280,8 @@ def _print_table(res: dict) -> None:
         print(f"{b['type']:>16} {b['N']:>6}x{b['K']:<6} {b['GBps']:6.0f} GB/s "
               f"{b['pct_copy']:5.1f} % (default {b.get('default_pct_copy') or 0:5.1f} %)  "
               f"x{b.get('x_mx_affine4') or 0:4.2f} mx-affine4  {cfg}")  # fmt: skip
-    print("\nsuggested qmatmul.TYPE_DEFAULTS entries (type, K >= 8192) -> (V, R, U, W):")
+    table = {"f16": "TYPE_DEFAULTS", "bf16": "BF16_DEFAULTS"}.get(res["dtype"], "V0_DEFAULTS")
+    print(f"\nsuggested qmatmul.{table} entries (type, K >= 8192) -> (V, R, U, W):")
     for b in best:
         c = b.get("config")
         if c and "V" in c:

@@ -27,7 +27,8 @@ def ggml_matmul_reference(
 
 # --------------------------------------------------------------------------------------------
 # Kernel. Every type shares two loops: _BODY (fp32 decode and math, any x dtype) and _BODY_H2
-# (packed fp16, fp16 x: the `h2` kernels, variant V = 1). A type supplies how a lane loads its
+# (packed fp16: the `h2` kernels on fp16 x, variant V = 1, and the `h2bf` kernels on bf16 x,
+# V = 2, which converts x to fp16 in the loop). A type supplies how a lane loads its
 # bytes of a block (load_*), decodes them into exact small integers with a scale and a bias per
 # group of GS weights (dq_*, templated on the output: floats carrying 2^p, or fp16 pairs), where
 # each group's x values sit (xoff_*) and at which bit position each of its fields was read
@@ -133,6 +134,38 @@ FN void load_xh(DEVICE_PTR(const half_t) p, THREAD_PTR(uint) out) {
   const uint2 a = DEVICE_CAST(const uint2, p)[0];
   out[0] = (a.x & 0xFFFFu) | (a.y << 16);
   out[1] = (a.x >> 16) | (a.y & 0xFFFF0000u);
+}
+// Two floats rounded to fp16 (nearest even) as a pair, lo in the low half: one F2FP on sm_90.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+FN uint h2_pack(float lo, float hi) { return bitcast<uint>(__floats2half2_rn(lo, hi)); }
+#elif defined(__METAL_VERSION__)
+FN uint h2_pack(float lo, float hi) {
+  half2 h; h.x = half(lo); h.y = half(hi); return as_type<uint>(h);
+}
+#else
+FN uint h2_pack(float lo, float hi) {
+  return uint(bitcast<ushort>(from_float<half_t>(lo)))
+       | (uint(bitcast<ushort>(from_float<half_t>(hi))) << 16);
+}
+#endif
+// bf16 x for the packed fp16 loop (V = 2): a group's n values (fp32, exact bf16) scaled by a
+// power of two that puts the largest |x| in [2^5, 2^6), rounded to the pairs load_xh makes;
+// returns the inverse power (to scale the group's sum back, exact). Exact for every value
+// within 2^-19 of the group's largest (bf16's 8 significant bits fit fp16's 11); smaller ones
+// round as fp16 subnormals: an error below 2^-30 of the largest |x| each. 2^6 keeps every fp16
+// group sum finite: at most GS / 2 products of |field - zero| <= 128 (Q8_0) per half, 2^15.
+// A NaN may be skipped by the max but still reaches the sum; an inf scales to inf.
+FN float x_h2(THREAD_PTR(float) xf, int n, THREAD_PTR(uint) out) {
+  float mx = abs_f(xf[0]);
+  UNROLL for (int i = 1; i < n; ++i) mx = max_f(mx, abs_f(xf[i]));
+  const uint e = bitcast<uint>(mx) >> 23;  // biased exponent of the max, 0 (zero) .. 255
+  const uint se = e < 6u ? 253u : 259u - e;  // scale 2^(132 - e), capped at 2^126 (normal)
+  const float s = bitcast<float>(se << 23);
+  UNROLL for (int q = 0; q < n / 4; ++q) {
+    out[2 * q] = h2_pack(xf[4 * q] * s, xf[4 * q + 2] * s);
+    out[2 * q + 1] = h2_pack(xf[4 * q + 1] * s, xf[4 * q + 3] * s);
+  }
+  return bitcast<float>((254u - se) << 23);
 }
 // bit i of v (i < 4) -> bit 8i+4: the fifth bit of four packed nibbles (shifted copies of v
 // do not overlap, so the multiply is an OR).
@@ -498,14 +531,7 @@ _RUN_H2 = r"""
           float bi[R];
           UNROLL for (int r = 0; r < R; ++r) dq_@suf@(raw[u][r], t, g, wv[r], &sc[r], &bi[r]);
           UNROLL for (int m = 0; m < MT; ++m) {
-            uint xv[GP];
-            if (uint(m) < Mrt) {
-              UNROLL for (int p = 0; p < int(GS / 4); ++p)
-                load_xh(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 2 * p);
-            } else {
-              UNROLL for (int i = 0; i < int(GP); ++i) xv[i] = 0u;
-            }
-            float sx = 0.0f;
+@XLOAD@            float sx = 0.0f;
             if (@BIAS@) {  // the group's x sum: fp16 pair adds, the last one in fp32
               uint hs = xv[0];
               UNROLL for (int i = 1; i < int(GP); ++i) hs = h2_fma(xv[i], 0x3C003C00u, hs);
@@ -514,9 +540,7 @@ _RUN_H2 = r"""
             UNROLL for (int r = 0; r < R; ++r) {
               uint s = 0u;
               UNROLL for (int i = 0; i < int(GP); ++i) s = h2_fma(wv[r][i], xv[i], s);
-              acc[r][m] = fma_f(sc[r], f16lo(s) + f16hi(s), acc[r][m]);
-              if (@BIAS@) acc[r][m] = fma_f(bi[r], sx, acc[r][m]);
-            }
+@ACC@            }
           }
         }
       }
@@ -525,11 +549,12 @@ _RUN_H2 = r"""
 
 _BODY_H2 = r"""
   // Thread mapping as _BODY (R rows per threadgroup, SIMD groups on interleaved runs of U steps,
-  // LPB lanes per block). fp16 x only: weights decode to exact fp16 pairs (field - zero) and
-  // meet x in packed fp16 fmas, two weights per instruction; each group's GS products are summed
-  // in fp16 (GS / 2 roundings), then scaled and accumulated in fp32 across groups and blocks.
-  // Range: a lane's fp16 group sum is GS / 2 products of |field - zero| * |x|, so it overflows
-  // past 65504 / (GS / 2 * max |field - zero|): |x| ~2048 for Q4_0, ~500 for Q5_K, ~128 Q8_0.
+  // LPB lanes per block). Weights decode to exact fp16 pairs (field - zero) and meet x in
+  // packed fp16 fmas, two weights per instruction; each group's GS products are summed in fp16
+  // (GS / 2 roundings), then scaled and accumulated in fp32 across groups and blocks.
+  // Range, fp16 x (V = 1): a lane's fp16 group sum is GS / 2 products of |field - zero| * |x|,
+  // so it overflows past 65504 / (GS / 2 * max |field - zero|): |x| ~2048 for Q4_0, ~500 for
+  // Q5_K, ~128 Q8_0. bf16 x (V = 2) is scaled per group into range first (x_h2): no overflow.
   constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, BPS = 32 / LPB, NG = @NG@, GS = @GS@;
   constexpr uint GP = GS / 2;  // fp16 pairs per group
 @PROLOGUE@  uint s0 = simd_id * U;
@@ -549,9 +574,52 @@ _BODY_H2 = r"""
     for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
     if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
   }
-""".replace("@RUN_FULL@", _RUN_H2.replace("@CHECK@", "true")).replace(
-    "@RUN_TAIL@", _RUN_H2.replace("@CHECK@", "blk0 + uint(u) * BPS < nb")
-)
+"""
+
+# How the packed loop gets a group's x as fp16 pairs and adds its sums, per variant. V = 1:
+# fp16 x as it is. V = 2: bf16 x under a power-of-two scale per group and lane (x_h2), so the
+# fp16 sums never overflow and keep their precision whatever the magnitude of x (x_h2's
+# comment); the sum goes back to scale after its fp32 multiply by the group's scale (one extra
+# FMUL per group and row against V = 1).
+_H2_XLOAD = {
+    1: r"""            uint xv[GP];
+            if (uint(m) < Mrt) {
+              UNROLL for (int p = 0; p < int(GS / 4); ++p)
+                load_xh(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 2 * p);
+            } else {
+              UNROLL for (int i = 0; i < int(GP); ++i) xv[i] = 0u;
+            }
+""",
+    2: r"""            uint xv[GP];
+            float xs = 1.0f;  // 2^e: the group's x are x * 2^-e in xv
+            if (uint(m) < Mrt) {
+              float xf[GS];
+              UNROLL for (int p = 0; p < int(GS / 4); ++p)
+                load_x4(xb + size_t(m) * K + xoff_@suf@(t, g, p), xf + 4 * p);
+              xs = x_h2(xf, int(GS), xv);
+            } else {
+              UNROLL for (int i = 0; i < int(GP); ++i) xv[i] = 0u;
+            }
+""",
+}
+_H2_ACC = {
+    1: r"""              acc[r][m] = fma_f(sc[r], f16lo(s) + f16hi(s), acc[r][m]);
+              if (@BIAS@) acc[r][m] = fma_f(bi[r], sx, acc[r][m]);
+""",
+    # scale before the power of two: sc * sum stays finite where sum * 2^e alone could not
+    2: r"""              float v = sc[r] * (f16lo(s) + f16hi(s));
+              if (@BIAS@) v = fma_f(bi[r], sx, v);
+              acc[r][m] = fma_f(v, xs, acc[r][m]);
+""",
+}
+
+
+def _h2_body(variant: int) -> str:
+    run = _RUN_H2.replace("@XLOAD@", _H2_XLOAD[variant]).replace("@ACC@", _H2_ACC[variant])
+    return _BODY_H2.replace("@RUN_FULL@", run.replace("@CHECK@", "true")).replace(
+        "@RUN_TAIL@", run.replace("@CHECK@", "blk0 + uint(u) * BPS < nb")
+    )
+
 
 _MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups: threadgroups of at most 256 threads
 _M_BUCKETS = (1, 2, 4, 8, 16)  # MT template values; M is rounded up to one of these
@@ -560,7 +628,8 @@ X_DTYPES = _X_DTYPES  # x dtypes the mat-vec kernels take
 MAT_VEC_TYPES = tuple(_TYPES)  # GGML types with a mat-vec kernel
 
 
-_BODY, _BODY_H2 = (b.replace("@PROLOGUE@", _PROLOGUE.lstrip("\n")) for b in (_BODY, _BODY_H2))
+_LOOPS = {0: _BODY, 1: _h2_body(1), 2: _h2_body(2)}  # mat-vec loop per variant
+_LOOPS = {v: b.replace("@PROLOGUE@", _PROLOGUE.lstrip("\n")) for v, b in _LOOPS.items()}
 
 _DEQ_BODY = r"""
   // Thread mapping: one thread per (row, block, lane unit t), writing the unit's weights.
@@ -602,18 +671,20 @@ def mat_vec_body(ggml_type: int, variant: int = 0, prefix: str = "") -> tuple[st
     ``prefix`` goes before the loop (its @QK@ / @BB@ become the type's block size and bytes).
     The loop reads ``dims`` (M, N, K), ``x``, ``w`` and ``gid_x`` (block of R rows), takes the
     template values T, MT, R, U, and writes ``out[m * N + row]``. ``variant`` 0 works for fp32,
-    fp16 and bf16 x (fp32 decode and math); 1 (``VARIANTS``) for fp16 x only (packed fp16 math).
+    fp16 and bf16 x (fp32 decode and math); 1 (``VARIANTS``) for fp16 x only (packed fp16 math),
+    2 for bf16 x only (the same packed fp16 math on x scaled per group by a power of two).
     """
-    body = _BODY_H2 if variant == 1 else _BODY
-    return _substitute(prefix + body, ggml_type), _COMMON + _TYPES[ggml_type][0]
+    return _substitute(prefix + _LOOPS[variant], ggml_type), _COMMON + _TYPES[ggml_type][0]
 
 
-# Kernel variants: 0 = fp32 decode and fmas (any x dtype), 1 = packed fp16 (fp16 x only).
-VARIANTS = {0: "f32", 1: "h2"}
+# Kernel variants: 0 = fp32 decode and fmas (any x dtype), 1 = packed fp16 (fp16 x only),
+# 2 = packed fp16 on bf16 x (bf16 x only). VARIANT_DTYPES: the x dtype a variant takes.
+VARIANTS = {0: "f32", 1: "h2", 2: "h2bf"}
+VARIANT_DTYPES = {1: mx.float16, 2: mx.bfloat16}
 
 
 def _make_kernel(ggml_type: int, variant: int) -> Kernel:
-    dts = (mx.float32, mx.float16, mx.bfloat16) if variant == 0 else (mx.float16,) * 3
+    dts = (mx.float32, mx.float16, mx.bfloat16) if variant == 0 else (VARIANT_DTYPES[variant],) * 3
     examples = [
         Example(
             {"x": dt, "w": mx.uint8, "dims": (mx.int32, 3)},
@@ -693,6 +764,11 @@ V0_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
     ("256", False): (0, 4, 1, 4),
     ("256", True): (0, 2, 1, 8),
 }
+# bf16 x: entries here, keyed (type name, long rows) or (block family, long rows) as above,
+# replace V0_DEFAULTS, e.g. ("32", True): (2, 4, 1, 8) to run the packed fp16 loop on bf16 x
+# (V = 2). Empty until an H200 sweep measures V = 2 (`bench/qmatmul.py --dtype bf16 --sweep`
+# prints the lines): every bf16 default is V = 0 meanwhile.
+BF16_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {}
 
 
 def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> dict[str, int]:
@@ -700,8 +776,8 @@ def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> d
     W (SIMD groups).
 
     From the H200 measurements (docs/kernel_notes.md, M = 1): fp16 x takes the tables above;
-    other dtypes the fp32 decode with its own measured table. W never exceeds the runs a row
-    has, so no SIMD group idles.
+    other dtypes the fp32 decode with its own measured table (bf16: BF16_DEFAULTS first).
+    W never exceeds the runs a row has, so no SIMD group idles.
     """
     qk = _TYPES[ggml_type][1]
     mt = next(b for b in _M_BUCKETS if b >= M)
@@ -710,6 +786,9 @@ def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> d
     v, r, u, w_max = TYPE_DEFAULTS.get((name, long_rows)) or DEFAULTS[(str(qk), long_rows)]
     if dtype != mx.float16 and v != 0:
         v, r, u, w_max = V0_DEFAULTS[(str(qk), long_rows)]
+    if dtype == mx.bfloat16:
+        bf = BF16_DEFAULTS.get((name, long_rows)) or BF16_DEFAULTS.get((str(qk), long_rows))
+        v, r, u, w_max = bf or (v, r, u, w_max)
     r = max(1, min(r, 16 // mt))  # R x MT accumulators per lane
     return clamp_w(ggml_type, K, {"V": v, "MT": mt, "R": r, "U": u, "W": w_max})
 
@@ -746,8 +825,13 @@ def _plan(ggml_type: int, M: int, N: int, K: int, dtype, config: dict | None) ->
     plan = _PLANS.get(key)
     if plan is None:
         cfg = config or launch_config(ggml_type, M, N, K, dtype)
-        if cfg.get("V", 0) == 1 and dtype != mx.float16:
-            raise ValueError("the h2 variant (V = 1) takes fp16 x only")
+        v = cfg.get("V", 0)
+        if v not in VARIANTS:
+            raise ValueError(f"unknown mat-vec variant V = {v}")
+        if v in VARIANT_DTYPES and dtype != VARIANT_DTYPES[v]:
+            raise ValueError(
+                f"the {VARIANTS[v]} variant (V = {v}) takes {VARIANT_DTYPES[v]} x only"
+            )
         plan = _PLANS[key] = _Plan(ggml_type, M, N, K, dtype, cfg)
     return plan
 
