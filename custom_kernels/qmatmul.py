@@ -447,6 +447,22 @@ _PROLOGUE = r"""
   UNROLL for (int r = 0; r < R; ++r)
     wrow[r] = w + size_t(row0 + r < N ? row0 + r : N - 1) * row_bytes;
 """
+# ... and how both end: the lanes' and SIMD groups' sums, written as (M, N).
+_EPILOGUE = r"""
+  // Sum the lanes, then the SIMD groups (through shared memory), and write (M, N).
+  SHARED float red[8 * R * MT];
+  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
+    const float v = simd_sum(acc[r][m]);
+    if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
+  }
+  BARRIER();
+  if (tid < uint(R * MT)) {
+    const uint r = tid / MT, m = tid % MT, row = row0 + r;
+    float v = 0.0f;
+    for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
+    if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
+  }
+"""
 
 _BODY = r"""
   // Thread mapping: a threadgroup owns R consecutive rows; its n_simd SIMD groups take
@@ -494,20 +510,7 @@ _BODY = r"""
       }
     }
   }
-  // Sum the lanes, then the SIMD groups (through shared memory), and write (M, N).
-  SHARED float red[8 * R * MT];
-  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
-    const float v = simd_sum(acc[r][m]);
-    if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
-  }
-  BARRIER();
-  if (tid < uint(R * MT)) {
-    const uint r = tid / MT, m = tid % MT, row = row0 + r;
-    float v = 0.0f;
-    for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
-    if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
-  }
-"""
+@EPILOGUE@"""
 
 # One run of U steps of the packed fp16 loop; @CHECK@ guards steps past the row's end (only the
 # last run of a SIMD group can have them, so the main loop's copy has no guards at all).
@@ -561,20 +564,7 @@ _BODY_H2 = r"""
   // Whole runs (all U steps of every lane inside the row), then at most one partial run.
   for (; (s0 + U) * BPS <= nb; s0 += n_simd * U) @RUN_FULL@
   if (s0 < nsteps) @RUN_TAIL@
-  // Sum the lanes, then the SIMD groups (through shared memory), and write (M, N).
-  SHARED float red[8 * R * MT];
-  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
-    const float v = simd_sum(acc[r][m]);
-    if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
-  }
-  BARRIER();
-  if (tid < uint(R * MT)) {
-    const uint r = tid / MT, m = tid % MT, row = row0 + r;
-    float v = 0.0f;
-    for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
-    if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
-  }
-"""
+@EPILOGUE@"""
 
 # How the packed loop gets a group's x as fp16 pairs and adds its sums, per variant. V = 1:
 # fp16 x as it is. V = 2: bf16 x under a power-of-two scale per group and lane (x_h2), so the
@@ -628,8 +618,10 @@ X_DTYPES = _X_DTYPES  # x dtypes the mat-vec kernels take
 MAT_VEC_TYPES = tuple(_TYPES)  # GGML types with a mat-vec kernel
 
 
-_LOOPS = {0: _BODY, 1: _h2_body(1), 2: _h2_body(2)}  # mat-vec loop per variant
-_LOOPS = {v: b.replace("@PROLOGUE@", _PROLOGUE.lstrip("\n")) for v, b in _LOOPS.items()}
+_LOOPS = {  # mat-vec loop per variant, with the shared prologue and epilogue in place
+    v: b.replace("@PROLOGUE@", _PROLOGUE.lstrip("\n")).replace("@EPILOGUE@", _EPILOGUE.lstrip("\n"))
+    for v, b in {0: _BODY, 1: _h2_body(1), 2: _h2_body(2)}.items()
+}
 
 _DEQ_BODY = r"""
   // Thread mapping: one thread per (row, block, lane unit t), writing the unit's weights.
