@@ -30,6 +30,18 @@ def use_kernels() -> bool:
     return custom_kernels.backend() is not None
 
 
+def fused_layer_stack(layers, h: mx.array, caches, final_norm_weight: mx.array, *args) -> mx.array:
+    """The kernel path's layer loop -> the final norm's output. Each layer's
+    ``fused(h, n, cache, next_weight, *args)`` takes its residual ``h`` and its normed input
+    ``n`` and returns both for the next layer: its last residual add shares one kernel with the
+    next layer's input norm (the final norm after the last layer)."""
+    n = layers[0].input_layernorm(h)
+    nexts = [layer.input_layernorm.weight for layer in layers[1:]] + [final_norm_weight]
+    for layer, c, w in zip(layers, caches, nexts):
+        h, n = layer.fused(h, n, c, w, *args)
+    return n
+
+
 def position_array(offset: int) -> mx.array:
     """The first position of this call as a (1,) int32 array: the kernels read positions from an
     array, so every decode step builds the same graph."""

@@ -17,7 +17,7 @@ from ..custom_kernels.residual_rms_norm import residual_rms_norm
 from ..custom_kernels.rms_norm_rope import qk_norm_rope, rope_inv_freq
 from ..custom_kernels.softcap import softcap
 from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs, position_array, use_kernels
+from .base import BaseModelArgs, fused_layer_stack, position_array, use_kernels
 from .fused_projections import FusedQKV, fuse_gate_up, gate_up, gated_mlp_hidden, rms_norm
 
 
@@ -253,11 +253,7 @@ class Gemma3Model(nn.Module):
         cache = cache if cache is not None else [None] * len(self.layers)
         if use_kernels():
             pos = position_array(cache[0].offset if cache[0] is not None else 0)
-            n = self.layers[0].input_layernorm(h)
-            nexts = [layer.input_layernorm.weight for layer in self.layers[1:]]
-            for layer, c, w in zip(self.layers, cache, nexts + [self.norm.weight]):
-                h, n = layer.fused(h, n, c, w, pos)
-            return n
+            return fused_layer_stack(self.layers, h, cache, self.norm.weight, pos)
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
         return self.norm(h)

@@ -15,7 +15,7 @@ from ..attention import attend
 from ..cache import KVCache, causal_mask
 from ..custom_kernels.residual_rms_norm import residual_rms_norm
 from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs, use_kernels
+from .base import BaseModelArgs, fused_layer_stack, use_kernels
 from .fused_projections import FusedQKV, fuse_gate_up, gate_up, gated_mlp_hidden, rms_norm
 
 
@@ -198,11 +198,7 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
         if use_kernels():
-            n = self.layers[0].input_layernorm(h)
-            nexts = [layer.input_layernorm.weight for layer in self.layers[1:]]
-            for layer, c, w in zip(self.layers, cache, nexts + [self.norm.weight]):
-                h, n = layer.fused(h, n, c, w)
-            return n
+            return fused_layer_stack(self.layers, h, cache, self.norm.weight)
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
         return self.norm(h)

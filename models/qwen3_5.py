@@ -15,7 +15,7 @@ from ..custom_kernels.residual_rms_norm import residual_rms_norm
 from ..custom_kernels.rms_norm_rope import qk_norm_rope, rope_inv_freq
 from ..errors import UnsupportedArchitectureError
 from ..recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
-from .base import BaseModelArgs, position_array, use_kernels
+from .base import BaseModelArgs, fused_layer_stack, position_array, use_kernels
 from .fused_projections import gated_mlp_hidden
 
 
@@ -252,11 +252,7 @@ class TextModel(nn.Module):
         h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         caches = cache or [None] * len(self.layers)
         if use_kernels():
-            n = self.layers[0].input_layernorm(h)
-            nexts = [layer.input_layernorm.weight for layer in self.layers[1:]]
-            for layer, c, w in zip(self.layers, caches, nexts + [self.norm.weight]):
-                h, n = layer.fused(h, n, c, w)
-            return n
+            return fused_layer_stack(self.layers, h, caches, self.norm.weight)
         for layer, c in zip(self.layers, caches):
             h = layer(h, c)
         return self.norm(h)
