@@ -34,7 +34,7 @@ from hf2q_mlx.models import gemma3, gemma4, llama, qwen3_5, qwen3_5_moe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
 import kernel_emulator  # noqa: E402
-from test_norm_rope import Emulated  # noqa: E402
+from kernel_emulator import Emulated  # noqa: E402
 
 FUSED = {
     "rms_norm_rope": rms_norm_rope,

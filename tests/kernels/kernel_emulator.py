@@ -146,3 +146,33 @@ def emulate(
                 raise NotImplementedError("init_value: the emulator always poisons instead")
             outs.append(mx.array(raw).view(dt).reshape(tuple(shape)))
     return outs
+
+
+class Emulated:
+    """Stands in for a ``_render.Kernel`` object (swap it into a dispatcher's module): the same
+    call and ``launcher``, running the kernel's CUDA rendering here; counts launches."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self.launches = 0
+
+    def __call__(self, inputs, **launch):
+        self.launches += 1
+        return emulate(self.kernel, list(inputs), **launch)
+
+    def launcher(self, input_dtypes, *, backend=None, scalar_inputs=(), verbose=False, **launch):
+        """``Kernel.launcher``'s stand-in: the dispatchers cache what it returns per call shape
+        (keyed by this object, so each test's stand-in gets its own)."""
+        return lambda inputs: self(inputs, **launch)
+
+
+def kernel_call(kernel: Kernel, inputs, *, init_value=None, backend=None, verbose=False, **launch):
+    """A ``Kernel.__call__`` replacement (monkeypatch it onto the class) running the emulator;
+    ``init_value`` is not needed: the emulator poisons every output first."""
+    return emulate(kernel, inputs, **launch)
+
+
+def kernel_launcher(kernel: Kernel, input_dtypes, *, backend=None, scalar_inputs=(), verbose=False,
+                    **launch):  # fmt: skip
+    """A ``Kernel.launcher`` replacement, likewise: what a dispatcher caches per call shape."""
+    return lambda inputs: kernel_call(kernel, inputs, **launch)

@@ -135,17 +135,7 @@ def test_caller_errors():
 # CPU emulator: the CUDA rendering's logic for every type
 
 
-def _emu_call(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, template=None,
-              init_value=None, backend=None):  # fmt: skip
-    return kernel_emulator.emulate(
-        self,
-        inputs,
-        grid=grid,
-        threadgroup=threadgroup,
-        output_shapes=output_shapes,
-        output_dtypes=output_dtypes,
-        template=template,
-    )
+_emu_call = kernel_emulator.kernel_call
 
 
 # (type, dtype, M tokens, top-k, per-slot x, E, N, K, config or None)

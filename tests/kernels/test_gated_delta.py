@@ -192,25 +192,13 @@ def test_dispatcher_uses_kernel(T, monkeypatch):
 # ---- the kernel's CUDA rendering executed on the CPU through the real dispatcher ----
 
 
-class EmulatedStepKernel:
-    """Stands in for ``gated_delta._step_kernel`` (same call): its CUDA rendering runs on the
-    shared CPU emulator (tests/kernels/kernel_emulator.py); outputs start poisoned."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __call__(self, inputs, **launch):
-        self.launches += 1
-        return kernel_emulator.emulate(self.kernel, inputs, **launch)
-
-
 @pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_step_kernel_body_emulated(tiled, T, monkeypatch):
     """``_STEP_BODY`` compiled as C++ and launched by the real dispatcher (decode, and a
     3-token 'step' prefill) against the float64 oracle."""
-    emu = EmulatedStepKernel(gd._step_kernel)
+    emu = kernel_emulator.Emulated(gd._step_kernel)  # outputs start poisoned
     monkeypatch.setattr(gd, "_step_kernel", emu)
     monkeypatch.setattr(gd, "backend", lambda: "cuda")
     monkeypatch.setenv("HF2Q_GDN_PREFILL", "step")

@@ -13,27 +13,11 @@ from conftest import requires_gpu
 from hf2q_mlx.custom_kernels import reference_only
 from hf2q_mlx.custom_kernels import residual_rms_norm as rrn
 from hf2q_mlx.custom_kernels import rms_norm_rope as nr
-from hf2q_mlx.custom_kernels._render import Kernel
 
 # ---- CPU emulation --------------------------------------------------------------------------
 
 
-class Emulated:
-    """Stands in for a ``_render.Kernel``: same call, runs its CUDA rendering on the CPU
-    (kernel_emulator: outputs poisoned first, so everything returned was written)."""
-
-    def __init__(self, kernel: Kernel):
-        self.kernel = kernel
-        self.launches = 0
-
-    def __call__(self, inputs, **launch):
-        self.launches += 1
-        return kernel_emulator.emulate(self.kernel, list(inputs), **launch)
-
-    def launcher(self, input_dtypes, *, backend=None, scalar_inputs=(), verbose=False, **launch):
-        """``Kernel.launcher``'s stand-in: the dispatchers cache what it returns per call shape
-        (keyed by this object, so each test's stand-in gets its own)."""
-        return lambda inputs: self(inputs, **launch)
+Emulated = kernel_emulator.Emulated  # a Kernel stand-in running the CUDA rendering here
 
 
 needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ not found")

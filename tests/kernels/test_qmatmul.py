@@ -197,22 +197,8 @@ _EMU_CASES += [
 ]
 
 
-def _emu_call(self, inputs, *, grid, threadgroup, output_shapes, output_dtypes, template=None,
-              init_value=None, backend=None):  # fmt: skip
-    return kernel_emulator.emulate(
-        self,
-        inputs,
-        grid=grid,
-        threadgroup=threadgroup,
-        output_shapes=output_shapes,
-        output_dtypes=output_dtypes,
-        template=template,
-    )
-
-
-def _emu_launcher(self, input_dtypes, *, backend=None, scalar_inputs=(), verbose=False, **launch):
-    """``Kernel.launcher``'s stand-in: the dispatcher keeps what it returns per call signature."""
-    return lambda inputs: _emu_call(self, inputs, **launch)
+_emu_call = kernel_emulator.kernel_call
+_emu_launcher = kernel_emulator.kernel_launcher
 
 
 def _emu_example(case) -> tuple[Kernel, Example]:

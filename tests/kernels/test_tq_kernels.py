@@ -14,24 +14,13 @@ from hf2q_mlx import custom_kernels as ck
 from hf2q_mlx.custom_kernels import reference_only
 from hf2q_mlx.custom_kernels import tq_flash_decode as fd
 from hf2q_mlx.custom_kernels import tq_quantize as tqq
-from hf2q_mlx.custom_kernels._render import Kernel
 from hf2q_mlx.tq_cache import TQKVCache, TQRotatingKVCache
 from hf2q_mlx.turboquant import TQCodec, unpack_bits
 
 # ---- CPU emulation ------------------------------------------------------------------------------
 
 
-class Emulated:
-    """Stands in for a ``_render.Kernel``: same call, runs its CUDA rendering on the CPU
-    (outputs poisoned first, so everything returned was written)."""
-
-    def __init__(self, kernel: Kernel):
-        self.kernel = kernel
-        self.launches = 0
-
-    def __call__(self, inputs, **launch):
-        self.launches += 1
-        return kernel_emulator.emulate(self.kernel, list(inputs), **launch)
+Emulated = kernel_emulator.Emulated  # a Kernel stand-in running the CUDA rendering here
 
 
 needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ not found")
