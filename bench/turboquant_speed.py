@@ -8,8 +8,6 @@ Two parts (both on the default device; meant for the H200):
 - model (``--model``): batch-1 greedy decode tokens/s of a random-weight Gemma-4-26B-A4B (MLX
   4-bit weights, built by bench/gemma4.py) whose caches are pre-filled with random K/V to each
   context (a 32K prefill of a 26B model would dominate the run and measures nothing here).
-  Until models/gemma4.py calls ``hf2q_mlx.attention.attend``, the script routes the model's
-  attention through it (so TQ decode steps reach the flash-decode kernel).
 
     python bench/turboquant_speed.py                 # attention part
     python bench/turboquant_speed.py --model         # + whole-model decode
@@ -111,9 +109,17 @@ def attention_bench(layers, ctx: int, bits: int | None, dtype: mx.Dtype, steps: 
         prof.__exit__(None, None, None)
         from torch.autograd import DeviceType
 
-        us = sum(e.time_range.elapsed_us() for e in prof.events()
-                 if e.device_type == DeviceType.CUDA)  # fmt: skip
-        kernel_ms = us / 1e3 / (steps + 2)  # timed_steps runs two warm-ups inside the profile
+        n_prof = steps + 2  # timed_steps runs two warm-ups inside the profile
+        by_name: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                row = by_name.setdefault(e.name[:80], [0, 0.0])
+                row[0] += 1
+                row[1] += e.time_range.elapsed_us()
+        kernel_ms = sum(t for _, t in by_name.values()) / 1e3 / n_prof
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:6]
+        kernels = [{"kernel": n, "per_step": c / n_prof, "us_per_step": t / n_prof}
+                   for n, (c, t) in top]  # fmt: skip
     ms = 1e3 * statistics.median(times)
     kv_bytes = 0
     for c, (_, _, _, window) in zip(caches, shapes):
@@ -121,7 +127,8 @@ def attention_bench(layers, ctx: int, bits: int | None, dtype: mx.Dtype, steps: 
         kv_bytes += c.nbytes * slots // c.keys.shape[2]  # the part a step reads
     out = {"ms_per_step": ms, "kv_mb_read": kv_bytes / 1e6, "gb_s": kv_bytes / (ms * 1e-3) / 1e9}
     if kernel_ms is not None:  # GPU time alone: what the cache format changes, minus launches
-        out.update(kernel_ms_per_step=kernel_ms, kernel_gb_s=kv_bytes / (kernel_ms * 1e-3) / 1e9)
+        out.update(kernel_ms_per_step=kernel_ms, kernel_gb_s=kv_bytes / (kernel_ms * 1e-3) / 1e9,
+                   kernels=kernels)  # fmt: skip
     return out
 
 
@@ -213,6 +220,8 @@ def main() -> None:
                 kern = f"   kernels {r['kernel_ms_per_step']:7.3f} ms, {r['kernel_gb_s']:7.1f} GB/s"
             print(f"{'attn':6} {ctx:7d} {label:5} {r['ms_per_step']:8.3f} "
                   f"{r['kv_mb_read']:8.1f} {r['gb_s']:7.1f}{kern}", flush=True)  # fmt: skip
+            for k in r.get("kernels", []):
+                print(f"{'':22}{k['us_per_step']:9.1f} us {k['per_step']:5.0f}x  {k['kernel']}")
             mx.clear_cache()
     if a.model:
         rows += model_bench(a.tiny, contexts, a.decode or (4 if a.tiny else 32))

@@ -820,6 +820,9 @@ def _plan(ggml_type: int, M: int, N: int, K: int, dtype, config: dict | None) ->
         v = cfg.get("V", 0)
         if v not in VARIANTS:
             raise ValueError(f"unknown mat-vec variant V = {v}")
+        if cfg["MT"] < M:
+            # the kernel computes MT columns of x per row; more would be left unwritten
+            raise ValueError(f"config MT = {cfg['MT']} is below the {M} rows of x")
         if v in VARIANT_DTYPES and dtype != VARIANT_DTYPES[v]:
             raise ValueError(
                 f"the {VARIANTS[v]} variant (V = {v}) takes {VARIANT_DTYPES[v]} x only"

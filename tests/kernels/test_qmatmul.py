@@ -348,7 +348,7 @@ def test_gpu_launch_configs(ggml_type, cfg):
     n, k = 257, 2816
     w, wf = _weight(ggml_type, n, k)
     for v, dt in ((0, mx.float32), (1, mx.float16)):
-        x = _x(3, k, dt, seed=5)
+        x = _x(min(3, cfg["MT"]), k, dt, seed=5)
         c = dict(cfg, V=v)
         out = Q.ggml_matmul_kernel(x, w, ggml_type, k, config=c, init_value=float("nan"))
         _check(out, x, wf, v == 1)
@@ -363,10 +363,11 @@ def test_gpu_launch_configs(ggml_type, cfg):
 )
 def test_gpu_h2bf(ggml_type, cfg):
     """V = 2 (packed fp16 math on bf16 x; no default uses it yet) at the bf16 bound, with M
-    below MT and a partial last run, so BF16_DEFAULTS can switch to it after a sweep."""
+    below MT where MT allows and a partial last run, so BF16_DEFAULTS can switch to it after a
+    sweep."""
     n, k = 257, 2816
     w, wf = _weight(ggml_type, n, k)
-    x = _x(3, k, mx.bfloat16, seed=6)
+    x = _x(min(3, cfg["MT"]), k, mx.bfloat16, seed=6)
     out = Q.ggml_matmul_kernel(x, w, ggml_type, k, config=dict(cfg, V=2), init_value=float("nan"))
     _check(out, x, wf)
 
@@ -389,6 +390,14 @@ def test_gpu_dispatcher_takes_the_kernel():
     direct = Q.ggml_matmul_kernel(x.reshape(2, 512), w, T.Q4_K, 512)
     assert y.shape == (1, 2, 257) and bool(mx.array_equal(y.reshape(2, 257), direct))
     _check(y.reshape(2, 257), x.reshape(2, 512), _weight(T.Q4_K, 257, 512)[1], h2=True)
+
+
+def test_config_with_fewer_columns_than_x_is_refused():
+    """MT < M would leave output rows unwritten (the kernel computes MT columns per row)."""
+    w, _ = _weight(T.Q4_0, 8, 64)
+    with pytest.raises(ValueError, match="MT = 1"):
+        Q.ggml_matmul_kernel(_x(3, 64, mx.float32, seed=1), w, T.Q4_0, 64,
+                             config={"MT": 1, "R": 8, "U": 2, "W": 4})  # fmt: skip
 
 
 @pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
