@@ -20,6 +20,7 @@ GPU time alone, launches excluded) and the bandwidth it implies.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import statistics
@@ -160,7 +161,11 @@ def decode_step(model, y: mx.array, cache: list) -> mx.array:
     return mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None]
 
 
-def model_bench(tiny: bool, contexts: list[int], n_decode: int) -> list[dict]:
+def model_bench(tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5) -> list[dict]:
+    """Decode tokens/s per context and cache kind. The three caches of a context are filled
+    first, then decoded in turns (full, TQ8, TQ4, full, ...) for ``rounds`` rounds of ``n_decode``
+    tokens with the garbage collector off: host jitter lands on every kind alike, and the median
+    round is reported (each round grows the context by ``n_decode``)."""
     g4b = load_gemma4_bench()
     from hf2q_mlx.models import gemma4
 
@@ -170,6 +175,7 @@ def model_bench(tiny: bool, contexts: list[int], n_decode: int) -> list[dict]:
     model = g4b.build_mlx4(args, dtype)
     rows = []
     for ctx in contexts:
+        caches = {}
         for label, bits in CACHES:
             cache = model.make_cache()
             if bits is not None:
@@ -181,16 +187,31 @@ def model_bench(tiny: bool, contexts: list[int], n_decode: int) -> list[dict]:
                 fill(c, kv, d, ctx, dtype)
             y = mx.array([[1]], mx.int32)
             mx.eval(decode_step(model, decode_step(model, y, cache), cache))  # builds kernels
-            tic = time.perf_counter()
-            for _ in range(n_decode):
-                y = decode_step(model, y, cache)
-                mx.async_eval(y)
-            mx.eval(y)
-            s = time.perf_counter() - tic
-            rows.append({"context": ctx, "cache": label, "decode_tok_s": n_decode / s})
-            print(f"model  ctx {ctx:6d} {label:5} {n_decode / s:8.2f} tok/s", flush=True)
-            del cache
-            mx.clear_cache()
+            caches[label] = cache
+        rates = {label: [] for label in caches}
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(rounds):
+                for label, cache in caches.items():
+                    y = mx.array([[1]], mx.int32)
+                    tic = time.perf_counter()
+                    for _ in range(n_decode):
+                        y = decode_step(model, y, cache)
+                        mx.async_eval(y)
+                    mx.eval(y)
+                    rates[label].append(n_decode / (time.perf_counter() - tic))
+        finally:
+            gc.enable()
+        base = statistics.median(rates["full"])
+        for label, r in rates.items():
+            rate = statistics.median(r)
+            rows.append({"context": ctx, "cache": label, "decode_tok_s": rate, "rounds": r,
+                         "vs_full": rate / base})  # fmt: skip
+            print(f"model  ctx {ctx:6d} {label:5} {rate:8.2f} tok/s  {rate / base:5.2f}x full  "
+                  f"(rounds " + " ".join(f"{x:.1f}" for x in r) + ")", flush=True)  # fmt: skip
+        del caches
+        mx.clear_cache()
     return rows
 
 
@@ -200,7 +221,8 @@ def main() -> None:
     p.add_argument("--model", action="store_true", help="also the whole-model decode")
     p.add_argument("--contexts", default=None, help="comma list (default 4096,16384,32768)")
     p.add_argument("--steps", type=int, default=None, help="timed attention steps (default 20)")
-    p.add_argument("--decode", type=int, default=None, help="model decode tokens (default 32)")
+    p.add_argument("--decode", type=int, default=None, help="model tokens per round (default 32)")
+    p.add_argument("--rounds", type=int, default=5, help="model rounds per cache kind (default 5)")
     p.add_argument("--json", default="bench_turboquant_speed.json")
     a = p.parse_args()
     default_ctx = "256,1024" if a.tiny else "4096,16384,32768"
@@ -224,7 +246,7 @@ def main() -> None:
                 print(f"{'':22}{k['us_per_step']:9.1f} us {k['per_step']:5.0f}x  {k['kernel']}")
             mx.clear_cache()
     if a.model:
-        rows += model_bench(a.tiny, contexts, a.decode or (4 if a.tiny else 32))
+        rows += model_bench(a.tiny, contexts, a.decode or (4 if a.tiny else 32), a.rounds)
     with open(a.json, "w") as f:
         json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}, f,
                   indent=1)  # fmt: skip

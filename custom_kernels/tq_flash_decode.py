@@ -82,36 +82,51 @@ def tq_attention_oracle(queries: mx.array, state: TQState, scale: float) -> mx.a
 
 
 # ---- kernels ----------------------------------------------------------------------------------
-# params (int32): offset, capacity (slots in the buffers), window, n_slots, tokens per partition,
-# partitions, scale as fp32 bits. Partials (rows = B * Hq * M, partitions, PV + 2) fp32: the
-# partition's unnormalized weighted values (rotated domain), then its running max and sum.
+# consts (int32): capacity (slots in the buffers), window, partitions, scale as fp32 bits; built
+# once per distinct value (``_consts``). off: the cache offset, a one-element view of a device
+# table (``_offset_view``), so no host-written buffer reaches the GPU per step. Partials (rows =
+# B * Hq * M, partitions, PV + 2) fp32: the partition's unnormalized weighted values (rotated
+# domain), then its running max and sum.
 
 _PARTIAL_BODY = """
-  // One SIMD group (the whole threadgroup) per (partition, KV head * row group, batch). Rows are
-  // the REP * M (query head, query) pairs of the KV head, RG at a time. Score phase: lane = one
-  // token of a 32-token block, whole packed K row per lane, queries broadcast from shared memory.
-  // Value phase: lane = PV / 32 consecutive rotated output coordinates, acc in registers.
-  SHARED float qs[RG * PK];
+  // Thread mapping: one threadgroup of W SIMD groups per (partition, row group), KV head, batch
+  // (gid_x = partition * NG + row group, so row groups reading the same keys run together).
+  // Lane l owns rotated coordinates [l*CK, l*CK + CK) of every key and [l*CV, l*CV + CV) of
+  // every value: a packed row is read coalesced by the SIMD group. SIMD group w walks tokens
+  // start + (j*W + w)*U .. +U for j = 0, 1, ...; scores are per-lane partial dots plus a SIMD sum
+  // (bit-identical on every lane), then an online softmax per row; the W SIMD groups' states
+  // merge in shared memory at the end.
+  const int CK = PK / 32;
+  const int CV = PV / 32;
+  const int KBITS = CK * KB;  // bits of one key row per lane
+  const int VBITS = CV * VB;
+  const int NKA = (KBITS + 31) / 32;  // words holding them once aligned to the lane's first bit
+  const int NVA = (VBITS + 31) / 32;
+  const int NKW = NKA + (KBITS % 32 != 0 ? 1 : 0);  // words loaded: one more if not word-aligned
+  const int NVW = NVA + (VBITS % 32 != 0 ? 1 : 0);
+  const int PMAX = PK > PV ? PK : PV;
+  SHARED float qs[RG * PMAX];  // rotated queries, later the merge buffer
   SHARED float kcb[1 << KB];
   SHARED float vcb[1 << VB];
-  SHARED float pw[RG * 32];
-  const int offset = params[0];
-  const int cap = params[1];
-  const int window = params[2];
-  const int n_slots = params[3];
-  const int chunk = params[4];
-  const float scale = bitcast<float>(params[6]);
-  const uint part = gid_x;
-  const uint kvh = gid_y % uint(HKV);
-  const uint grp = gid_y / uint(HKV);
+  SHARED float wm[W * RG];
+  SHARED float wl[W * RG];
+  const int offset = off[0];
+  const int cap = consts[0];
+  const int window = consts[1];
+  const int n_parts = consts[2];
+  const float scale = bitcast<float>(consts[3]);
+  const uint part = gid_x / uint(NG);
+  const uint grp = gid_x % uint(NG);
+  const uint kvh = gid_y;
   const uint b = gid_z;
-  const float NEG = -1e30f;  // finite: a fully masked block gives exp(0) * 0, not NaN
+  const uint nthr = uint(W * 32);
+  const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
-  for (uint i = lane; i < (1u << KB); i += 32) kcb[i] = kcodebook[i];
-  for (uint i = lane; i < (1u << VB); i += 32) vcb[i] = vcodebook[i];
-  // queries: sign flip, butterflies, then one factor for the orthonormal transform, the
-  // codebook's 1 / sqrt(PK) and the softmax scale
-  for (uint idx = lane; idx < uint(RG * PK); idx += 32) {
+  for (uint i = tid; i < (1u << KB); i += nthr) kcb[i] = kcodebook[i];
+  for (uint i = tid; i < (1u << VB); i += nthr) vcb[i] = vcodebook[i];
+  // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
+  // transform, the codebook's 1 / sqrt(PK) and the softmax scale
+  for (uint idx = tid; idx < uint(RG * PK); idx += nthr) {
     const uint i = idx / uint(PK);
     const uint j = idx % uint(PK);
     const uint r = grp * uint(RG) + i;
@@ -120,12 +135,13 @@ _PARTIAL_BODY = """
       const uint h = kvh * uint(REP) + r / uint(M);
       const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
       v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
+      if (HAS_KS) v *= kscale[kvh * uint(DK) + j];
     }
     qs[idx] = v;
   }
   BARRIER();
   for (uint h = 1; h < uint(PK); h <<= 1) {
-    for (uint t = lane; t < uint(RG * PK / 2); t += 32) {
+    for (uint t = tid; t < uint(RG * PK / 2); t += nthr) {
       const uint i = t / uint(PK / 2);
       const uint jj = t % uint(PK / 2);
       const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
@@ -137,120 +153,212 @@ _PARTIAL_BODY = """
     BARRIER();
   }
   const float qscale = scale / float(PK);
-  for (uint idx = lane; idx < uint(RG * PK); idx += 32) qs[idx] *= qscale;
-  BARRIER();
+  float qr[RG][CK];
+  UNROLL for (int i = 0; i < RG; ++i) {
+    UNROLL for (int c = 0; c < CK; ++c) qr[i][c] = qs[i * PK + int(lane) * CK + c] * qscale;
+  }
 
   int qpos[RG];
   float m_run[RG];
   float l_run[RG];
-  float acc[RG][PV / 32];
+  float acc[RG][CV];
   UNROLL for (int i = 0; i < RG; ++i) {
     qpos[i] = offset - M + int((grp * uint(RG) + uint(i)) % uint(M));
     m_run[i] = NEG;
     l_run[i] = 0.0f;
-    UNROLL for (int c = 0; c < PV / 32; ++c) acc[i][c] = 0.0f;
+    UNROLL for (int c = 0; c < CV; ++c) acc[i][c] = 0.0f;
   }
-  const uint64_t head = uint64_t(b * uint(HKV) + kvh) * uint64_t(cap);
+  const int n_slots = offset < cap ? offset : cap;
+  const int per = (n_slots + n_parts - 1) / n_parts;
+  const int chunk = (per + W * U - 1) / (W * U) * (W * U);
   const int start = int(part) * chunk;
   const int end = start + chunk < n_slots ? start + chunk : n_slots;
-  for (int t0 = start; t0 < end; t0 += 32) {
-    const int t = t0 + int(lane);
-    const bool live = t < end;
-    float s[RG];
-    UNROLL for (int i = 0; i < RG; ++i) s[i] = 0.0f;
-    float vnorm = 0.0f;
-    int pos = -1;
-    if (live) {
-      // the slot's absolute position: (offset-1) - ((offset-1-t) mod cap), negative = empty
-      int d = (offset - 1 - t) % cap;
-      if (d < 0) d += cap;
-      pos = offset - 1 - d;
-      DEVICE_PTR(const uint) kr = krows + (head + uint64_t(t)) * uint64_t(KRW);
-      for (int g = 0; g < PK / 32; ++g) {
-        // 32 codes fill exactly KB words, so bit positions inside a group are constants
-        uint w[KB];
-        UNROLL for (int k = 0; k < KB; ++k) w[k] = kr[g * KB + k];
-        UNROLL for (int c = 0; c < 32; ++c) {
-          const int off = c * KB;
-          const int lo = off >> 5;
-          const int sh = off & 31;
-          uint code = w[lo] >> sh;
-          if (sh + KB > 32) code |= w[lo + 1 < KB ? lo + 1 : KB - 1] << (32 - sh);
-          const float kv = kcb[code & ((1u << KB) - 1)];
-          UNROLL for (int i = 0; i < RG; ++i) s[i] = fma_f(qs[i * PK + g * 32 + c], kv, s[i]);
+  const uint64_t head = uint64_t(b * uint(HKV) + kvh) * uint64_t(cap);
+  const uint kw0 = (lane * uint(KBITS)) >> 5;
+  const uint ksh = (lane * uint(KBITS)) & 31u;
+  const uint vw0 = (lane * uint(VBITS)) >> 5;
+  const uint vsh = (lane * uint(VBITS)) & 31u;
+  const float vfac = 1.0f / sqrt_f(float(PV));  // a value coordinate is codebook * norm / sqrt(PV)
+
+  for (int t0 = start + int(simd_id) * U; t0 < end; t0 += W * U) {
+    // U tokens' rows first (independent loads in flight), then their scores and values
+    uint kw[U][NKW];
+    uint vw[U][NVW];
+    float kn[U];
+    float vn[U];
+    int pos[U];
+    UNROLL for (int u = 0; u < U; ++u) {
+      const int t = t0 + u;
+      pos[u] = -1;
+      kn[u] = 0.0f;
+      vn[u] = 0.0f;
+      UNROLL for (int k = 0; k < NKW; ++k) kw[u][k] = 0u;
+      UNROLL for (int k = 0; k < NVW; ++k) vw[u][k] = 0u;
+      if (t < end) {  // the same for every lane
+        DEVICE_PTR(const uint) kr = krows + (head + uint64_t(t)) * uint64_t(KRW);
+        DEVICE_PTR(const uint) vr = vrows + (head + uint64_t(t)) * uint64_t(VRW);
+        // a word past the lane's bits may be the row's scale word, never past the row
+        UNROLL for (int k = 0; k < NKW; ++k) {
+          const uint wi = kw0 + uint(k);
+          kw[u][k] = kr[wi < uint(KRW) ? wi : uint(KRW - 1)];
+        }
+        UNROLL for (int k = 0; k < NVW; ++k) {
+          const uint wi = vw0 + uint(k);
+          vw[u][k] = vr[wi < uint(VRW) ? wi : uint(VRW - 1)];
+        }
+        kn[u] = bitcast<float>(kr[KRW - 1]);
+        vn[u] = bitcast<float>(vr[VRW - 1]) * vfac;
+        // the slot's absolute position: (offset-1) - ((offset-1-t) mod cap), negative = empty
+        int d = (offset - 1 - t) % cap;
+        if (d < 0) d += cap;
+        pos[u] = offset - 1 - d;
+      }
+    }
+    float s[U][RG];
+    UNROLL for (int u = 0; u < U; ++u) {
+      uint ka[NKA];  // the lane's key bits from bit 0: code c at bits [c*KB, c*KB + KB)
+      UNROLL for (int k = 0; k < NKA; ++k) {
+        ka[k] = KBITS % 32 == 0 ? kw[u][k]
+              : uint(((uint64_t(kw[u][k < NKW - 1 ? k + 1 : k]) << 32) | kw[u][k]) >> ksh);
+      }
+      UNROLL for (int i = 0; i < RG; ++i) s[u][i] = 0.0f;
+      UNROLL for (int c = 0; c < CK; ++c) {
+        const int lo = (c * KB) >> 5;
+        const int sh = (c * KB) & 31;
+        uint code = ka[lo] >> sh;
+        if (sh + KB > 32) code |= ka[lo + 1 < NKA ? lo + 1 : lo] << (32 - sh);
+        const float kv = kcb[code & ((1u << KB) - 1)];
+        UNROLL for (int i = 0; i < RG; ++i) s[u][i] = fma_f(qr[i][c], kv, s[u][i]);
+      }
+    }
+    UNROLL for (int u = 0; u < U; ++u) {
+      UNROLL for (int i = 0; i < RG; ++i) s[u][i] = simd_sum(s[u][i]) * kn[u];
+    }
+    // online softmax per row; s becomes the value weight p * norm / sqrt(PV)
+    UNROLL for (int i = 0; i < RG; ++i) {
+      float mb = NEG;
+      UNROLL for (int u = 0; u < U; ++u) {
+        const bool vis = pos[u] >= 0 && pos[u] <= qpos[i] && pos[u] > qpos[i] - window;
+        s[u][i] = vis ? s[u][i] : NEG;
+        mb = max_f(mb, s[u][i]);
+      }
+      if (mb > m_run[i]) {  // uniform: every lane holds the same scores
+        const float alpha = exp_f(m_run[i] - mb);
+        l_run[i] *= alpha;
+        UNROLL for (int c = 0; c < CV; ++c) acc[i][c] *= alpha;
+        m_run[i] = mb;
+      }
+      UNROLL for (int u = 0; u < U; ++u) {
+        const float p = s[u][i] > NEG ? exp_f(s[u][i] - m_run[i]) : 0.0f;
+        l_run[i] += p;
+        s[u][i] = p * vn[u];
+      }
+    }
+    UNROLL for (int u = 0; u < U; ++u) {
+      uint va[NVA];
+      UNROLL for (int k = 0; k < NVA; ++k) {
+        va[k] = VBITS % 32 == 0 ? vw[u][k]
+              : uint(((uint64_t(vw[u][k < NVW - 1 ? k + 1 : k]) << 32) | vw[u][k]) >> vsh);
+      }
+      UNROLL for (int c = 0; c < CV; ++c) {
+        const int lo = (c * VB) >> 5;
+        const int sh = (c * VB) & 31;
+        uint code = va[lo] >> sh;
+        if (sh + VB > 32) code |= va[lo + 1 < NVA ? lo + 1 : lo] << (32 - sh);
+        const float vv = vcb[code & ((1u << VB) - 1)];
+        UNROLL for (int i = 0; i < RG; ++i) acc[i][c] = fma_f(s[u][i], vv, acc[i][c]);
+      }
+    }
+  }
+
+  // merge the SIMD groups: rescale each to the common max, sum into shared memory in turn
+  if (lane == 0) {
+    UNROLL for (int i = 0; i < RG; ++i) {
+      wm[simd_id * uint(RG) + uint(i)] = m_run[i];
+      wl[simd_id * uint(RG) + uint(i)] = l_run[i];
+    }
+  }
+  BARRIER();  // also: every SIMD group has its queries in registers, qs is free
+  float fac[RG];
+  UNROLL for (int i = 0; i < RG; ++i) {
+    float mall = NEG;
+    for (int w = 0; w < W; ++w) mall = max_f(mall, wm[w * RG + i]);
+    fac[i] = exp_f(m_run[i] - mall);
+  }
+  for (int w = 0; w < W; ++w) {
+    if (int(simd_id) == w) {
+      UNROLL for (int i = 0; i < RG; ++i) {
+        UNROLL for (int c = 0; c < CV; ++c) {
+          const int idx = i * PV + int(lane) * CV + c;
+          qs[idx] = (w == 0 ? 0.0f : qs[idx]) + acc[i][c] * fac[i];
         }
       }
-      const float knorm = bitcast<float>(kr[KRW - 1]);
-      UNROLL for (int i = 0; i < RG; ++i) s[i] *= knorm;
-      // a value coordinate is codebook[code] * norm / sqrt(PV): the factor rides on the weight
-      vnorm = bitcast<float>(vrows[(head + uint64_t(t)) * uint64_t(VRW) + uint64_t(VRW - 1)])
-              * (1.0f / sqrt_f(float(PV)));
     }
-    // online softmax over the block, per row
-    UNROLL for (int i = 0; i < RG; ++i) {
-      const bool vis = live && pos >= 0 && pos <= qpos[i] && pos > qpos[i] - window;
-      const float si = vis ? s[i] : NEG;
-      const float m_new = max_f(m_run[i], simd_max(si));
-      const float alpha = exp_f(m_run[i] - m_new);
-      const float p = vis ? exp_f(si - m_new) : 0.0f;
-      l_run[i] = l_run[i] * alpha + simd_sum(p);
-      m_run[i] = m_new;
-      UNROLL for (int c = 0; c < PV / 32; ++c) acc[i][c] *= alpha;
-      pw[i * 32 + lane] = p * vnorm;
-    }
-    SIMD_BARRIER();
-    const int n_tok = end - t0 < 32 ? end - t0 : 32;
-    for (int tt = 0; tt < n_tok; ++tt) {
-      DEVICE_PTR(const uint) vr = vrows + (head + uint64_t(t0 + tt)) * uint64_t(VRW);
-      UNROLL for (int c = 0; c < PV / 32; ++c) {
-        const uint bit = (lane * uint(PV / 32) + uint(c)) * uint(VB);
-        const uint lo = bit >> 5;
-        const uint sh = bit & 31;
-        uint code = vr[lo] >> sh;
-        if (sh + uint(VB) > 32) code |= vr[lo + 1] << (32 - sh);
-        const float vv = vcb[code & ((1u << VB) - 1)];
-        UNROLL for (int i = 0; i < RG; ++i) acc[i][c] = fma_f(pw[i * 32 + tt], vv, acc[i][c]);
-      }
-    }
-    SIMD_BARRIER();
+    BARRIER();
   }
-  const uint n_parts = ngroups_x;
-  UNROLL for (int i = 0; i < RG; ++i) {
-    const uint r = grp * uint(RG) + uint(i);
+  for (uint idx = tid; idx < uint(RG * (PV + 2)); idx += nthr) {
+    const uint i = idx / uint(PV + 2);
+    const uint j = idx % uint(PV + 2);
+    const uint r = grp * uint(RG) + i;
     if (r < uint(REP * M)) {
       const uint h = kvh * uint(REP) + r / uint(M);
       const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-      const uint64_t o = (uint64_t(qrow) * n_parts + part) * uint64_t(PV + 2);
-      UNROLL for (int c = 0; c < PV / 32; ++c) {
-        partials[o + lane * uint(PV / 32) + uint(c)] = acc[i][c];
+      const uint64_t o = (uint64_t(qrow) * uint64_t(n_parts) + part) * uint64_t(PV + 2);
+      float v;
+      if (j < uint(PV)) {
+        v = qs[i * uint(PV) + j];
+      } else {
+        float mall = NEG;
+        for (int w = 0; w < W; ++w) mall = max_f(mall, wm[w * RG + int(i)]);
+        float lall = 0.0f;
+        for (int w = 0; w < W; ++w) lall += wl[w * RG + int(i)] * exp_f(wm[w * RG + int(i)] - mall);
+        v = j == uint(PV) ? mall : lall;
       }
-      if (lane == 0) {
-        partials[o + uint(PV)] = m_run[i];
-        partials[o + uint(PV + 1)] = l_run[i];
-      }
+      partials[o + j] = v;
     }
   }
 """
 
 _REDUCE_BODY = """
-  // One threadgroup per query row, one thread per rotated output coordinate (PV threads): merge
-  // the partitions' (values, max, sum), normalize, then the inverse rotation: butterflies in
-  // shared memory and the sign flip.
+  // One threadgroup per query row, one thread per rotated output coordinate (PV threads): the
+  // partitions' maxima and weights in parallel (shared memory), then each thread's weighted sum
+  // over partitions, the inverse rotation (butterflies in shared memory, the sign flip), the
+  // value scale of the row's KV head and one rounding to T.
   SHARED float buf[PV];
+  SHARED float wts[MAXP];
+  SHARED float red[PV / 32];
   const uint row = gid_x;
   const uint j = tid;
-  const int n_parts = params[5];
+  const int n_parts = consts[2];
   DEVICE_PTR(const float) base = partials + uint64_t(row) * uint64_t(n_parts) * uint64_t(PV + 2);
   float m = -1e30f;
-  for (int p = 0; p < n_parts; ++p) m = max_f(m, base[p * (PV + 2) + PV]);
+  for (int p = int(j); p < n_parts; p += PV) m = max_f(m, base[p * (PV + 2) + PV]);
+  m = simd_max(m);
+  if (lane == 0) red[simd_id] = m;
+  BARRIER();
+  m = red[0];
+  for (int s = 1; s < PV / 32; ++s) m = max_f(m, red[s]);
   float den = 0.0f;
-  float num = 0.0f;
-  for (int p = 0; p < n_parts; ++p) {
+  for (int p = int(j); p < n_parts; p += PV) {
     const float w = exp_f(base[p * (PV + 2) + PV] - m);
+    wts[p] = w;
     den = fma_f(w, base[p * (PV + 2) + PV + 1], den);
-    num = fma_f(w, base[p * (PV + 2) + int(j)], num);
   }
-  buf[j] = num / den;
+  den = simd_sum(den);
+  BARRIER();  // every thread has read red[] (the maximum) and written its weights
+  if (lane == 0) red[simd_id] = den;
+  BARRIER();
+  den = 0.0f;
+  for (int s = 0; s < PV / 32; ++s) den += red[s];
+  float num0 = 0.0f;
+  float num1 = 0.0f;
+  int p = 0;
+  for (; p + 1 < n_parts; p += 2) {  // two independent chains of loads in flight
+    num0 = fma_f(wts[p], base[p * (PV + 2) + int(j)], num0);
+    num1 = fma_f(wts[p + 1], base[(p + 1) * (PV + 2) + int(j)], num1);
+  }
+  if (p < n_parts) num0 = fma_f(wts[p], base[p * (PV + 2) + int(j)], num0);
+  buf[j] = (num0 + num1) / den;
   BARRIER();
   for (uint h = 1; h < uint(PV); h <<= 1) {
     if (j < uint(PV) / 2) {
@@ -263,66 +371,108 @@ _REDUCE_BODY = """
     BARRIER();
   }
   if (j < uint(DV)) {
-    out[row * uint(DV) + j] = from_float<T>(buf[j] * (1.0f / sqrt_f(float(PV))) * vsigns[j]);
+    float o = buf[j] * (1.0f / sqrt_f(float(PV))) * vsigns[j];
+    if (HAS_VS) o *= vscale[(row / uint(M)) % uint(HKV * REP) / uint(REP) * uint(DV) + j];
+    out[row * uint(DV) + j] = from_float<T>(o);
   }
 """
 
 
-def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, hkv) -> Example:
+def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u) -> Example:
     pk, pv = max(32, 1 << (dk - 1).bit_length()), max(32, 1 << (dv - 1).bit_length())
     return Example(
         {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
-         "kcodebook": mx.float32, "vcodebook": mx.float32, "params": (mx.int32, 7)},
+         "kscale": mx.float32, "kcodebook": mx.float32, "vcodebook": mx.float32,
+         "consts": (mx.int32, 4), "off": (mx.int32, 1)},
         {"partials": mx.float32},
         {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
-         "M": m, "RG": rg, "HKV": hkv, "KRW": pk * kb // 32 + 1, "VRW": pv * vb // 32 + 1},
+         "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
+         "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1},
     )  # fmt: skip
 
 
+# SIMD groups per flash-decode threadgroup; most split-K partitions (the reduce's shared weights)
+_W = 4
+_MAX_PARTS = 512
+
 _partial_kernel = Kernel(
     "tq_flash_decode_partial",
-    inputs=["q", "krows", "vrows", "ksigns", "kcodebook", "vcodebook", "params"],
+    inputs=["q", "krows", "vrows", "ksigns", "kscale", "kcodebook", "vcodebook", "consts", "off"],
     outputs=["partials"],
     body=_PARTIAL_BODY,
     examples=[
-        _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1),  # Gemma 3 270M
-        _partial_example(mx.float16, 512, 512, 8, 3, 8, 1, 4, 2),  # Gemma 4 global layer
-        _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2),  # padded K, small M
+        _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8),  # Gemma 3 270M
+        _partial_example(mx.float16, 512, 512, 8, 3, 8, 1, 4, 2, 2, 2),  # Gemma 4 global layer
+        _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4),  # padded K, small M
     ],
 )
 
 _reduce_kernel = Kernel(
     "tq_flash_decode_reduce",
-    inputs=["partials", "vsigns", "params"],
+    inputs=["partials", "vsigns", "vscale", "consts"],
     outputs=["out"],
     body=_REDUCE_BODY,
     examples=[
         Example(
-            {"partials": mx.float32, "vsigns": mx.float32, "params": (mx.int32, 7)},
+            {
+                "partials": mx.float32,
+                "vsigns": mx.float32,
+                "vscale": mx.float32,
+                "consts": (mx.int32, 4),
+            },
             {"out": dt},
-            {"T": dt, "DV": dv, "PV": pv},
+            {
+                "T": dt,
+                "DV": dv,
+                "PV": pv,
+                "M": m,
+                "HKV": hkv,
+                "REP": rep,
+                "HAS_VS": 1,
+                "MAXP": _MAX_PARTS,
+            },
+        )  # fmt: skip
+        for dt, dv, pv, m, hkv, rep in (
+            (mx.bfloat16, 256, 256, 1, 8, 2),
+            (mx.float32, 80, 128, 3, 2, 4),
         )
-        for dt, dv, pv in ((mx.bfloat16, 256, 256), (mx.float32, 80, 128))
     ],
 )
 
-# per threadgroup of the partial kernel: at most 8 rows, 64 accumulators per lane (RG * PV / 32)
-# and 16 KB of rotated queries (RG * PK floats)
-_MAX_ROWS, _MAX_ACC, _MAX_Q = 8, 64, 4096
+# per lane of the partial kernel: RG * (CK + CV) query and accumulator registers at most
+_MAX_REGS = 128
+# threadgroups the partitions aim at (about four per SM of an H200)
+_TARGET_GROUPS = 528
 
 
 def row_groups(rows: int, pk: int, pv: int) -> tuple[int, int]:
     """(rows per threadgroup RG, number of row groups) for ``rows`` = REP * M query rows."""
-    cap = max(1, min(_MAX_ROWS, _MAX_ACC * 32 // pv, _MAX_Q // pk))
+    cap = max(1, min(8, _MAX_REGS // (pk // 32 + pv // 32)))
     n = -(-rows // cap)
     return -(-rows // n), n
 
 
-def default_parts(n_slots: int, groups: int) -> int:
-    """Split-K partitions: aim at ~512 SIMD groups in all, each at least 64 keys (<= 256)."""
-    by_work = -(-n_slots // 64)
-    by_fill = max(1, -(-512 // groups))
-    return max(1, min(by_work, by_fill, 256))
+def tokens_per_step(pk: int, pv: int, kb: int, vb: int) -> int:
+    """U: tokens a SIMD group loads at once, so that each lane has ~16 words in flight."""
+    words = -(-(pk // 32 * kb) // 32) + -(-(pv // 32 * vb) // 32)
+    return max(1, min(8, 16 // words))
+
+
+def min_keys(rows: int, pv: int, tokens: int, row_words: int) -> int:
+    """Fewest keys worth a partition: each SIMD group 4 steps of ``tokens``, and the partition's
+    partials (rows * (pv + 2) floats) at most 1/8 of the K+V bytes it reads (``row_words``
+    words per token)."""
+    return max(_W * tokens * 4, -(-8 * rows * (pv + 2) // row_words))
+
+
+def default_parts(capacity: int, groups: int, keys: int) -> int:
+    """Split-K partitions over a buffer of ``capacity`` slots, for ``groups`` threadgroups per
+    partition: at least ``keys`` keys each (``min_keys``), else enough to fill ~_TARGET_GROUPS
+    threadgroups, at most _MAX_PARTS. Depends on the capacity, not the offset, so a ring or a grown
+    cache keeps one launch shape."""
+    by_work = -(-capacity // keys)
+    by_fill = max(1, -(-_TARGET_GROUPS // groups))
+    return max(1, min(by_work, by_fill, _MAX_PARTS))
 
 
 def _covered(queries: mx.array, state: TQState) -> bool:
@@ -334,54 +484,115 @@ def _covered(queries: mx.array, state: TQState) -> bool:
         and M <= MAX_FLASH_QUERIES
         and Hq % Hkv == 0
         and Dk == kc.dim
-        and kc.padded_dim <= 4096  # one query row of shared memory (16 KB)
+        and kc.padded_dim <= 1024  # RG * PK floats of shared memory
         and vc.padded_dim <= 1024  # one reduce thread per output coordinate
         and state.n_slots > 0
     )
 
 
-def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array:
-    """Dispatcher: the GPU kernels where they apply, else the reference (one partition).
+_CONSTS: dict[tuple, mx.array] = {}
+_OFFSETS: list = [None]
+_PLANS: dict[tuple, tuple] = {}
+_ONES = {}
 
-    The kernels see only the stored vectors; the state's ``TQBalance`` goes around them: fp32
-    queries times the key scales in, the fp32 output times the value scales, then one rounding.
-    """
-    if backend() is None or not _covered(queries, state):
-        return tq_flash_decode_reference(queries, state, scale)
-    bal = state.balance
-    dtype = queries.dtype
-    out_dtype = dtype if bal.v_scale is None else mx.float32
-    queries = bal.queries_in(queries)
+
+def _consts(capacity: int, window: int, n_parts: int, scale: float) -> mx.array:
+    """The per-shape int32 constants, made once per distinct value (a host-made array read by
+    the GPU costs a page migration; these change only when a growing cache grows)."""
+    key = (capacity, window, n_parts, scale)
+    a = _CONSTS.get(key)
+    if a is None:
+        if len(_CONSTS) >= 4096:
+            _CONSTS.clear()
+        bits = int(np.array(scale, dtype=np.float32).view(np.int32))
+        a = _CONSTS[key] = mx.array([capacity, min(window, 1 << 30), n_parts, bits], mx.int32)
+    return a
+
+
+def _offset_view(offset: int) -> mx.array:
+    """A one-element int32 array holding ``offset``: a view into a device-made table, so the
+    per-step value costs no host-to-device transfer."""
+    table = _OFFSETS[0]
+    if table is None or table.shape[0] <= offset:
+        table = _OFFSETS[0] = mx.arange(
+            max(1 << 16, 1 << (offset + 1).bit_length()), dtype=mx.int32
+        )
+    return table[offset : offset + 1]
+
+
+def _ones(n: int) -> mx.array:
+    """Stand-in for an absent scale (the kernels skip it: HAS_KS / HAS_VS = 0)."""
+    if n not in _ONES:
+        _ONES[n] = mx.ones((n,), dtype=mx.float32)
+    return _ONES[n]
+
+
+def _flash_plan(queries: mx.array, state: TQState, has_ks: bool, has_vs: bool):
+    """The two resolved launches and the partition count for one call signature, or None where
+    the kernels do not apply (``_covered``)."""
     B, Hq, M, Dk = queries.shape
     Hkv = state.keys.shape[1]
     kc, vc = state.k_codec, state.v_codec
+    if not _covered(queries, state):
+        return None
     rep = Hq // Hkv
-    rg, n_groups = row_groups(rep * M, kc.padded_dim, vc.padded_dim)
-    n_parts = default_parts(state.n_slots, B * Hkv * n_groups)
-    chunk = -(-state.n_slots // n_parts)
-    chunk = -(-chunk // 32) * 32  # whole 32-token blocks per partition
-    n_parts = -(-state.n_slots // chunk)
-    scale_bits = int(np.array(scale, dtype=np.float32).view(np.int32))
-    params = mx.array(
-        [state.offset, state.capacity, state.window, state.n_slots, chunk, n_parts, scale_bits],
-        dtype=mx.int32,
-    )
-    (partials,) = _partial_kernel(
-        [queries, state.keys, state.values, kc.signs, kc.codebook, vc.codebook, params],
-        grid=(n_parts * 32, Hkv * n_groups, B),
-        threadgroup=(32, 1, 1),
+    rg, ng = row_groups(rep * M, kc.padded_dim, vc.padded_dim)
+    u = tokens_per_step(kc.padded_dim, vc.padded_dim, kc.bits, vc.bits)
+    keys = min_keys(rep * M, vc.padded_dim, u, kc.row_words + vc.row_words)
+    n_parts = default_parts(state.capacity, B * Hkv * ng, keys)
+    partial = _partial_kernel.launcher(
+        [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32],
+        grid=(n_parts * ng * 32 * _W, Hkv, B),
+        threadgroup=(32 * _W, 1, 1),
         output_shapes=[(B * Hq * M, n_parts, vc.padded_dim + 2)],
         output_dtypes=[mx.float32],
         template={"T": queries.dtype, "DK": Dk, "PK": kc.padded_dim, "DV": vc.dim,
                   "PV": vc.padded_dim, "KB": kc.bits, "VB": vc.bits, "REP": rep, "M": M,
-                  "RG": rg, "HKV": Hkv, "KRW": kc.row_words, "VRW": vc.row_words},
+                  "RG": rg, "NG": ng, "HKV": Hkv, "KRW": kc.row_words, "VRW": vc.row_words,
+                  "W": _W, "U": u, "HAS_KS": int(has_ks)},
     )  # fmt: skip
-    (out,) = _reduce_kernel(
-        [partials, vc.signs, params],
+    reduce = _reduce_kernel.launcher(
+        [mx.float32, mx.float32, mx.float32, mx.int32],
         grid=(B * Hq * M * vc.padded_dim,),
         threadgroup=(vc.padded_dim,),
         output_shapes=[(B, Hq, M, vc.dim)],
-        output_dtypes=[out_dtype],
-        template={"T": out_dtype, "DV": vc.dim, "PV": vc.padded_dim},
-    )
-    return bal.output_out(out).astype(dtype)
+        output_dtypes=[queries.dtype],
+        template={"T": queries.dtype, "DV": vc.dim, "PV": vc.padded_dim, "M": M, "HKV": Hkv,
+                  "REP": rep, "HAS_VS": int(has_vs), "MAXP": _MAX_PARTS},
+    )  # fmt: skip
+    return partial, reduce, n_parts
+
+
+def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array:
+    """Dispatcher: the GPU kernels where they apply, else the reference (one partition).
+
+    The state's ``TQBalance`` is folded into the kernels: the partial kernel multiplies the
+    queries by the key scales as it loads them, the reduce kernel the fp32 output by the value
+    scales before its one rounding to the queries' dtype. Two launches in all.
+    """
+    if backend() is None or state.n_slots == 0:
+        return tq_flash_decode_reference(queries, state, scale)
+    bal = state.balance
+    ks, vs = bal.k_scale, bal.v_scale
+    key = (queries.shape, queries.dtype, state.keys.shape, state.k_codec, state.v_codec,
+           ks is not None, vs is not None)  # fmt: skip
+    plan = _PLANS.get(key, _MISSING)
+    if plan is _MISSING:
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        plan = _PLANS[key] = _flash_plan(queries, state, ks is not None, vs is not None)
+    if plan is None:
+        return tq_flash_decode_reference(queries, state, scale)
+    partial, reduce, n_parts = plan
+    consts = _consts(state.capacity, state.window, n_parts, scale)
+    kc, vc = state.k_codec, state.v_codec
+    ks = _ones(8) if ks is None else ks
+    vs = _ones(8) if vs is None else vs
+    (partials,) = partial(
+        inputs=[queries, state.keys, state.values, kc.signs, ks, kc.codebook, vc.codebook,
+                consts, _offset_view(state.offset)]
+    )  # fmt: skip
+    return reduce(inputs=[partials, vc.signs, vs, consts])[0]
+
+
+_MISSING = object()

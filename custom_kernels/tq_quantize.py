@@ -9,14 +9,31 @@ from . import backend
 from ._render import Example, Kernel
 
 
-def tq_quantize_reference(x: mx.array, codec: TQCodec) -> mx.array:
-    """x (..., dim) float -> packed rows (..., codec.row_words) uint32, in MLX ops."""
-    return codec.quantize(x)
+def stored_vectors(x: mx.array, scale: mx.array | None, mean: mx.array | None) -> mx.array:
+    """What the codec sees for x (B, H, L, D): (x - mean) / scale per head channel, both (H, D)
+    fp32 and optional (``TQBalance``)."""
+    if mean is not None:
+        x = x - mean[:, None, :]
+    if scale is not None:
+        x = x * (1.0 / scale)[:, None, :]
+    return x
 
 
-# Template: T (input dtype), D (dim), P (padded dim, a power of two), BITS, CW (code words).
+def tq_quantize_reference(
+    x: mx.array, codec: TQCodec, scale: mx.array | None = None, mean: mx.array | None = None
+) -> mx.array:
+    """x (B, H, L, dim) float -> packed rows (B, H, L, codec.row_words) uint32, in MLX ops.
+
+    Without ``scale`` / ``mean`` any leading shape (..., dim) is accepted.
+    """
+    return codec.quantize(stored_vectors(x, scale, mean))
+
+
+# Template: T (input dtype), D (dim), P (padded dim, a power of two), BITS, CW (code words),
+# HAS_SCALE / HAS_MEAN (the TQBalance transform of the input).
 _BODY = """
-  // One threadgroup per head vector, one thread per rotated coordinate (P threads): sign flip,
+  // One threadgroup per head vector (gid_x = token, gid_y = head, gid_z = batch of x (B, H, L,
+  // D)), one thread per rotated coordinate (P threads): the balance transform, sign flip,
   // Walsh-Hadamard butterflies in shared memory, the norm from SIMD sums, a binary search of
   // the Lloyd-Max boundaries, the dot of codebook values with the unit coordinates (SIMD sums
   // again) for the stored scale, then thread w < CW assembles packed word w from the codes.
@@ -24,9 +41,22 @@ _BODY = """
   SHARED float partial[P / 32];
   SHARED float dots[P / 32];
   SHARED uint codes[P];
-  const uint row = gid_x;
+  SHARED float bnd[1 << BITS];  // the binary search reads these many times: shared, not device
+  SHARED float cbk[1 << BITS];
+  const uint head = gid_y;
+  const uint row = (gid_z * ngroups_y + head) * ngroups_x + gid_x;
   const uint j = tid;
-  buf[j] = (j < uint(D) ? to_float(x[row * uint(D) + j]) : 0.0f) * signs[j];
+  float xv = 0.0f;
+  if (j < uint(D)) {
+    xv = to_float(x[row * uint(D) + j]);
+    if (HAS_MEAN) xv -= mean[head * uint(D) + j];
+    if (HAS_SCALE) xv /= scale[head * uint(D) + j];
+  }
+  buf[j] = xv * signs[j];
+  for (uint i = j; i < (1u << BITS); i += uint(P)) {
+    bnd[i] = i + 1 < (1u << BITS) ? boundaries[i] : 0.0f;
+    cbk[i] = codebook[i];
+  }
   BARRIER();
   for (uint h = 1; h < uint(P); h <<= 1) {
     if (j < uint(P) / 2) {
@@ -50,10 +80,10 @@ _BODY = """
   uint code = 0;
   UNROLL for (int k = BITS - 1; k >= 0; --k) {
     const uint cand = code + (1u << k);
-    if (u > boundaries[cand - 1]) code = cand;
+    if (u > bnd[cand - 1]) code = cand;
   }
   codes[j] = code;
-  const float cu = simd_sum(codebook[code] * u);
+  const float cu = simd_sum(cbk[code] * u);
   if (lane == 0) dots[simd_id] = cu;
   BARRIER();
   if (j < uint(CW)) {
@@ -78,40 +108,106 @@ _BODY = """
 
 _kernel = Kernel(
     "tq_quantize",
-    inputs=["x", "signs", "boundaries", "codebook"],
+    inputs=["x", "signs", "scale", "mean", "boundaries", "codebook"],
     outputs=["out"],
     body=_BODY,
     examples=[
         Example(
-            {"x": dt, "signs": mx.float32, "boundaries": mx.float32, "codebook": mx.float32},
+            {
+                "x": dt,
+                "signs": mx.float32,
+                "scale": mx.float32,
+                "mean": mx.float32,
+                "boundaries": mx.float32,
+                "codebook": mx.float32,
+            },
             {"out": mx.uint32},
-            {"T": dt, "D": d, "P": p, "BITS": b, "CW": p * b // 32},
-        )
-        for dt, d, p, b in (
-            (mx.float16, 256, 256, 4),
-            (mx.bfloat16, 512, 512, 3),
-            (mx.float32, 96, 128, 8),
+            {
+                "T": dt,
+                "D": d,
+                "P": p,
+                "BITS": b,
+                "CW": p * b // 32,
+                "HAS_SCALE": hs,
+                "HAS_MEAN": hm,
+            },
+        )  # fmt: skip
+        for dt, d, p, b, hs, hm in (
+            (mx.float16, 256, 256, 4, 1, 0),
+            (mx.bfloat16, 512, 512, 3, 1, 1),
+            (mx.float32, 96, 128, 8, 0, 0),
         )
     ],
 )
 
 
-def tq_quantize(x: mx.array, codec: TQCodec) -> mx.array:
-    """Dispatcher: the GPU kernel where one applies, else the reference."""
-    if backend() is None or x.dtype not in (mx.float16, mx.bfloat16, mx.float32):
-        return tq_quantize_reference(x, codec)
-    if codec.padded_dim > 1024 or x.size == 0:
-        return tq_quantize_reference(x, codec)
-    lead = x.shape[:-1]
-    n = x.size // codec.dim
+_PLANS: dict[tuple, tuple | None] = {}
+_ONES: dict[int, mx.array] = {}
+
+
+def _stand_in() -> mx.array:
+    """Passed for an absent scale or mean (the kernel skips it: HAS_SCALE / HAS_MEAN = 0)."""
+    if not _ONES:
+        _ONES[0] = mx.ones((8,), dtype=mx.float32)
+    return _ONES[0]
+
+
+def _plan(shape: tuple, dtype: mx.Dtype, codec: TQCodec, has_scale: bool, has_mean: bool):
+    """The resolved launch for one call signature, or None where the kernel does not apply."""
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or codec.padded_dim > 1024:
+        return None
+    if len(shape) != 4:
+        if has_scale or has_mean:
+            raise ValueError(f"tq_quantize with a scale or mean takes (B, H, L, D), got {shape}")
+        shape = (1, 1, _prod(shape[:-1]), shape[-1])
+    B, H, L, D = shape
     P = codec.padded_dim
-    (rows,) = _kernel(
-        [x.reshape(n, codec.dim), codec.signs, codec.boundaries, codec.codebook],
-        grid=(n * P,),
-        threadgroup=(P,),
-        output_shapes=[(n, codec.row_words)],
+    if B * H * L == 0:
+        return None
+    launch = _kernel.launcher(
+        [dtype] + [mx.float32] * 5,
+        grid=(L * P, H, B),
+        threadgroup=(P, 1, 1),
+        output_shapes=[(B, H, L, codec.row_words)],
         output_dtypes=[mx.uint32],
-        template={"T": x.dtype, "D": codec.dim, "P": P, "BITS": codec.bits,
-                  "CW": codec.code_words},
+        template={"T": dtype, "D": D, "P": P, "BITS": codec.bits, "CW": codec.code_words,
+                  "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean)},
     )  # fmt: skip
-    return rows.reshape(*lead, codec.row_words)
+    return launch, shape
+
+
+def _prod(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def tq_quantize(
+    x: mx.array, codec: TQCodec, scale: mx.array | None = None, mean: mx.array | None = None
+) -> mx.array:
+    """Dispatcher: the GPU kernel where one applies, else the reference.
+
+    x (B, H, L, dim) -> (B, H, L, row_words); ``scale`` / ``mean`` (H, dim) fp32 are folded into
+    the kernel (the codec stores (x - mean) / scale). Without them any (..., dim) is accepted.
+    """
+    if backend() is None:
+        return tq_quantize_reference(x, codec, scale, mean)
+    key = (x.shape, x.dtype, codec, scale is not None, mean is not None)
+    plan = _PLANS.get(key, _MISSING)
+    if plan is _MISSING:
+        if len(_PLANS) >= 1024:  # one per prompt length: stay bounded
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(*key)
+    if plan is None:
+        return tq_quantize_reference(x, codec, scale, mean)
+    launch, shape = plan
+    one = _stand_in()
+    inputs = [x.reshape(shape) if x.ndim != 4 else x, codec.signs,
+              one if scale is None else scale, one if mean is None else mean,
+              codec.boundaries, codec.codebook]  # fmt: skip
+    out = launch(inputs=inputs)[0]
+    return out if x.ndim == 4 else out.reshape(*x.shape[:-1], codec.row_words)
+
+
+_MISSING = object()

@@ -39,6 +39,9 @@ def emulated(monkeypatch):
     monkeypatch.setattr(fd, "_reduce_kernel", kernels["reduce"])
     monkeypatch.setattr(tqq, "backend", _emulated_backend)
     monkeypatch.setattr(fd, "backend", _emulated_backend)
+    # launch plans made here hold the emulated kernels: keep them out of the module caches
+    monkeypatch.setattr(tqq, "_PLANS", {})
+    monkeypatch.setattr(fd, "_PLANS", {})
     return kernels
 
 
@@ -154,6 +157,35 @@ def test_quantize_kernel_emulated(emulated, dim, bits, dtype):
     _check_quantize(rows, x, codec)
 
 
+def _balanced_input(rng, shape, dtype):
+    """x (B, H, L, D) with a per-head channel mean and scale, and that (H, D) scale and mean."""
+    B, H, L, D = shape
+    scale = mx.array(np.exp(rng.uniform(-1.5, 1.5, (H, D))).astype(np.float32))
+    mean = mx.array(rng.standard_normal((H, D)).astype(np.float32) * 2)
+    x = (
+        rng.standard_normal(shape).astype(np.float32) * np.array(scale)[:, None]
+        + np.array(mean)[:, None]
+    )
+    return mx.array(x).astype(dtype), scale, mean
+
+
+def _check_balanced_quantize(x, scale, mean, codec):
+    """The kernel folds (x - mean) / scale in: compare with the reference on that input."""
+    for sc, mn in ((scale, mean), (scale, None), (None, mean)):
+        rows = tqq.tq_quantize(x, codec, sc, mn)
+        with mx.stream(mx.cpu):
+            _check_quantize(rows, tqq.stored_vectors(x.astype(mx.float32), sc, mn), codec)
+
+
+@needs_gxx
+@pytest.mark.parametrize("dim,bits,dtype", [(256, 4, mx.bfloat16), (96, 5, mx.float32)])
+def test_quantize_kernel_balance_emulated(emulated, dim, bits, dtype):
+    rng = np.random.default_rng(dim)
+    x, scale, mean = _balanced_input(rng, (2, 3, 4, dim), dtype)
+    _check_balanced_quantize(x, scale, mean, TQCodec(dim, bits, seed=1))
+    assert emulated["quantize"].launches == 3
+
+
 @needs_gxx
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
 def test_flash_decode_kernels_emulated(emulated, case):
@@ -170,19 +202,24 @@ def test_flash_decode_kernels_emulated_low_precision(emulated, dtype):
 @needs_gxx
 def test_flash_decode_emulated_many_partitions(emulated, monkeypatch):
     # force tiny partitions: many split-K parts, some fully masked by the sliding window
-    monkeypatch.setattr(fd, "default_parts", lambda n, g: max(1, n // 32))
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 32))
     _check_flash(("ring", 4, 2, 64, 64, 4, 4, 50, 30, [300, 1], 1), seed=3)
     _check_flash(("growing", 4, 2, 64, 64, 4, 4, None, 0, [333, 2], 2), seed=4)
 
 
 def test_partition_and_row_group_choices():
     assert fd.row_groups(4, 256, 256) == (4, 1)
-    assert fd.row_groups(8, 512, 512) == (4, 2)  # 64 accumulators per lane at PV = 512
+    assert fd.row_groups(8, 512, 512) == (4, 2)  # 4 * (16 + 16) registers per lane at P = 512
     assert fd.row_groups(12, 128, 128) == (6, 2)  # balanced groups
-    assert fd.default_parts(1, 1) == 1
-    assert fd.default_parts(4096, 8) == 64  # 64-key partitions while the GPU is not full
-    assert fd.default_parts(32768, 8) == 64  # then ~512 SIMD groups in all
-    assert fd.default_parts(10**6, 1) == 256
+    assert fd.tokens_per_step(256, 256, 4, 4) == 8  # one key and one value word per lane
+    assert fd.tokens_per_step(512, 512, 8, 3) == 2  # 4 + 2 words
+    # Gemma 4 global layer, TQ8: 8 rows of 514 floats per partition against 1032 B per key
+    assert fd.min_keys(8, 512, 2, 258) == 128
+    assert fd.min_keys(2, 256, 8, 66) == 128  # a sliding layer: 4 steps of 8 keys per group
+    assert fd.default_parts(1, 1, 128) == 1
+    assert fd.default_parts(1024, 8, 128) == 8
+    assert fd.default_parts(32768, 4, 128) == 132  # a long global layer: fill the GPU
+    assert fd.default_parts(10**7, 1, 32) == 512
 
 
 # ---- GPU tests (CUDA on the H200; Metal on Apple) ---------------------------------------------
@@ -198,6 +235,16 @@ def test_quantize_kernel_gpu(dim, bits, dtype):
     rows = tqq.tq_quantize(x, codec)
     with mx.stream(mx.cpu):
         _check_quantize(rows, x, codec)
+
+
+@requires_gpu
+@pytest.mark.parametrize(
+    "dim,bits,dtype", [(256, 4, mx.bfloat16), (512, 8, mx.float16), (96, 5, mx.float32)]
+)
+def test_quantize_kernel_balance_gpu(dim, bits, dtype):
+    rng = np.random.default_rng(dim + 1)
+    x, scale, mean = _balanced_input(rng, (2, 4, 37, dim), dtype)
+    _check_balanced_quantize(x, scale, mean, TQCodec(dim, bits, seed=2))
 
 
 @requires_gpu
