@@ -95,7 +95,8 @@ _PARTIAL_BODY = """
   // every value: a packed row is read coalesced by the SIMD group. SIMD group w walks tokens
   // start + (j*W + w)*U .. +U for j = 0, 1, ...; scores are per-lane partial dots plus a SIMD sum
   // (bit-identical on every lane), then an online softmax per row; the W SIMD groups' states
-  // merge in shared memory at the end.
+  // merge in shared memory at the end. Each pass loads the next U tokens' rows before working
+  // on the current ones (one step of software pipelining).
   const int CK = PK / 32;
   const int CV = PV / 32;
   const int KBITS = CK * KB;  // bits of one key row per lane
@@ -124,40 +125,6 @@ _PARTIAL_BODY = """
 
   for (uint i = tid; i < (1u << KB); i += nthr) kcb[i] = kcodebook[i];
   for (uint i = tid; i < (1u << VB); i += nthr) vcb[i] = vcodebook[i];
-  // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
-  // transform, the codebook's 1 / sqrt(PK) and the softmax scale
-  for (uint idx = tid; idx < uint(RG * PK); idx += nthr) {
-    const uint i = idx / uint(PK);
-    const uint j = idx % uint(PK);
-    const uint r = grp * uint(RG) + i;
-    float v = 0.0f;
-    if (r < uint(REP * M) && j < uint(DK)) {
-      const uint h = kvh * uint(REP) + r / uint(M);
-      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-      v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
-      if (HAS_KS) v *= kscale[kvh * uint(DK) + j];
-    }
-    qs[idx] = v;
-  }
-  BARRIER();
-  for (uint h = 1; h < uint(PK); h <<= 1) {
-    for (uint t = tid; t < uint(RG * PK / 2); t += nthr) {
-      const uint i = t / uint(PK / 2);
-      const uint jj = t % uint(PK / 2);
-      const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
-      const float x0 = qs[a];
-      const float x1 = qs[a + h];
-      qs[a] = x0 + x1;
-      qs[a + h] = x0 - x1;
-    }
-    BARRIER();
-  }
-  const float qscale = scale / float(PK);
-  float qr[RG][CK];
-  UNROLL for (int i = 0; i < RG; ++i) {
-    UNROLL for (int c = 0; c < CK; ++c) qr[i][c] = qs[i * PK + int(lane) * CK + c] * qscale;
-  }
-
   int qpos[RG];
   float m_run[RG];
   float l_run[RG];
@@ -172,7 +139,8 @@ _PARTIAL_BODY = """
   const int per = (n_slots + n_parts - 1) / n_parts;
   const int chunk = (per + W * U - 1) / (W * U) * (W * U);
   const int start = int(part) * chunk;
-  const int end = start + chunk < n_slots ? start + chunk : n_slots;
+  // end >= start even for a partition past the slots: every SIMD group makes the first pass
+  const int end = start + chunk < n_slots ? start + chunk : (n_slots > start ? n_slots : start);
   const uint64_t head = uint64_t(b * uint(HKV) + kvh) * uint64_t(cap);
   const uint kw0 = (lane * uint(KBITS)) >> 5;
   const uint ksh = (lane * uint(KBITS)) & 31u;
@@ -180,94 +148,146 @@ _PARTIAL_BODY = """
   const uint vsh = (lane * uint(VBITS)) & 31u;
   const float vfac = 1.0f / sqrt_f(float(PV));  // a value coordinate is codebook * norm / sqrt(PV)
 
-  for (int t0 = start + int(simd_id) * U; t0 < end; t0 += W * U) {
-    // U tokens' rows first (independent loads in flight), then their scores and values
-    uint kw[U][NKW];
-    uint vw[U][NVW];
-    float kn[U];
-    float vn[U];
-    int pos[U];
+  // Software pipeline: each pass loads the rows of the SIMD group's next U tokens, then works
+  // on the rows the previous pass loaded. The first pass has nothing to work on: it rotates the
+  // queries (the only barriers before the merge; every SIMD group makes that pass) while its
+  // loads are in flight.
+  float qr[RG][CK];
+  uint kw[U][NKW];
+  uint vw[U][NVW];
+  float kn[U];
+  float vn[U];
+  int pos[U];
+  const int first = start + int(simd_id) * U;
+  for (int t0 = first - W * U; t0 < end; t0 += W * U) {
+    uint nkw[U][NKW];
+    uint nvw[U][NVW];
+    float nkn[U];
+    float nvn[U];
+    int npos[U];
     UNROLL for (int u = 0; u < U; ++u) {
-      const int t = t0 + u;
-      pos[u] = -1;
-      kn[u] = 0.0f;
-      vn[u] = 0.0f;
-      UNROLL for (int k = 0; k < NKW; ++k) kw[u][k] = 0u;
-      UNROLL for (int k = 0; k < NVW; ++k) vw[u][k] = 0u;
+      const int t = t0 + W * U + u;
+      npos[u] = -1;
+      nkn[u] = 0.0f;
+      nvn[u] = 0.0f;
+      UNROLL for (int k = 0; k < NKW; ++k) nkw[u][k] = 0u;
+      UNROLL for (int k = 0; k < NVW; ++k) nvw[u][k] = 0u;
       if (t < end) {  // the same for every lane
         DEVICE_PTR(const uint) kr = krows + (head + uint64_t(t)) * uint64_t(KRW);
         DEVICE_PTR(const uint) vr = vrows + (head + uint64_t(t)) * uint64_t(VRW);
         // a word past the lane's bits may be the row's scale word, never past the row
         UNROLL for (int k = 0; k < NKW; ++k) {
           const uint wi = kw0 + uint(k);
-          kw[u][k] = kr[wi < uint(KRW) ? wi : uint(KRW - 1)];
+          nkw[u][k] = kr[wi < uint(KRW) ? wi : uint(KRW - 1)];
         }
         UNROLL for (int k = 0; k < NVW; ++k) {
           const uint wi = vw0 + uint(k);
-          vw[u][k] = vr[wi < uint(VRW) ? wi : uint(VRW - 1)];
+          nvw[u][k] = vr[wi < uint(VRW) ? wi : uint(VRW - 1)];
         }
-        kn[u] = bitcast<float>(kr[KRW - 1]);
-        vn[u] = bitcast<float>(vr[VRW - 1]) * vfac;
+        nkn[u] = bitcast<float>(kr[KRW - 1]);
+        nvn[u] = bitcast<float>(vr[VRW - 1]) * vfac;
         // the slot's absolute position: (offset-1) - ((offset-1-t) mod cap), negative = empty
         int d = (offset - 1 - t) % cap;
         if (d < 0) d += cap;
-        pos[u] = offset - 1 - d;
+        npos[u] = offset - 1 - d;
       }
     }
-    float s[U][RG];
-    UNROLL for (int u = 0; u < U; ++u) {
-      uint ka[NKA];  // the lane's key bits from bit 0: code c at bits [c*KB, c*KB + KB)
-      UNROLL for (int k = 0; k < NKA; ++k) {
-        ka[k] = KBITS % 32 == 0 ? kw[u][k]
-              : uint(((uint64_t(kw[u][k < NKW - 1 ? k + 1 : k]) << 32) | kw[u][k]) >> ksh);
+    if (t0 < first) {
+      // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
+      // transform, the codebook's 1 / sqrt(PK) and the softmax scale
+      for (uint idx = tid; idx < uint(RG * PK); idx += nthr) {
+        const uint i = idx / uint(PK);
+        const uint j = idx % uint(PK);
+        const uint r = grp * uint(RG) + i;
+        float v = 0.0f;
+        if (r < uint(REP * M) && j < uint(DK)) {
+          const uint h = kvh * uint(REP) + r / uint(M);
+          const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
+          v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
+          if (HAS_KS) v *= kscale[kvh * uint(DK) + j];
+        }
+        qs[idx] = v;
       }
-      UNROLL for (int i = 0; i < RG; ++i) s[u][i] = 0.0f;
-      UNROLL for (int c = 0; c < CK; ++c) {
-        const int lo = (c * KB) >> 5;
-        const int sh = (c * KB) & 31;
-        uint code = ka[lo] >> sh;
-        if (sh + KB > 32) code |= ka[lo + 1 < NKA ? lo + 1 : lo] << (32 - sh);
-        const float kv = kcb[code & ((1u << KB) - 1)];
-        UNROLL for (int i = 0; i < RG; ++i) s[u][i] = fma_f(qr[i][c], kv, s[u][i]);
+      BARRIER();
+      for (uint h = 1; h < uint(PK); h <<= 1) {
+        for (uint t = tid; t < uint(RG * PK / 2); t += nthr) {
+          const uint i = t / uint(PK / 2);
+          const uint jj = t % uint(PK / 2);
+          const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
+          const float x0 = qs[a];
+          const float x1 = qs[a + h];
+          qs[a] = x0 + x1;
+          qs[a + h] = x0 - x1;
+        }
+        BARRIER();
       }
-    }
-    UNROLL for (int u = 0; u < U; ++u) {
-      UNROLL for (int i = 0; i < RG; ++i) s[u][i] = simd_sum(s[u][i]) * kn[u];
-    }
-    // online softmax per row; s becomes the value weight p * norm / sqrt(PV)
-    UNROLL for (int i = 0; i < RG; ++i) {
-      float mb = NEG;
+      const float qscale = scale / float(PK);
+      UNROLL for (int i = 0; i < RG; ++i) {
+        UNROLL for (int c = 0; c < CK; ++c) qr[i][c] = qs[i * PK + int(lane) * CK + c] * qscale;
+      }
+    } else {
+      float s[U][RG];
       UNROLL for (int u = 0; u < U; ++u) {
-        const bool vis = pos[u] >= 0 && pos[u] <= qpos[i] && pos[u] > qpos[i] - window;
-        s[u][i] = vis ? s[u][i] : NEG;
-        mb = max_f(mb, s[u][i]);
-      }
-      if (mb > m_run[i]) {  // uniform: every lane holds the same scores
-        const float alpha = exp_f(m_run[i] - mb);
-        l_run[i] *= alpha;
-        UNROLL for (int c = 0; c < CV; ++c) acc[i][c] *= alpha;
-        m_run[i] = mb;
+        uint ka[NKA];  // the lane's key bits from bit 0: code c at bits [c*KB, c*KB + KB)
+        UNROLL for (int k = 0; k < NKA; ++k) {
+          ka[k] = KBITS % 32 == 0 ? kw[u][k]
+                : uint(((uint64_t(kw[u][k < NKW - 1 ? k + 1 : k]) << 32) | kw[u][k]) >> ksh);
+        }
+        UNROLL for (int i = 0; i < RG; ++i) s[u][i] = 0.0f;
+        UNROLL for (int c = 0; c < CK; ++c) {
+          const int lo = (c * KB) >> 5;
+          const int sh = (c * KB) & 31;
+          uint code = ka[lo] >> sh;
+          if (sh + KB > 32) code |= ka[lo + 1 < NKA ? lo + 1 : lo] << (32 - sh);
+          const float kv = kcb[code & ((1u << KB) - 1)];
+          UNROLL for (int i = 0; i < RG; ++i) s[u][i] = fma_f(qr[i][c], kv, s[u][i]);
+        }
       }
       UNROLL for (int u = 0; u < U; ++u) {
-        const float p = s[u][i] > NEG ? exp_f(s[u][i] - m_run[i]) : 0.0f;
-        l_run[i] += p;
-        s[u][i] = p * vn[u];
+        UNROLL for (int i = 0; i < RG; ++i) s[u][i] = simd_sum(s[u][i]) * kn[u];
+      }
+      // online softmax per row; s becomes the value weight p * norm / sqrt(PV)
+      UNROLL for (int i = 0; i < RG; ++i) {
+        float mb = NEG;
+        UNROLL for (int u = 0; u < U; ++u) {
+          const bool vis = pos[u] >= 0 && pos[u] <= qpos[i] && pos[u] > qpos[i] - window;
+          s[u][i] = vis ? s[u][i] : NEG;
+          mb = max_f(mb, s[u][i]);
+        }
+        if (mb > m_run[i]) {  // uniform: every lane holds the same scores
+          const float alpha = exp_f(m_run[i] - mb);
+          l_run[i] *= alpha;
+          UNROLL for (int c = 0; c < CV; ++c) acc[i][c] *= alpha;
+          m_run[i] = mb;
+        }
+        UNROLL for (int u = 0; u < U; ++u) {
+          const float p = s[u][i] > NEG ? exp_f(s[u][i] - m_run[i]) : 0.0f;
+          l_run[i] += p;
+          s[u][i] = p * vn[u];
+        }
+      }
+      UNROLL for (int u = 0; u < U; ++u) {
+        uint va[NVA];
+        UNROLL for (int k = 0; k < NVA; ++k) {
+          va[k] = VBITS % 32 == 0 ? vw[u][k]
+                : uint(((uint64_t(vw[u][k < NVW - 1 ? k + 1 : k]) << 32) | vw[u][k]) >> vsh);
+        }
+        UNROLL for (int c = 0; c < CV; ++c) {
+          const int lo = (c * VB) >> 5;
+          const int sh = (c * VB) & 31;
+          uint code = va[lo] >> sh;
+          if (sh + VB > 32) code |= va[lo + 1 < NVA ? lo + 1 : lo] << (32 - sh);
+          const float vv = vcb[code & ((1u << VB) - 1)];
+          UNROLL for (int i = 0; i < RG; ++i) acc[i][c] = fma_f(s[u][i], vv, acc[i][c]);
+        }
       }
     }
     UNROLL for (int u = 0; u < U; ++u) {
-      uint va[NVA];
-      UNROLL for (int k = 0; k < NVA; ++k) {
-        va[k] = VBITS % 32 == 0 ? vw[u][k]
-              : uint(((uint64_t(vw[u][k < NVW - 1 ? k + 1 : k]) << 32) | vw[u][k]) >> vsh);
-      }
-      UNROLL for (int c = 0; c < CV; ++c) {
-        const int lo = (c * VB) >> 5;
-        const int sh = (c * VB) & 31;
-        uint code = va[lo] >> sh;
-        if (sh + VB > 32) code |= va[lo + 1 < NVA ? lo + 1 : lo] << (32 - sh);
-        const float vv = vcb[code & ((1u << VB) - 1)];
-        UNROLL for (int i = 0; i < RG; ++i) acc[i][c] = fma_f(s[u][i], vv, acc[i][c]);
-      }
+      UNROLL for (int k = 0; k < NKW; ++k) kw[u][k] = nkw[u][k];
+      UNROLL for (int k = 0; k < NVW; ++k) vw[u][k] = nvw[u][k];
+      kn[u] = nkn[u];
+      vn[u] = nvn[u];
+      pos[u] = npos[u];
     }
   }
 
