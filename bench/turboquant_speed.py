@@ -219,6 +219,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="small shapes and contexts (CPU smoke)")
     p.add_argument("--model", action="store_true", help="also the whole-model decode")
+    p.add_argument("--model-only", action="store_true", help="the whole-model decode alone")
     p.add_argument("--contexts", default=None, help="comma list (default 4096,16384,32768)")
     p.add_argument("--steps", type=int, default=None, help="timed attention steps (default 20)")
     p.add_argument("--decode", type=int, default=None, help="model tokens per round (default 32)")
@@ -233,7 +234,7 @@ def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}, activations {dtype}")
     print(f"{'part':6} {'context':>7} {'cache':5} {'ms/step':>8} {'KV MB':>8} {'GB/s':>7}")
     rows = []
-    for ctx in contexts:
+    for ctx in [] if a.model_only else contexts:
         for label, bits in CACHES:
             r = attention_bench(layers, ctx, bits, dtype, steps)
             rows.append({"part": "attention", "context": ctx, "cache": label, **r})
@@ -245,7 +246,7 @@ def main() -> None:
             for k in r.get("kernels", []):
                 print(f"{'':22}{k['us_per_step']:9.1f} us {k['per_step']:5.0f}x  {k['kernel']}")
             mx.clear_cache()
-    if a.model:
+    if a.model or a.model_only:
         rows += model_bench(a.tiny, contexts, a.decode or (4 if a.tiny else 32), a.rounds)
     with open(a.json, "w") as f:
         json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}, f,

@@ -757,10 +757,16 @@ V0_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
     ("256", True): (0, 2, 1, 8),
 }
 # bf16 x: entries here, keyed (type name, long rows) or (block family, long rows) as above,
-# replace V0_DEFAULTS, e.g. ("32", True): (2, 4, 1, 8) to run the packed fp16 loop on bf16 x
-# (V = 2). Empty until an H200 sweep measures V = 2 (`bench/qmatmul.py --dtype bf16 --sweep`
-# prints the lines): every bf16 default is V = 0 meanwhile.
-BF16_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {}
+# replace V0_DEFAULTS. H200 sweep of 2026-11-30 (session 3, `bench/qmatmul.py --dtype bf16
+# --profile --sweep --types Q4_0,Q4_K`, bench/results/qmatmul_bf16_v2_sweep_h200_2026-11-30.json):
+# the packed fp16 loop on bf16 x (V = 2) won three of the four 4-bit shapes; % of copy bandwidth,
+# N x K. Other types keep V = 0 until swept.
+BF16_DEFAULTS: dict[tuple[str, bool], tuple[int, int, int, int]] = {
+    ("Q4_0", False): (2, 4, 2, 4),  # 14336x4096 48.0 % (V0 default 44.6); 4096x4096 27.7 (28.3)
+    ("Q4_0", True): (2, 2, 4, 8),  # 4096x14336 42.6 % (41.0)
+    ("Q4_K", False): (2, 4, 1, 2),  # 14336x4096 47.6 % (33.0); 4096x4096 20.2 (16.0)
+    ("Q4_K", True): (2, 4, 1, 7),  # 4096x14336 42.7 % (33.9)
+}
 
 
 def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> dict[str, int]:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -88,7 +89,9 @@ def build(kernel: Kernel, example: Example) -> Path:
     if exe.exists():
         return exe
     _CACHE.mkdir(parents=True, exist_ok=True)
-    cpp = exe.with_suffix(".cpp")
+    # private file names: two threads may build the same binary at once (the last rename wins)
+    tag = f".{os.getpid()}.{threading.get_ident()}"
+    cpp = exe.with_name(exe.name + tag + ".cpp")
     cpp.write_text(text)
     cmd = [
         "g++",
@@ -101,12 +104,13 @@ def build(kernel: Kernel, example: Example) -> Path:
         str(EMU_HEADER),
         str(cpp),
         "-o",
-        str(exe) + ".tmp",
+        str(exe) + tag,
     ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"emulator build failed for {kernel.name}:\n{res.stderr[-6000:]}")
-    os.replace(str(exe) + ".tmp", exe)
+    os.replace(str(exe) + tag, exe)
+    cpp.unlink(missing_ok=True)
     return exe
 
 

@@ -195,6 +195,9 @@ _EMU_CASES += [
     (T.Q4_K, mx.bfloat16, 3, 5, 2304, {"V": 2, "MT": 4, "R": 3, "U": 1, "W": 3}),
     (T.Q8_0, mx.bfloat16, 5, 13, 1792, {"V": 2, "MT": 8, "R": 2, "U": 3, "W": 2}),
 ]
+# The bf16 defaults (BF16_DEFAULTS, V = 2) as launch_config resolves them at M = 1, short and
+# long rows: the configurations the models run.
+_EMU_CASES += [(t, mx.bfloat16, 1, 11, k, None) for t in (T.Q4_0, T.Q4_K) for k in (2048, 14336)]
 
 
 _emu_call = kernel_emulator.kernel_call
