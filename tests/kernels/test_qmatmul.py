@@ -121,14 +121,17 @@ def test_launch_config():
             assert cfg["MT"] >= m and cfg["MT"] in (1, 2, 4, 8, 16)
             assert 1 <= cfg["W"] <= 8 and cfg["R"] * cfg["MT"] <= 16
             assert cfg["V"] in Q.VARIANTS
-            # the packed fp16 variant is for fp16 x only; V = 2 (bf16 x) is unmeasured: never
-            # a default until an H200 sweep puts it in BF16_DEFAULTS
+            # the packed fp16 variant is for fp16 x only; V = 2 (bf16 x) only where an H200
+            # sweep put it in BF16_DEFAULTS (Q4_0, Q4_K)
             for k in (4096, 14336):
-                assert Q.launch_config(t, m, 4096, k, mx.bfloat16)["V"] == 0
+                v2 = (t.name, k >= 8192) in Q.BF16_DEFAULTS
+                assert Q.launch_config(t, m, 4096, k, mx.bfloat16)["V"] == (2 if v2 else 0)
                 assert Q.launch_config(t, m, 4096, k, mx.float32)["V"] == 0
                 assert Q.launch_config(t, m, 4096, k, mx.float16)["V"] in (0, 1)
     # K-quant rows of 4096 are 2 steps of 8 blocks (Q4_K): no more SIMD groups than steps
     assert Q.launch_config(T.Q4_K, 1, 4096, 4096)["W"] <= 2
+    assert Q.launch_config(T.Q4_K, 1, 4096, 4096, mx.bfloat16)["V"] == 2
+    assert Q.launch_config(T.Q6_K, 1, 4096, 4096, mx.bfloat16)["V"] == 0
 
 
 def test_bf16_defaults_hook(monkeypatch):
