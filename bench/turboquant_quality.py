@@ -8,6 +8,7 @@ then the same as JSON. Also: bytes per token per layer and the total at 32K cont
 Gemma-4-26B-A4B-shaped model (computed, no weights needed).
 
     python bench/turboquant_quality.py [--tokens 4096] [--chunk 512] [--json out.json]
+        [--settings TQ4,TQ8] [--seed 0] [--center 32768 | 0] [--no-balance]
 
 The GGUF's quantized weights are dequantized to fp32 once here (the reference matmuls would
 otherwise dequantize every weight on every call, which is far too slow on a CPU).
@@ -27,12 +28,12 @@ import hf2q_mlx
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.quantized import GGMLEmbedding, GGMLLinear
 from hf2q_mlx.tq_cache import make_tq_cache
-from hf2q_mlx.turboquant import TQCodec
+from hf2q_mlx.turboquant import CENTER_CONTEXT, TQCodec
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "us_constitution.txt"
 # (label, k_bits, v_bits); None = the full-precision baseline
 SETTINGS = [("TQ8", 8, 8), ("TQ6", 6, 6), ("TQ5", 5, 5), ("TQ4", 4, 4), ("TQ3", 3, 3),
-            ("K8V4", 8, 4), ("K4V4", 4, 4)]  # fmt: skip
+            ("K8V4", 8, 4), ("K4V4", 4, 4), ("K6V5", 6, 5)]  # fmt: skip
 
 
 def densify(module: nn.Module) -> None:
@@ -60,20 +61,28 @@ def densify(module: nn.Module) -> None:
 
 
 def chunk_stats(base: mx.array, logits: mx.array, targets: mx.array) -> dict[str, float]:
-    """Sums over a chunk: NLL of the targets, cosine to the baseline logits, top-1 flips."""
-    nll = mx.logsumexp(logits, -1) - mx.take_along_axis(logits, targets[:, None], -1)[:, 0]
+    """Sums over a chunk: NLL of the targets, cosine to the baseline logits, top-1 flips, and
+    KL(baseline || this) of the next-token distributions (less noisy than the NLL's change)."""
+    logp = logits - mx.logsumexp(logits, -1, keepdims=True)
+    logp_base = base - mx.logsumexp(base, -1, keepdims=True)
+    nll = -mx.take_along_axis(logp, targets[:, None], -1)[:, 0]
+    kl = mx.sum(mx.exp(logp_base) * (logp_base - logp), -1)
     cos = mx.sum(base * logits, -1) / (
         mx.linalg.norm(base, axis=-1) * mx.linalg.norm(logits, axis=-1)
     )
     flips = mx.argmax(base, -1) != mx.argmax(logits, -1)
-    return {"nll": nll.sum().item(), "cos": cos.sum().item(), "flips": flips.sum().item()}
+    return {
+        "nll": nll.sum().item(), "kl": kl.sum().item(), "cos": cos.sum().item(),
+        "flips": flips.sum().item(),
+    }  # fmt: skip
 
 
-def quality(model, ids: list[int], chunk: int, settings=SETTINGS, balance: bool = True) -> dict:
+def quality(model, ids: list[int], chunk: int, settings=SETTINGS, **tq_options) -> dict:
+    """``tq_options`` go to every ``make_tq_cache`` (seed, balance, center)."""
     caches = {"full": model.make_cache()}
     for label, kb, vb in settings:
-        caches[label] = make_tq_cache(model, kb, vb, balance=balance)
-    sums = {name: {"nll": 0.0, "cos": 0.0, "flips": 0.0} for name in caches}
+        caches[label] = make_tq_cache(model, kb, vb, **tq_options)
+    sums = {name: {"nll": 0.0, "kl": 0.0, "cos": 0.0, "flips": 0.0} for name in caches}
     n = len(ids) - 1
     for start in range(0, n, chunk):
         x = mx.array([ids[start : min(start + chunk, n)]], mx.int32)
@@ -93,6 +102,7 @@ def quality(model, ids: list[int], chunk: int, settings=SETTINGS, balance: bool 
             "ppl": ppl,
             "ppl_delta": ppl - ppl_full,
             "ppl_delta_pct": 100 * (ppl / ppl_full - 1),
+            "kl": s["kl"] / n,
             "logit_cosine": s["cos"] / n,
             "top1_flip_rate": s["flips"] / n,
             "cache_bytes": sum(c.nbytes for c in caches[name]),
@@ -134,6 +144,11 @@ def main() -> None:
     ap.add_argument(
         "--no-balance", action="store_true", help="without the per-channel balancing (TQBalance)"
     )
+    ap.add_argument("--seed", type=int, default=0, help="rotation seed (layer i gets seed + i)")
+    ap.add_argument(
+        "--center", type=int, default=CENTER_CONTEXT,
+        help=f"key offset's context in positions, 0 = no offset (default {CENTER_CONTEXT})",
+    )  # fmt: skip
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -144,24 +159,27 @@ def main() -> None:
         raise SystemExit(f"the text has only {len(ids)} tokens")
     picked = args.settings.split(",") if args.settings else [s[0] for s in SETTINGS]
     picked = [s for s in SETTINGS if s[0] in picked]
-    rows = quality(model, ids, args.chunk, picked, balance=not args.no_balance)
+    opts = dict(seed=args.seed, balance=not args.no_balance, center=args.center)
+    rows = quality(model, ids, args.chunk, picked, **opts)
     mem = memory_table()
     elapsed = time.perf_counter() - t0
 
     print(f"\nGemma 3 270M Q4_K_M, {args.tokens} tokens, chunks of {args.chunk} ({elapsed:.0f} s)")
-    head = f"{'cache':6} {'ppl':>8} {'d ppl':>8} {'d %':>7} {'cos':>9} {'top1 flip':>9}"
+    print(f"options: {opts}")
+    head = f"{'cache':6} {'ppl':>8} {'d ppl':>8} {'d %':>7} {'KL':>8} {'cos':>9} {'top1 flip':>9}"
     print(head + f" {'KV MB':>7}")
     for name, r in rows.items():
         print(
             f"{name:6} {r['ppl']:8.3f} {r['ppl_delta']:+8.3f} {r['ppl_delta_pct']:+7.2f} "
-            f"{r['logit_cosine']:9.6f} {r['top1_flip_rate']:9.4f} {r['cache_bytes'] / 1e6:7.2f}"
+            f"{r['kl']:8.5f} {r['logit_cosine']:9.6f} {r['top1_flip_rate']:9.4f} "
+            f"{r['cache_bytes'] / 1e6:7.2f}"
         )
     print("\nGemma-4-26B-A4B-shaped KV cache (bytes/token/layer; total at 32K context)")
     for label, m in mem.items():
         pl = m["bytes_per_token_per_layer"]
         print(f"{label:6} sliding {pl['sliding']:6d}  global {pl['global']:6d}  "
               f"total {m['total_bytes_32768'] / 2**20:8.1f} MiB")  # fmt: skip
-    result = {"tokens": args.tokens, "chunk": args.chunk, "balance": not args.no_balance,
+    result = {"tokens": args.tokens, "chunk": args.chunk, **opts,
               "seconds": elapsed, "quality": rows, "memory_gemma4_26b_a4b": mem}  # fmt: skip
     print(json.dumps(result, indent=1))
     if args.json:

@@ -16,7 +16,14 @@ import mlx.core as mx
 from .cache import KVCache, RotatingKVCache
 from .custom_kernels.tq_quantize import tq_quantize
 from .errors import Hf2qError
-from .turboquant import SUPPORTED_BITS, TQCodec, key_balance, value_balance
+from .turboquant import (
+    CENTER_CONTEXT,
+    SUPPORTED_BITS,
+    TQCodec,
+    key_balance,
+    key_mean,
+    value_balance,
+)
 
 # the flash-decode kernel covers up to this many query rows per sequence (decode, short drafts)
 MAX_FLASH_QUERIES = 8
@@ -26,21 +33,25 @@ FULL_WINDOW = 1 << 30
 
 @dataclass
 class TQBalance:
-    """Exact per-channel scales between the model's K/V and what the codec stores.
+    """Exact transforms between the model's K/V and what the codec stores.
 
-    The cache stores ``k / k_scale`` and ``v / v_scale`` (each (Hkv, D) fp32, None = identity);
-    attention uses ``q * k_scale`` and multiplies its output by ``v_scale``. Scores and outputs
-    are unchanged in exact arithmetic; only the codec's error is spread more favourably
-    (``key_balance``, ``value_balance`` in ``turboquant.py``). Both sides of attention run in
-    fp32 then: scaled queries and the scaled output are not rounded to the model's dtype.
+    The cache stores ``(k - k_mean) / k_scale`` and ``v / v_scale`` (each (Hkv, D) fp32, None =
+    skipped); attention uses ``q * k_scale`` and multiplies its output by ``v_scale``. The key
+    offset needs nothing at attention time: it moves every score of a query by the same
+    ``q . k_mean``, which the softmax cancels (the dequantized keys add it back). Scores and
+    outputs are unchanged in exact arithmetic; only the codec's error is smaller or spread more
+    favourably (``key_mean``, ``key_balance``, ``value_balance`` in ``turboquant.py``). Both
+    sides of attention run in fp32 then: scaled queries and the scaled output are not rounded to
+    the model's dtype.
     """
 
     k_scale: mx.array | None = None
     v_scale: mx.array | None = None
+    k_mean: mx.array | None = None
     _derived: dict = field(default_factory=dict, repr=False)
 
     def set(self, **scales: mx.array) -> None:
-        """Set ``k_scale`` / ``v_scale`` (drops the shapes derived from the old ones)."""
+        """Set ``k_scale`` / ``v_scale`` / ``k_mean`` (drops the shapes derived from the old)."""
         for name, a in scales.items():
             setattr(self, name, a)
         self._derived.clear()
@@ -54,10 +65,14 @@ class TQBalance:
         return self._derived[key]
 
     def keys_in(self, k: mx.array) -> mx.array:
+        if self.k_mean is not None:
+            k = k - self._col("k_mean")
         return k if self.k_scale is None else k * self._col("k_scale", inverse=True)
 
     def keys_out(self, k: mx.array) -> mx.array:
-        return k if self.k_scale is None else k * self._col("k_scale")
+        if self.k_scale is not None:
+            k = k * self._col("k_scale")
+        return k if self.k_mean is None else k + self._col("k_mean")
 
     def values_in(self, v: mx.array) -> mx.array:
         return v if self.v_scale is None else v * self._col("v_scale", inverse=True)
@@ -126,13 +141,23 @@ class _TQMixin:
     ``(TQPacked, TQPacked, None)``, which saves building ~50 unused graph nodes per layer.
 
     With ``balance`` (the default) the first write calibrates the layer's ``TQBalance``: value
-    scales from its values, key scales from its keys and the queries ``attend`` passes to
-    ``calibrate`` right after, which re-quantizes that first write (a model that calls plain
-    attention instead keeps unscaled keys). Later writes reuse the calibration.
+    scales from its values, key scales (and with ``center`` the key offset) from its keys and
+    the queries ``attend`` passes to ``calibrate`` right after, which re-quantizes that first
+    write (a model that calls plain attention instead keeps raw keys). Later writes reuse the
+    calibration. ``center``: the context in positions the key offset is chosen for (True =
+    ``CENTER_CONTEXT``, False or 0 = no offset); ``rope_freqs``: the layer's RoPE radians per
+    position for each rotated pair, which tells the offset which pairs stay put (``key_mean``).
     """
 
     def _init_tq(
-        self, k_bits: int, v_bits: int, seed: int, balance: bool, rope_dims: int | None
+        self,
+        k_bits: int,
+        v_bits: int,
+        seed: int,
+        balance: bool,
+        rope_dims: int | None,
+        center: bool | int = True,
+        rope_freqs: mx.array | None = None,
     ) -> None:
         for bits in (k_bits, v_bits):
             if bits not in SUPPORTED_BITS:
@@ -141,7 +166,8 @@ class _TQMixin:
         self.k_codec: TQCodec | None = None
         self.v_codec: TQCodec | None = None
         self.flash_attend = False
-        self.balance, self.rope_dims = balance, rope_dims
+        self.balance, self.rope_dims, self.rope_freqs = balance, rope_dims, rope_freqs
+        self.center = 0 if not balance else CENTER_CONTEXT if center is True else int(center)
         self.tq_balance = TQBalance()
         self._first: tuple[mx.array, mx.array] | None = None  # raw first write, until calibrate
 
@@ -151,11 +177,15 @@ class _TQMixin:
         return self._first is not None
 
     def calibrate(self, queries: mx.array):
-        """Key scales from the first write's keys and these queries; re-writes that first write
-        with them and returns what its ``update_and_fetch`` would have: (keys, values, mask)."""
+        """Key scales (and offset) from the first write's keys and these queries; re-writes that
+        first write with them and returns what its ``update_and_fetch`` would have: (keys,
+        values, mask)."""
         keys, values = self._first
         self._first = None
         self.tq_balance.set(k_scale=key_balance(keys, queries, self.rope_dims))
+        if self.center:  # None where no channel keeps its mean (no RoPE pair turns slowly)
+            mean = key_mean(keys, self.rope_dims, self.rope_freqs, self.center)
+            self.tq_balance.set(k_mean=mean)
         self.keys = self.values = None
         self.offset = 0
         return self.update_and_fetch(keys, values)
@@ -172,8 +202,9 @@ class _TQMixin:
         elif self._first is not None:
             self._first = None  # no calibrate() after the first write: keys stay unscaled
         bal = self.tq_balance
-        pk = tq_quantize(bal.keys_in(keys), self.k_codec)
-        pv = tq_quantize(bal.values_in(values), self.v_codec)
+        # the balance transform runs inside the quantize kernel (one launch each for K and V)
+        pk = tq_quantize(keys, self.k_codec, bal.k_scale, bal.k_mean)
+        pv = tq_quantize(values, self.v_codec, bal.v_scale)
         L = keys.shape[2]
         if self.flash_attend and self.keys is not None and L <= MAX_FLASH_QUERIES:
             if self._write_only(pk, pv):
@@ -213,9 +244,11 @@ class TQKVCache(_TQMixin, KVCache):
         max_size: int | None = None,
         balance: bool = True,
         rope_dims: int | None = None,
+        center: bool | int = True,
+        rope_freqs: mx.array | None = None,
     ):
         KVCache.__init__(self, max_size)
-        self._init_tq(k_bits, v_bits, seed, balance, rope_dims)
+        self._init_tq(k_bits, v_bits, seed, balance, rope_dims, center, rope_freqs)
 
     def _write_only(self, pk: mx.array, pv: mx.array) -> bool:
         """KVCache.update_and_fetch without building the fetched views or the mask."""
@@ -242,9 +275,11 @@ class TQRotatingKVCache(_TQMixin, RotatingKVCache):
         reserve: int = 0,
         balance: bool = True,
         rope_dims: int | None = None,
+        center: bool | int = True,
+        rope_freqs: mx.array | None = None,
     ):
         RotatingKVCache.__init__(self, window, reserve)
-        self._init_tq(k_bits, v_bits, seed, balance, rope_dims)
+        self._init_tq(k_bits, v_bits, seed, balance, rope_dims, center, rope_freqs)
 
     def _write_only(self, pk: mx.array, pv: mx.array) -> bool:
         """RotatingKVCache.update_and_fetch without the history views or the mask."""
@@ -264,11 +299,17 @@ def to_tq_cache(
     seed: int = 0,
     balance: bool = True,
     rope_dims: list | None = None,
+    center: bool | int = True,
+    layer_bits: list | None = None,
+    rope_freqs: list | None = None,
 ) -> list:
     """Replace each empty ``KVCache`` / ``RotatingKVCache`` by its TurboQuant version.
 
-    Other layer caches (recurrent states) pass through. Layer i gets rotation seed ``seed + i``
-    and ``rope_dims[i]`` (rotated channels of its head dim, None = all; see ``TQBalance``).
+    Other layer caches (recurrent states) pass through. Layer i gets rotation seed ``seed + i``,
+    ``rope_dims[i]`` (rotated channels of its head dim, None = all) and ``rope_freqs[i]`` (see
+    ``key_mean``) for its ``TQBalance``, and ``layer_bits[i]`` = (k_bits, v_bits) where given
+    (None entries and layers past the list's end take ``k_bits`` / ``v_bits``). ``center``: the
+    key offset's context (see ``_TQMixin``).
     """
     v_bits = k_bits if v_bits is None else v_bits
     out = []
@@ -279,11 +320,15 @@ def to_tq_cache(
         if isinstance(c, (KVCache, RotatingKVCache)) and c.offset > 0:
             raise Hf2qError("convert a cache to TurboQuant before its first use")
         rd = rope_dims[i] if rope_dims is not None else None
+        own = layer_bits[i] if layer_bits is not None and i < len(layer_bits) else None
+        kb, vb = own if own is not None else (k_bits, v_bits)
+        rf = rope_freqs[i] if rope_freqs is not None else None
+        opts = dict(balance=balance, rope_dims=rd, center=center, rope_freqs=rf)
         if isinstance(c, RotatingKVCache):
             reserve = c.capacity - c.window
-            out.append(TQRotatingKVCache(c.window, k_bits, v_bits, seed + i, reserve, balance, rd))
+            out.append(TQRotatingKVCache(c.window, kb, vb, seed + i, reserve, **opts))
         elif isinstance(c, KVCache):
-            out.append(TQKVCache(k_bits, v_bits, seed + i, c.max_size, balance, rd))
+            out.append(TQKVCache(kb, vb, seed + i, c.max_size, **opts))
         else:
             out.append(c)
     return out
@@ -295,6 +340,23 @@ def model_rope_dims(model) -> list:
     return [getattr(getattr(layer, "self_attn", None), "rope_dims", None) for layer in layers]
 
 
+def model_rope_freqs(model) -> list:
+    """Per layer: the attention's RoPE radians per position of each rotated pair (the position
+    scale applied), where the layer keeps them (Gemma 3, Qwen 3.5: ``_inv_freq``; Gemma 4:
+    ``rope.inv_freq``), else None (the key offset then keeps only unrotated channels)."""
+    out = []
+    for layer in getattr(model, "layers", None) or []:
+        attn = getattr(layer, "self_attn", None)
+        rope = getattr(attn, "rope", None)
+        if getattr(attn, "_inv_freq", None) is not None:
+            out.append(attn._inv_freq * getattr(attn, "rope_scale", 1.0))
+        elif getattr(rope, "inv_freq", None) is not None:
+            out.append(rope.inv_freq * getattr(rope, "scale", 1.0))
+        else:
+            out.append(None)
+    return out
+
+
 def make_tq_cache(
     model,
     k_bits: int,
@@ -302,17 +364,21 @@ def make_tq_cache(
     reserve: int = 0,
     seed: int = 0,
     balance: bool = True,
+    center: bool | int = True,
+    layer_bits: list | None = None,
 ) -> list:
     """The model's ``make_cache(reserve)`` with every attention cache in TurboQuant form.
 
     ``k_bits`` / ``v_bits`` in (2, 3, 4, 5, 6, 8); ``v_bits`` defaults to ``k_bits``;
-    ``balance`` calibrates per-channel scales at the first write (``TQBalance``).
+    ``layer_bits``: per-layer (k_bits, v_bits) overrides (see ``to_tq_cache``); ``balance``
+    calibrates per-channel scales at the first write and ``center`` (with ``balance``) a key
+    offset for contexts up to ``center`` positions (True = ``CENTER_CONTEXT``; ``TQBalance``).
     """
     if hasattr(model, "make_cache"):
         cache = model.make_cache(reserve=reserve)
     else:
         cache = [KVCache() for _ in model.layers]
     dims = model_rope_dims(model)
-    return to_tq_cache(
-        cache, k_bits, v_bits, seed, balance, dims if len(dims) == len(cache) else None
-    )
+    freqs = model_rope_freqs(model)
+    dims, freqs = (dims, freqs) if len(dims) == len(cache) else (None, None)
+    return to_tq_cache(cache, k_bits, v_bits, seed, balance, dims, center, layer_bits, freqs)
