@@ -100,6 +100,28 @@ class KVCache(_KVBuffers):
         return n
 
 
+# one-token ring masks by (position, capacity, window): the sliding layers of a model share one
+_RING_MASKS: dict[tuple[int, int, int], mx.array] = {}
+
+
+def _ring_step_mask(pos: int, capacity: int, window: int) -> mx.array | None:
+    """(1, capacity) mask of a one-token step at ``pos`` on a ring of ``capacity`` slots, or None
+    when every slot is visible (a full ring without reserve slots: all hold the last ``window``
+    positions). Built once per step and shared by every layer with the same ring, instead of
+    ~7 small ops per layer."""
+    if capacity == window and pos + 1 >= capacity:
+        return None
+    key = (pos, capacity, window)
+    mask = _RING_MASKS.get(key)
+    if mask is None:
+        if len(_RING_MASKS) >= 64:
+            _RING_MASKS.clear()
+        i = mx.arange(capacity)
+        p = pos - ((pos - i) % capacity)  # the position slot i holds after the write (< 0: empty)
+        mask = _RING_MASKS[key] = ((p >= 0) & (p > pos - window))[None]
+    return mask
+
+
 class RotatingKVCache(_KVBuffers):
     """Sliding-window cache: a ring of ``window + reserve`` slots; slot = position % capacity.
 
@@ -151,9 +173,7 @@ class RotatingKVCache(_KVBuffers):
             self.keys[..., s : s + 1, :] = keys
             self.values[..., s : s + 1, :] = values
             self.offset = o + 1
-            p = self.slot_positions()
-            mask = ((p >= 0) & (p > o - W))[None]  # (1, C)
-            return self.keys, self.values, mask
+            return self.keys, self.values, _ring_step_mask(o, C, W)
         n_hist = min(o, C)
         if n_hist > 0:
             k_all = mx.concatenate([self._history(self.keys, n_hist), keys], axis=2)
