@@ -594,7 +594,9 @@ def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array
         return tq_flash_decode_reference(queries, state, scale)
     bal = state.balance
     ks, vs = bal.k_scale, bal.v_scale
-    key = (queries.shape, queries.dtype, state.keys.shape, state.k_codec, state.v_codec,
+    kc, vc = state.k_codec, state.v_codec
+    # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
+    key = (queries.shape, queries.dtype, state.keys.shape, kc.dim, kc.bits, vc.dim, vc.bits,
            ks is not None, vs is not None)  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
@@ -605,7 +607,6 @@ def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array
         return tq_flash_decode_reference(queries, state, scale)
     partial, reduce, n_parts = plan
     consts = _consts(state.capacity, state.window, n_parts, scale)
-    kc, vc = state.k_codec, state.v_codec
     ks = _ones(8) if ks is None else ks
     vs = _ones(8) if vs is None else vs
     (partials,) = partial(

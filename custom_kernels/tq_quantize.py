@@ -193,12 +193,13 @@ def tq_quantize(
     """
     if backend() is None:
         return tq_quantize_reference(x, codec, scale, mean)
-    key = (x.shape, x.dtype, codec, scale is not None, mean is not None)
+    # ints only: hashing the codec dataclass costs more than the rest of the lookup
+    key = (x.shape, x.dtype, codec.dim, codec.bits, scale is not None, mean is not None)
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:  # one per prompt length: stay bounded
             _PLANS.clear()
-        plan = _PLANS[key] = _plan(*key)
+        plan = _PLANS[key] = _plan(x.shape, x.dtype, codec, scale is not None, mean is not None)
     if plan is None:
         return tq_quantize_reference(x, codec, scale, mean)
     launch, shape = plan
