@@ -368,9 +368,8 @@ def test_gpu_launch_configs(ggml_type, cfg):
     ids=["r3u4w3", "r8u2w4"],
 )
 def test_gpu_h2bf(ggml_type, cfg):
-    """V = 2 (packed fp16 math on bf16 x; the bf16 default of Q4_0 / Q4_K) at the bf16 bound, with M
-    below MT where MT allows and a partial last run, so BF16_DEFAULTS can switch to it after a
-    sweep."""
+    """V = 2 (packed fp16 math on bf16 x; the bf16 default of Q4_0 / Q4_K) at the bf16 bound,
+    with M below MT where MT allows and a partial last run."""
     n, k = 257, 2816
     w, wf = _weight(ggml_type, n, k)
     x = _x(min(3, cfg["MT"]), k, mx.bfloat16, seed=6)
