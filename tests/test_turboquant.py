@@ -494,7 +494,8 @@ def test_flash_decode_reference_equals_oracle(case, n_parts):
 # ---- models ----
 
 
-def test_make_tq_cache_on_tiny_gemma3():
+def tiny_gemma3():
+    """A 3-layer Gemma 3 (sliding, global, sliding; window 8, head_dim 64), seeded weights."""
     from hf2q_mlx.models import gemma3
 
     args = gemma3.ModelArgs(
@@ -504,20 +505,31 @@ def test_make_tq_cache_on_tiny_gemma3():
         query_pre_attn_scalar=64,
     )  # fmt: skip
     mx.random.seed(0)
-    model = gemma3.Model(args)
+    return gemma3.Model(args)
+
+
+def assert_logits_track_full(model, cache, n_tokens: int, prefill: int) -> list:
+    """A prefill of ``prefill`` tokens then one-token steps, through ``cache`` and a fresh
+    full-precision cache side by side: logits within a small angle (cosine > 0.999) at every
+    step. Returns the full-precision cache."""
+    full = model.make_cache()
+    ids = mx.array(np.random.default_rng(0).integers(0, 64, size=(1, n_tokens)), mx.int32)
+    for x in [ids[:, :prefill]] + [ids[:, i : i + 1] for i in range(prefill, n_tokens)]:
+        a, b = model(x, cache=cache), model(x, cache=full)
+        cos = mx.sum(a * b, -1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1))
+        assert cos.min().item() > 0.999
+    return full
+
+
+def test_make_tq_cache_on_tiny_gemma3():
+    model = tiny_gemma3()
     cache = make_tq_cache(model, 8, 6, reserve=2)
     assert [type(c).__name__ for c in cache] == [
         "TQRotatingKVCache", "TQKVCache", "TQRotatingKVCache"
     ]  # fmt: skip
     assert cache[0].capacity == 10 and cache[0].seed != cache[2].seed
-    full = model.make_cache()
-    ids = mx.array(np.random.default_rng(0).integers(0, 64, size=(1, 20)), mx.int32)
-    steps = [ids[:, :13]] + [ids[:, i : i + 1] for i in range(13, 20)]
-    for x in steps:
-        a, b = model(x, cache=cache), model(x, cache=full)
-        cos = mx.sum(a * b, -1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1))
-        # 8-bit keys, 6-bit values: logits stay within a small angle of full precision
-        assert cos.min().item() > 0.999
+    # 8-bit keys, 6-bit values: logits stay within a small angle of full precision
+    full = assert_logits_track_full(model, cache, 20, 13)
     with pytest.raises(Hf2qError):
         to_tq_cache(full, 4)  # already used
     # attend() calibrated every layer's key scales at the first (13-token) write

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_turboquant import assert_logits_track_full, tiny_gemma3
 
 from hf2q_mlx.attention import attend
 from hf2q_mlx.cache import KVCache, RotatingKVCache
@@ -170,24 +171,10 @@ def test_layer_bits_per_layer_widths():
 
 
 def test_make_tq_cache_layer_bits_on_tiny_gemma3():
-    from hf2q_mlx.models import gemma3
-
-    args = gemma3.ModelArgs(
-        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=64,
-    )  # fmt: skip
-    mx.random.seed(0)
-    model = gemma3.Model(args)
+    model = tiny_gemma3()
     cache = make_tq_cache(model, 6, layer_bits=[None, (8, 8)], center=True)
     assert [(c.k_bits, c.v_bits) for c in cache] == [(6, 6), (8, 8), (6, 6)]
-    full = model.make_cache()
-    ids = mx.array(np.random.default_rng(0).integers(0, 64, size=(1, 16)), mx.int32)
-    for x in [ids[:, :11]] + [ids[:, i : i + 1] for i in range(11, 16)]:
-        a, b = model(x, cache=cache), model(x, cache=full)
-        cos = mx.sum(a * b, -1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1))
-        assert cos.min().item() > 0.999
+    assert_logits_track_full(model, cache, 16, 11)
     # the offset keeps the pairs turning by < 1 rad in CENTER_CONTEXT positions: none at the
     # sliding layers' base 1e4, the 7 slowest of 32 at the global layer's 1e6 (w < 1 / 32768)
     freqs = model_rope_freqs(model)
