@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .cache import KVCache, RotatingKVCache
-from .custom_kernels.tq_quantize import tq_quantize
+from .custom_kernels.tq_quantize import stored_vectors, tq_quantize
 from .errors import Hf2qError
 from .turboquant import (
     CENTER_CONTEXT,
@@ -56,18 +56,16 @@ class TQBalance:
             setattr(self, name, a)
         self._derived.clear()
 
-    def _col(self, name: str, inverse: bool = False) -> mx.array:
-        """(Hkv, D) scale as (Hkv, 1, D), or its reciprocal; built once, reused every step."""
-        key = (name, inverse)
-        if key not in self._derived:
-            a = getattr(self, name)
-            self._derived[key] = (1.0 / a if inverse else a)[:, None, :]
-        return self._derived[key]
+    def _col(self, name: str) -> mx.array:
+        """(Hkv, D) scale or offset as (Hkv, 1, D); built once, reused every step."""
+        if name not in self._derived:
+            self._derived[name] = getattr(self, name)[:, None, :]
+        return self._derived[name]
 
     def keys_in(self, k: mx.array) -> mx.array:
-        if self.k_mean is not None:
-            k = k - self._col("k_mean")
-        return k if self.k_scale is None else k * self._col("k_scale", inverse=True)
+        """What the codec stores for keys (B, Hkv, L, D): the transform the quantize kernel and
+        its reference apply (``stored_vectors``)."""
+        return stored_vectors(k, self.k_scale, self.k_mean)
 
     def keys_out(self, k: mx.array) -> mx.array:
         if self.k_scale is not None:
@@ -75,7 +73,7 @@ class TQBalance:
         return k if self.k_mean is None else k + self._col("k_mean")
 
     def values_in(self, v: mx.array) -> mx.array:
-        return v if self.v_scale is None else v * self._col("v_scale", inverse=True)
+        return stored_vectors(v, self.v_scale, None)
 
     def values_out(self, v: mx.array) -> mx.array:
         return v if self.v_scale is None else v * self._col("v_scale")
