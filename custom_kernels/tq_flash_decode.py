@@ -14,6 +14,7 @@ import numpy as np
 from ..tq_cache import MAX_FLASH_QUERIES, TQState
 from . import backend
 from ._render import Example, Kernel
+from .tq_quantize import stand_in
 
 # masked scores: finite, so a fully masked partition gives exp(0) * 0 instead of NaN
 _NEG = -1e30
@@ -513,7 +514,6 @@ def _covered(queries: mx.array, state: TQState) -> bool:
 _CONSTS: dict[tuple, mx.array] = {}
 _OFFSETS: list = [None]
 _PLANS: dict[tuple, tuple] = {}
-_ONES = {}
 
 
 def _consts(capacity: int, window: int, n_parts: int, scale: float) -> mx.array:
@@ -538,13 +538,6 @@ def _offset_view(offset: int) -> mx.array:
             max(1 << 16, 1 << (offset + 1).bit_length()), dtype=mx.int32
         )
     return table[offset : offset + 1]
-
-
-def _ones(n: int) -> mx.array:
-    """Stand-in for an absent scale (the kernels skip it: HAS_KS / HAS_VS = 0)."""
-    if n not in _ONES:
-        _ONES[n] = mx.ones((n,), dtype=mx.float32)
-    return _ONES[n]
 
 
 def _flash_plan(queries: mx.array, state: TQState, has_ks: bool, has_vs: bool):
@@ -607,8 +600,8 @@ def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array
         return tq_flash_decode_reference(queries, state, scale)
     partial, reduce, n_parts = plan
     consts = _consts(state.capacity, state.window, n_parts, scale)
-    ks = _ones(8) if ks is None else ks
-    vs = _ones(8) if vs is None else vs
+    ks = stand_in() if ks is None else ks
+    vs = stand_in() if vs is None else vs
     (partials,) = partial(
         inputs=[queries, state.keys, state.values, kc.signs, ks, kc.codebook, vc.codebook,
                 consts, _offset_view(state.offset)]

@@ -142,14 +142,15 @@ _kernel = Kernel(
 
 
 _PLANS: dict[tuple, tuple | None] = {}
-_ONES: dict[int, mx.array] = {}
+_STAND_IN: list = []
 
 
-def _stand_in() -> mx.array:
-    """Passed for an absent scale or mean (the kernel skips it: HAS_SCALE / HAS_MEAN = 0)."""
-    if not _ONES:
-        _ONES[0] = mx.ones((8,), dtype=mx.float32)
-    return _ONES[0]
+def stand_in() -> mx.array:
+    """Passed for an absent scale or offset (the TurboQuant kernels skip it under a template
+    flag: HAS_SCALE / HAS_MEAN here, HAS_KS / HAS_VS in flash-decode); made once."""
+    if not _STAND_IN:
+        _STAND_IN.append(mx.ones((8,), dtype=mx.float32))
+    return _STAND_IN[0]
 
 
 def _plan(shape: tuple, dtype: mx.Dtype, codec: TQCodec, has_scale: bool, has_mean: bool):
@@ -203,7 +204,7 @@ def tq_quantize(
     if plan is None:
         return tq_quantize_reference(x, codec, scale, mean)
     launch, shape = plan
-    one = _stand_in()
+    one = stand_in()
     inputs = [x.reshape(shape) if x.ndim != 4 else x, codec.signs,
               one if scale is None else scale, one if mean is None else mean,
               codec.boundaries, codec.codebook]  # fmt: skip
