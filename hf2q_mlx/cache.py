@@ -100,6 +100,14 @@ class KVCache(_KVBuffers):
         return n
 
 
+def ring_slot_positions(offset: int, capacity: int) -> mx.array:
+    """Absolute position held by each slot of a ring of ``capacity`` slots after ``offset``
+    writes, slot = position % capacity (negative = empty); a growing buffer is the case
+    capacity >= offset."""
+    i = mx.arange(capacity)
+    return (offset - 1) - ((offset - 1 - i) % capacity)
+
+
 # one-token ring masks by (position, capacity, window): the sliding layers of a model share one
 _RING_MASKS: dict[tuple[int, int, int], mx.array] = {}
 
@@ -116,8 +124,7 @@ def _ring_step_mask(pos: int, capacity: int, window: int) -> mx.array | None:
     if mask is None:
         if len(_RING_MASKS) >= 64:
             _RING_MASKS.clear()
-        i = mx.arange(capacity)
-        p = pos - ((pos - i) % capacity)  # the position slot i holds after the write (< 0: empty)
+        p = ring_slot_positions(pos + 1, capacity)  # after the step's write
         mask = _RING_MASKS[key] = ((p >= 0) & (p > pos - window))[None]
     return mask
 
@@ -141,9 +148,7 @@ class RotatingKVCache(_KVBuffers):
 
     def slot_positions(self, offset: int | None = None) -> mx.array:
         """Absolute position held by each slot after ``offset`` writes (negative = empty)."""
-        o = self.offset if offset is None else offset
-        i = mx.arange(self.capacity)
-        return (o - 1) - ((o - 1 - i) % self.capacity)
+        return ring_slot_positions(self.offset if offset is None else offset, self.capacity)
 
     def _history(self, buf: mx.array, n: int) -> mx.array:
         # the last n tokens in temporal order, gathered from at most two contiguous slot ranges

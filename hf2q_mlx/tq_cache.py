@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .cache import KVCache, RotatingKVCache
+from .cache import KVCache, RotatingKVCache, ring_slot_positions
 from .custom_kernels.tq_quantize import stored_vectors, tq_quantize
 from .errors import Hf2qError
 from .turboquant import (
@@ -119,8 +119,7 @@ class TQState:
         return min(self.offset, self.capacity)
 
     def slot_positions(self) -> mx.array:
-        o, s = self.offset, mx.arange(self.capacity)
-        return (o - 1) - ((o - 1 - s) % self.capacity)
+        return ring_slot_positions(self.offset, self.capacity)
 
 
 @dataclass
