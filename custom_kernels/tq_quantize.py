@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ..turboquant import TQCodec
@@ -160,7 +162,7 @@ def _plan(shape: tuple, dtype: mx.Dtype, codec: TQCodec, has_scale: bool, has_me
     if len(shape) != 4:
         if has_scale or has_mean:
             raise ValueError(f"tq_quantize with a scale or mean takes (B, H, L, D), got {shape}")
-        shape = (1, 1, _prod(shape[:-1]), shape[-1])
+        shape = (1, 1, math.prod(shape[:-1]), shape[-1])
     B, H, L, D = shape
     P = codec.padded_dim
     if B * H * L == 0:
@@ -175,13 +177,6 @@ def _plan(shape: tuple, dtype: mx.Dtype, codec: TQCodec, has_scale: bool, has_me
                   "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean)},
     )  # fmt: skip
     return launch, shape
-
-
-def _prod(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
 
 
 def tq_quantize(
