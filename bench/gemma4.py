@@ -29,10 +29,10 @@ import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten, tree_unflatten
 
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import gemma4
 from hf2q_mlx.models.experts import ExpertLinear
-from hf2q_mlx.quantized import ggml_quantize_modules
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.models.quantized import ggml_quantize_modules
 
 S, F = "sliding_attention", "full_attention"
 ROPE = {

@@ -39,7 +39,7 @@ from hf2q_mlx.custom_kernels.residual_rms_norm import residual_rms_norm
 from hf2q_mlx.custom_kernels.rms_norm_rope import qk_norm_rope, rms_norm_rope, rope_inv_freq
 from hf2q_mlx.custom_kernels.sampling import topk
 from hf2q_mlx.custom_kernels.softcap import softcap
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 CHAIN = 32
 
@@ -399,11 +399,11 @@ VIEW_PRIMITIVES = {"Transpose", "Reshape", "Flatten", "Unflatten", "ExpandDims",
 
 def decode_step_nodes(model, prompt: list[int]) -> list[str]:
     """Primitive names in the graph of one decode step after prefilling ``prompt`` (what
-    hf2q_mlx.bench.decode_step_ops counts, with the names)."""
+    hf2q_mlx.cli.bench.decode_step_ops counts, with the names)."""
     import io
     import re
 
-    from hf2q_mlx.generate import make_prompt_cache, prefill
+    from hf2q_mlx.generation import make_prompt_cache, prefill
 
     cache = make_prompt_cache(model)
     mx.eval(prefill(model, mx.array(prompt, mx.int32), cache))
@@ -414,7 +414,7 @@ def decode_step_nodes(model, prompt: list[int]) -> list[str]:
 
 
 def run_decode_ops(path: str) -> None:
-    """Graph nodes of one decode step (hf2q_mlx.bench.decode_step_ops) per tiny model, with
+    """Graph nodes of one decode step (hf2q_mlx.cli.bench.decode_step_ops) per tiny model, with
     kernels and under reference_only(). Without a GPU the kernel path runs on stubs (each
     launch one ``Depends`` node) and mx.fast ops count one node each as on a GPU
     (``fast_ops_as_one_node``): node counts, an upper bound on launches (a compiled function

@@ -8,9 +8,9 @@
 default one, on the same weights, and the summary (also in the JSON under "best") gives per type
 and shape the fastest configuration, its % of copy bandwidth and its speed against
 mx.quantized_matmul 4-bit, plus the lines it suggests for the dtype's table (fp16:
-qmatmul.TYPE_DEFAULTS, bf16: qmatmul.BF16_DEFAULTS, the models' activations on a GPU). --budget
-stops sweeping (defaults still run) once that many seconds have passed, so a capped device call
-still returns every shape.
+qmatmul_tuning.TYPE_DEFAULTS, bf16: qmatmul_tuning.BF16_DEFAULTS, the models' activations on a
+GPU). --budget stops sweeping (defaults still run) once that many seconds have passed, so a
+capped device call still returns every shape.
 
 Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
 262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
@@ -36,7 +36,7 @@ import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels import qmatmul as Q
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (262144, 2816)]
 ALL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -284,7 +284,7 @@ def _print_table(res: dict) -> None:
               f"{b['pct_copy']:5.1f} % (default {b.get('default_pct_copy') or 0:5.1f} %)  "
               f"x{b.get('x_mx_affine4') or 0:4.2f} mx-affine4  {cfg}")  # fmt: skip
     table = {"f16": "TYPE_DEFAULTS", "bf16": "BF16_DEFAULTS"}.get(res["dtype"], "V0_DEFAULTS")
-    print(f"\nsuggested qmatmul.{table} entries (type, K >= 8192) -> (V, R, U, W):")
+    print(f"\nsuggested qmatmul_tuning.{table} entries (type, K >= 8192) -> (V, R, U, W):")
     for b in best:
         c = b.get("config")
         if c and "V" in c:

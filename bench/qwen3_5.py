@@ -27,9 +27,9 @@ import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import qwen3_5, qwen3_5_moe
-from hf2q_mlx.quantized import ggml_quantize_modules
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.models.quantized import ggml_quantize_modules
 
 ATTN = dict(num_attention_heads=16, head_dim=256, rope_theta=10_000_000.0,
             partial_rotary_factor=0.25, full_attention_interval=4, vocab_size=248320,

@@ -26,9 +26,9 @@ import mlx.nn as nn
 
 import hf2q_mlx
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
-from hf2q_mlx.quantized import GGMLEmbedding, GGMLLinear
-from hf2q_mlx.tq_cache import make_tq_cache
-from hf2q_mlx.turboquant import CENTER_CONTEXT, TQCodec
+from hf2q_mlx.models.quantized import GGMLEmbedding, GGMLLinear
+from hf2q_mlx.models.turboquant.cache import make_tq_cache
+from hf2q_mlx.models.turboquant.codec import CENTER_CONTEXT, TQCodec
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "us_constitution.txt"
 # (label, k_bits, v_bits); None = the full-precision baseline

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from hf2q_mlx.attention import attend
-from hf2q_mlx.cache import KVCache, RotatingKVCache
-from hf2q_mlx.tq_cache import TQKVCache, TQRotatingKVCache, to_tq_cache
+from hf2q_mlx.models.attention import attend
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache
+from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache, to_tq_cache
 
 # (name, layers, query heads, KV heads, head_dim, window)
 LAYERS_26B = [("sliding", 25, 16, 8, 256, 1024), ("global", 5, 16, 2, 512, None)]
@@ -180,8 +180,6 @@ def model_bench(tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5)
             cache = model.make_cache()
             if bits is not None:
                 cache = to_tq_cache(cache, bits)
-                for c in cache:
-                    c.flash_attend = True
             for i, c in enumerate(cache):
                 d, kv, _ = args.layer_geometry(i)
                 fill(c, kv, d, ctx, dtype)

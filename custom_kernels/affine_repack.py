@@ -7,9 +7,15 @@ import math
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
+from hf2q_mlx.custom_kernels.dequant import (
+    GGML_BLOCK_INFO,
+    _f16,
+    _k4_scales_mins,
+    _q5,
+    _unpack,
+    row_bytes,
+)
 from hf2q_mlx.errors import WeightMismatchError
-
-from .dequant import GGML_BLOCK_INFO, _f16, _k4_scales_mins, _q5, _unpack, row_bytes
 
 GROUP_SIZE = 32
 

@@ -1,51 +1,38 @@
-"""GGML block formats and their bit-exact dequantization in plain MLX ops (oracle and CPU path)."""
+"""Dequantization of GGML blocks: bit-exact plain-MLX decoders (oracle and CPU path), the GPU
+dequantizer, and the embedding lookup."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.ggml_formats import (
+    BLOCK_FORMATS,
+    BLOCK_TYPES,
+    DENSE_TYPES,
+    GGML_BLOCK_INFO,
+    block_info,
+    fill_format,
+    kernel_header,
+    row_bytes,
+    type_name,
+)
+from hf2q_mlx.errors import WeightMismatchError
 
-# Types held as plain numbers (one element per "block"), then the quantized block formats.
-DENSE_TYPES = (T.F32, T.F16, T.BF16)
-BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-
-# ggml_type -> (elements per block, bytes per block), for the types dequantize_reference decodes.
-GGML_BLOCK_INFO: dict[int, tuple[int, int]] = {
-    t: GGML_QUANT_SIZES[t] for t in DENSE_TYPES + BLOCK_TYPES
-}
+# the format names callers import from here, with the decoders
+__all__ = [
+    "BLOCK_TYPES",
+    "DENSE_TYPES",
+    "GGML_BLOCK_INFO",
+    "dequantize_reference",
+    "ggml_dequantize_kernel",
+    "ggml_get_rows",
+    "row_bytes",
+]
 
 _DENSE_DTYPES = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}
-
-
-def _type_name(ggml_type: int) -> str:
-    try:
-        return T(ggml_type).name
-    except ValueError:
-        return f"unknown type id {ggml_type}"
-
-
-def _block_info(ggml_type: int) -> tuple[int, int]:
-    info = GGML_BLOCK_INFO.get(ggml_type)
-    if info is None:
-        raise UnsupportedQuantTypeError(
-            f"GGML type {_type_name(ggml_type)} is not supported; supported: "
-            + ", ".join(T(t).name for t in GGML_BLOCK_INFO)
-        )
-    return info
-
-
-def row_bytes(ggml_type: int, cols: int) -> int:
-    """Bytes of one row of ``cols`` elements stored as ``ggml_type``."""
-    block, nbytes = _block_info(ggml_type)
-    if cols <= 0 or cols % block:
-        raise WeightMismatchError(
-            f"a row of {cols} elements cannot be stored as {_type_name(ggml_type)} "
-            f"(blocks of {block})"
-        )
-    return cols // block * nbytes
 
 
 def _f16(b: mx.array, offset: int) -> mx.array:
@@ -174,7 +161,7 @@ def dequantize_reference(raw: mx.array, ggml_type: int, cols: int) -> mx.array:
 
     F32/F16/BF16 rows may also come in their own dtype (..., cols), as ``GGUFFile.to_mx`` gives.
     """
-    block, nbytes = _block_info(ggml_type)
+    block, nbytes = block_info(ggml_type)
     if ggml_type in DENSE_TYPES and raw.dtype == _DENSE_DTYPES[ggml_type]:
         if raw.ndim == 0 or raw.shape[-1] != cols:
             raise WeightMismatchError(f"expected rows of {cols} elements, got shape {raw.shape}")
@@ -182,7 +169,7 @@ def dequantize_reference(raw: mx.array, ggml_type: int, cols: int) -> mx.array:
     expected = row_bytes(ggml_type, cols)
     if raw.dtype != mx.uint8 or raw.ndim == 0 or raw.shape[-1] != expected:
         raise WeightMismatchError(
-            f"{_type_name(ggml_type)} rows of {cols} elements are {expected} uint8 bytes; "
+            f"{type_name(ggml_type)} rows of {cols} elements are {expected} uint8 bytes; "
             f"got {raw.dtype} of shape {raw.shape}"
         )
     lead = raw.shape[:-1]
@@ -190,3 +177,91 @@ def dequantize_reference(raw: mx.array, ggml_type: int, cols: int) -> mx.array:
         return raw.view(_DENSE_DTYPES[ggml_type]).astype(mx.float32)
     blocks = raw.reshape(*lead, cols // block, nbytes)
     return _DECODERS[ggml_type](blocks).reshape(*lead, cols)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU dequantizer: each format's C decoder (ggml_formats), one thread per lane unit of a block.
+
+_DEQ_BODY = r"""
+  // Thread mapping: one thread per (row, block, lane unit t), writing the unit's weights.
+  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, NG = @NG@, GS = @GS@;
+  const uint N = uint(dims[0]);
+  const uint K = uint(dims[1]);
+  const uint nb = K / QK;
+  const uint row = pos_x / (nb * LPB);
+  const uint blk = (pos_x / LPB) % nb;
+  const uint t = pos_x % LPB;
+  if (row >= N) return;  // no barriers or SIMD operations below
+  const Raw@SUF@ raw = load_@suf@(w + size_t(row) * nb * BB + size_t(blk) * BB, t);
+  DEVICE_PTR(T) o = out + size_t(row) * K + size_t(blk) * QK;
+  UNROLL for (int g = 0; g < int(NG); ++g) {
+    float wv[GS];
+    float sc;
+    float bi;
+    dq_@suf@(raw, t, g, wv, &sc, &bi);
+    UNROLL for (int i = 0; i < int(GS); ++i) {
+      // wv carries 2^p: fold 2^-p into the scale (exact), so sc2 * wv rounds once as d * q
+      const float sc2 = sc * (1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1))));
+      o[xoff_@suf@(t, g, i >> 2) + uint(i & 3)] = from_float<T>(sc2 * wv[i] + bi);
+    }
+  }
+"""
+
+
+def _make_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example({"w": mx.uint8, "dims": (mx.int32, 2)}, {"out": dt}, {"T": dt})
+        for dt in (mx.float32, mx.bfloat16)
+    ]
+    return Kernel(
+        f"ggml_dequant_{T(ggml_type).name.lower()}",
+        inputs=["w", "dims"],
+        outputs=["out"],
+        body=fill_format(_DEQ_BODY, ggml_type),
+        header=kernel_header(ggml_type),
+        examples=examples,
+    )
+
+
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in BLOCK_FORMATS}
+_PLANS: dict[tuple, tuple] = {}  # (type, rows, cols, dtype) -> (resolved launch, dims array)
+
+
+def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dtype: mx.Dtype):
+    """The GPU dequantizer: w_raw (N, row_bytes) -> (N, in_features) in ``dtype``.
+
+    Equal to ``dequantize_reference`` up to one rounding (the GPU may fuse scale * q + bias)
+    and the final cast to ``dtype``.
+    """
+    n = w_raw.shape[0]
+    key = (ggml_type, n, in_features, dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        f = BLOCK_FORMATS[ggml_type]
+        # resolved once per shape; the dims array too (a host-made array per call costs more)
+        launch = _KERNELS[ggml_type].launcher(
+            [mx.uint8, mx.int32],
+            grid=(n * (in_features // f.block_size) * f.lanes,),
+            threadgroup=(256,),
+            output_shapes=[(n, in_features)],
+            output_dtypes=[dtype],
+            template={"T": dtype},
+        )
+        if len(_PLANS) >= 512:  # one per prompt length on the lookup path: stay bounded
+            _PLANS.clear()
+        plan = _PLANS[key] = (launch, mx.array([n, in_features], dtype=mx.int32))
+    launch, dims = plan
+    return launch(inputs=[w_raw, dims])[0]
+
+
+def ggml_get_rows(w_raw: mx.array, ids: mx.array, ggml_type: int, in_features: int) -> mx.array:
+    """Rows ``ids`` (...) of a GGML table w_raw (V, row_bytes) -> (..., in_features) fp32.
+
+    On a GPU one gather and one dequantize launch (the reference's ~20 small ops per lookup
+    each cost a launch); the reference elsewhere (bit-exact with gguf-py).
+    """
+    rows = w_raw[ids]
+    if backend() is None or ggml_type not in _KERNELS or ids.size == 0:
+        return dequantize_reference(rows, ggml_type, in_features)
+    flat = ggml_dequantize_kernel(rows.reshape(ids.size, -1), ggml_type, in_features, mx.float32)
+    return flat.reshape(*ids.shape, in_features)

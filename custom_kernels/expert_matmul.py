@@ -7,12 +7,11 @@ import math
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.dequant import BLOCK_TYPES, dequantize_reference, row_bytes
 from hf2q_mlx.errors import WeightMismatchError
-
-from . import backend
-from . import qmatmul as Q
-from ._render import Example, Kernel
-from .dequant import BLOCK_TYPES, dequantize_reference, row_bytes
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
 # weight is read once per call (gather_mm's sorted path) instead of once per pair.

@@ -19,8 +19,9 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import backend
-from ._render import Example, Kernel
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.errors import InvalidArgumentError
 
 L2_EPS = 1e-6
 SIMD_WIDTH = 32
@@ -418,18 +419,25 @@ def gated_delta_update_reference(
     return y, new_conv, s
 
 
-def _prefill_mode() -> str:
-    mode = os.environ.get("HF2Q_GDN_PREFILL", "auto")
-    if mode == "auto":
-        return "fast" if hasattr(mx.fast, "gated_delta_update") else "chunked"
-    return mode
-
-
 _RECURRENCES = {
     "fast": gated_delta_fast,
     "chunked": gated_delta_chunked,
     "reference": gated_delta_reference,
 }
+PREFILL_ENV_VAR = "HF2Q_GDN_PREFILL"  # docs/kernels.md ("Environment switches")
+PREFILL_MODES = ("auto", "step", *_RECURRENCES)
+
+
+def _prefill_mode() -> str:
+    """The prefill form ``HF2Q_GDN_PREFILL`` asks for; auto: MLX's fast op, else chunked."""
+    mode = os.environ.get(PREFILL_ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in PREFILL_MODES:
+        raise InvalidArgumentError(
+            f"{PREFILL_ENV_VAR}={mode!r}: expected one of {', '.join(PREFILL_MODES)}"
+        )
+    if mode == "auto":
+        return "fast" if hasattr(mx.fast, "gated_delta_update") else "chunked"
+    return mode
 
 
 def gated_delta_update(
@@ -449,7 +457,8 @@ def gated_delta_update(
 
     Decode (T == 1): the fused kernel where one applies, else the reference. Prefill: the conv
     in MLX ops, then ``mx.fast.gated_delta_update`` when MLX has it, else the chunked form;
-    ``HF2Q_GDN_PREFILL=fast|chunked|reference|step`` forces one (step = the fused kernel).
+    ``HF2Q_GDN_PREFILL=fast|chunked|reference|step`` forces one (step = the fused decode kernel
+    token by token; docs/kernels.md).
     """
     B, T, C = qkv.shape
     hv = a.shape[-1]

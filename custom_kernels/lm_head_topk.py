@@ -8,12 +8,12 @@ from functools import lru_cache
 import mlx.core as mx
 from gguf import GGMLQuantizationType as GT
 
-from . import backend
-from ._render import Example, Kernel
-from .dequant import dequantize_reference, row_bytes
-from .qmatmul import ggml_matmul
-from .sampling import HEADER as _TOPK_HEADER
-from .sampling import merge_candidates, topk, topk_reference
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.dequant import dequantize_reference, row_bytes
+from hf2q_mlx.custom_kernels.qmatmul import ggml_matmul
+from hf2q_mlx.custom_kernels.sampling import HEADER as _TOPK_HEADER
+from hf2q_mlx.custom_kernels.sampling import merge_candidates, topk, topk_reference
 
 MAX_K = 32  # one running-list entry per lane
 RERANK_MARGIN = 4  # finalists beyond k that get the exact recomputation

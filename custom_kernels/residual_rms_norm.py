@@ -7,8 +7,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from . import backend
-from ._render import Example, Kernel
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 
 def residual_rms_norm_reference(

@@ -7,10 +7,9 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import UnsupportedArchitectureError
-
-from . import backend
-from ._render import Example, Kernel
 
 
 def rope_inv_freq(dims: int, base: float) -> mx.array:

@@ -3,7 +3,10 @@
 The work happens in the rotated domain: with R the cache's rotation, q . k = (R q) . (R k), and
 R k is just ``codebook[code] * norm / sqrt(P)`` per coordinate, so scores and the value sum never
 need the inverse transform of any cached vector; only the output is rotated back once.
-Visibility comes from slot positions (``TQState``): causal, sliding window, empty slots.
+Visibility comes from slot positions (the ring arithmetic of ``models/cache.py``): causal,
+sliding window, empty slots. The kernels and their launch take arrays and ints; the MLX reference
+and the dispatcher taking a cache's packed state sit with the cache, in
+``models/turboquant/kernels.py``.
 """
 
 from __future__ import annotations
@@ -11,75 +14,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..tq_cache import MAX_FLASH_QUERIES, TQState
-from . import backend
-from ._render import Example, Kernel
-from .tq_quantize import stand_in
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.tq_quantize import stand_in
 
-# masked scores: finite, so a fully masked partition gives exp(0) * 0 instead of NaN
-_NEG = -1e30
-
-
-def query_positions(state: TQState, n_queries: int) -> mx.array:
-    """Absolute positions of the last ``n_queries`` tokens written (the queries), (M,)."""
-    return mx.arange(state.offset - n_queries, state.offset)
-
-
-def visibility(state: TQState, n_queries: int) -> mx.array:
-    """Boolean (M, n_slots): query m may attend slot s."""
-    p = state.slot_positions()[None, : state.n_slots]
-    qp = query_positions(state, n_queries)[:, None]
-    return (p >= 0) & (p <= qp) & (p > qp - state.window)
-
-
-def tq_flash_decode_reference(
-    queries: mx.array, state: TQState, scale: float, n_parts: int = 1
-) -> mx.array:
-    """queries (B, Hq, M, Dk) -> (B, Hq, M, Dv) in queries.dtype, in fp32 MLX ops.
-
-    The kernel's algorithm: rotated queries, scores from codebook values, the keys split into
-    ``n_parts`` partitions each reduced to (max, sum, weighted values), then one merge and the
-    inverse rotation of the output; the state's ``TQBalance`` around it as in the dispatcher.
-    """
-    bal = state.balance
-    dtype = queries.dtype
-    queries = bal.queries_in(queries)
-    B, Hq, M, _ = queries.shape
-    kc, vc = state.k_codec, state.v_codec
-    Hkv, S = state.keys.shape[1], state.n_slots
-    rep = Hq // Hkv
-    q = (kc.rotate(queries) * scale).reshape(B, Hkv, rep * M, kc.padded_dim)  # row = j*M + m
-    k = kc.dequantize_rotated(state.keys[:, :, :S])  # (B, Hkv, S, P) rotated domain
-    v = vc.dequantize_rotated(state.values[:, :, :S])  # (B, Hkv, S, Pv)
-    visible = mx.tile(visibility(state, M), (rep, 1))  # (rep*M, S)
-    s = mx.where(visible, q @ k.swapaxes(-1, -2), _NEG)
-    chunk = -(-S // n_parts)
-    parts = []
-    for i in range(0, S, chunk):
-        sp = s[..., i : i + chunk]
-        m = mx.max(sp, axis=-1, keepdims=True)
-        p = mx.where(visible[:, i : i + chunk], mx.exp(sp - m), 0.0)
-        parts.append((m, p.sum(-1, keepdims=True), p @ v[:, :, i : i + chunk]))
-    m_all = parts[0][0]
-    for m, _, _ in parts[1:]:
-        m_all = mx.maximum(m_all, m)
-    den = sum(l_i * mx.exp(m - m_all) for m, l_i, _ in parts)
-    num = sum(acc * mx.exp(m - m_all) for m, _, acc in parts)
-    out = vc.unrotate(num / den)  # (B, Hkv, rep*M, Dv)
-    return bal.output_out(out.reshape(B, Hq, M, vc.dim)).astype(dtype)
-
-
-def tq_attention_oracle(queries: mx.array, state: TQState, scale: float) -> mx.array:
-    """Dequantize the whole cache to the model's domain (codec and ``TQBalance`` undone), then
-    plain fp32 attention (tests)."""
-    B, Hq, M, _ = queries.shape
-    S = state.n_slots
-    k = state.balance.keys_out(state.k_codec.dequantize(state.keys[:, :, :S]))
-    v = state.balance.values_out(state.v_codec.dequantize(state.values[:, :, :S]))
-    out = mx.fast.scaled_dot_product_attention(
-        queries.astype(mx.float32), k, v, scale=scale, mask=visibility(state, M)
-    )
-    return out.astype(queries.dtype)
+# the kernels cover up to this many query rows per sequence (decode, short drafts)
+MAX_FLASH_QUERIES = 8
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -496,21 +436,6 @@ def default_parts(capacity: int, groups: int, keys: int) -> int:
     return max(1, min(by_work, by_fill, _MAX_PARTS))
 
 
-def _covered(queries: mx.array, state: TQState) -> bool:
-    B, Hq, M, Dk = queries.shape
-    Hkv = state.keys.shape[1]
-    kc, vc = state.k_codec, state.v_codec
-    return (
-        queries.dtype in (mx.float16, mx.bfloat16, mx.float32)
-        and M <= MAX_FLASH_QUERIES
-        and Hq % Hkv == 0
-        and Dk == kc.dim
-        and kc.padded_dim <= 1024  # RG * PK floats of shared memory
-        and vc.padded_dim <= 1024  # one reduce thread per output coordinate
-        and state.n_slots > 0
-    )
-
-
 _CONSTS: dict[tuple, mx.array] = {}
 _OFFSETS: list = [None]
 _PLANS: dict[tuple, tuple] = {}
@@ -540,73 +465,106 @@ def _offset_view(offset: int) -> mx.array:
     return table[offset : offset + 1]
 
 
-def _flash_plan(queries: mx.array, state: TQState, has_ks: bool, has_vs: bool):
+def _flash_plan(
+    queries: mx.array, keys: mx.array, pk: int, kb: int, dv: int, pv: int, vb: int,
+    has_ks: bool, has_vs: bool,
+):  # fmt: skip
     """The two resolved launches and the partition count for one call signature, or None where
-    the kernels do not apply (``_covered``)."""
+    the kernels do not apply."""
     B, Hq, M, Dk = queries.shape
-    Hkv = state.keys.shape[1]
-    kc, vc = state.k_codec, state.v_codec
-    if not _covered(queries, state):
+    Hkv, capacity, krw = keys.shape[1:]
+    vrw = pv * vb // 32 + 1
+    covered = (
+        queries.dtype in (mx.float16, mx.bfloat16, mx.float32)
+        and M <= MAX_FLASH_QUERIES
+        and Hq % Hkv == 0
+        and pk == max(32, 1 << (Dk - 1).bit_length())  # the queries' padded dim
+        and pk <= 1024  # RG * PK floats of shared memory
+        and pv <= 1024  # one reduce thread per output coordinate
+    )
+    if not covered:
         return None
     rep = Hq // Hkv
-    rg, ng = row_groups(rep * M, kc.padded_dim, vc.padded_dim)
-    u = tokens_per_step(kc.padded_dim, vc.padded_dim, kc.bits, vc.bits)
-    keys = min_keys(rep * M, vc.padded_dim, u, kc.row_words + vc.row_words)
-    n_parts = default_parts(state.capacity, B * Hkv * ng, keys)
+    rg, ng = row_groups(rep * M, pk, pv)
+    u = tokens_per_step(pk, pv, kb, vb)
+    n_parts = default_parts(capacity, B * Hkv * ng, min_keys(rep * M, pv, u, krw + vrw))
     partial = _partial_kernel.launcher(
         [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32],
         grid=(n_parts * ng * 32 * _W, Hkv, B),
         threadgroup=(32 * _W, 1, 1),
-        output_shapes=[(B * Hq * M, n_parts, vc.padded_dim + 2)],
+        output_shapes=[(B * Hq * M, n_parts, pv + 2)],
         output_dtypes=[mx.float32],
-        template={"T": queries.dtype, "DK": Dk, "PK": kc.padded_dim, "DV": vc.dim,
-                  "PV": vc.padded_dim, "KB": kc.bits, "VB": vc.bits, "REP": rep, "M": M,
-                  "RG": rg, "NG": ng, "HKV": Hkv, "KRW": kc.row_words, "VRW": vc.row_words,
-                  "W": _W, "U": u, "HAS_KS": int(has_ks)},
+        template={"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
+                  "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
+                  "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks)},
     )  # fmt: skip
     reduce = _reduce_kernel.launcher(
         [mx.float32, mx.float32, mx.float32, mx.int32],
-        grid=(B * Hq * M * vc.padded_dim,),
-        threadgroup=(vc.padded_dim,),
-        output_shapes=[(B, Hq, M, vc.dim)],
+        grid=(B * Hq * M * pv,),
+        threadgroup=(pv,),
+        output_shapes=[(B, Hq, M, dv)],
         output_dtypes=[queries.dtype],
-        template={"T": queries.dtype, "DV": vc.dim, "PV": vc.padded_dim, "M": M, "HKV": Hkv,
-                  "REP": rep, "HAS_VS": int(has_vs), "MAXP": _MAX_PARTS},
+        template={"T": queries.dtype, "DV": dv, "PV": pv, "M": M, "HKV": Hkv, "REP": rep,
+                  "HAS_VS": int(has_vs), "MAXP": _MAX_PARTS},
     )  # fmt: skip
     return partial, reduce, n_parts
 
 
-def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array:
-    """Dispatcher: the GPU kernels where they apply, else the reference (one partition).
+def flash_decode(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    k_signs: mx.array,
+    k_codebook: mx.array,
+    k_bits: int,
+    k_scale: mx.array | None,
+    v_signs: mx.array,
+    v_codebook: mx.array,
+    v_bits: int,
+    v_dim: int,
+    v_scale: mx.array | None,
+    offset: int,
+    window: int,
+    scale: float,
+) -> mx.array | None:
+    """queries (B, Hq, M, Dk) -> (B, Hq, M, v_dim) in queries.dtype on the GPU kernels, or None
+    where they do not run (no GPU back end, an empty cache, a shape they do not cover): the
+    caller then runs its reference.
 
-    The state's ``TQBalance`` is folded into the kernels: the partial kernel multiplies the
+    ``keys`` / ``values`` (B, Hkv, capacity, row words) uint32: packed rows, slot s holding
+    position ``(offset-1) - ((offset-1-s) % capacity)``; ``window``: the sliding window (a huge
+    value for full attention). ``*_signs`` (P,) / ``*_codebook`` / ``*_bits``: each codec's
+    tables. ``k_scale`` / ``v_scale`` (Hkv, D) fp32 or None: the partial kernel multiplies the
     queries by the key scales as it loads them, the reduce kernel the fp32 output by the value
     scales before its one rounding to the queries' dtype. Two launches in all.
     """
-    if backend() is None or state.n_slots == 0:
-        return tq_flash_decode_reference(queries, state, scale)
-    bal = state.balance
-    ks, vs = bal.k_scale, bal.v_scale
-    kc, vc = state.k_codec, state.v_codec
+    capacity = keys.shape[2]
+    if backend() is None or min(offset, capacity) == 0:
+        return None
+    pk, pv = k_signs.shape[0], v_signs.shape[0]
+    has_ks, has_vs = k_scale is not None, v_scale is not None
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
-    key = (queries.shape, queries.dtype, state.keys.shape, kc.dim, kc.bits, vc.dim, vc.bits,
-           ks is not None, vs is not None)  # fmt: skip
+    key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
+           has_vs)  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
-        plan = _PLANS[key] = _flash_plan(queries, state, ks is not None, vs is not None)
+        plan = _PLANS[key] = _flash_plan(
+            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs
+        )
     if plan is None:
-        return tq_flash_decode_reference(queries, state, scale)
+        return None
     partial, reduce, n_parts = plan
-    consts = _consts(state.capacity, state.window, n_parts, scale)
-    ks = stand_in() if ks is None else ks
-    vs = stand_in() if vs is None else vs
+    consts = _consts(capacity, window, n_parts, scale)
+    ks = stand_in() if k_scale is None else k_scale
+    vs = stand_in() if v_scale is None else v_scale
     (partials,) = partial(
-        inputs=[queries, state.keys, state.values, kc.signs, ks, kc.codebook, vc.codebook,
-                consts, _offset_view(state.offset)]
+        inputs=[queries, keys, values, k_signs, ks, k_codebook, v_codebook, consts,
+                _offset_view(offset)]
     )  # fmt: skip
-    return reduce(inputs=[partials, vc.signs, vs, consts])[0]
+    return reduce(inputs=[partials, v_signs, vs, consts])[0]
 
 
 _MISSING = object()

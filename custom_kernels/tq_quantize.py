@@ -1,4 +1,9 @@
-"""Quantize-on-write for TurboQuant caches: head vectors -> packed rows (codes + scale)."""
+"""Quantize-on-write for TurboQuant caches: head vectors -> packed rows (codes + scale).
+
+The kernel and its launch, on arrays: the codec's tables come in as arrays and ints. The MLX
+reference (the codec's own ``quantize``) and the dispatcher taking a codec sit with the codec, in
+``models/turboquant/kernels.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,18 @@ import math
 
 import mlx.core as mx
 
-from ..turboquant import TQCodec
-from . import backend
-from ._render import Example, Kernel
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 
 def stored_vectors(x: mx.array, scale: mx.array | None, mean: mx.array | None) -> mx.array:
     """What the codec sees for x (B, H, L, D): (x - mean) / scale per head channel, both (H, D)
-    fp32 and optional (``TQBalance``)."""
+    fp32 and optional (``TQBalance``); the kernel folds the same transform into its loads."""
     if mean is not None:
         x = x - mean[:, None, :]
     if scale is not None:
         x = x * (1.0 / scale)[:, None, :]
     return x
-
-
-def tq_quantize_reference(
-    x: mx.array, codec: TQCodec, scale: mx.array | None = None, mean: mx.array | None = None
-) -> mx.array:
-    """x (B, H, L, dim) float -> packed rows (B, H, L, codec.row_words) uint32, in MLX ops.
-
-    Without ``scale`` / ``mean`` any leading shape (..., dim) is accepted.
-    """
-    return codec.quantize(stored_vectors(x, scale, mean))
 
 
 # Template: T (input dtype), D (dim), P (padded dim, a power of two), BITS, CW (code words),
@@ -155,56 +149,68 @@ def stand_in() -> mx.array:
     return _STAND_IN[0]
 
 
-def _plan(shape: tuple, dtype: mx.Dtype, codec: TQCodec, has_scale: bool, has_mean: bool):
+def _plan(
+    shape: tuple, dtype: mx.Dtype, padded_dim: int, bits: int, has_scale: bool, has_mean: bool
+):
     """The resolved launch for one call signature, or None where the kernel does not apply."""
-    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or codec.padded_dim > 1024:
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or padded_dim > 1024:
         return None
     if len(shape) != 4:
         if has_scale or has_mean:
             raise ValueError(f"tq_quantize with a scale or mean takes (B, H, L, D), got {shape}")
         shape = (1, 1, math.prod(shape[:-1]), shape[-1])
     B, H, L, D = shape
-    P = codec.padded_dim
+    P, CW = padded_dim, padded_dim * bits // 32
     if B * H * L == 0:
         return None
     launch = _kernel.launcher(
         [dtype] + [mx.float32] * 5,
         grid=(L * P, H, B),
         threadgroup=(P, 1, 1),
-        output_shapes=[(B, H, L, codec.row_words)],
+        output_shapes=[(B, H, L, CW + 1)],
         output_dtypes=[mx.uint32],
-        template={"T": dtype, "D": D, "P": P, "BITS": codec.bits, "CW": codec.code_words,
+        template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW,
                   "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean)},
     )  # fmt: skip
     return launch, shape
 
 
-def tq_quantize(
-    x: mx.array, codec: TQCodec, scale: mx.array | None = None, mean: mx.array | None = None
-) -> mx.array:
-    """Dispatcher: the GPU kernel where one applies, else the reference.
+def quantize_rows(
+    x: mx.array,
+    signs: mx.array,
+    boundaries: mx.array,
+    codebook: mx.array,
+    bits: int,
+    scale: mx.array | None = None,
+    mean: mx.array | None = None,
+) -> mx.array | None:
+    """x (B, H, L, dim) -> packed rows (B, H, L, P * bits / 32 + 1) uint32 on the GPU kernel, or
+    None where it does not run (no GPU back end, a dtype or size it does not cover): the caller
+    then runs its reference.
 
-    x (B, H, L, dim) -> (B, H, L, row_words); ``scale`` / ``mean`` (H, dim) fp32 are folded into
-    the kernel (the codec stores (x - mean) / scale). Without them any (..., dim) is accepted.
+    ``signs`` (P,): the rotation's signs, P = dim padded to a power of two; ``boundaries`` /
+    ``codebook``: the Lloyd-Max tables for ``bits``; ``scale`` / ``mean`` (H, dim) fp32 are folded
+    into the kernel (it stores (x - mean) / scale). Without them any (..., dim) is accepted.
     """
     if backend() is None:
-        return tq_quantize_reference(x, codec, scale, mean)
-    # ints only: hashing the codec dataclass costs more than the rest of the lookup
-    key = (x.shape, x.dtype, codec.dim, codec.bits, scale is not None, mean is not None)
+        return None
+    P = signs.shape[0]
+    # ints only: the key is built every call
+    key = (x.shape, x.dtype, P, bits, scale is not None, mean is not None)
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:  # one per prompt length: stay bounded
             _PLANS.clear()
-        plan = _PLANS[key] = _plan(x.shape, x.dtype, codec, scale is not None, mean is not None)
+        plan = _PLANS[key] = _plan(x.shape, x.dtype, P, bits, scale is not None, mean is not None)
     if plan is None:
-        return tq_quantize_reference(x, codec, scale, mean)
+        return None
     launch, shape = plan
     one = stand_in()
-    inputs = [x.reshape(shape) if x.ndim != 4 else x, codec.signs,
+    inputs = [x.reshape(shape) if x.ndim != 4 else x, signs,
               one if scale is None else scale, one if mean is None else mean,
-              codec.boundaries, codec.codebook]  # fmt: skip
+              boundaries, codebook]  # fmt: skip
     out = launch(inputs=inputs)[0]
-    return out if x.ndim == 4 else out.reshape(*x.shape[:-1], codec.row_words)
+    return out if x.ndim == 4 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 _MISSING = object()

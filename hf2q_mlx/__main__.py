@@ -1,7 +1,7 @@
-"""``python -m hf2q_mlx``: the same command line as ``hf2q-mlx``."""
+"""``python3 -m hf2q_mlx ...``: the same entry point as the ``hf2q-mlx`` command."""
 
 import sys
 
-from .cli import main
+from hf2q_mlx.cli import main
 
 sys.exit(main())

@@ -9,6 +9,10 @@ class ModelNotFoundError(Hf2qError, FileNotFoundError):
     """A model path (or the default demo model package) does not exist."""
 
 
+class CacheDirError(Hf2qError):
+    """The model cache directory ($HF2Q_MLX_CACHE, ...) cannot be created or written."""
+
+
 class GGUFFormatError(Hf2qError):
     """A GGUF file is truncated, has the wrong magic/version, or inconsistent tensor data."""
 
@@ -19,6 +23,10 @@ class UnsupportedArchitectureError(Hf2qError):
 
 class UnsupportedQuantTypeError(Hf2qError):
     """A GGML tensor type (or an MLX quantization mode) that we cannot decode."""
+
+
+class CheckpointFormatError(Hf2qError):
+    """A config.json, safetensors file or model setting that is malformed or out of range."""
 
 
 class WeightMismatchError(Hf2qError):
@@ -33,5 +41,9 @@ class ContextLengthError(Hf2qError):
     """A prompt (plus requested tokens) does not fit the model's or cache's context."""
 
 
-class SamplingOptionsError(Hf2qError, ValueError):
+class InvalidArgumentError(Hf2qError, ValueError):
+    """A public API argument of the wrong type or outside its range (prompt, token ids, paths)."""
+
+
+class SamplingOptionsError(InvalidArgumentError):
     """Invalid generation / sampling options (temperature < 0, top_p outside (0, 1], ...)."""

@@ -9,11 +9,13 @@ Temperature 0 is greedy decoding: argmax, no filters, no randomness.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import mlx.core as mx
 
-from .errors import SamplingOptionsError
+from hf2q_mlx.custom_kernels import sampling as sampling_kernels
+from hf2q_mlx.errors import SamplingOptionsError
 
 # sampler(logits (B, V), key or None) -> token ids (B,) uint32
 Sampler = Callable[[mx.array, "mx.array | None"], mx.array]
@@ -31,6 +33,11 @@ def validate_sampling_options(
     max_tokens: int = 0,
 ) -> None:
     """Raise SamplingOptionsError for any option outside its range (checked before any work)."""
+    real_options = {"temperature": temperature, "top_p": top_p, "min_p": min_p}
+    real_options["repetition_penalty"] = repetition_penalty
+    for name, value in real_options.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise SamplingOptionsError(f"{name} must be a number, got {value!r}")
     checks = [
         (
             math.isfinite(temperature) and temperature >= 0,
@@ -59,12 +66,10 @@ def validate_sampling_options(
 
 def apply_top_k(logits: mx.array, k: int) -> mx.array:
     """Keep the k largest logits of each row, set the rest to -inf (exactly k survive)."""
-    vocab = logits.shape[-1]
-    if k <= 0 or k >= vocab:
+    if k <= 0 or k >= logits.shape[-1]:
         return logits
-    # indices of the vocab - k smallest entries of each row
-    drop = mx.argpartition(logits, kth=vocab - k - 1, axis=-1)[..., : vocab - k]
-    return mx.put_along_axis(logits, drop, mx.array(-mx.inf, logits.dtype), axis=-1)
+    # the block top-k kernel on a GPU (k <= 64), the argpartition reference elsewhere
+    return sampling_kernels.top_k_filter(logits, k)
 
 
 def apply_top_p(logits: mx.array, p: float) -> mx.array:
@@ -97,7 +102,7 @@ def make_sampler(
     if temperature == 0:
 
         def greedy(logits: mx.array, key: mx.array | None = None) -> mx.array:
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+            return sampling_kernels.argmax(logits).astype(mx.uint32)
 
         return greedy
 

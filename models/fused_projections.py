@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..custom_kernels.activations import gated_activation
-from ..quantized import fuse_linear_groups
+from hf2q_mlx.models.ops import gated_activation
+from hf2q_mlx.models.quantized import fuse_linear_groups
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
-
-
-@partial(mx.compile, shapeless=True)
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    # compiled: on the CPU mx.fast.rms_norm expands into a dozen primitives, which compile fuses
-    return mx.fast.rms_norm(x, weight, eps)
 
 
 def heads_plan(groups, n_heads: int, n_kv_heads: int):
@@ -67,17 +60,9 @@ def fuse_gate_up(mlp: nn.Module) -> None:
     fuse_linear_groups(mlp, GATE_UP)
 
 
-def gate_up(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
-    """(gate, up) from the fused ``gate_up_proj`` or the separate projections."""
-    if "gate_up_proj" in mlp:
-        gate, up = mx.split(mlp.gate_up_proj(x), 2, axis=-1)
-        return gate, up
-    return mlp.gate_proj(x), mlp.up_proj(x)
-
-
 def gated_mlp_hidden(mlp: nn.Module, x: mx.array, kind: str) -> mx.array:
-    """act(gate) * up through the gated-activation kernel (``kind`` "silu" / "gelu_tanh"); a fused
-    ``gate_up_proj`` output goes in whole, no split."""
+    """act(gate) * up (``ops.gated_activation``) from the fused ``gate_up_proj``, whose output the
+    kernel reads whole, or from the separate projections."""
     if "gate_up_proj" in mlp:
         return gated_activation(mlp.gate_up_proj(x), None, kind)
     return gated_activation(mlp.gate_proj(x), mlp.up_proj(x), kind)

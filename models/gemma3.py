@@ -5,20 +5,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import attend
-from ..cache import KVCache, RotatingKVCache, causal_mask
-from ..custom_kernels.residual_rms_norm import residual_rms_norm
-from ..custom_kernels.rms_norm_rope import qk_norm_rope, rope_inv_freq
-from ..custom_kernels.softcap import softcap
-from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs, fused_layer_stack, position_array, use_kernels
-from .fused_projections import FusedQKV, fuse_gate_up, gate_up, gated_mlp_hidden, rms_norm
+from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
+from hf2q_mlx.errors import UnsupportedArchitectureError
+from hf2q_mlx.models import ops
+from hf2q_mlx.models.base import BaseModelArgs
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache, causal_mask
+from hf2q_mlx.models.contract import Architecture, LayerRoPE, TokenizerQuirks
+from hf2q_mlx.models.fused_projections import FusedQKV, fuse_gate_up, gated_mlp_hidden
+from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
+from hf2q_mlx.models.ops import RMSNorm, RoPE
 
 
 @dataclass
@@ -82,55 +82,6 @@ class ModelArgs(BaseModelArgs):
         self.rope_scaling = {"rope_type": rope_type, "factor": float(full.get("factor", 1.0))}
 
 
-# Elementwise glue compiled (a decode step is counted in launches): gelu_tanh(gate) * up goes from
-# 3 kernels to 2 (compile's fusion depth splits it), the softcap from 3 to 1. mx.fast.rms_norm /
-# rope stay one kernel each on a GPU (compile does not merge them with the adds around them), but
-# on the CPU they expand into a dozen primitives each, which compile fuses. Matmuls and cache
-# writes stay outside.
-@partial(mx.compile, shapeless=True)
-def _residual_norm(x, y, w_y, w_h, eps: float) -> tuple[mx.array, mx.array]:
-    """h = x + norm(y) (a post-norm residual) and norm(h) (the next pre-norm)."""
-    h = x + mx.fast.rms_norm(y, w_y, eps)
-    return h, mx.fast.rms_norm(h, w_h, eps)
-
-
-@partial(mx.compile, shapeless=True)
-def _residual(x, y, w_y, eps: float) -> mx.array:
-    return x + mx.fast.rms_norm(y, w_y, eps)
-
-
-# shape-specialised: on the CPU mx.fast.rope expands into slices, which shapeless tracing refuses;
-# ``offset`` is an array so that decode steps reuse one trace
-@mx.compile
-def _qk_norm_rope(q, k, wq, wk, eps: float, offset: mx.array, dims: int, base: float, scale: float):
-    def rope(x):
-        return mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset)
-
-    return rope(mx.fast.rms_norm(q, wq, eps)), rope(mx.fast.rms_norm(k, wk, eps))
-
-
-@partial(mx.compile, shapeless=True)
-def _gelu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
-
-
-@partial(mx.compile, shapeless=True)
-def _softcap(x: mx.array, cap: mx.array) -> mx.array:
-    return mx.tanh(x / cap) * cap
-
-
-class RMSNorm(nn.Module):
-    """Gemma RMSNorm holding the effective weight ``1 + w`` (HF stores w, GGUF stores 1 + w)."""
-
-    def __init__(self, dims: int, eps: float):
-        super().__init__()
-        self.weight = mx.ones((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, self.weight, self.eps)
-
-
 class Attention(FusedQKV, nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -139,11 +90,6 @@ class Attention(FusedQKV, nn.Module):
         self.scale = args.query_pre_attn_scalar**-0.5
         self.is_sliding = args.layer_types[layer_idx] == "sliding_attention"
         self.window = args.sliding_window if self.is_sliding else None
-        if self.is_sliding:
-            self.rope_base, self.rope_scale = args.rope_local_base_freq, 1.0
-        else:
-            self.rope_base = args.rope_theta
-            self.rope_scale = 1.0 / args.rope_scaling["factor"]
         bias = args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
@@ -151,44 +97,22 @@ class Attention(FusedQKV, nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self._inv_freq = rope_inv_freq(self.head_dim, self.rope_base)  # for the fused kernel
+        if self.is_sliding:
+            self.rope = RoPE(self.head_dim, args.rope_local_base_freq)
+        else:
+            self.rope = RoPE(self.head_dim, args.rope_theta, 1.0 / args.rope_scaling["factor"])
         self._set_qkv_plan()
 
-    def __call__(self, x: mx.array, cache=None, pos: mx.array | None = None) -> mx.array:
-        """``pos``: the first position as a (1,) int32 array (kernel path; made here if None)."""
+    def __call__(self, x: mx.array, cache, pos: mx.array) -> mx.array:
         B, L, _ = x.shape
-        if use_kernels():  # q/k norm + RoPE in one kernel, reading (B, L, H, D) heads
-            if pos is None:
-                pos = position_array(cache.offset if cache is not None else 0)
-            q, k, v = self.project_heads(x, transpose=False)
-            q, k = qk_norm_rope(
-                q, k, self.q_norm.weight, self.k_norm.weight, self._inv_freq,
-                eps=self.q_norm.eps, scale=self.rope_scale, offset=pos,
-            )  # fmt: skip
-            return self._attend(q, k, v.transpose(0, 2, 1, 3), cache)
-        q, k, v = self.project_heads(x)  # each (B, H, L, D)
-        offset = mx.array(cache.offset if cache is not None else 0, dtype=mx.int32)
-        q, k = _qk_norm_rope(
-            q,
-            k,
-            self.q_norm.weight,
-            self.k_norm.weight,
-            self.q_norm.eps,
-            offset,
-            self.head_dim,
-            self.rope_base,
-            self.rope_scale,
-        )
-        return self._attend(q, k, v, cache)
-
-    def _attend(self, q, k, v, cache) -> mx.array:
-        B, _, L, _ = q.shape
+        q, k, v = self.project_heads(x, transpose=False)  # each (B, L, H, D)
+        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rope, pos)
+        v = v.transpose(0, 2, 1, 3)
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
         else:
             mask = causal_mask(L, 0, self.window)
-        out = attend(q, k, v, cache, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(ops.attention(q, k, v, cache, self.scale, mask))
 
 
 class MLP(nn.Module):
@@ -202,10 +126,7 @@ class MLP(nn.Module):
         fuse_gate_up(self)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if use_kernels():
-            return self.down_proj(gated_mlp_hidden(self, x, "gelu_tanh"))
-        gate, up = gate_up(self, x)
-        return self.down_proj(_gelu_mul(gate, up))
+        return self.down_proj(gated_mlp_hidden(self, x, "gelu_tanh"))
 
 
 class TransformerBlock(nn.Module):
@@ -219,22 +140,15 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dim, eps)
         self.post_feedforward_layernorm = RMSNorm(dim, eps)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        eps = self.input_layernorm.eps
-        y = self.self_attn(self.input_layernorm(x), cache)
-        w_post, w_pre = self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight
-        h, n = _residual_norm(x, y, w_post, w_pre, eps)
-        return _residual(h, self.mlp(n), self.post_feedforward_layernorm.weight, eps)
-
-    def fused(self, x: mx.array, n: mx.array, cache, next_weight: mx.array, pos: mx.array):
-        """The block on the kernel path: ``n`` = input_layernorm(x) (from the previous block) ->
-        (residual out, its norm by ``next_weight``: the next block's input norm or the final
-        one). Each residual add shares one kernel with the norm that follows it."""
-        eps = self.input_layernorm.eps
-        y = rms_norm(self.self_attn(n, cache, pos), self.post_attention_layernorm.weight, eps)
-        h, n = residual_rms_norm(x, y, self.pre_feedforward_layernorm.weight, eps)
-        f = rms_norm(self.mlp(n), self.post_feedforward_layernorm.weight, eps)
-        return residual_rms_norm(h, f, next_weight, eps)
+    def __call__(self, x: mx.array, n: mx.array, cache, next_norm: RMSNorm, pos: mx.array):
+        """x the residual stream, n = input_layernorm(x) -> (x after the block, ``next_norm`` of
+        it: the next block's input norm or the final one). Each residual add shares one kernel
+        with the norm that follows it."""
+        y = self.self_attn(n, cache, pos)
+        h, n = ops.residual_norm(
+            x, y, self.pre_feedforward_layernorm, self.post_attention_layernorm
+        )
+        return ops.residual_norm(h, self.mlp(n), next_norm, self.post_feedforward_layernorm)
 
 
 class Gemma3Model(nn.Module):
@@ -251,12 +165,12 @@ class Gemma3Model(nn.Module):
         # the scale is rounded to the activation dtype first, as the reference does
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
-        if use_kernels():
-            pos = position_array(cache[0].offset if cache[0] is not None else 0)
-            return fused_layer_stack(self.layers, h, cache, self.norm.weight, pos)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h)
+        pos = ops.positions(cache[0])
+        n = self.layers[0].input_layernorm(h)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, c, next_norm in zip(self.layers, cache, next_norms):
+            h, n = layer(h, n, c, next_norm, pos)
+        return n  # the final norm of the residual stream
 
 
 class Model(nn.Module):
@@ -274,12 +188,7 @@ class Model(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
-        cap = self.args.final_logit_softcapping
-        if cap is not None and use_kernels():
-            logits = softcap(logits, cap)
-        elif cap is not None:
-            logits = _softcap(logits, mx.array(cap, dtype=logits.dtype))
-        return logits
+        return ops.softcap(logits, self.args.final_logit_softcapping)
 
     @property
     def layers(self) -> list[TransformerBlock]:
@@ -331,22 +240,8 @@ _PREFIXES = (
 
 # llama.cpp tensor names -> module parameters; llama.cpp already stores norms as 1 + w
 GGUF_TENSOR_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **LLAMA_CPP_TENSOR_NAMES,
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 
 
@@ -393,3 +288,29 @@ def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any]) -> Mode
 def gguf_transform(name: str, array: mx.array, args: ModelArgs) -> mx.array:
     """No value fixes: GGUF norms already hold 1 + w, which is what RMSNorm keeps."""
     return array
+
+
+def rope_layers(args: ModelArgs) -> list[LayerRoPE]:
+    """Whole-head RoPE: the local base on sliding layers, the global base and linear scale on
+    full ones."""
+    out = []
+    for kind in args.layer_types:
+        if kind == "sliding_attention":
+            base, scale = args.rope_local_base_freq, 1.0
+        else:
+            base, scale = args.rope_theta, 1.0 / args.rope_scaling["factor"]
+        out.append(LayerRoPE(freqs=rope_inv_freq(args.head_dim, base) * scale))
+    return out
+
+
+ARCHITECTURE = Architecture(
+    model_types=("gemma3_text", "gemma3"),
+    args=ModelArgs,
+    model=Model,
+    gguf_architectures=("gemma3",),
+    gguf_tensor_map=GGUF_TENSOR_MAP,
+    args_from_gguf=args_from_gguf,
+    gguf_transform=gguf_transform,
+    tokenizer=TokenizerQuirks(gemma_sentencepiece=True, chat_template="gemma"),
+    rope=rope_layers,
+)

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.cache import KVCache, RotatingKVCache, causal_mask
 from hf2q_mlx.errors import UnsupportedArchitectureError
-
-from ..attention import attend
-from ..custom_kernels.activations import gated_activation
-from ..custom_kernels.residual_rms_norm import residual_rms_norm
-from ..custom_kernels.rms_norm_rope import qk_norm_rope, rms_norm_rope, rope_inv_freq
-from ..custom_kernels.softcap import softcap
-from .base import BaseModelArgs, position_array, use_kernels
-from .gemma4_gguf import GGUF_TENSOR_MAP, args_from_gguf, gguf_transform  # noqa: F401
-from .gemma4_moe import Experts, Router
+from hf2q_mlx.models import gemma4_gguf, ops
+from hf2q_mlx.models.base import BaseModelArgs
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache, causal_mask
+from hf2q_mlx.models.contract import Architecture, LayerRoPE
+from hf2q_mlx.models.gemma4_moe import Experts, Router
+from hf2q_mlx.models.ops import RMSNorm
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -119,42 +114,19 @@ def _kv_sources(layer_types: list[str], num_shared: int) -> list[int | None]:
     return sources
 
 
-_ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn.silu}
-# act(gate) * up compiled into one kernel per activation: every MLP, expert and PLE gate uses it
-_GATED = {
-    name: mx.compile(lambda gate, up, f=f: f(gate) * up, shapeless=True)
-    for name, f in _ACTIVATIONS.items()
-}
+# the activations by their ops names ("gelu" is exact GELU, which has no kernel)
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
 
 
-# the same activations as the gated-activation kernel knows them (exact GELU: no kernel)
-KERNEL_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
+def activation(name: str) -> str:
+    """The ops name of a Gemma 4 ``hidden_activation``."""
+    if name not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"Gemma 4 activation {name!r} is not supported")
+    return ACTIVATIONS[name]
 
 
-class GLU:
-    """act(gate) * up: the compiled MLX function, or the kernel dispatcher when kernels run."""
-
-    def __init__(self, name: str):
-        if name not in _GATED:
-            raise UnsupportedArchitectureError(f"Gemma 4 activation {name!r} is not supported")
-        self.reference, self.kind = _GATED[name], KERNEL_ACTIVATIONS.get(name)
-
-    def __call__(self, gate: mx.array, up: mx.array | None = None) -> mx.array:
-        """``up`` None: ``gate`` is a fused [gate | up] output (last axis)."""
-        if self.kind is not None and use_kernels():
-            return gated_activation(gate, up, self.kind)
-        if up is None:
-            gate, up = mx.split(gate, 2, axis=-1)
-        return self.reference(gate, up)
-
-
-@partial(mx.compile, shapeless=True)
-def _softcap(x: mx.array, cap: mx.array) -> mx.array:
-    return mx.tanh(x / cap) * cap
-
-
-class RoPE:
-    """Rotary embedding of one layer type (rotate-half pairing over the whole head).
+class RoPE(ops.RoPE):
+    """Rotary embedding of one layer type, from its ``rope_parameters`` (whole head).
 
     "proportional" rotates only the first ``partial_rotary_factor`` of the frequency pairs, with
     exponents over the full head dim; the rest get an infinite period (angle 0, unrotated).
@@ -163,27 +135,16 @@ class RoPE:
     def __init__(self, params: dict, head_dim: int):
         kind = params.get("rope_type", "default")
         theta = float(params.get("rope_theta", 10_000.0))
-        self.dims, self.base, self.freqs = head_dim, theta, None
-        self.scale = 1.0 / float(params.get("factor", 1.0))
+        scale = 1.0 / float(params.get("factor", 1.0))
         if kind == "proportional":
             n_rot = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
             periods = theta ** (mx.arange(0, 2 * n_rot, 2, dtype=mx.float32) / head_dim)
             inf = mx.full((head_dim // 2 - n_rot,), math.inf)
-            self.freqs, self.base = mx.concatenate([periods, inf]), None
-        elif kind == "default":
-            self.scale = 1.0
-        elif kind != "linear":
+            super().__init__(head_dim, None, scale, mx.concatenate([periods, inf]))
+        elif kind in ("default", "linear"):
+            super().__init__(head_dim, theta, scale if kind == "linear" else 1.0)
+        else:
             raise UnsupportedArchitectureError(f"Gemma 4 rope_type {kind!r} is not supported")
-        # the fused kernel's form: inverse frequencies (0 = unrotated pair), same scale
-        self.inv_freq = (
-            1.0 / self.freqs if self.freqs is not None else rope_inv_freq(head_dim, theta)
-        )
-
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(
-            x, self.dims, traditional=False, base=self.base, scale=self.scale,
-            offset=offset, freqs=self.freqs,
-        )  # fmt: skip
 
 
 class Attention(nn.Module):
@@ -191,113 +152,81 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.n_kv_heads, self.k_eq_v = args.layer_geometry(i)
         self.n_heads = args.num_attention_heads
-        self.eps = args.rms_norm_eps
         self.shares_kv = args.kv_source[i] is not None
-        H, D, bias = args.hidden_size, self.head_dim, args.attention_bias
+        H, D, bias, eps = args.hidden_size, self.head_dim, args.attention_bias, args.rms_norm_eps
         self.q_proj = nn.Linear(H, self.n_heads * D, bias=bias)
-        self.q_norm = nn.RMSNorm(D, eps=self.eps)
+        self.q_norm = RMSNorm(D, eps=eps)
         if not self.shares_kv:  # shared layers read an earlier layer's K/V
             self.k_proj = nn.Linear(H, self.n_kv_heads * D, bias=bias)
-            self.k_norm = nn.RMSNorm(D, eps=self.eps)
+            self.k_norm = RMSNorm(D, eps=eps)
             if not self.k_eq_v:
                 self.v_proj = nn.Linear(H, self.n_kv_heads * D, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=bias)
         self.rope = RoPE(args.rope_parameters[args.layer_types[i]], D)
 
-    def __call__(self, x, offset: int | mx.array, cache=None, shared_kv=None, mask=None):
-        """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V.
-        ``offset``: an int, or on the kernel path a (1,) int32 array."""
+    def __call__(self, x, pos: mx.array, cache=None, shared_kv=None, mask=None):
+        """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V."""
         B, L, _ = x.shape
-        if isinstance(offset, mx.array):  # the kernel path: norms + RoPE fused
-            return self._fused(x, offset, cache, shared_kv, mask)
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset)  # (B, Hq, L, D)
-        if shared_kv is not None:
-            k, v, mask = shared_kv
-        else:
-            k_raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            v_raw = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset)
-            v = mx.fast.rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)  # weightless norm
-            if cache is not None:
-                k, v, mask = cache.update_and_fetch(k, v)
-        return self._attend(q, k, v, cache, mask)
-
-    def _attend(self, q, k, v, cache, mask):
-        B, _, L, _ = q.shape
-        out = attend(q, k, v, cache, 1.0, mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out), (k, v, mask)
-
-    def _fused(self, x, offset: mx.array, cache, shared_kv, mask):
-        """q (and k, v) norms + RoPE in one kernel launch from the (B, L, H, D) projections."""
-        B, L, _ = x.shape
-        rope = dict(eps=self.eps, offset=offset, scale=self.rope.scale)
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         if shared_kv is not None:
-            q = rms_norm_rope(q, self.q_norm.weight, self.rope.inv_freq, **rope)
+            q = ops.norm_rope(q, self.q_norm, self.rope, pos)
             k, v, mask = shared_kv
         else:
             k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
             v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            q, k, v = qk_norm_rope(
-                q, k, self.q_norm.weight, self.k_norm.weight, self.rope.inv_freq, v=v, **rope
-            )  # v: weightless norm, no RoPE
+            # v: a weightless norm, no RoPE
+            q, k, v = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rope, pos, v=v)
             if cache is not None:
                 k, v, mask = cache.update_and_fetch(k, v)
-        return self._attend(q, k, v, cache, mask)
+        return self.o_proj(ops.attention(q, k, v, cache, 1.0, mask)), (k, v, mask)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, glu):
+    def __init__(self, hidden: int, intermediate: int, activation: str):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self._glu = glu
+        self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self._glu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.gated_activation(gate, up, self.activation))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, i: int):
         super().__init__()
-        H, eps, glu = args.hidden_size, args.rms_norm_eps, GLU(args.hidden_activation)
+        H, eps, act = args.hidden_size, args.rms_norm_eps, activation(args.hidden_activation)
         self.self_attn = Attention(args, i)
         wide = args.use_double_wide_mlp and args.kv_source[i] is not None
-        self.mlp = MLP(H, args.intermediate_size * (2 if wide else 1), glu)
-        self.input_layernorm = nn.RMSNorm(H, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
-        self.pre_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
-        self.post_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
+        self.mlp = MLP(H, args.intermediate_size * (2 if wide else 1), act)
+        self.input_layernorm = RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps=eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps=eps)
         self.layer_scalar = mx.ones((1,))
         self.moe = args.enable_moe_block
         if self.moe:  # experts run side by side with the dense MLP
             self.router = Router(H, args.num_experts, args.top_k_experts, eps)
-            self.experts = Experts(H, args.moe_intermediate_size, args.num_experts, glu)
-            self.post_feedforward_layernorm_1 = nn.RMSNorm(H, eps=eps)
-            self.post_feedforward_layernorm_2 = nn.RMSNorm(H, eps=eps)
-            self.pre_feedforward_layernorm_2 = nn.RMSNorm(H, eps=eps)
+            self.experts = Experts(H, args.moe_intermediate_size, args.num_experts, act)
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps=eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps=eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps=eps)
         self.ple = bool(args.hidden_size_per_layer_input)
         if self.ple:
             P = args.hidden_size_per_layer_input
             self.per_layer_input_gate = nn.Linear(H, P, bias=False)
             self.per_layer_projection = nn.Linear(P, H, bias=False)
-            self.post_per_layer_input_norm = nn.RMSNorm(H, eps=eps)
-            self._glu = glu
+            self.post_per_layer_input_norm = RMSNorm(H, eps=eps)
+            self.activation = act
 
-    def __call__(self, x, offset, cache=None, shared_kv=None, mask=None, per_layer_input=None):
-        h, kv = self.self_attn(self.input_layernorm(x), offset, cache, shared_kv, mask)
-        if isinstance(offset, mx.array):  # kernel path: the residual add shares the next norm
-            eps = self.pre_feedforward_layernorm.eps
-            h, n = residual_rms_norm(
-                x, self.post_attention_layernorm(h), self.pre_feedforward_layernorm.weight, eps
-            )
-            f = self.mlp(n)
-        else:
-            h = x + self.post_attention_layernorm(h)
-            f = self.mlp(self.pre_feedforward_layernorm(h))
+    def __call__(self, x, pos, cache=None, shared_kv=None, mask=None, per_layer_input=None):
+        y, kv = self.self_attn(self.input_layernorm(x), pos, cache, shared_kv, mask)
+        h, n = ops.residual_norm(
+            x, y, self.pre_feedforward_layernorm, self.post_attention_layernorm
+        )
+        f = self.mlp(n)
         if self.moe:
             ids, weights = self.router(h)  # routed on the residual stream, not the normed input
             e = self.experts(self.pre_feedforward_layernorm_2(h), ids, weights)
@@ -305,7 +234,8 @@ class DecoderLayer(nn.Module):
         h = h + self.post_feedforward_layernorm(f)
         if self.ple:
             # compiled MLX even with kernels: it reads the strided per-layer slice in place
-            g = self._glu.reference(self.per_layer_input_gate(h), per_layer_input)
+            gate = self.per_layer_input_gate(h)
+            g = ops.gated_activation(gate, per_layer_input, self.activation, kernel=False)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return h * self.layer_scalar, kv  # the scalar scales the whole residual stream
 
@@ -317,11 +247,11 @@ class Gemma4TextModel(nn.Module):
         H, P, n = args.hidden_size, args.hidden_size_per_layer_input, args.num_hidden_layers
         self.embed_tokens = nn.Embedding(args.vocab_size, H)
         self.layers = [DecoderLayer(args, i) for i in range(n)]
-        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=args.rms_norm_eps)
         if P:  # per-layer embeddings (E-series): one P-wide input per layer, packed
             self.embed_tokens_per_layer = nn.Embedding(args.vocab_size_per_layer_input, n * P)
             self.per_layer_model_projection = nn.Linear(H, n * P, bias=False)
-            self.per_layer_projection_norm = nn.RMSNorm(P, eps=args.rms_norm_eps)
+            self.per_layer_projection_norm = RMSNorm(P, eps=args.rms_norm_eps)
         self._producers = {s for s in args.kv_source if s is not None}
 
     def _per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array:
@@ -339,9 +269,7 @@ class Gemma4TextModel(nn.Module):
         h = h * mx.array(self.args.hidden_size**0.5, dtype=dtype)  # scale rounded like weights
         ple = self._per_layer_inputs(inputs, h) if self.args.hidden_size_per_layer_input else None
         L = inputs.shape[1]
-        offset = cache[0].offset if cache else 0
-        if use_kernels():  # positions as an array: the fused kernels' form
-            offset = position_array(offset)
+        pos = ops.positions(cache[0] if cache else None)
         masks = {}
         if cache is None:
             masks = {FULL: causal_mask(L), SLIDING: causal_mask(L, 0, self.args.sliding_window)}
@@ -351,7 +279,7 @@ class Gemma4TextModel(nn.Module):
             src = sources[i]
             c = cache[i] if cache is not None and src is None else None
             h, kv = layer(
-                h, offset, c,
+                h, pos, c,
                 shared_kv=produced.get(src) if src is not None else None,
                 mask=masks.get(self.args.layer_types[i]),
                 per_layer_input=ple[:, :, i, :] if ple is not None else None,
@@ -376,12 +304,7 @@ class Model(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
-        cap = self.args.final_logit_softcapping
-        if cap and use_kernels():
-            logits = softcap(logits, cap)
-        elif cap:
-            logits = _softcap(logits, mx.array(cap, dtype=logits.dtype))
-        return logits
+        return ops.softcap(logits, self.args.final_logit_softcapping)
 
     @property
     def layers(self) -> list:
@@ -441,3 +364,31 @@ _DROPPED = (
     "model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
     "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.",
 )  # fmt: skip
+
+
+def args_from_gguf(metadata: dict[str, Any], tensors: Any) -> ModelArgs:
+    """llama.cpp's gemma4 metadata and tensor shapes -> ModelArgs (``gemma4_gguf`` reads them,
+    taking ModelArgs as an argument so that it never imports this module)."""
+    return gemma4_gguf.args_from_gguf(metadata, tensors, ModelArgs)
+
+
+def rope_layers(args: ModelArgs) -> list[LayerRoPE]:
+    """Each layer's RoPE as its attention builds it (``RoPE``): whole head; the pairs that
+    proportional RoPE leaves unrotated have frequency 0."""
+    out = []
+    for i, kind in enumerate(args.layer_types):
+        rope = RoPE(args.rope_parameters[kind], args.layer_geometry(i)[0])
+        out.append(LayerRoPE(freqs=rope.inv_freq * rope.scale))
+    return out
+
+
+ARCHITECTURE = Architecture(
+    model_types=("gemma4_text", "gemma4"),
+    args=ModelArgs,
+    model=Model,
+    gguf_architectures=("gemma4",),
+    gguf_tensor_map=gemma4_gguf.GGUF_TENSOR_MAP,
+    args_from_gguf=args_from_gguf,
+    gguf_transform=gemma4_gguf.gguf_transform,
+    rope=rope_layers,
+)

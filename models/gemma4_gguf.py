@@ -9,34 +9,21 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.errors import UnsupportedArchitectureError
+from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-# llama.cpp's gemma4 tensor catalog (gguf-py 0.19.0) -> module parameters. A None target is a
-# known tensor that is not loaded: rope_freqs holds the proportional-RoPE factors, which
-# args_from_gguf reads and RoPE recomputes.
+# llama.cpp's gemma4 tensor catalog (gguf-py 0.19.0) -> module parameters, beyond the shared
+# names. A None target is a known tensor that is not loaded: rope_freqs holds the
+# proportional-RoPE factors, which args_from_gguf reads and RoPE recomputes.
 GGUF_TENSOR_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output.weight": "lm_head.weight",
-    "output_norm.weight": "model.norm.weight",
+    **LLAMA_CPP_TENSOR_NAMES,
     "rope_freqs.weight": None,
     "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
     "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
     "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.router.proj.weight",
     "blk.{i}.ffn_gate_inp.scale": "model.layers.{i}.router.scale",
@@ -52,15 +39,14 @@ GGUF_TENSOR_MAP = {
 }
 
 
-def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any]):
-    """llama.cpp's gemma4 metadata (and tensor shapes) -> ModelArgs.
+def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any], model_args: type):
+    """llama.cpp's gemma4 metadata (and tensor shapes) -> ``model_args`` (gemma4's ModelArgs,
+    passed in: gemma4 imports this module).
 
     What the metadata leaves out is read from the tensors: vocabulary sizes, a tied head (no
     output.weight), k_eq_v (full layers without attn_v) and the rotated fraction of the full
     layers' proportional RoPE (rope_freqs: 1 = rotated pair, 1e30 = unrotated).
     """
-
-    from .gemma4 import ModelArgs  # imported here: gemma4 imports this module
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"gemma4.{key}", default)
@@ -73,7 +59,7 @@ def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any]):
     if isinstance(pattern, list):
         layer_types = [SLIDING if s else FULL for s in pattern]
     else:
-        layer_types = ModelArgs(num_hidden_layers=n, hidden_size_per_layer_input=0).layer_types
+        layer_types = model_args(num_hidden_layers=n, hidden_size_per_layer_input=0).layer_types
     n_shared = get("attention.shared_kv_layers", 0)
     head_dim_full = get("attention.key_length")
     head_dim_swa = get("attention.key_length_swa", head_dim_full)
@@ -103,7 +89,7 @@ def args_from_gguf(metadata: dict[str, Any], tensors: Mapping[str, Any]):
     first_swa = layer_types.index(SLIDING) if SLIDING in layer_types else 0
     n_experts = get("expert_count", 0)
     P = get("embedding_length_per_layer_input", 0)
-    return ModelArgs(
+    return model_args(
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=get("embedding_length"),
         intermediate_size=ff0,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .experts import ExpertLinear, QuantizedExpertLinear  # noqa: F401  (their old home)
+from hf2q_mlx.models import ops
+from hf2q_mlx.models.experts import ExpertLinear, QuantizedExpertLinear  # noqa: F401  (their old home)
 
 
 class Router(nn.Module):
@@ -32,15 +33,17 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E GeGLU experts: gate_up_proj (E, 2I, H) -> act(gate) * up -> down_proj (E, H, I)."""
+    """E gated experts: gate_up_proj (E, 2I, H) -> act(gate) * up -> down_proj (E, H, I);
+    ``activation`` as ``ops.gated_activation`` names it."""
 
-    def __init__(self, hidden_size: int, intermediate: int, num_experts: int, glu):
+    def __init__(self, hidden_size: int, intermediate: int, num_experts: int, activation: str):
         super().__init__()
         self.gate_up_proj = ExpertLinear(num_experts, hidden_size, 2 * intermediate)
         self.down_proj = ExpertLinear(num_experts, intermediate, hidden_size)
-        self._glu = glu  # act(gate) * up, from a fused [gate | up] when up is None
+        self.activation = activation
 
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        # (..., k, 2I) [gate | up]: the activation splits it (or the kernel reads it whole)
-        y = self.down_proj(self._glu(self.gate_up_proj(x, ids)), ids)  # (..., k, H)
+        # (..., k, 2I) [gate | up]: the reference splits it, the kernel reads it whole
+        h = ops.gated_activation(self.gate_up_proj(x, ids), None, self.activation)
+        y = self.down_proj(h, ids)  # (..., k, H)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)

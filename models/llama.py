@@ -5,18 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import attend
-from ..cache import KVCache, causal_mask
-from ..custom_kernels.residual_rms_norm import residual_rms_norm
-from ..errors import UnsupportedArchitectureError
-from .base import BaseModelArgs, fused_layer_stack, use_kernels
-from .fused_projections import FusedQKV, fuse_gate_up, gate_up, gated_mlp_hidden, rms_norm
+from hf2q_mlx.errors import UnsupportedArchitectureError
+from hf2q_mlx.models import ops
+from hf2q_mlx.models.base import BaseModelArgs
+from hf2q_mlx.models.cache import KVCache, causal_mask
+from hf2q_mlx.models.contract import Architecture
+from hf2q_mlx.models.fused_projections import FusedQKV, fuse_gate_up, gated_mlp_hidden
+from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
+from hf2q_mlx.models.ops import RMSNorm, RoPE
 
 
 @dataclass
@@ -78,34 +79,6 @@ def rope_periods(args: ModelArgs) -> mx.array | None:
     return mx.array(periods, dtype=mx.float32)
 
 
-# Elementwise glue compiled (a decode step is counted in launches): silu(gate) * up becomes one
-# kernel. mx.fast.rms_norm / rope stay one kernel each on a GPU (compile does not merge them with
-# the adds around them), but on the CPU they expand into a dozen primitives each, which compile
-# fuses. Matmuls and cache writes stay outside.
-@partial(mx.compile, shapeless=True)
-def _add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float):
-    """h = x + y (a residual) and norm(h) (the next pre-norm)."""
-    h = x + y
-    return h, mx.fast.rms_norm(h, weight, eps)
-
-
-# shape-specialised: on the CPU mx.fast.rope expands into slices, which shapeless tracing refuses;
-# ``offset`` is an array so that decode steps reuse one trace
-@mx.compile
-def _rope_qk(q, k, offset: mx.array, dims: int, base, scale: float, freqs):
-    def rope(x):
-        return mx.fast.rope(
-            x, dims, traditional=False, base=base, scale=scale, offset=offset, freqs=freqs
-        )
-
-    return rope(q), rope(k)
-
-
-@partial(mx.compile, shapeless=True)
-def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
 class Attention(FusedQKV, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -118,22 +91,21 @@ class Attention(FusedQKV, nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         s = args.rope_scaling
-        self.rope_scale = 1.0 / s["factor"] if s and s["rope_type"] == "linear" else 1.0
-        self._periods = rope_periods(args)
-        self.rope_base = None if self._periods is not None else args.rope_theta
+        scale = 1.0 / s["factor"] if s and s["rope_type"] == "linear" else 1.0
+        periods = rope_periods(args)
+        base = None if periods is not None else args.rope_theta
+        self.rope = RoPE(self.head_dim, base, scale, periods)
         self._set_qkv_plan()
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, cache, pos: mx.array) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.project_heads(x)  # each (B, H, L, D)
-        offset = mx.array(cache.offset if cache is not None else 0, dtype=mx.int32)
-        q, k = _rope_qk(q, k, offset, self.head_dim, self.rope_base, self.rope_scale, self._periods)
+        q, k = self.rope(q, pos), self.rope(k, pos)  # no q/k norms: no fused kernel
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
         else:
             mask = causal_mask(L, 0)
-        out = attend(q, k, v, cache, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(ops.attention(q, k, v, cache, self.scale, mask))
 
 
 class MLP(nn.Module):
@@ -147,20 +119,7 @@ class MLP(nn.Module):
         fuse_gate_up(self)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if use_kernels():
-            return self.down_proj(gated_mlp_hidden(self, x, "silu"))
-        gate, up = gate_up(self, x)
-        return self.down_proj(_silu_mul(gate, up))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dims: int, eps: float):
-        super().__init__()
-        self.weight = mx.ones((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, self.weight, self.eps)
+        return self.down_proj(gated_mlp_hidden(self, x, "silu"))
 
 
 class TransformerBlock(nn.Module):
@@ -171,19 +130,12 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        y = self.self_attn(self.input_layernorm(x), cache)
-        norm = self.post_attention_layernorm
-        h, n = _add_norm(x, y, norm.weight, norm.eps)
-        return h + self.mlp(n)
-
-    def fused(self, x: mx.array, n: mx.array, cache, next_weight: mx.array):
-        """The block on the kernel path: ``n`` = input_layernorm(x) (from the previous block) ->
-        (residual out, its norm by ``next_weight``: the next block's input norm or the final
-        one). Each residual add shares one kernel with the norm that follows it."""
-        norm = self.post_attention_layernorm
-        h, n = residual_rms_norm(x, self.self_attn(n, cache), norm.weight, norm.eps)
-        return residual_rms_norm(h, self.mlp(n), next_weight, norm.eps)
+    def __call__(self, x: mx.array, n: mx.array, cache, next_norm: RMSNorm, pos: mx.array):
+        """x the residual stream, n = input_layernorm(x) -> (x after the block, ``next_norm`` of
+        it: the next block's input norm or the final one). Each residual add shares one kernel
+        with the norm that follows it."""
+        h, n = ops.residual_norm(x, self.self_attn(n, cache, pos), self.post_attention_layernorm)
+        return ops.residual_norm(h, self.mlp(n), next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -197,11 +149,12 @@ class LlamaModel(nn.Module):
         # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
         h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
-        if use_kernels():
-            return fused_layer_stack(self.layers, h, cache, self.norm.weight)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h)
+        pos = ops.positions(cache[0])
+        n = self.layers[0].input_layernorm(h)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, c, next_norm in zip(self.layers, cache, next_norms):
+            h, n = layer(h, n, c, next_norm, pos)
+        return n  # the final norm of the residual stream
 
 
 class Model(nn.Module):
@@ -245,23 +198,14 @@ class Model(nn.Module):
         }
 
 
+# llama.cpp tensor names -> module parameters, beyond the shared ones
 GGUF_TENSOR_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    **LLAMA_CPP_TENSOR_NAMES,
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
     "blk.{i}.ffn_gate.bias": "model.layers.{i}.mlp.gate_proj.bias",
     "blk.{i}.ffn_up.bias": "model.layers.{i}.mlp.up_proj.bias",
     "blk.{i}.ffn_down.bias": "model.layers.{i}.mlp.down_proj.bias",
@@ -314,3 +258,15 @@ def gguf_transform(name: str, array: mx.array, args: ModelArgs) -> mx.array:
     if ".attn_k." in name:
         return _unpermute_rows(array, args.num_key_value_heads)
     return array
+
+
+# no RoPE description (rope=None): TurboQuant's key offset leaves every rotated channel alone
+ARCHITECTURE = Architecture(
+    model_types=("llama",),
+    args=ModelArgs,
+    model=Model,
+    gguf_architectures=("llama",),
+    gguf_tensor_map=GGUF_TENSOR_MAP,
+    args_from_gguf=args_from_gguf,
+    gguf_transform=gguf_transform,
+)

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import attend
-from ..cache import KVCache, causal_mask
-from ..custom_kernels.gated_delta import gated_delta_update
-from ..custom_kernels.residual_rms_norm import residual_rms_norm
-from ..custom_kernels.rms_norm_rope import qk_norm_rope, rope_inv_freq
-from ..errors import UnsupportedArchitectureError
-from ..recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
-from .base import BaseModelArgs, fused_layer_stack, position_array, use_kernels
-from .fused_projections import gated_mlp_hidden
+from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update
+from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
+from hf2q_mlx.errors import UnsupportedArchitectureError
+from hf2q_mlx.models import ops
+from hf2q_mlx.models.base import BaseModelArgs
+from hf2q_mlx.models.cache import KVCache, causal_mask
+from hf2q_mlx.models.contract import Architecture, LayerRoPE, TokenizerQuirks
+from hf2q_mlx.models.fused_projections import gated_mlp_hidden
+from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
+from hf2q_mlx.models.ops import RMSNorm, RoPE
+from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
 
 
 @dataclass
@@ -66,29 +67,6 @@ class ModelArgs(BaseModelArgs):
         return super().from_dict(text)
 
 
-# elementwise glue compiled into one kernel each (a decode step is counted in launches)
-@partial(mx.compile, shapeless=True)
-def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    return nn.silu(gate) * x
-
-
-@partial(mx.compile, shapeless=True)
-def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
-    return x * mx.sigmoid(gate)
-
-
-class GatedRMSNorm(nn.Module):
-    """rms_norm(x) * weight * silu(gate): the output norm of a delta-net block (plain weight)."""
-
-    def __init__(self, dims: int, eps: float):
-        super().__init__()
-        self.weight = mx.ones((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return swiglu(gate, mx.fast.rms_norm(x, self.weight, self.eps))
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -111,7 +89,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.A_log = mx.zeros((self.num_v_heads,))
         self.dt_bias = mx.ones((self.num_v_heads,))
-        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
+        self.norm = RMSNorm(self.head_v_dim, args.rms_norm_eps)  # a plain weight, gated by z
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
@@ -133,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         )
         if cache is not None:
             cache.update(conv_state, state, L)
-        return self.out_proj(self.norm(y, z).reshape(B, L, -1))
+        return self.out_proj(ops.gated_rms_norm(y, z, self.norm).reshape(B, L, -1))
 
 
 class Attention(nn.Module):
@@ -145,56 +123,29 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
-        self.rope_dims = int(args.head_dim * args.partial_rotary_factor)
-        self.rope_theta = args.rope_theta
         h, d, bias = args.hidden_size, args.head_dim, args.attention_bias
         self.q_proj = nn.Linear(h, self.n_heads * d * 2, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
-        self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
-        self._inv_freq = rope_inv_freq(self.rope_dims, self.rope_theta)  # for the fused kernel
+        self.q_norm = RMSNorm(d, eps=args.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=args.rms_norm_eps)
+        self.rope = RoPE(int(d * args.partial_rotary_factor), args.rope_theta)  # partial
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, pos: mx.array) -> mx.array:
         B, L, _ = x.shape
-        qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
-        if use_kernels():
-            return self._fused(x, qg, cache)
-        q, gate = mx.split(qg, 2, axis=-1)  # per head: [query | gate]
-        q = self.q_norm(q).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        q = mx.fast.rope(
-            q, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
-        )
-        k = mx.fast.rope(
-            k, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
-        )
-        return self._attend(q, k, v, gate, cache)
-
-    def _attend(self, q, k, v, gate, cache) -> mx.array:
-        B, _, L, _ = q.shape
+        D = self.head_dim
+        qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * D)  # per head: [query | gate]
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, D)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, D).transpose(0, 2, 1, 3)
+        # the norm + RoPE reads the queries out of the [query | gate] heads in place
+        q, k = ops.qk_norm_rope(qg, k, self.q_norm, self.k_norm, self.rope, pos)
         if cache is None:
             mask = causal_mask(L)
         else:
             k, v, mask = cache.update_and_fetch(k, v)
-        out = attend(q, k, v, cache, self.scale, mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(sigmoid_gate(out, gate.reshape(B, L, -1)))
-
-    def _fused(self, x: mx.array, qg: mx.array, cache) -> mx.array:
-        """q/k norms + partial RoPE in one kernel; it reads the queries out of the
-        [query | gate] heads in place."""
-        B, L, _ = x.shape
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        q, k = qk_norm_rope(
-            qg, k, self.q_norm.weight, self.k_norm.weight, self._inv_freq, eps=self.q_norm.eps,
-            offset=position_array(0 if cache is None else cache.offset), dims=self.head_dim,
-        )  # fmt: skip
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self._attend(q, k, v, qg[..., self.head_dim :], cache)
+        out = ops.attention(q, k, v, cache, self.scale, mask)
+        return self.o_proj(ops.sigmoid_gate(out, qg[..., D:].reshape(B, L, -1)))
 
 
 class MLP(nn.Module):
@@ -205,9 +156,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if use_kernels():
-            return self.down_proj(gated_mlp_hidden(self, x, "silu"))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(gated_mlp_hidden(self, x, "silu"))
 
 
 class DecoderLayer(nn.Module):
@@ -219,22 +168,16 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(args)
         self.mlp = mlp
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def fused(self, x: mx.array, n: mx.array, cache, next_weight: mx.array):
-        """The layer on the kernel path: ``n`` = input_layernorm(x) (from the previous layer) ->
-        (residual out, its norm by ``next_weight``: the next layer's input norm or the final
-        one). Each residual add shares one kernel with the norm that follows it."""
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        norm = self.post_attention_layernorm
-        h, n = residual_rms_norm(x, mixer(n, cache), norm.weight, norm.eps)
-        return residual_rms_norm(h, self.mlp(n), next_weight, norm.eps)
+    def __call__(self, x: mx.array, n: mx.array, cache, next_norm: RMSNorm, pos: mx.array):
+        """x the residual stream, n = input_layernorm(x) -> (x after the layer, ``next_norm`` of
+        it: the next layer's input norm or the final one). Each residual add shares one kernel
+        with the norm that follows it."""
+        y = self.linear_attn(n, cache) if self.is_linear else self.self_attn(n, cache, pos)
+        h, n = ops.residual_norm(x, y, self.post_attention_layernorm)
+        return ops.residual_norm(h, self.mlp(n), next_norm)
 
 
 class TextModel(nn.Module):
@@ -245,17 +188,18 @@ class TextModel(nn.Module):
             DecoderLayer(args, t, make_mlp(args))
             for t in args.layer_types[: args.num_hidden_layers]
         ]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
         h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         caches = cache or [None] * len(self.layers)
-        if use_kernels():
-            return fused_layer_stack(self.layers, h, caches, self.norm.weight)
-        for layer, c in zip(self.layers, caches):
-            h = layer(h, c)
-        return self.norm(h)
+        pos = ops.positions(caches[0])
+        n = self.layers[0].input_layernorm(h)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, c, next_norm in zip(self.layers, caches, next_norms):
+            h, n = layer(h, n, c, next_norm, pos)
+        return n  # the final norm of the residual stream
 
 
 # zero-centred norms: HF stores w and computes (1 + w); the modules here hold 1 + w
@@ -339,17 +283,7 @@ class Model(nn.Module):
 # ---- GGUF (llama.cpp "qwen35") ----
 
 GGUF_TENSOR_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    **LLAMA_CPP_TENSOR_NAMES,
     "blk.{i}.attn_qkv.weight": "model.layers.{i}.linear_attn.in_proj_qkv.weight",
     "blk.{i}.attn_gate.weight": "model.layers.{i}.linear_attn.in_proj_z.weight",
     "blk.{i}.ssm_beta.weight": "model.layers.{i}.linear_attn.in_proj_b.weight",
@@ -359,9 +293,6 @@ GGUF_TENSOR_MAP = {
     "blk.{i}.ssm_dt.bias": "model.layers.{i}.linear_attn.dt_bias",
     "blk.{i}.ssm_norm.weight": "model.layers.{i}.linear_attn.norm.weight",
     "blk.{i}.ssm_out.weight": "model.layers.{i}.linear_attn.out_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 
 
@@ -415,3 +346,23 @@ def gguf_transform(name: str, array: mx.array, args: ModelArgs | None = None) ->
     if name.endswith(".ssm_conv1d.weight"):
         return array[..., None]
     return array
+
+
+def rope_layers(args: ModelArgs) -> list[LayerRoPE | None]:
+    """Partial RoPE on the full-attention layers; the delta-net layers have none."""
+    dims = int(args.head_dim * args.partial_rotary_factor)
+    rope = LayerRoPE(dims=dims, freqs=rope_inv_freq(dims, args.rope_theta))
+    return [rope if t == "full_attention" else None for t in args.layer_types]
+
+
+ARCHITECTURE = Architecture(
+    model_types=("qwen3_5_text", "qwen3_5"),
+    args=ModelArgs,
+    model=Model,
+    gguf_architectures=("qwen35",),
+    gguf_tensor_map=GGUF_TENSOR_MAP,
+    args_from_gguf=args_from_gguf,
+    gguf_transform=gguf_transform,
+    tokenizer=TokenizerQuirks(chat_template="qwen35"),
+    rope=rope_layers,
+)

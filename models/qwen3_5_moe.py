@@ -8,11 +8,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..custom_kernels.activations import silu_mul
-from . import qwen3_5
-from .base import use_kernels
-from .experts import ExpertLinear
-from .qwen3_5 import MLP, gguf_config, sigmoid_gate, swiglu
+from hf2q_mlx.models import ops, qwen3_5
+from hf2q_mlx.models.contract import Architecture
+from hf2q_mlx.models.experts import ExpertLinear
+from hf2q_mlx.models.qwen3_5 import MLP, gguf_config
 
 
 @dataclass
@@ -44,17 +43,11 @@ class Experts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (N, D), indices (N, k) -> (N, k, D)."""
-        if use_kernels():  # SwiGLU kernel; a fused [gate | up] output goes in whole
-            if "gate_up_proj" in self:
-                h = silu_mul(self.gate_up_proj(x, indices))
-            else:
-                h = silu_mul(self.gate_proj(x, indices), self.up_proj(x, indices))
-            return self.down_proj(h, indices)
-        if "gate_up_proj" in self:
-            gate, up = mx.split(self.gate_up_proj(x, indices), 2, axis=-1)  # (N, k, I) each
+        if "gate_up_proj" in self:  # (N, k, 2I): the kernel reads it whole
+            h = ops.gated_activation(self.gate_up_proj(x, indices))
         else:
-            gate, up = self.gate_proj(x, indices), self.up_proj(x, indices)
-        return self.down_proj(swiglu(gate, up), indices)
+            h = ops.gated_activation(self.gate_proj(x, indices), self.up_proj(x, indices))
+        return self.down_proj(h, indices)
 
 
 class SparseMoeBlock(nn.Module):
@@ -79,7 +72,7 @@ class SparseMoeBlock(nn.Module):
             scores = scores / scores.sum(axis=-1, keepdims=True)
         y = self.experts(x, indices)  # (N, k, D)
         y = (y * scores[..., None].astype(y.dtype)).sum(axis=1)
-        y = y + sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))
+        y = y + ops.sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))
         return y.reshape(shape)
 
 
@@ -148,3 +141,16 @@ def gguf_transform(name: str, array: mx.array, args: ModelArgs | None = None) ->
     if name.endswith("ffn_gate_inp_shexp.weight") and array.ndim == 1:
         return array[None]
     return qwen3_5.gguf_transform(name, array, args)
+
+
+ARCHITECTURE = Architecture(
+    model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+    args=ModelArgs,
+    model=Model,
+    gguf_architectures=("qwen35moe",),
+    gguf_tensor_map=GGUF_TENSOR_MAP,
+    args_from_gguf=args_from_gguf,
+    gguf_transform=gguf_transform,
+    tokenizer=qwen3_5.ARCHITECTURE.tokenizer,
+    rope=qwen3_5.rope_layers,
+)

@@ -13,8 +13,8 @@ from hf2q_mlx.custom_kernels import ENV_VAR, reference_only
 from hf2q_mlx.custom_kernels.affine_repack import affine_repack
 from hf2q_mlx.custom_kernels.dequant import GGML_BLOCK_INFO, dequantize_reference
 from hf2q_mlx.errors import WeightMismatchError
-from hf2q_mlx.quantized import GGMLEmbedding, GGMLLinear
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
+from hf2q_mlx.models.quantized import GGMLEmbedding, GGMLLinear
 
 # type -> (bits, byte offsets of its fp16 scale fields in a block, zero sign kept)
 MAPPED = {
@@ -96,7 +96,7 @@ def test_repack_exact_with_negative_and_subnormal_scales(ggml_type):
 
 
 def test_repack_real_gemma3_tensors(gemma3_gguf_path):
-    from hf2q_mlx.gguf import GGUFFile
+    from hf2q_mlx.io.gguf import GGUFFile
 
     f = GGUFFile(gemma3_gguf_path)
     seen = set()

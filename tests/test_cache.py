@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf2q_mlx.cache import RotatingKVCache, attention_mask
+from hf2q_mlx.models.cache import RotatingKVCache, attention_mask
 
 
 def _explicit_mask(cache: RotatingKVCache, pos: int) -> np.ndarray:

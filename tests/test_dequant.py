@@ -9,8 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels.dequant import GGML_BLOCK_INFO, dequantize_reference, row_bytes
+from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
-from hf2q_mlx.gguf import GGUFFile
+from hf2q_mlx.io.gguf import GGUFFile
 
 # byte offsets of the fp16 fields (scales, mins) inside one block
 FP16_FIELDS = {
@@ -69,6 +70,17 @@ def test_block_info_matches_gguf():
     assert row_bytes(T.Q4_K, 512) == 288
     assert row_bytes(T.F16, 7) == 14
     assert row_bytes(T.Q8_0, 96) == 102
+
+
+def test_block_formats_table():
+    """The one table the kernels, dequant and the random weights read: sizes as gguf-py's, the
+    fp16 fields where ggml puts them, and the kernels' lane split covering each block exactly."""
+    assert list(BLOCK_FORMATS) == list(FP16_FIELDS)
+    for t, f in BLOCK_FORMATS.items():
+        assert (f.block_size, f.block_bytes) == gguf.GGML_QUANT_SIZES[t] == GGML_BLOCK_INFO[t]
+        assert f.scale_offsets == FP16_FIELDS[t]
+        assert f.lanes * f.groups * f.group_size == f.block_size, T(t).name
+        assert f"dq_{T(t).name.lower()}" in f.decoder
 
 
 @pytest.mark.parametrize("ggml_type", list(GGML_BLOCK_INFO), ids=lambda t: T(t).name)

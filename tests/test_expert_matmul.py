@@ -13,8 +13,8 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
 )
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models.gemma4_moe import ExpertLinear
-from hf2q_mlx.random_weights import random_ggml_blocks
 
 E, N = 12, 24  # experts, output rows per expert
 

@@ -17,15 +17,15 @@ from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
 from hf2q_mlx import custom_kernels
-from hf2q_mlx.bench import decode_step_ops
+from hf2q_mlx.cli.bench import decode_step_ops
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import gemma3, llama
-from hf2q_mlx.quantized import (
+from hf2q_mlx.models.quantized import (
     GGMLLinear,
     fuse_linears,
     ggml_quantize_modules,
     linear_fusion_key,
 )
-from hf2q_mlx.random_weights import random_ggml_blocks
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

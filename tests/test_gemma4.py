@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 import gguf
@@ -11,11 +10,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
-from hf2q_mlx.cache import trim_cache
-from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES
 from hf2q_mlx.models import gemma4
+from hf2q_mlx.models.cache import trim_cache
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -251,44 +249,9 @@ def write_gguf(path, variant: str, qtype: int | None) -> dict[str, mx.array]:
 
 
 def load_gguf(path) -> gemma4.Model:
-    """Through hf2q_mlx.loader once it knows gemma4; until then its steps, plus what Gemma 4
-    needs from it: None map targets and None gguf_transform results are skipped, and GGML
-    expert stacks are swapped in with ExpertLinear.to_ggml."""
-    from hf2q_mlx import loader
-    from hf2q_mlx.gguf import GGUFFile
-    from hf2q_mlx.quantized import ggml_quantize_modules
+    from hf2q_mlx.io.loader import load_model
 
-    if "gemma4" in loader.GGUF_ARCHITECTURES:
-        return loader.load_model(path, dtype="float32")[0]
-
-    f = GGUFFile(path)
-    assert f.architecture == "gemma4"
-    args = gemma4.args_from_gguf(f.metadata, f.tensors)
-    model = gemma4.Model(args)
-    table = [
-        (re.compile(re.escape(p).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$"), t)
-        for p, t in gemma4.GGUF_TENSOR_MAP.items()
-    ]
-    weights, ggml_types = {}, {}
-    for name, tensor in f.tensors.items():
-        match = [(r.match(name), t) for r, t in table if r.match(name)]
-        assert match, f"{name} has no mapping"
-        target = match[0][1] and match[0][1].format(**match[0][0].groupdict())
-        array = gemma4.gguf_transform(name, f.to_mx(name), args)
-        if target is None or array is None:
-            continue
-        if tensor.ggml_type not in DENSE_TYPES:
-            ggml_types[target.rsplit(".", 1)[0]] = tensor.ggml_type
-        weights[target] = array.astype(mx.float32) if array.dtype != mx.uint8 else array
-    experts = {p: t for p, t in ggml_types.items() if ".experts." in p}
-    ggml_quantize_modules(model, {p: t for p, t in ggml_types.items() if p not in experts})
-    for p, t in experts.items():
-        layer = model
-        for key in p.split("."):
-            layer = layer[int(key)] if isinstance(layer, list) else layer[key]
-        model.update_modules(tree_unflatten([(p, layer.to_ggml(t))]))
-    model.load_weights(list(weights.items()), strict=True)
-    return model
+    return load_model(path, dtype="float32")[0]
 
 
 @pytest.mark.parametrize("qtype", [None, T.Q8_0, T.Q4_0], ids=["F32", "Q8_0", "Q4_0"])

@@ -10,10 +10,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from hf2q_mlx.bench import run_bench
-from hf2q_mlx.cache import KVCache, causal_mask
-from hf2q_mlx.errors import ContextLengthError, SamplingOptionsError
-from hf2q_mlx.generate import (
+from hf2q_mlx.cli.bench import run_bench
+from hf2q_mlx.cli.perplexity import perplexity
+from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, SamplingOptionsError
+from hf2q_mlx.generation import (
     GenerationResponse,
     encode_prompt,
     generate,
@@ -21,7 +21,8 @@ from hf2q_mlx.generate import (
     prefill,
     stream_generate,
 )
-from hf2q_mlx.perplexity import perplexity
+from hf2q_mlx.models.attention import attend
+from hf2q_mlx.models.cache import KVCache, causal_mask
 
 # ---------------------------------------------------------------- toy tokenizer
 
@@ -114,7 +115,7 @@ class TinyBlock(nn.Module):
         else:
             mask = causal_mask(L)
         scale = (D // self.heads) ** -0.5
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        o = attend(q, k, v, cache, scale, mask)  # the cache owns its attention call
         x = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, D))
         return x + self.down(nn.gelu(self.up(self.norm2(x))))
 
@@ -288,7 +289,8 @@ def test_max_tokens():
     responses = list(stream_generate(model, TOK, prompt, max_tokens=3))
     assert texts(responses) == ["a", "b", "c"]
     assert responses[-1].finish_reason == "length"
-    assert list(stream_generate(model, TOK, prompt, max_tokens=0)) == []
+    with pytest.raises(SamplingOptionsError, match="max_tokens"):
+        stream_generate(model, TOK, prompt, max_tokens=0)
 
 
 @pytest.mark.parametrize(
@@ -348,7 +350,7 @@ def test_context_length():
 def test_bad_options_raise_at_call(kwargs):
     model = TinyModel(seed=7)
     prompt = kwargs.pop("prompt", "abc")
-    with pytest.raises(SamplingOptionsError):
+    with pytest.raises(InvalidArgumentError):
         stream_generate(model, TOK, prompt, **kwargs)  # not iterated: raises eagerly
 
 
@@ -435,12 +437,25 @@ def test_bench_reports_speeds():
         run_bench(model, TOK, prompt_tokens=0)
 
 
+def test_bench_and_perplexity_progress_bars(capsys):
+    model = TinyModel(seed=11)
+    run_bench(model, TOK, prompt_tokens=8, gen_tokens=3, progress=True)
+    err = capsys.readouterr().err
+    assert "bench" in err and "11/11" in err  # prompt + generated tokens, with tqdm's ETA
+    perplexity(model, list(range(2, 40)), context=8, progress=True)
+    err = capsys.readouterr().err
+    assert "perplexity" in err and "33/33" in err  # 38 tokens in windows of 8: 33 scored
+    run_bench(model, TOK, prompt_tokens=8, gen_tokens=3)
+    perplexity(model, list(range(2, 40)), context=8)
+    assert capsys.readouterr().err == ""
+
+
 # ---------------------------------------------------------------- real model
 
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_gguf_path):
-    from hf2q_mlx.loader import load
+    from hf2q_mlx.io.loader import load
 
     return load(gemma3_gguf_path)
 
@@ -464,8 +479,8 @@ def test_real_model_decode_matches_full_forward(gemma3):
 
 
 def test_kv_bits_selects_turboquant_cache():
-    from hf2q_mlx.generate import make_prompt_cache, parse_kv_bits
-    from hf2q_mlx.tq_cache import TQKVCache
+    from hf2q_mlx.generation import make_prompt_cache, parse_kv_bits
+    from hf2q_mlx.models.turboquant.cache import TQKVCache
 
     model = TinyModel(seed=5)
     assert parse_kv_bits("8,4") == (8, 4) and parse_kv_bits(6) == (6, 6)

@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
+from hf2q_mlx.cli.info import describe
 from hf2q_mlx.errors import (
     GGUFFormatError,
     Hf2qError,
@@ -23,8 +24,7 @@ from hf2q_mlx.errors import (
     UnsupportedQuantTypeError,
     WeightMismatchError,
 )
-from hf2q_mlx.gguf import GGUFFile, _Header
-from hf2q_mlx.info import describe
+from hf2q_mlx.io.gguf import GGUFFile, _Header
 
 RNG = np.random.default_rng(0)
 FLOATS = {
@@ -342,3 +342,49 @@ def test_random_header_byte_flips(small_gguf, tmp_path):
         except Hf2qError:
             failures += 1
     assert failures > 100  # most flips must be noticed
+
+
+def test_invalid_utf8_in_a_token_is_a_format_error(tmp_path):
+    # a flipped bit inside a token string once came out as a surrogate and raised
+    # UnicodeEncodeError in the tokenizer instead of the project's error
+    w = gguf.GGUFWriter(tmp_path / "v.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "é", "ab"])
+    w.add_token_merges(["a b"])
+    w.add_tensor("x", np.ones(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = (tmp_path / "v.gguf").read_bytes()
+    at = data.index("é".encode())
+    bad = bytearray(data)
+    bad[at + 1] ^= 0x40  # 0xA9 -> 0xE9: no longer a continuation byte
+    err = assert_fails_fast(tmp_path, bytes(bad), GGUFFormatError)
+    assert "tokenizer.ggml.tokens" in str(err) and "UTF-8" in str(err)
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_tensor_table_ending_on_an_alignment_boundary(tmp_path, alignment):
+    # with no padding needed, the data must start right after the table: a reader that always
+    # pads (or pads by the wrong amount) reads every tensor from the wrong bytes
+    values = np.arange(8, dtype=np.float32)
+    for pad in range(alignment):
+        path = tmp_path / f"a{pad}.gguf"
+        w = gguf.GGUFWriter(path, "llama")
+        if alignment != 32:
+            w.add_custom_alignment(alignment)
+        w.add_string("test.pad", "x" * pad)
+        w.add_tensor("t", values)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        data = path.read_bytes()
+        if layout(data)["infos_end"] % alignment == 0:
+            break
+    else:
+        pytest.fail("no padding length put the table end on the boundary")
+    f = GGUFFile(path)
+    assert f.data_offset == layout(data)["infos_end"]
+    np.testing.assert_array_equal(np.asarray(f.tensors["t"].data), values)

@@ -1,6 +1,7 @@
 """The models route through the fused-kernel dispatchers (q/k(/v) norm + RoPE, residual add +
 norm, gated activations, logit softcap) when kernels run, and build exactly their plain-MLX
-graphs under ``HF2Q_KERNELS=reference`` / ``reference_only()`` and on the CPU.
+graphs under ``HF2Q_KERNELS=reference`` / ``reference_only()`` and on the CPU. The choice is the
+ops layer's (models/ops.py): a model file has one forward path.
 
 On the CPU the kernel path runs through the CUDA renderings on the CPU emulator
 (tests/kernels/kernel_emulator.py): ``backend()`` is told the CPU is the GPU, the four fused
@@ -10,6 +11,7 @@ decode greedily with kernels and with ``reference_only()``: same tokens, close l
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import pkgutil
@@ -193,6 +195,35 @@ def test_model_routes_through_the_fused_kernels(name, monkeypatch, on_cpu):
     # the reference switches give today's graph bit for bit; the kernels agree to fp32 noise
     assert mx.array_equal(forced, plain) and mx.array_equal(env, plain)
     assert_close(fused, plain)
+
+
+# what only models/ops.py may call or do: the fused dispatchers, the kernel switch, mx.compile
+OPS_ONLY = {
+    "residual_rms_norm", "qk_norm_rope", "rms_norm_rope", "gated_activation", "silu_mul",
+    "gelu_tanh_mul", "softcap", "use_kernels", "backend", "compile",
+}  # fmt: skip
+MODEL_FILES = ["gemma3", "gemma4", "gemma4_moe", "llama", "qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_model_has_one_forward_path(name):
+    """Kernel or reference is the ops layer's choice per op: a model file names no fused
+    dispatcher, never asks whether kernels run, compiles nothing and has no twin forward."""
+    path = Path(importlib.import_module(f"hf2q_mlx.models.{name}").__file__)
+    tree = ast.parse(path.read_text())
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            named |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Name):
+            named.add(node.id)
+        elif isinstance(node, ast.Attribute) and not (
+            isinstance(node.value, ast.Name) and node.value.id == "ops"
+        ):
+            named.add(node.attr)
+        elif isinstance(node, ast.FunctionDef):
+            assert "fused" not in node.name, f"{name}.{node.name}: a second forward path"
+    assert not named & OPS_ONLY, sorted(named & OPS_ONLY)
 
 
 def test_backend_reads_the_environment_only_when_it_changes(monkeypatch, on_cpu):

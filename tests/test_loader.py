@@ -21,7 +21,7 @@ from hf2q_mlx.errors import (
     UnsupportedQuantTypeError,
     WeightMismatchError,
 )
-from hf2q_mlx.loader import load_model
+from hf2q_mlx.io.loader import load_model
 
 # fp32 on both sides: ~1e-4 of the largest logit covers the different summation orders
 RTOL = 1e-4

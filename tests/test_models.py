@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf2q_mlx.cache import trim_cache
 from hf2q_mlx.models import gemma3, llama
+from hf2q_mlx.models.cache import trim_cache
 
 # fp32 on both sides; the two implementations sum in different orders, so allow ~1e-4 relative
 RTOL = 1e-4

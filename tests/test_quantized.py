@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
-from hf2q_mlx.quantized import GGMLEmbedding, GGMLLinear, ggml_quantize_modules
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
+from hf2q_mlx.models.quantized import GGMLEmbedding, GGMLLinear, ggml_quantize_modules
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 

@@ -14,9 +14,9 @@ import torch
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
 
-from hf2q_mlx.cache import trim_cache
 from hf2q_mlx.custom_kernels import gated_delta, reference_only
 from hf2q_mlx.models import qwen3_5, qwen3_5_moe
+from hf2q_mlx.models.cache import trim_cache
 
 # fp32 on both sides; the implementations sum in different orders (and HF uses its chunked
 # delta rule), so allow 1e-4 of the largest logit
@@ -334,8 +334,8 @@ def load_gguf(path, module):
     """GGUF -> model through the module's GGUF map (what the loader will do for qwen35)."""
     import re
 
-    from hf2q_mlx.gguf import GGUFFile
-    from hf2q_mlx.quantized import ggml_quantize_modules
+    from hf2q_mlx.io.gguf import GGUFFile
+    from hf2q_mlx.models.quantized import ggml_quantize_modules
 
     f = GGUFFile(path)
     args = module.args_from_gguf(f.metadata, tuple(f.tensors))

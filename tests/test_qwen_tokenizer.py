@@ -14,15 +14,15 @@ import unicodedata
 import pytest
 
 from hf2q_mlx.errors import TokenizerError
-from hf2q_mlx.tokenizer import QWEN35_CHAT_TEMPLATE, Tokenizer
-from hf2q_mlx.tokenizer_bpe import GGUF_PRE_SPLITS, QWEN35_SPLIT
-from hf2q_mlx.tokenizer_tiktoken import (
+from hf2q_mlx.tokenizer.bpe import GGUF_PRE_SPLITS, QWEN35_SPLIT
+from hf2q_mlx.tokenizer.tiktoken_bpe import (
     byte_alphabet,
     gguf_metadata,
     load_tiktoken_ranks,
     rank_merges,
     tokenizer_json,
 )
+from hf2q_mlx.tokenizer.tokenizer import QWEN35_CHAT_TEMPLATE, Tokenizer
 
 # English, CJK, Arabic, Hindi, Cyrillic, Greek, emoji (ZWJ sequences, flags, skin tones), code
 # with tabs, numbers, runs of spaces, newlines and \r\n, a decomposed accent (Qwen normalizes to
@@ -174,7 +174,7 @@ def gguf_meta(ranks, merges, specials):
 def ours_gguf(gguf_meta, tmp_path_factory):
     """Ours from a vocabulary-only GGUF file (written by gguf-py, read by our reader)."""
     gguf = pytest.importorskip("gguf")
-    from hf2q_mlx.gguf import GGUFFile
+    from hf2q_mlx.io.gguf import GGUFFile
 
     path = tmp_path_factory.mktemp("qwen35_gguf") / "vocab.gguf"
     writer = gguf.GGUFWriter(path, gguf_meta["general.architecture"])

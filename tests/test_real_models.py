@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf2q_mlx.loader import load_model
-from hf2q_mlx.perplexity import perplexity
+from hf2q_mlx.cli.perplexity import perplexity
+from hf2q_mlx.io.loader import load_model
 
 pytestmark = pytest.mark.real_model
 
@@ -120,7 +120,7 @@ def test_perplexity(models, capsys):
 
 def test_public_load_with_our_tokenizer(models, request):
     # hf2q_mlx.load: the same weights plus our tokenizer, which must reproduce the ids
-    pytest.importorskip("hf2q_mlx.tokenizer")
+    pytest.importorskip("hf2q_mlx.tokenizer.tokenizer")
     import hf2q_mlx
 
     name, ours, _, tok = models

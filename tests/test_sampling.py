@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from hf2q_mlx.custom_kernels import reference_forced, reference_only
+from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.errors import SamplingOptionsError
+from hf2q_mlx.generation import stream_generate
 from hf2q_mlx.sampling import (
     apply_repetition_penalty,
+    apply_top_k,
     make_logits_processors,
     make_sampler,
     validate_sampling_options,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
+import kernel_emulator  # noqa: E402
 
 V = 24
 DRAWS = 20_000
@@ -172,3 +182,62 @@ def test_make_sampler_validates():
         make_sampler(1.0, top_p=0.0)
     with pytest.raises(SamplingOptionsError, match="repetition_penalty"):
         make_logits_processors(repetition_penalty=-1.0)
+
+
+# ---- the top-k filter through the GPU top-k kernel, on the CPU emulator ------------------------
+
+
+@pytest.fixture
+def topk_kernel_on_cpu(monkeypatch):
+    """custom_kernels.sampling's backend() says 'cuda' (outside reference_only()) and its kernel
+    runs on the emulator (the CUDA rendering compiled with g++); other dispatchers: reference."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    emu = kernel_emulator.Emulated(sampling_kernels._kernel)
+    monkeypatch.setattr(sampling_kernels, "_kernel", emu)
+    monkeypatch.setattr(sampling_kernels, "backend", lambda: None if reference_forced() else "cuda")
+    with mx.stream(mx.cpu):
+        yield emu
+
+
+def _untied_logits(shape, seed: int) -> mx.array:
+    """Distinct values in every row (a permutation of a grid), so the top k is one set."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.permutation(shape[-1]) * 0.01 - 7.0 for _ in range(shape[0])]
+    return mx.array(np.stack(rows).astype(np.float32))
+
+
+@pytest.mark.parametrize("V,k", [(24, 1), (24, 5), (3000, 7), (3000, 64)])
+def test_top_k_takes_the_kernel_and_matches_the_reference(V, k, topk_kernel_on_cpu):
+    logits = _untied_logits((3, V), seed=V + k)
+    with reference_only():
+        want = apply_top_k(logits, k)
+        want_tokens = make_sampler(0.7, top_k=k)(logits, mx.random.key(4))
+    assert topk_kernel_on_cpu.launches == 0
+    got = apply_top_k(logits, k)
+    assert topk_kernel_on_cpu.launches >= 1, "apply_top_k did not take the top-k kernel"
+    assert mx.array_equal(got, want)  # the same k survivors, values copied exactly
+    assert mx.array_equal(make_sampler(0.7, top_k=k)(logits, mx.random.key(4)), want_tokens)
+
+
+def test_top_k_kernel_keeps_the_lower_ids_of_equal_logits(topk_kernel_on_cpu):
+    logits = mx.array([[0.0, 2.0, 1.0, 2.0, 1.0, 1.0, -1.0, 1.0]])
+    kept = np.isfinite(np.array(apply_top_k(logits, 3)))[0]
+    assert topk_kernel_on_cpu.launches == 1
+    assert kept.tolist() == [False, True, True, True, False, False, False, False]
+    with reference_only():  # the reference keeps exactly k too (which tied ones: argpartition's)
+        assert np.isfinite(np.array(apply_top_k(logits, 3))).sum() == 3
+
+
+def test_generation_with_top_k_through_the_kernel(topk_kernel_on_cpu):
+    """Seeded top-k sampling in the decode loop: the same tokens and logprobs with the kernel
+    (emulated) as with the reference."""
+    from test_generate import TOK, TinyModel
+
+    model = TinyModel(seed=3)
+    opts = dict(max_tokens=6, temperature=1.2, top_k=5, seed=11, ignore_eos=True)
+    with reference_only():
+        want = [(r.token, r.logprob) for r in stream_generate(model, TOK, [0, 9, 8], **opts)]
+    got = [(r.token, r.logprob) for r in stream_generate(model, TOK, [0, 9, 8], **opts)]
+    assert topk_kernel_on_cpu.launches == 6
+    assert got == want

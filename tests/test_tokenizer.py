@@ -9,8 +9,8 @@ import time
 import pytest
 
 from hf2q_mlx.errors import TokenizerError
-from hf2q_mlx.gguf import GGUFFile
-from hf2q_mlx.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
+from hf2q_mlx.io.gguf import GGUFFile
+from hf2q_mlx.tokenizer.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,21 +8,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf2q_mlx.attention import attend
-from hf2q_mlx.cache import KVCache, RotatingKVCache
-from hf2q_mlx.custom_kernels.tq_flash_decode import (
-    tq_attention_oracle,
-    tq_flash_decode_reference,
-)
 from hf2q_mlx.errors import Hf2qError
-from hf2q_mlx.tq_cache import (
+from hf2q_mlx.models.attention import attend
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache
+from hf2q_mlx.models.turboquant.cache import (
     TQKVCache,
     TQPacked,
     TQRotatingKVCache,
     make_tq_cache,
     to_tq_cache,
 )
-from hf2q_mlx.turboquant import (
+from hf2q_mlx.models.turboquant.codec import (
     SUPPORTED_BITS,
     TQCodec,
     fwht,
@@ -34,6 +30,7 @@ from hf2q_mlx.turboquant import (
     unpack_bits,
     value_balance,
 )
+from hf2q_mlx.models.turboquant.kernels import tq_attention_oracle, tq_flash_decode_reference
 
 # fp32 attention through different but equivalent orders of summation
 ATOL = 2e-5
@@ -285,7 +282,7 @@ def test_tq_cache_matches_plain_cache_of_dequantized_vectors(name, factory, leng
             assert tq.tq_balance.k_scale is not None and tq.tq_balance.v_scale is not None
         kr, vr, mask_r = ref.update_and_fetch(*_cache_roundtrip(tq, k, v))
         if isinstance(kq, TQPacked):
-            # attend() has marked the cache: a flash-decode step fetches nothing
+            # a step the flash-decode kernel covers fetches nothing
             assert i > 0 and tq.can_flash(L) and vq is kq and mask is None
             assert kq.state.offset == tq.offset
         else:
@@ -403,16 +400,15 @@ def test_balance_without_attend_keeps_keys_unscaled():
 
 
 def test_attend_placeholders_and_shared_kv():
-    """Unmarked caches fetch tensors; after attend() a decode step fetches TQPacked, which a
-    KV-sharing layer (cache=None) can attend too; plain caches never see placeholders."""
+    """The first write fetches tensors; a decode step fetches TQPacked, which the cache's
+    attend() and a KV-sharing layer's (cache=None) run on the flash-decode kernel alike."""
     rng = np.random.default_rng(2)
     c = TQRotatingKVCache(16, 4, 4, reserve=1)
     k, v = _normal(rng, 1, 2, 20, 64), _normal(rng, 1, 2, 20, 64)
     kq, vq, mask = c.update_and_fetch(k, v)
-    assert isinstance(kq, mx.array) and not c.flash_attend
+    assert isinstance(kq, mx.array)
     q = _normal(rng, 1, 4, 20, 64)
     attend(q, kq, vq, c, 0.125, mask)
-    assert c.flash_attend
     k1, v1 = _normal(rng, 1, 2, 2, 64), _normal(rng, 1, 2, 2, 64)
     kq, vq, mask = c.update_and_fetch(k1, v1)
     assert isinstance(kq, TQPacked) and mask is None and c.offset == 22
@@ -425,6 +421,47 @@ def test_attend_placeholders_and_shared_kv():
     # 3 queries exceed reserve + 1: the dequantized path again
     kq, _, mask = c.update_and_fetch(*(_normal(rng, 1, 2, 3, 64) for _ in range(2)))
     assert isinstance(kq, mx.array) and mask.shape == (3, 17 + 3)
+
+
+def _fetch_summary(fetched) -> tuple:
+    """What update_and_fetch returned, as comparable host data."""
+    k, v, mask = fetched
+    if isinstance(k, TQPacked):
+        st = k.state
+        return ("packed", v is k, mask, st.offset, np.array(st.keys), np.array(st.values))
+    m = None if mask is None else np.array(mask)
+    return ("tensors", np.array(k), np.array(v), m)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+@pytest.mark.parametrize("ring", [True, False])
+def test_update_and_fetch_does_not_depend_on_earlier_attend(balance, ring):
+    """Two caches get the same writes; one also runs attend() after each, the other only what
+    attend() does to its state (the first write's calibration): every fetch is the same."""
+    rng = np.random.default_rng(4)
+
+    def make():
+        if ring:
+            return TQRotatingKVCache(8, 4, 4, seed=1, reserve=2, balance=balance)
+        return TQKVCache(4, 4, seed=1, balance=balance)
+
+    attended, fetched_only = make(), make()
+    for L in [6, 1, 1, 2, 3, 1, 12, 1]:
+        q, k, v = (_normal(rng, 1, h, L, 64) for h in (4, 2, 2))
+        a = attended.update_and_fetch(k, v)
+        b = fetched_only.update_and_fetch(k, v)
+        if fetched_only.needs_calibration:
+            fetched_only.calibrate(q)
+        out = attend(q, *a[:2], attended, 0.125, a[2])
+        for x, y in zip(_fetch_summary(a), _fetch_summary(b), strict=True):
+            if isinstance(x, np.ndarray):
+                np.testing.assert_array_equal(x, y)
+            else:
+                assert x == y
+        # the decode steps the kernel covers come packed, whatever happened before
+        first = fetched_only.offset == L
+        assert (_fetch_summary(b)[0] == "packed") == (not first and L <= (3 if ring else 8))
+        mx.eval(out)
 
 
 def test_tq_cache_nbytes_and_state():

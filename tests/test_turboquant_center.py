@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 from test_turboquant import assert_logits_track_full, tiny_gemma3
 
-from hf2q_mlx.attention import attend
-from hf2q_mlx.cache import KVCache, RotatingKVCache
 from hf2q_mlx.errors import Hf2qError
-from hf2q_mlx.tq_cache import (
-    TQBalance,
+from hf2q_mlx.models.attention import attend
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache
+from hf2q_mlx.models.turboquant.cache import (
     TQKVCache,
     TQRotatingKVCache,
     make_tq_cache,
     model_rope_freqs,
     to_tq_cache,
 )
-from hf2q_mlx.turboquant import BALANCE_PRIOR_TOKENS, key_balance, key_mean
+from hf2q_mlx.models.turboquant.codec import BALANCE_PRIOR_TOKENS, key_balance, key_mean
+from hf2q_mlx.models.turboquant.state import TQBalance
 
 
 def _biased(rng: np.random.Generator, *shape, mean: float) -> mx.array:

@@ -17,7 +17,7 @@ from hf2q_mlx.custom_kernels import expert_matmul as X
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference, row_bytes
 from hf2q_mlx.errors import WeightMismatchError
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]

@@ -11,6 +11,7 @@ from conftest import requires_gpu
 
 from hf2q_mlx.custom_kernels import gated_delta as gd
 from hf2q_mlx.custom_kernels import reference_only
+from hf2q_mlx.errors import InvalidArgumentError
 
 # (B, T, Hk, Hv, Dk, Dv): Hv = Hk, Hv = 3 Hk, odd Dv, several batches
 SHAPES = [
@@ -114,6 +115,28 @@ def test_chunked_matches_sequential(T, chunk):
     # fp32, two summation orders of the same recurrence: ~1e-6 relative; allow 2e-5
     check(y, np.array(y_ref), 2e-5, "y")
     check(s, np.array(s_ref), 2e-5, "state")
+
+
+@pytest.mark.parametrize("value", ["", "auto", "chunked", "reference", " Reference "])
+def test_prefill_switch_picks_the_recurrence(value, monkeypatch):
+    """HF2Q_GDN_PREFILL (docs/kernels.md): unset or auto = MLX's fast op where it exists, else
+    the chunked form; a named form is taken as asked, whatever its case and spaces."""
+    monkeypatch.setenv("HF2Q_GDN_PREFILL", value)
+    taken = []
+    for name in gd._RECURRENCES:
+        real = gd._RECURRENCES[name]
+        fake = lambda *a, _n=name, _r=real: taken.append(_n) or _r(*a)  # noqa: E731
+        monkeypatch.setitem(gd._RECURRENCES, name, fake)
+    with reference_only():
+        gd.gated_delta_update(**make_inputs(1, 3, 2, 4, 32, 8, seed=1))
+    auto = "fast" if hasattr(mx.fast, "gated_delta_update") else "chunked"
+    assert taken == [value.strip().lower() if value.strip() not in ("", "auto") else auto]
+
+
+def test_prefill_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("HF2Q_GDN_PREFILL", "fastest")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_GDN_PREFILL"):
+        gd.gated_delta_update(**make_inputs(1, 3, 2, 4, 32, 8, seed=1))
 
 
 def test_dispatcher_validates_shapes():

@@ -12,15 +12,18 @@ import pytest
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
 
+from hf2q_mlx.custom_kernels import dequant as D
 from hf2q_mlx.custom_kernels import qmatmul as Q
-from hf2q_mlx.custom_kernels import reference_only
+from hf2q_mlx.custom_kernels import qmatmul_tuning, reference_only
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
+from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
 # fp32: the kernel and the reference sum the same exact products in a different order; over
 # K <= 4352 terms that moves the result by ~sqrt(K) fp32 ulps, far below 2e-5 of its norm.
 FP32_TOL = 2e-5
@@ -124,7 +127,7 @@ def test_launch_config():
             # the packed fp16 variant is for fp16 x only; V = 2 (bf16 x) only where an H200
             # sweep put it in BF16_DEFAULTS (Q4_0, Q4_K)
             for k in (4096, 14336):
-                v2 = (t.name, k >= 8192) in Q.BF16_DEFAULTS
+                v2 = (t.name, k >= 8192) in qmatmul_tuning.BF16_DEFAULTS
                 assert Q.launch_config(t, m, 4096, k, mx.bfloat16)["V"] == (2 if v2 else 0)
                 assert Q.launch_config(t, m, 4096, k, mx.float32)["V"] == 0
                 assert Q.launch_config(t, m, 4096, k, mx.float16)["V"] in (0, 1)
@@ -137,7 +140,7 @@ def test_launch_config():
 def test_bf16_defaults_hook(monkeypatch):
     """One BF16_DEFAULTS line switches bf16 x (only) to V = 2, by type or by block family."""
     monkeypatch.setattr(
-        Q, "BF16_DEFAULTS", {("32", True): (2, 4, 1, 8), ("Q4_K", False): (2, 4, 2, 4)}
+        qmatmul_tuning, "BF16_DEFAULTS", {("32", True): (2, 4, 1, 8), ("Q4_K", False): (2, 4, 2, 4)}
     )
     assert Q.launch_config(T.Q4_0, 1, 4096, 14336, mx.bfloat16) == {
         "V": 2,
@@ -166,7 +169,7 @@ def test_packed_variants_take_their_dtype_only():
 # CPU emulator: the CUDA rendering's logic for every type, a few configurations
 
 # (type, dtype, M, N, K, config or None)
-_EMU_CASES = [(t, mx.float32, 1, 7, 768 if Q._TYPES[t][1] == 256 else 352, None) for t in TYPES] + [
+_EMU_CASES = [(t, mx.float32, 1, 7, 768 if QK[t] == 256 else 352, None) for t in TYPES] + [
     (T.Q4_0, mx.float16, 5, 9, 256, None),
     (T.Q6_K, mx.bfloat16, 16, 3, 512, None),
     (T.Q4_K, mx.float16, 3, 5, 2304, {"MT": 4, "R": 3, "U": 2, "W": 3}),
@@ -178,9 +181,7 @@ _EMU_CASES = [(t, mx.float32, 1, 7, 768 if Q._TYPES[t][1] == 256 else 352, None)
 ]
 # The packed fp16 variant (V = 1) for every type, then odd configurations and M > 1.
 _H2 = {"V": 1, "MT": 1, "R": 2, "U": 2, "W": 2}
-_EMU_CASES += [
-    (t, mx.float16, 1, 7, 1280 if Q._TYPES[t][1] == 256 else 352, _H2) for t in TYPES
-] + [
+_EMU_CASES += [(t, mx.float16, 1, 7, 1280 if QK[t] == 256 else 352, _H2) for t in TYPES] + [
     (T.Q4_0, mx.float16, 5, 9, 256, {"V": 1, "MT": 8, "R": 1, "U": 3, "W": 1}),
     (T.Q4_K, mx.float16, 3, 5, 2304, {"V": 1, "MT": 4, "R": 3, "U": 1, "W": 3}),
     (T.Q8_0, mx.float16, 1, 5, 1792, {"V": 1, "MT": 1, "R": 4, "U": 4, "W": 1}),
@@ -192,9 +193,7 @@ _EMU_CASES += [
 # not H2_FACTOR: its fp16 roundings (2^-11 each, after an exact scaled conversion of x) sit four
 # times under the output's bf16 rounding (2^-9), so they barely add to the reference's error.
 _H2BF = {"V": 2, "MT": 1, "R": 2, "U": 2, "W": 2}
-_EMU_CASES += [
-    (t, mx.bfloat16, 1, 7, 1280 if Q._TYPES[t][1] == 256 else 352, _H2BF) for t in TYPES
-] + [
+_EMU_CASES += [(t, mx.bfloat16, 1, 7, 1280 if QK[t] == 256 else 352, _H2BF) for t in TYPES] + [
     (T.Q4_K, mx.bfloat16, 3, 5, 2304, {"V": 2, "MT": 4, "R": 3, "U": 1, "W": 3}),
     (T.Q8_0, mx.bfloat16, 5, 13, 1792, {"V": 2, "MT": 8, "R": 2, "U": 3, "W": 2}),
 ]
@@ -431,7 +430,7 @@ def test_dispatcher_takes_h2bf_from_bf16_defaults(monkeypatch):
     monkeypatch.setattr(Kernel, "__call__", _emu_call)
     monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
-    monkeypatch.setattr(Q, "BF16_DEFAULTS", {("32", False): _H2BF_LINE})
+    monkeypatch.setattr(qmatmul_tuning, "BF16_DEFAULTS", {("32", False): _H2BF_LINE})
     w, wf = _weight(T.Q4_0, 7, 352)
     x = _x(2, 352, mx.bfloat16, seed=12).reshape(1, 2, 352)
     y = Q.ggml_matmul(x, w, T.Q4_0, 352)
@@ -452,8 +451,8 @@ def test_dequant_kernel_on_the_emulator(ggml_type, dtype):
     w, wf = _weight(ggml_type, n, k)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Kernel, "launcher", _emu_launcher)
-        mp.setattr(Q, "_DEQUANT_PLANS", {})  # keep the emulator's launches out of the real cache
-        got = Q.ggml_dequantize_kernel(w, ggml_type, k, dtype)
+        mp.setattr(D, "_PLANS", {})  # keep the emulator's launches out of the real cache
+        got = D.ggml_dequantize_kernel(w, ggml_type, k, dtype)
     assert got.shape == (n, k) and got.dtype == dtype
     got, want = np.array(got.astype(mx.float32)), np.array(wf.astype(dtype).astype(mx.float32))
     scale = np.abs(np.array(wf)).max()
@@ -473,15 +472,15 @@ def _get_rows_check(got: mx.array, wf: mx.array, ids: mx.array) -> None:
 def test_get_rows_on_the_emulator(ggml_type, monkeypatch):
     """The GGML embedding lookup with a GPU back end (faked): one gather, then the dequantizer
     over just those rows, in the ids' shape; the reference's rows up to one fp32 rounding."""
-    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(D, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
-    monkeypatch.setattr(Q, "_DEQUANT_PLANS", {})
+    monkeypatch.setattr(D, "_PLANS", {})
     launches = []
-    real = Q.ggml_dequantize_kernel
-    monkeypatch.setattr(Q, "ggml_dequantize_kernel", lambda *a: launches.append(1) or real(*a))
+    real = D.ggml_dequantize_kernel
+    monkeypatch.setattr(D, "ggml_dequantize_kernel", lambda *a: launches.append(1) or real(*a))
     w, wf = _weight(ggml_type, 9, 512)
     ids = mx.array([[3, 0, 8], [8, 8, 1]])
-    _get_rows_check(Q.ggml_get_rows(w, ids, ggml_type, 512), wf, ids)
+    _get_rows_check(D.ggml_get_rows(w, ids, ggml_type, 512), wf, ids)
     assert launches == [1]
 
 
@@ -490,4 +489,4 @@ def test_get_rows_on_the_emulator(ggml_type, monkeypatch):
 def test_gpu_get_rows(ggml_type):
     w, wf = _weight(ggml_type, 300, 768)
     ids = mx.array([[299, 0, 17, 17]])
-    _get_rows_check(Q.ggml_get_rows(w, ids, ggml_type, 768), wf, ids)
+    _get_rows_check(D.ggml_get_rows(w, ids, ggml_type, 768), wf, ids)

@@ -16,7 +16,7 @@ from test_norm_rope import emulate, needs_gxx
 from hf2q_mlx.custom_kernels import lm_head_topk as lm
 from hf2q_mlx.custom_kernels import sampling as smp
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
-from hf2q_mlx.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 
 def np_topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -255,12 +255,12 @@ def test_lm_head_topk_gpu_ties_and_unfused_types():
     _check_head(vals, idx, x, w64, 3, None, exact=False)
 
 
-# ---- hf2q_mlx.profile: the per-op profile of a decode step -------------------------------------
+# ---- hf2q_mlx.cli.profile: the per-op profile of a decode step ---------------------------------
 
 
 def test_profile_decode_step_tiny_model():
+    from hf2q_mlx.cli.profile import format_profile, profile_decode_step, profiling
     from hf2q_mlx.models.gemma3 import Model, ModelArgs
-    from hf2q_mlx.profile import format_profile, profile_decode_step, profiling
 
     args = ModelArgs(
         hidden_size=64,

@@ -14,8 +14,9 @@ from hf2q_mlx import custom_kernels as ck
 from hf2q_mlx.custom_kernels import reference_only
 from hf2q_mlx.custom_kernels import tq_flash_decode as fd
 from hf2q_mlx.custom_kernels import tq_quantize as tqq
-from hf2q_mlx.tq_cache import TQKVCache, TQRotatingKVCache
-from hf2q_mlx.turboquant import TQCodec, unpack_bits
+from hf2q_mlx.models.turboquant import kernels as tqk
+from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache
+from hf2q_mlx.models.turboquant.codec import TQCodec, unpack_bits
 
 # ---- CPU emulation ------------------------------------------------------------------------------
 
@@ -56,7 +57,7 @@ def _emulated_backend() -> str | None:
 def _check_quantize(rows: mx.array, x: mx.array, codec: TQCodec) -> None:
     """Kernel rows vs the reference: codes equal except rare boundary ties; each row's scale
     within fp32 rounding of the scale its own codes imply."""
-    ref = tqq.tq_quantize_reference(x, codec)
+    ref = tqk.tq_quantize_reference(x, codec)
     assert rows.shape == ref.shape and rows.dtype == mx.uint32
     words, scales = codec.split(rows)
     words_r, scales_r = codec.split(ref)
@@ -125,8 +126,8 @@ def _check_flash(case, seed, dtype=mx.float32):
     assert cache.can_flash(M)
     st = cache.packed_state()
     q = mx.array(rng.standard_normal((2, Hq, M, Dk)).astype(np.float32) * 2).astype(dtype)
-    out = fd.tq_flash_decode(q, st, Dk**-0.5)
-    want = fd.tq_flash_decode_reference(q, st, Dk**-0.5)
+    out = tqk.tq_flash_decode(q, st, Dk**-0.5)
+    want = tqk.tq_flash_decode_reference(q, st, Dk**-0.5)
     assert out.shape == want.shape == (2, Hq, M, Dv) and out.dtype == dtype
     out, want = np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32))
     if dtype == mx.float32:
@@ -152,7 +153,7 @@ def test_quantize_kernel_emulated(emulated, dim, bits, dtype):
     codec = TQCodec(dim, bits, seed=bits)
     x = mx.array(rng.standard_normal((2, 3, 5, dim)).astype(np.float32) * 3)
     x = mx.concatenate([x, mx.zeros((2, 3, 1, dim))], axis=2).astype(dtype)  # a zero vector too
-    rows = tqq.tq_quantize(x, codec)
+    rows = tqk.tq_quantize(x, codec)
     assert emulated["quantize"].launches == 1
     _check_quantize(rows, x, codec)
 
@@ -172,7 +173,7 @@ def _balanced_input(rng, shape, dtype):
 def _check_balanced_quantize(x, scale, mean, codec):
     """The kernel folds (x - mean) / scale in: compare with the reference on that input."""
     for sc, mn in ((scale, mean), (scale, None), (None, mean)):
-        rows = tqq.tq_quantize(x, codec, sc, mn)
+        rows = tqk.tq_quantize(x, codec, sc, mn)
         with mx.stream(mx.cpu):
             _check_quantize(rows, tqq.stored_vectors(x.astype(mx.float32), sc, mn), codec)
 
@@ -232,7 +233,7 @@ def test_quantize_kernel_gpu(dim, bits, dtype):
     rng = np.random.default_rng(dim * bits)
     codec = TQCodec(dim, bits, seed=bits)
     x = mx.array(rng.standard_normal((3, 4, 33, dim)).astype(np.float32) * 3).astype(dtype)
-    rows = tqq.tq_quantize(x, codec)
+    rows = tqk.tq_quantize(x, codec)
     with mx.stream(mx.cpu):
         _check_quantize(rows, x, codec)
 
@@ -260,9 +261,9 @@ def test_flash_decode_gpu_low_precision(dtype):
     cache, rng = _fill_cache("growing", 2, 256, 256, 4, 4, None, 0, [3000, 1], 9)
     st = cache.packed_state()
     q32 = mx.array(rng.standard_normal((2, 8, 1, 256)).astype(np.float32))
-    exact = fd.tq_flash_decode_reference(q32, st, 0.0625)
-    err_kernel = mx.abs(fd.tq_flash_decode(q32.astype(dtype), st, 0.0625) - exact).max().item()
-    err_ref = mx.abs(fd.tq_flash_decode_reference(q32.astype(dtype), st, 0.0625) - exact)
+    exact = tqk.tq_flash_decode_reference(q32, st, 0.0625)
+    err_kernel = mx.abs(tqk.tq_flash_decode(q32.astype(dtype), st, 0.0625) - exact).max().item()
+    err_ref = mx.abs(tqk.tq_flash_decode_reference(q32.astype(dtype), st, 0.0625) - exact)
     assert err_kernel <= 2 * err_ref.max().item() + 1e-6
 
 

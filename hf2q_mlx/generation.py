@@ -1,0 +1,479 @@
+"""Text generation: chunked prefill, then one pipelined graph evaluation per decoded token.
+
+``stream_generate`` yields one ``GenerationResponse`` per generated token; ``generate`` joins
+their text. Step n+1 is built and handed to ``mx.async_eval`` before token n is read back, so
+the host builds the next graph while the device runs the current one.
+"""
+
+from __future__ import annotations
+
+import numbers
+import secrets
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, SamplingOptionsError
+from hf2q_mlx.models.cache import KVCache
+from hf2q_mlx.sampling import make_logits_processors, make_sampler, validate_sampling_options
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]] | mx.array
+
+
+@dataclass
+class GenerationResponse:
+    """One generated token and the text it released.
+
+    ``text`` is the new text since the previous response; it can be empty while a multi-byte
+    character is incomplete or while text that may begin a stop string is held back.
+    ``logprob`` is the token's log-probability under the model's distribution (after the
+    repetition penalty, before temperature and top-k/top-p/min-p). ``generation_tps`` counts the
+    tokens decoded after the first one (the first comes out of prefill). ``peak_memory`` is in GB.
+    ``finish_reason`` is None until the last response: "stop" (EOS or a stop string) or
+    "length" (max_tokens or the model's context reached).
+    """
+
+    text: str
+    token: int
+    logprob: float
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+def context_limit(model: Any) -> int | None:
+    """The model's maximum sequence length from its args, or None when it declares none."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "context_length", "max_seq_len", "n_ctx"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+KVBits = Union[int, tuple[int, int], None]
+
+
+def parse_kv_bits(kv_bits: KVBits | str) -> tuple[int, int] | None:
+    """None (full precision), 8, (8, 4) or "8,4" -> (k_bits, v_bits); bad values raise."""
+    if kv_bits is None:
+        return None
+    from hf2q_mlx.models.turboquant.codec import SUPPORTED_BITS
+
+    widths = ", ".join(str(b) for b in SUPPORTED_BITS)
+    bad = SamplingOptionsError(
+        f'kv_bits must be one of {widths} or a K,V pair of them (e.g. 8 or "8,4"), got {kv_bits!r}'
+    )
+    if isinstance(kv_bits, str):
+        try:
+            parts = tuple(int(b) for b in kv_bits.split(","))
+        except ValueError:
+            raise bad from None
+        kv_bits_value: Any = parts[0] if len(parts) == 1 else parts
+    else:
+        kv_bits_value = kv_bits
+    if _is_int(kv_bits_value):
+        pair: tuple = (kv_bits_value, kv_bits_value)
+    elif isinstance(kv_bits_value, (tuple, list)):
+        pair = tuple(kv_bits_value)
+    else:
+        raise bad
+    if len(pair) != 2 or any(not _is_int(b) or b not in SUPPORTED_BITS for b in pair):
+        raise bad
+    return (int(pair[0]), int(pair[1]))
+
+
+def make_prompt_cache(model: Any, kv_bits: KVBits | str = None) -> list:
+    """One cache per layer: the model's own ``make_cache()``, else growing KV caches.
+
+    ``kv_bits`` (8, or (8, 4) for K8/V4) turns every attention cache into a TurboQuant cache.
+    """
+    pair = parse_kv_bits(kv_bits)
+    if pair is not None:
+        from hf2q_mlx.models.turboquant.cache import make_tq_cache
+
+        return make_tq_cache(model, *pair)
+    if hasattr(model, "make_cache"):
+        return model.make_cache()
+    return [KVCache() for _ in model.layers]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_messages(messages: Sequence[dict]) -> None:
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise InvalidArgumentError(
+                f"prompt message {i}: 'role' must be a non-empty string, got {role!r}"
+            )
+        if not isinstance(content, str):
+            raise InvalidArgumentError(
+                f"prompt message {i}: 'content' must be a string, got {type(content).__name__}"
+            )
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids for a string, a list of token ids, or a list of chat messages (dicts)."""
+    if isinstance(prompt, (mx.array, np.ndarray)):
+        if prompt.ndim != 1:
+            raise InvalidArgumentError(
+                f"prompt as an array must be 1-D token ids, got shape {tuple(prompt.shape)}"
+            )
+        prompt = prompt.tolist()
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif not isinstance(prompt, (list, tuple)):
+        raise InvalidArgumentError(
+            "prompt must be a string, a list of token ids or a list of chat messages "
+            f"({{'role': str, 'content': str}} dicts), got {type(prompt).__name__}"
+        )
+    elif len(prompt) > 0 and all(isinstance(m, dict) for m in prompt):
+        _check_messages(prompt)
+        if getattr(tokenizer, "chat_template_is_builtin", False):
+            warnings.warn(
+                "this model's files carry no chat template (a base model?): a generic one is "
+                "used and replies may be poor; for chat load an instruction-tuned model such as "
+                'hf2q_mlx.load("smollm2-135m-instruct")',
+                stacklevel=3,
+            )
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        # templates that write the BOS themselves would otherwise get a second one
+        bos = tokenizer.bos_token_id
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+    elif all(_is_int(t) for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise InvalidArgumentError(
+            "prompt must be a string, a list of token ids or a list of chat messages "
+            "({'role': str, 'content': str} dicts), not a mixed or non-integer list"
+        )
+    if not ids:
+        raise InvalidArgumentError("prompt is empty: give at least one token or character")
+    return ids
+
+
+def vocab_limit(model: Any, tokenizer: Any) -> int | None:
+    """Number of token ids the model embeds (its args), else the tokenizer's vocabulary size."""
+    args = getattr(model, "args", None)
+    sizes = [getattr(args, n, None) for n in ("vocab_size", "vocab_size_per_layer_input")]
+    sizes = [v for v in sizes if _is_int(v) and v > 0]
+    if sizes:
+        return min(sizes)
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if _is_int(size) and size > 0 else None
+
+
+def check_token_ids(ids: Sequence[int], vocab: int | None) -> None:
+    """Raise InvalidArgumentError for ids the model cannot embed (an out-of-range gather reads
+    outside the embedding table)."""
+    upper = min(vocab, 2**31) if vocab is not None else 2**31
+    for i, t in enumerate(ids):
+        if not 0 <= t < upper:
+            raise InvalidArgumentError(
+                f"prompt token id {t} at position {i} is outside the vocabulary [0, {upper})"
+            )
+
+
+def check_generation_arguments(
+    *,
+    max_tokens: Any,
+    seed: Any,
+    stop: Any,
+    kv_bits: Any,
+    prefill_step_size: Any = 512,
+    ignore_eos: Any = False,
+) -> None:
+    """Raise SamplingOptionsError for a bad max_tokens, seed, stop, kv_bits, ... (before any
+    work; the sampling options are checked by ``validate_sampling_options``)."""
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise SamplingOptionsError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+        raise SamplingOptionsError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    if not _is_int(prefill_step_size) or prefill_step_size < 1:
+        raise SamplingOptionsError(
+            f"prefill_step_size must be an integer >= 1, got {prefill_step_size!r}"
+        )
+    if not isinstance(ignore_eos, bool):
+        raise SamplingOptionsError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    _normalize_stop(stop)
+    parse_kv_bits(kv_bits)
+
+
+def _cache_arrays(cache: list) -> list[mx.array]:
+    """Every array the caches hold (nested objects, lists and dicts included), to evaluate the
+    caches without computing any logits."""
+    arrays: list[mx.array] = []
+
+    def collect(value: Any, depth: int) -> None:
+        if isinstance(value, mx.array):
+            arrays.append(value)
+        elif depth < 4 and isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v, depth + 1)
+        elif depth < 4 and isinstance(value, dict):
+            for v in value.values():
+                collect(v, depth + 1)
+        elif depth < 4 and hasattr(value, "__dict__"):
+            for v in vars(value).values():
+                collect(v, depth + 1)
+
+    for c in cache:
+        collect(c, 0)
+    return arrays
+
+
+def prefill(model: Any, tokens: mx.array, cache: list, step: int = 512) -> mx.array:
+    """Run prompt ``tokens`` (L,) through the model in chunks of ``step``; logits (1, V) of the
+    last position. Chunks before the last token only evaluate the cache, so the output head
+    runs once, on one position."""
+    n = tokens.shape[0]
+    i = 0
+    while n - 1 - i > 0:
+        size = min(step, n - 1 - i)
+        model(tokens[None, i : i + size], cache=cache)
+        mx.eval(_cache_arrays(cache))
+        i += size
+    return model(tokens[None, n - 1 :], cache=cache)[:, -1, :]
+
+
+def _normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if not isinstance(stop, (str, list, tuple)):
+        raise SamplingOptionsError(
+            f"stop must be a string or a list of strings, got {type(stop).__name__}"
+        )
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not isinstance(s, str) or s == "" for s in stops):
+        raise SamplingOptionsError(f"stop strings must be non-empty strings, got {stop!r}")
+    return stops
+
+
+def _release(pending: str, stops: list[str]) -> tuple[str, str, bool]:
+    """Split ``pending`` into (text to emit, text to hold, stop string found)."""
+    hits = [i for i in (pending.find(s) for s in stops) if i >= 0]
+    if hits:
+        return pending[: min(hits)], "", True
+    # hold the longest tail that could still grow into a stop string
+    for k in range(min(len(pending), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        tail = pending[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return pending[:-k], tail, False
+    return pending, "", False
+
+
+def stream_generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: Prompt,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    repetition_context_size: int = 20,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    prefill_step_size: int = 512,
+    cache: list | None = None,
+    kv_bits: KVBits | str = None,
+    ignore_eos: bool = False,
+) -> Iterator[GenerationResponse]:
+    """Yield one GenerationResponse per generated token.
+
+    ``prompt``: a string (encoded with the tokenizer's BOS), a list of token ids (used as is), or
+    a list of chat messages ``{"role": ..., "content": ...}`` rendered with the chat template.
+    Generation ends at an EOS token (unless ``ignore_eos``), when the text contains a ``stop``
+    string (never emitted), after ``max_tokens`` tokens, or at the model's context length.
+    ``kv_bits`` (8, or (8, 4) for K8/V4) keeps the KV cache in TurboQuant form; the default is
+    full precision. ``seed`` makes sampling reproducible. ``cache`` (from
+    ``make_prompt_cache``) continues an earlier sequence; after the call it also holds the
+    generated tokens that were fed back.
+    Arguments are checked here, before the first token: SamplingOptionsError for a bad option,
+    InvalidArgumentError for a bad prompt (token ids must lie in the model's vocabulary),
+    ContextLengthError for a prompt longer than the model's context.
+    """
+    validate_sampling_options(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        context_size=repetition_context_size,
+    )
+    check_generation_arguments(
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=stop,
+        kv_bits=kv_bits,
+        prefill_step_size=prefill_step_size,
+        ignore_eos=ignore_eos,
+    )
+    stops = _normalize_stop(stop)
+    if cache is not None and not isinstance(cache, list):
+        raise InvalidArgumentError(
+            f"cache must be the list make_prompt_cache returns, got {type(cache).__name__}"
+        )
+    ids = encode_prompt(tokenizer, prompt)
+    check_token_ids(ids, vocab_limit(model, tokenizer))
+    if cache is None:
+        cache = make_prompt_cache(model, kv_bits)
+    start = getattr(cache[0], "offset", 0) if cache else 0
+    limit = context_limit(model)
+    if limit is not None and start + len(ids) > limit:
+        cached = f" after {start} cached tokens" if start else ""
+        raise ContextLengthError(
+            f"prompt of {len(ids)} tokens{cached} exceeds the model context of {limit} tokens"
+        )
+    # the last position's logits give one more token, so a full context still yields one
+    budget = max_tokens if limit is None else min(max_tokens, limit - start - len(ids) + 1)
+    if temperature == 0:
+        key = None  # greedy decoding draws nothing
+    else:
+        key = mx.random.key(secrets.randbits(63) if seed is None else seed)
+    return _decode(
+        model,
+        tokenizer,
+        ids,
+        budget=budget,
+        sampler=make_sampler(temperature, top_k, top_p, min_p),
+        processors=make_logits_processors(repetition_penalty, repetition_context_size),
+        history_size=repetition_context_size,
+        key=key,
+        stops=stops,
+        prefill_step_size=prefill_step_size,
+        cache=cache,
+        eos_ids=set() if ignore_eos else set(tokenizer.eos_token_ids),
+    )
+
+
+def _decode(
+    model,
+    tokenizer,
+    ids,
+    *,
+    budget,
+    sampler,
+    processors,
+    history_size,
+    key,
+    stops,
+    prefill_step_size,
+    cache,
+    eos_ids,
+) -> Iterator[GenerationResponse]:
+    if budget <= 0:
+        return
+    mx.reset_peak_memory()
+    history = mx.array(ids[-history_size:], mx.int32)[None] if processors else None
+    state = {"key": key, "history": history}
+
+    def sample(logits: mx.array) -> tuple[mx.array, mx.array]:
+        # logits (1, V) -> token (1,) int32 and its log-probability (1,)
+        logits = logits.astype(mx.float32)
+        for proc in processors:
+            logits = proc(state["history"], logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sub = None
+        if state["key"] is not None:
+            state["key"], sub = mx.random.split(state["key"])
+        token = sampler(logprobs, sub).astype(mx.int32)
+        if processors:
+            state["history"] = mx.concatenate([state["history"], token[:, None]], axis=1)[
+                :, -history_size:
+            ]
+        return token, mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+    tic = time.perf_counter()
+    y, logprob = sample(prefill(model, mx.array(ids, mx.int32), cache, prefill_step_size))
+    mx.async_eval(y, logprob)
+    detok = tokenizer.detokenizer()
+    pending = ""
+    prompt_tps = 0.0
+    t_first = tic
+    n = 0
+    while True:
+        if n + 1 < budget:
+            # build and launch step n+1 before reading token n back
+            next_y, next_logprob = sample(model(y[:, None], cache=cache)[:, -1, :])
+            mx.async_eval(next_y, next_logprob)
+        token, token_logprob = y.item(), logprob.item()
+        n += 1
+        now = time.perf_counter()
+        if n == 1:
+            t_first = now
+            prompt_tps = len(ids) / max(now - tic, 1e-9)
+
+        finish = None
+        if token in eos_ids:
+            finish = "stop"
+            detok.finalize()
+        else:
+            detok.add_token(token)
+            if n == budget:
+                finish = "length"
+                detok.finalize()
+        pending += detok.last_segment
+        text, pending, hit = _release(pending, stops)
+        if hit:
+            finish = "stop"
+        elif finish is not None:
+            text, pending = text + pending, ""
+
+        yield GenerationResponse(
+            text=text,
+            token=token,
+            logprob=token_logprob,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=(n - 1) / (now - t_first) if n > 1 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
+        if finish is not None:
+            return
+        y, logprob = next_y, next_logprob
+
+
+def generate(
+    model: Any, tokenizer: Any, prompt: Prompt, *, verbose: bool = False, **kwargs: Any
+) -> str:
+    """The full generated text; ``verbose`` streams it to stdout and prints speeds to stderr.
+    Keyword options are those of ``stream_generate``."""
+    parts: list[str] = []
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        parts.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose:
+        print()
+        if last is not None:
+            print(format_stats(last), file=sys.stderr)
+    return "".join(parts)
+
+
+def format_stats(r: GenerationResponse) -> str:
+    """Two lines of speeds and memory for the last response of a run."""
+    return (
+        f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens/s\n"
+        f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tokens/s\n"
+        f"peak memory: {r.peak_memory:.3f} GB"
+    )

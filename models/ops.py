@@ -1,0 +1,242 @@
+"""The ops every model's forward pass is written in: each runs its fused kernel when kernels run
+and otherwise builds the plain-MLX reference graph, so a model has one forward path.
+
+References compile their elementwise glue (a decode step is counted in launches; on the CPU
+``mx.fast.rms_norm`` / ``rope`` expand into primitives that compile fuses). Matmuls and cache
+writes stay outside. A dispatcher still falls back to its own reference for a shape it does not
+cover, so a kernel-path result may come from either.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hf2q_mlx import custom_kernels
+from hf2q_mlx.custom_kernels import activations
+from hf2q_mlx.custom_kernels import residual_rms_norm as residual_norm_kernel
+from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope_kernel
+from hf2q_mlx.custom_kernels import softcap as softcap_kernel
+from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
+from hf2q_mlx.models.attention import attend
+
+
+def use_kernels() -> bool:
+    """True when the fused GPU kernels may run (a GPU default device, no reference override).
+
+    False on the CPU, under ``HF2Q_KERNELS=reference`` and inside ``reference_only()``: every op
+    then builds its plain-MLX graph.
+    """
+    return custom_kernels.backend() is not None
+
+
+def positions(cache) -> mx.array:
+    """The first position of this call, read from a layer cache (0 without one), as a (1,) int32
+    array: kernels and ``mx.fast.rope`` read it, so every decode step builds the same graph."""
+    return mx.array([cache.offset if cache is not None else 0], dtype=mx.int32)
+
+
+# ---- norms -------------------------------------------------------------------------------------
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+@partial(mx.compile, shapeless=True)
+def _add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float):
+    h = x + y
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+@partial(mx.compile, shapeless=True)
+def _norm_add_rms_norm(x, y, y_weight, y_eps: float, weight, eps: float):
+    h = x + mx.fast.rms_norm(y, y_weight, y_eps)
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis (``mx.fast.rms_norm``: one
+    kernel on a GPU)."""
+    return _rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm holding its effective weight (models whose checkpoints store ``w`` for ``1 + w``
+    add the 1 when they load)."""
+
+    def __init__(self, dims: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def residual_norm(
+    x: mx.array, y: mx.array, norm: RMSNorm, post_norm: RMSNorm | None = None
+) -> tuple[mx.array, mx.array]:
+    """A residual add and the norm that follows it: ``h = x + y`` and ``norm(h)``, one kernel.
+    ``post_norm``: the branch's own output norm (Gemma's post-attention / post-feedforward
+    norms), ``h = x + post_norm(y)``."""
+    if use_kernels():
+        y = y if post_norm is None else post_norm(y)
+        return residual_norm_kernel.residual_rms_norm(x, y, norm.weight, norm.eps)
+    if post_norm is None:
+        return _add_rms_norm(x, y, norm.weight, norm.eps)
+    return _norm_add_rms_norm(x, y, post_norm.weight, post_norm.eps, norm.weight, norm.eps)
+
+
+def gated_rms_norm(x: mx.array, gate: mx.array, norm: RMSNorm) -> mx.array:
+    """``norm(x) * silu(gate)`` (the output norm of a gated delta-net)."""
+    return gated_activation(gate, norm(x), "silu", kernel=False)
+
+
+# ---- rotary embedding ----------------------------------------------------------------------------
+
+
+class RoPE:
+    """MLX's non-interleaved rotary embedding over the first ``dims`` channels of each head.
+
+    Pair i turns by ``position * scale / period_i``: the periods are ``base ** (2 i / dims)``, or
+    ``freqs`` when given (``inf`` = an unrotated pair). ``inv_freq`` is the same as the norm +
+    RoPE kernel reads it: radians per (scaled) position, 0 for an unrotated pair.
+    """
+
+    def __init__(
+        self,
+        dims: int,
+        base: float | None = None,
+        scale: float = 1.0,
+        freqs: mx.array | None = None,
+    ):
+        self.dims, self.base, self.scale, self.freqs = dims, base, scale, freqs
+        self.inv_freq = rope_inv_freq(dims, base) if freqs is None else 1.0 / freqs
+
+    def __call__(self, x: mx.array, pos: mx.array) -> mx.array:
+        """x (B, H, L, D), ``pos`` the (1,) first position -> rotated x."""
+        return _rope(x, pos, self.dims, self.base, self.scale, self.freqs)
+
+
+def _rope_graph(x, pos, dims: int, base, scale: float, freqs):
+    offset = pos.reshape(())  # a scalar: the GPU rope reads a (1,) offset once per row
+    return mx.fast.rope(
+        x, dims, traditional=False, base=base, scale=scale, offset=offset, freqs=freqs
+    )
+
+
+# shape-specialised: on the CPU mx.fast.rope expands into slices, which shapeless tracing refuses;
+# positions are an array so that decode steps reuse one trace
+_rope = mx.compile(_rope_graph)
+
+
+def _norm_rope_graph(x, weight, eps: float, pos, dims: int, base, scale, freqs, D: int):
+    """rms_norm over the first D channels of each (B, L, H, P) head -> (B, H, L, D), rotated
+    unless ``dims`` is 0."""
+    y = mx.fast.rms_norm(x[..., :D] if x.shape[-1] > D else x, weight, eps)
+    y = y.transpose(0, 2, 1, 3)
+    if not dims:
+        return y
+    return _rope_graph(y, pos, dims, base, scale, freqs)
+
+
+_norm_rope = mx.compile(_norm_rope_graph)  # shape-specialised, as _rope
+
+
+def norm_rope(x: mx.array, norm: RMSNorm, rope: RoPE, pos: mx.array) -> mx.array:
+    """Per-head norm then RoPE: x (B, L, H, D) -> (B, H, L, D), one kernel."""
+    if use_kernels():
+        return norm_rope_kernel.rms_norm_rope(
+            x, norm.weight, rope.inv_freq, eps=norm.eps, offset=pos, scale=rope.scale
+        )
+    rope_args = (rope.dims, rope.base, rope.scale, rope.freqs)
+    return _norm_rope(x, norm.weight, norm.eps, pos, *rope_args, x.shape[-1])
+
+
+def qk_norm_rope(
+    q: mx.array,
+    k: mx.array,
+    q_norm: RMSNorm,
+    k_norm: RMSNorm,
+    rope: RoPE,
+    pos: mx.array,
+    v: mx.array | None = None,
+) -> tuple[mx.array, ...]:
+    """Queries' and keys' per-head norms then RoPE, all in one kernel: q (B, L, Hq, P), k (B, L,
+    Hk, D) -> (B, H, L, D) each; queries wider than D (Qwen 3.5's [query | gate] heads) use their
+    first D channels. ``v`` given: also returned, normed without weight and not rotated. One eps
+    for all, ``q_norm``'s (as the kernel takes it)."""
+    if use_kernels():
+        return norm_rope_kernel.qk_norm_rope(
+            q, k, q_norm.weight, k_norm.weight, rope.inv_freq,
+            eps=q_norm.eps, offset=pos, scale=rope.scale, v=v,
+        )  # fmt: skip
+    D, eps, rope_args = k.shape[-1], q_norm.eps, (rope.dims, rope.base, rope.scale, rope.freqs)
+    q = _norm_rope(q, q_norm.weight, eps, pos, *rope_args, D)
+    k = _norm_rope(k, k_norm.weight, eps, pos, *rope_args, D)
+    if v is None:
+        return q, k
+    return q, k, _norm_rope(v, None, eps, pos, 0, None, 1.0, None, D)
+
+
+# ---- activations ---------------------------------------------------------------------------------
+
+_ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx, "gelu": nn.gelu}
+# act(gate) * up compiled into one kernel per activation
+_GATED = {
+    name: mx.compile(lambda gate, up, f=f: f(gate) * up, shapeless=True)
+    for name, f in _ACTIVATIONS.items()
+}
+
+
+def gated_activation(
+    gate: mx.array, up: mx.array | None = None, kind: str = "silu", kernel: bool = True
+) -> mx.array:
+    """``act(gate) * up``, ``kind`` one of "silu", "gelu_tanh", "gelu" (exact: no kernel). ``up``
+    None: ``gate`` is a fused [gate | up] projection (last axis), which the kernel reads whole.
+    ``kernel`` False keeps the compiled MLX graph (an input the kernel would first copy)."""
+    if kernel and kind in activations.ACTIVATIONS and use_kernels():
+        return activations.gated_activation(gate, up, kind)
+    if up is None:
+        gate, up = mx.split(gate, 2, axis=-1)
+    return _GATED[kind](gate, up)
+
+
+@partial(mx.compile, shapeless=True)
+def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    return x * mx.sigmoid(gate)
+
+
+def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    """``x * sigmoid(gate)``, one compiled kernel."""
+    return _sigmoid_gate(x, gate)
+
+
+# ---- logits and attention ------------------------------------------------------------------------
+
+
+@partial(mx.compile, shapeless=True)
+def _softcap(x: mx.array, cap: mx.array) -> mx.array:
+    return mx.tanh(x / cap) * cap
+
+
+def softcap(x: mx.array, cap: float | None) -> mx.array:
+    """``cap * tanh(x / cap)`` (logit soft-capping); x itself when ``cap`` is None or 0."""
+    if not cap:
+        return x
+    if use_kernels():
+        return softcap_kernel.softcap(x, cap)
+    return _softcap(x, mx.array(cap, dtype=x.dtype))  # the cap rounded to x's dtype first
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask: mx.array | None
+) -> mx.array:
+    """q (B, Hq, L, Dk), keys/values as the cache returned them -> (B, L, Hq * Dv)."""
+    B, _, L, _ = q.shape
+    out = attend(q, k, v, cache, scale, mask)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
