@@ -81,13 +81,13 @@ def parse_kv_bits(kv_bits: KVBits | str) -> tuple[int, int] | None:
         kv_bits_value: Any = parts[0] if len(parts) == 1 else parts
     else:
         kv_bits_value = kv_bits
-    if _is_int(kv_bits_value):
+    if is_int(kv_bits_value):
         pair: tuple = (kv_bits_value, kv_bits_value)
     elif isinstance(kv_bits_value, (tuple, list)):
         pair = tuple(kv_bits_value)
     else:
         raise bad
-    if len(pair) != 2 or any(not _is_int(b) or b not in SUPPORTED_BITS for b in pair):
+    if len(pair) != 2 or any(not is_int(b) or b not in SUPPORTED_BITS for b in pair):
         raise bad
     return (int(pair[0]), int(pair[1]))
 
@@ -107,7 +107,7 @@ def make_prompt_cache(model: Any, kv_bits: KVBits | str = None) -> list:
     return [KVCache() for _ in model.layers]
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -154,7 +154,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         bos = tokenizer.bos_token_id
         if bos is not None and ids[:2] == [bos, bos]:
             ids = ids[1:]
-    elif all(_is_int(t) for t in prompt):
+    elif all(is_int(t) for t in prompt):
         ids = [int(t) for t in prompt]
     else:
         raise InvalidArgumentError(
@@ -170,11 +170,11 @@ def vocab_limit(model: Any, tokenizer: Any) -> int | None:
     """Number of token ids the model embeds (its args), else the tokenizer's vocabulary size."""
     args = getattr(model, "args", None)
     sizes = [getattr(args, n, None) for n in ("vocab_size", "vocab_size_per_layer_input")]
-    sizes = [v for v in sizes if _is_int(v) and v > 0]
+    sizes = [v for v in sizes if is_int(v) and v > 0]
     if sizes:
         return min(sizes)
     size = getattr(tokenizer, "vocab_size", None)
-    return size if _is_int(size) and size > 0 else None
+    return size if is_int(size) and size > 0 else None
 
 
 def check_token_ids(ids: Sequence[int], vocab: int | None) -> None:
@@ -199,11 +199,11 @@ def check_generation_arguments(
 ) -> None:
     """Raise SamplingOptionsError for a bad max_tokens, seed, stop, kv_bits, ... (before any
     work; the sampling options are checked by ``validate_sampling_options``)."""
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise SamplingOptionsError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
         raise SamplingOptionsError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
-    if not _is_int(prefill_step_size) or prefill_step_size < 1:
+    if not is_int(prefill_step_size) or prefill_step_size < 1:
         raise SamplingOptionsError(
             f"prefill_step_size must be an integer >= 1, got {prefill_step_size!r}"
         )

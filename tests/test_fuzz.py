@@ -515,6 +515,16 @@ def test_huge_counts_stay_under_a_6gb_address_space(valid_inputs, tmp_path):
             write_hf_dir(folder)
             (folder / "model.safetensors").write_bytes(data)
             cases[name] = str(folder)
+    # token ids that would size the tokenizer's tables at 2**31 or 2**40 entries
+    for where, value in (("vocab", 2**31), ("added", 2**40)):
+        spec = tokenizer_json()
+        if where == "vocab":
+            spec["model"]["vocab"]["he"] = value
+        else:
+            spec["added_tokens"][0]["id"] = value
+        folder = write_hf_dir(tmp_path / f"token_id_{where}")
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+        cases[f"{where} token id {value}"] = str(folder)
     # a tensor whose dimensions claim 2**40 elements while the data section is tiny
     data = bytearray(valid_inputs["gguf"])
     at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4

@@ -120,6 +120,19 @@ def test_tokenizer_decode_rejects_out_of_range_ids(smollm2_gguf_path):
             tok.decode([1, bad])
 
 
+@pytest.mark.parametrize(
+    "tokens, bos, fragment",
+    [([1, 2, 999999999], None, "token id 999999999"), ([1, 2, 3], 64, "token id 64"),
+     ([1, 2, -1], None, "token id -1"), ("abc", None, "list of integer"),
+     ([1, 2.5, 3], None, "list of integer")],
+)  # fmt: skip
+def test_perplexity_rejects_bad_token_ids(tokens, bos, fragment):
+    from hf2q_mlx.cli.perplexity import perplexity
+
+    with pytest.raises(InvalidArgumentError, match=fragment):
+        perplexity(MODEL, tokens, context=8, bos_token_id=bos)
+
+
 def test_out_of_range_ids_on_a_real_model_do_not_crash(smollm2_gguf_path):
     # before the check, a gather at 999999999 read outside the embedding and segfaulted
     code = textwrap.dedent(

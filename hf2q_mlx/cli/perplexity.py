@@ -18,8 +18,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from hf2q_mlx.errors import SamplingOptionsError
-from hf2q_mlx.generation import make_prompt_cache, parse_kv_bits
+from hf2q_mlx.errors import InvalidArgumentError, SamplingOptionsError
+from hf2q_mlx.generation import (
+    check_token_ids,
+    is_int,
+    make_prompt_cache,
+    parse_kv_bits,
+    vocab_limit,
+)
 
 
 @dataclass
@@ -79,6 +85,11 @@ def perplexity(
 
     check_perplexity_options(context, batch_size, bos=bos_token_id is not None)
     parse_kv_bits(kv_bits)  # validate before any work
+    if isinstance(tokens, (str, bytes)) or not all(is_int(t) for t in tokens):
+        raise InvalidArgumentError("perplexity tokens must be a list of integer token ids")
+    check_token_ids(
+        [*tokens, *([] if bos_token_id is None else [bos_token_id])], vocab_limit(model, None)
+    )
     windows = _windows(list(tokens), context, bos_token_id)
     if not windows:
         raise SamplingOptionsError("perplexity needs at least 2 tokens of text")

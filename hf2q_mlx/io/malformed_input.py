@@ -4,6 +4,7 @@ tokenizer raises an Hf2qError naming the file, never a parser's own exception or
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ PARSE_ERRORS = (
     OverflowError,
     RecursionError,
 )
+MAX_TOKEN_ID = 1 << 24
 # Bounds far above any real model (the largest have ~1e6 vocabularies, ~3e4 hidden sizes,
 # ~1e2 layers) that keep a corrupt count from building billions of modules or arrays.
 MAX_SIZE = 1 << 24
@@ -99,8 +101,49 @@ def read_safetensors(file: Path) -> dict[str, mx.array]:
         ) from err
 
 
+def _token_ids(folder: Path) -> list[tuple[str, Any]]:
+    """(where, id) of every token id that tokenizer.json and tokenizer_config.json declare."""
+    found: list[tuple[str, Any]] = []
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        try:
+            spec = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # missing or unreadable: the tokenizer reports it
+        if not isinstance(spec, dict):
+            continue
+        model = spec.get("model")
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if isinstance(vocab, dict):
+            found += [(f"{name} vocab", v) for v in vocab.values()]
+        added = spec.get("added_tokens")
+        for token in added if isinstance(added, list) else []:
+            if isinstance(token, dict) and "id" in token:
+                found.append((f"{name} added_tokens", token["id"]))
+        decoder = spec.get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            found += [(f"{name} added_tokens_decoder", k) for k in decoder]
+    return found
+
+
+def check_token_ids(folder: Path) -> None:
+    """Raise TokenizerError for a token id outside [0, 2**24): the tokenizer sizes its tables
+    by the largest id, so one corrupt id of 2**40 would otherwise exhaust memory."""
+    for where, value in _token_ids(folder):
+        try:
+            ok = not isinstance(value, bool) and 0 <= int(value) < MAX_TOKEN_ID
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise TokenizerError(
+                f"{folder}: {where} has token id {value!r}, outside [0, {MAX_TOKEN_ID})"[:300]
+            )
+
+
 def read_tokenizer(make: Callable[[], T], where: str | Path) -> T:
-    """``make()`` (a Tokenizer constructor); malformed tokenizer data names its source."""
+    """``make()`` (a Tokenizer constructor); malformed tokenizer data names its source.
+    A folder's token ids are bounded first (tokenizer.json, tokenizer_config.json)."""
+    if Path(where).is_dir():
+        check_token_ids(Path(where))
     try:
         return make()
     except PARSE_ERRORS as err:

@@ -1,4 +1,4 @@
-"""The ``hf2q-mlx`` command line: generate, chat, info, models, perplexity, bench.
+"""The ``hf2q-mlx`` command line: generate, chat, info, models, fetch, perplexity, bench.
 
 Every caller error (an ``Hf2qError``) prints ``error: <message>`` on one line of stderr and
 exits with status 2; Ctrl-C exits with status 130 without a traceback.
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="GGUF file or Hugging Face model directory")
 
     p = sub.add_parser("models", help="real models known to work, their size and fetch command")
+
+    p = sub.add_parser("fetch", help="download a model `hf2q-mlx models` lists into the cache")
+    p.add_argument("name", help="a name from `hf2q-mlx models`, e.g. qwen2.5-coder-0.5b")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
     p = sub.add_parser("perplexity", parents=[model], help="perplexity of a text file")
     p.add_argument("--file", required=True, help="UTF-8 text file")
@@ -314,9 +318,17 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from hf2q_mlx.io.default_model import known_model_path
+
+    print(known_model_path(args.name, progress=not args.quiet))
+    return 0
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "models": cmd_models,
+    "fetch": cmd_fetch,
     "chat": cmd_chat,
     "info": cmd_info,
     "perplexity": cmd_perplexity,
