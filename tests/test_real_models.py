@@ -59,7 +59,8 @@ def test_perplexity(models, capsys):
             f"hf2q_mlx {mine.ppl:.4f}, transformers {ref.ppl:.4f}"
         )
     assert mine.n_tokens == ref.n_tokens
-    # logits agree to ~1e-5 relative (LOGIT_RTOL in transformers_reference.py), so the mean NLL agrees far inside 1e-3
+    # logits agree to ~1e-5 relative (see transformers_reference.LOGIT_RTOL), so the mean NLL
+    # agrees far inside 1e-3
     assert abs(mine.nll - ref.nll) <= 1e-3 * ref.nll
     assert 1.0 < mine.ppl < 100.0  # a working model on English prose, not noise
 

