@@ -150,11 +150,7 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)
         pos = ops.positions(cache[0])
-        n = self.layers[0].input_layernorm(h)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, c, next_norm in zip(self.layers, cache, next_norms):
-            h, n = layer(h, n, c, next_norm, pos)
-        return n  # the final norm of the residual stream
+        return ops.prenorm_layers(self.layers, h, cache, self.norm, pos)
 
 
 class Model(nn.Module):

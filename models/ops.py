@@ -91,6 +91,17 @@ def residual_norm(
     return _norm_add_rms_norm(x, y, post_norm.weight, post_norm.eps, norm.weight, norm.eps)
 
 
+def prenorm_layers(layers, h: mx.array, caches, final_norm: RMSNorm, pos: mx.array) -> mx.array:
+    """Run pre-norm blocks -> the final norm of the residual stream. Each block takes (h, its
+    normed input) and returns both for the next block, so its last residual add shares one
+    kernel with the next block's input norm (the final norm after the last block)."""
+    n = layers[0].input_layernorm(h)
+    next_norms = [layer.input_layernorm for layer in layers[1:]] + [final_norm]
+    for layer, c, next_norm in zip(layers, caches, next_norms):
+        h, n = layer(h, n, c, next_norm, pos)
+    return n
+
+
 def gated_rms_norm(x: mx.array, gate: mx.array, norm: RMSNorm) -> mx.array:
     """``norm(x) * silu(gate)`` (the output norm of a gated delta-net)."""
     return gated_activation(gate, norm(x), "silu", kernel=False)

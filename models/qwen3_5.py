@@ -195,11 +195,7 @@ class TextModel(nn.Module):
         h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
         caches = cache or [None] * len(self.layers)
         pos = ops.positions(caches[0])
-        n = self.layers[0].input_layernorm(h)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, c, next_norm in zip(self.layers, caches, next_norms):
-            h, n = layer(h, n, c, next_norm, pos)
-        return n  # the final norm of the residual stream
+        return ops.prenorm_layers(self.layers, h, caches, self.norm, pos)
 
 
 # zero-centred norms: HF stores w and computes (1 + w); the modules here hold 1 + w
