@@ -1,7 +1,9 @@
 """hf2q_mlx: GGUF (K-quants included) and Hugging Face LLMs on MLX with custom GPU kernels.
 
 Public API: ``load(path=None) -> (model, tokenizer)``, ``stream_generate(...)`` yielding
-``GenerationResponse`` objects, and ``generate(...) -> str``.
+``GenerationResponse`` objects, ``generate(...) -> str`` and ``BatchGenerator`` (many prompts
+decoded together, hf2q_mlx.serving), and ``embed(model, tokenizer, texts) -> (N, D)`` for
+embedding models.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "generate", "stream_generate", "GenerationResponse", "__version__"]
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "GenerationResponse",
+    "BatchGenerator",
+    "embed",
+    "__version__",
+]
 
 # Resolved on first use so `import hf2q_mlx` (and the CLI's --help) stays fast.
 _LAZY = {
@@ -19,6 +29,8 @@ _LAZY = {
     "generate": "hf2q_mlx.generation",
     "stream_generate": "hf2q_mlx.generation",
     "GenerationResponse": "hf2q_mlx.generation",
+    "BatchGenerator": "hf2q_mlx.serving.batch_generator",
+    "embed": "hf2q_mlx.embedding",
 }
 
 
@@ -59,3 +71,20 @@ def _mount_source_tree() -> None:
 
 
 _mount_source_tree()
+
+
+def _fast_cpu_blas() -> None:
+    # before anything imports mlx: libmlx binds its BLAS on load (custom_kernels/cpu_blas.py)
+    if "mlx.core" not in sys.modules:
+        from hf2q_mlx.custom_kernels import cpu_blas
+        from hf2q_mlx.errors import Hf2qError
+
+        try:
+            cpu_blas.enable()
+        except Hf2qError as err:  # a bad $HF2Q_CPU_BLAS: say so, keep the reference BLAS
+            import warnings
+
+            warnings.warn(str(err), stacklevel=2)
+
+
+_fast_cpu_blas()

@@ -45,5 +45,17 @@ class InvalidArgumentError(Hf2qError, ValueError):
     """A public API argument of the wrong type or outside its range (prompt, token ids, paths)."""
 
 
+class NotAnEmbeddingModelError(InvalidArgumentError):
+    """``embed`` was given a model without sentence-embedding modules (a text generator)."""
+
+
 class SamplingOptionsError(InvalidArgumentError):
     """Invalid generation / sampling options (temperature < 0, top_p outside (0, 1], ...)."""
+
+
+class QueueFullError(Hf2qError):
+    """The server's request queue is full (HTTP 429): retry later."""
+
+
+class DraftModelError(InvalidArgumentError):
+    """A speculative-decoding draft model that does not share the target's vocabulary."""

@@ -8,6 +8,7 @@ the host builds the next graph while the device runs the current one.
 from __future__ import annotations
 
 import numbers
+import os
 import secrets
 import sys
 import time
@@ -19,6 +20,8 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
+from hf2q_mlx import speculative as spec
+from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, SamplingOptionsError
 from hf2q_mlx.models.cache import KVCache
 from hf2q_mlx.sampling import make_logits_processors, make_sampler, validate_sampling_options
@@ -36,7 +39,8 @@ class GenerationResponse:
     repetition penalty, before temperature and top-k/top-p/min-p). ``generation_tps`` counts the
     tokens decoded after the first one (the first comes out of prefill). ``peak_memory`` is in GB.
     ``finish_reason`` is None until the last response: "stop" (EOS or a stop string) or
-    "length" (max_tokens or the model's context reached).
+    "length" (max_tokens or the model's context reached). With speculative decoding
+    ``drafted_tokens`` / ``accepted_tokens`` count the drafts proposed and accepted so far.
     """
 
     text: str
@@ -48,6 +52,8 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def context_limit(model: Any) -> int | None:
@@ -92,18 +98,19 @@ def parse_kv_bits(kv_bits: KVBits | str) -> tuple[int, int] | None:
     return (int(pair[0]), int(pair[1]))
 
 
-def make_prompt_cache(model: Any, kv_bits: KVBits | str = None) -> list:
+def make_prompt_cache(model: Any, kv_bits: KVBits | str = None, reserve: int = 0) -> list:
     """One cache per layer: the model's own ``make_cache()``, else growing KV caches.
 
     ``kv_bits`` (8, or (8, 4) for K8/V4) turns every attention cache into a TurboQuant cache.
+    ``reserve``: how many tokens the cache must be able to roll back (speculative decoding).
     """
     pair = parse_kv_bits(kv_bits)
     if pair is not None:
         from hf2q_mlx.models.turboquant.cache import make_tq_cache
 
-        return make_tq_cache(model, *pair)
+        return make_tq_cache(model, *pair, reserve=reserve)
     if hasattr(model, "make_cache"):
-        return model.make_cache()
+        return model.make_cache(reserve=reserve) if reserve else model.make_cache()
     return [KVCache() for _ in model.layers]
 
 
@@ -294,6 +301,10 @@ def stream_generate(
     cache: list | None = None,
     kv_bits: KVBits | str = None,
     ignore_eos: bool = False,
+    draft_model: Any = None,
+    num_draft_tokens: int = 4,
+    prompt_lookup: int | None = None,
+    tree_width: int = 1,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per generated token.
 
@@ -305,6 +316,11 @@ def stream_generate(
     full precision. ``seed`` makes sampling reproducible. ``cache`` (from
     ``make_prompt_cache``) continues an earlier sequence; after the call it also holds the
     generated tokens that were fed back.
+    Speculative decoding (``docs/speculative.md``): ``draft_model`` (a model sharing the
+    tokenizer) or ``prompt_lookup`` = n (n-gram drafts from the prompt and output) proposes up
+    to ``num_draft_tokens`` tokens that the model verifies in one forward; greedy output is the
+    same tokens, sampled output the same distribution. ``tree_width`` > 1 (greedy, with a draft
+    model) verifies a token tree with that many candidates per depth.
     Arguments are checked here, before the first token: SamplingOptionsError for a bad option,
     InvalidArgumentError for a bad prompt (token ids must lie in the model's vocabulary),
     ContextLengthError for a prompt longer than the model's context.
@@ -326,14 +342,27 @@ def stream_generate(
         ignore_eos=ignore_eos,
     )
     stops = _normalize_stop(stop)
+    speculative = draft_model is not None or prompt_lookup is not None
+    if speculative:
+        spec.check_speculative_arguments(draft_model, num_draft_tokens, prompt_lookup, tree_width)
+        if draft_model is not None:
+            spec.check_draft_model(model, draft_model, tokenizer)
+        if tree_width > 1 and temperature != 0:
+            raise SamplingOptionsError("tree_width > 1 verifies greedy decoding (temperature 0)")
     if cache is not None and not isinstance(cache, list):
         raise InvalidArgumentError(
             f"cache must be the list make_prompt_cache returns, got {type(cache).__name__}"
         )
     ids = encode_prompt(tokenizer, prompt)
     check_token_ids(ids, vocab_limit(model, tokenizer))
+    # a verify writes up to K drafts (a tree: K * width) that may have to be rolled back
+    rollback = num_draft_tokens * tree_width + 1 if speculative else 0
+    # the compiled decode step applies to caches made here (a caller's cache stays updated)
+    compiled = cache is None and not speculative and os.environ.get("HF2Q_DECODE") != "eager"
     if cache is None:
-        cache = make_prompt_cache(model, kv_bits)
+        cache = make_prompt_cache(model, kv_bits, reserve=rollback)
+    elif speculative:
+        spec.check_reserve(cache, rollback)
     start = getattr(cache[0], "offset", 0) if cache else 0
     limit = context_limit(model)
     if limit is not None and start + len(ids) > limit:
@@ -360,7 +389,13 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         cache=cache,
         eos_ids=set() if ignore_eos else set(tokenizer.eos_token_ids),
-    )
+        compiled=compiled and kv_bits is None,
+        speculative=dict(
+            draft_model=draft_model, prompt_lookup=prompt_lookup,
+            num_draft_tokens=num_draft_tokens, tree_width=tree_width,
+            warp=spec.Warp(temperature, top_k, top_p, min_p),
+        ) if speculative else None,
+    )  # fmt: skip
 
 
 def _decode(
@@ -377,6 +412,8 @@ def _decode(
     prefill_step_size,
     cache,
     eos_ids,
+    speculative=None,
+    compiled=False,
 ) -> Iterator[GenerationResponse]:
     if budget <= 0:
         return
@@ -400,20 +437,48 @@ def _decode(
             ]
         return token, mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
+    def plain_tokens() -> Iterator[tuple[int, float, int, int]]:
+        y, logprob = sample(prefill(model, mx.array(ids, mx.int32), cache, prefill_step_size))
+        mx.async_eval(y, logprob)
+        # the compiled step (hf2q_mlx/decode_step.py) takes over caches this call made itself
+        step = shared_step(model, 1, len(ids) + budget, cache) if compiled and budget > 1 else None
+        if step is not None:
+            step.busy = True
+            step.reset_row(0)
+            step.adopt(0, cache)
+
+        def forward(y: mx.array) -> mx.array:
+            if step is not None:
+                return step.decode(y)  # (1, V)
+            return model(y[:, None], cache=cache)[:, -1, :]
+
+        try:
+            for n in range(budget):
+                if n + 1 < budget:
+                    # build and launch step n+1 before reading token n back
+                    next_y, next_logprob = sample(forward(y))
+                    mx.async_eval(next_y, next_logprob)
+                yield y.item(), logprob.item(), 0, 0
+                if n + 1 < budget:
+                    y, logprob = next_y, next_logprob
+        finally:
+            if step is not None:
+                step.busy = False
+
+    if speculative is None:
+        source = plain_tokens()
+    else:
+        source = spec.speculative_tokens(
+            model, ids, cache, budget=budget, processors=processors, history_size=history_size,
+            key=key, prefill_fn=prefill, prefill_step=prefill_step_size, **speculative,
+        )  # fmt: skip
     tic = time.perf_counter()
-    y, logprob = sample(prefill(model, mx.array(ids, mx.int32), cache, prefill_step_size))
-    mx.async_eval(y, logprob)
     detok = tokenizer.detokenizer()
     pending = ""
     prompt_tps = 0.0
     t_first = tic
     n = 0
-    while True:
-        if n + 1 < budget:
-            # build and launch step n+1 before reading token n back
-            next_y, next_logprob = sample(model(y[:, None], cache=cache)[:, -1, :])
-            mx.async_eval(next_y, next_logprob)
-        token, token_logprob = y.item(), logprob.item()
+    for token, token_logprob, drafted, accepted in source:
         n += 1
         now = time.perf_counter()
         if n == 1:
@@ -446,10 +511,11 @@ def _decode(
             generation_tps=(n - 1) / (now - t_first) if n > 1 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
         )
         if finish is not None:
             return
-        y, logprob = next_y, next_logprob
 
 
 def generate(
@@ -471,9 +537,14 @@ def generate(
 
 
 def format_stats(r: GenerationResponse) -> str:
-    """Two lines of speeds and memory for the last response of a run."""
+    """Lines of speeds and memory for the last response of a run (and draft acceptance)."""
+    drafts = ""
+    if r.drafted_tokens:
+        rate = r.accepted_tokens / r.drafted_tokens
+        drafts = f"\nspeculative: {r.accepted_tokens} of {r.drafted_tokens} drafts accepted"
+        drafts += f" ({rate:.0%})"
     return (
         f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tokens/s\n"
         f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tokens/s\n"
-        f"peak memory: {r.peak_memory:.3f} GB"
+        f"peak memory: {r.peak_memory:.3f} GB{drafts}"
     )

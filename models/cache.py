@@ -8,6 +8,8 @@ queries attend to and a boolean mask ``(L, K)`` (True = attend) or None when eve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from hf2q_mlx.errors import Hf2qError
@@ -38,12 +40,38 @@ def causal_mask(length: int, offset: int = 0, window: int | None = None) -> mx.a
     return attention_mask(q, k, window)
 
 
+@dataclass
+class TokenTree:
+    """The next write is a token tree (speculative verify): ``positions`` (1, L) int32 absolute
+    position of each new token (offset + depth), ``mask`` (L, L) bool, True where a token may
+    attend another new token (its ancestors and itself). Set as ``cache.tree`` on every layer
+    cache for one forward, then cleared; ``ops.positions`` reads the positions."""
+
+    positions: mx.array
+    mask: mx.array
+
+
 class _KVBuffers:
     """What every K/V buffer cache shares: ``keys``/``values`` arrays (None until the first
     write), the Python ``offset`` and the bytes they hold."""
 
     keys: mx.array | None = None
     values: mx.array | None = None
+    tree: TokenTree | None = None
+
+    def _slot(self, position: int) -> int:
+        return position
+
+    def keep(self, start: int, indices: list[int]) -> None:
+        """After writes at ``start``..``offset``-1 (a token tree), keep the entries written at
+        ``start + indices[j]`` as ``start + j`` (the accepted path, ``indices`` increasing) and
+        forget the rest."""
+        src = mx.array([self._slot(start + i) for i in indices])
+        dst = mx.array([self._slot(start + j) for j in range(len(indices))])
+        k, v = self.keys[..., src, :], self.values[..., src, :]  # gathered before the scatter
+        self.keys[..., dst, :] = k
+        self.values[..., dst, :] = v
+        self.offset = start + len(indices)
 
     def is_trimmable(self) -> bool:
         return True
@@ -96,6 +124,13 @@ class KVCache(_KVBuffers):
         self.keys[..., prev : prev + L, :] = keys
         self.values[..., prev : prev + L, :] = values
         self.offset = prev + L
+        if self.tree is not None:  # every cached token, then the tree among the new ones
+            seen = mx.ones((L, prev), dtype=mx.bool_)
+            return (
+                self.keys[..., : self.offset, :],
+                self.values[..., : self.offset, :],
+                (mx.concatenate([seen, self.tree.mask], axis=1)),
+            )
         mask = causal_mask(L, prev)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :], mask
 
@@ -152,6 +187,9 @@ class RotatingKVCache(_KVBuffers):
         self.values: mx.array | None = None
         self.offset = 0
 
+    def _slot(self, position: int) -> int:
+        return position % self.capacity
+
     def slot_positions(self, offset: int | None = None) -> mx.array:
         """Absolute position held by each slot after ``offset`` writes (negative = empty)."""
         return ring_slot_positions(self.offset if offset is None else offset, self.capacity)
@@ -179,7 +217,7 @@ class RotatingKVCache(_KVBuffers):
         if self.keys is None:
             self.keys = mx.zeros((B, H, C, Dk), dtype=keys.dtype)
             self.values = mx.zeros((B, H, C, values.shape[-1]), dtype=values.dtype)
-        if L == 1:
+        if L == 1 and self.tree is None:
             s = o % C
             self.keys[..., s : s + 1, :] = keys
             self.values[..., s : s + 1, :] = values
@@ -191,7 +229,13 @@ class RotatingKVCache(_KVBuffers):
             v_all = mx.concatenate([self._history(self.values, n_hist), values], axis=2)
         else:
             k_all, v_all = keys, values
-        mask = attention_mask(mx.arange(o, o + L), mx.arange(o - n_hist, o + L), W)
+        if self.tree is None:
+            mask = attention_mask(mx.arange(o, o + L), mx.arange(o - n_hist, o + L), W)
+        else:  # window by tree positions; among the new tokens only the tree's edges
+            pos = self.tree.positions[0]
+            mask = attention_mask(pos, mx.concatenate([mx.arange(o - n_hist, o), pos]), W)
+            tree = mx.concatenate([mx.ones((L, n_hist), dtype=mx.bool_), self.tree.mask], axis=1)
+            mask = mask & tree
         m = min(L, C)
         self._write(self.keys, keys[..., L - m :, :], o + L - m)
         self._write(self.values, values[..., L - m :, :], o + L - m)

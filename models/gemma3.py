@@ -16,6 +16,7 @@ from hf2q_mlx.models import ops
 from hf2q_mlx.models.base import BaseModelArgs
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, causal_mask
 from hf2q_mlx.models.contract import Architecture, LayerRoPE, TokenizerQuirks
+from hf2q_mlx.models.encoder import bidirectional_mask
 from hf2q_mlx.models.fused_projections import FusedQKV, fuse_gate_up, gated_mlp_hidden
 from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
 from hf2q_mlx.models.ops import RMSNorm, RoPE
@@ -57,10 +58,8 @@ class ModelArgs(BaseModelArgs):
         return super().from_dict(params)
 
     def __post_init__(self):
-        if self.attn_logit_softcapping is not None or self.use_bidirectional_attention:
-            raise UnsupportedArchitectureError(
-                "gemma3: attention logit softcapping / bidirectional attention are not supported"
-            )
+        if self.attn_logit_softcapping is not None:
+            raise UnsupportedArchitectureError("gemma3: attention logit softcapping")
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UnsupportedArchitectureError(f"gemma3: activation {self.hidden_activation}")
         if self.layer_types is None:
@@ -90,6 +89,7 @@ class Attention(FusedQKV, nn.Module):
         self.scale = args.query_pre_attn_scalar**-0.5
         self.is_sliding = args.layer_types[layer_idx] == "sliding_attention"
         self.window = args.sliding_window if self.is_sliding else None
+        self.bidirectional = args.use_bidirectional_attention  # EmbeddingGemma
         bias = args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
@@ -110,6 +110,8 @@ class Attention(FusedQKV, nn.Module):
         v = v.transpose(0, 2, 1, 3)
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
+        elif self.bidirectional:
+            mask = bidirectional_mask(L, self.window)
         else:
             mask = causal_mask(L, 0, self.window)
         return self.o_proj(ops.attention(q, k, v, cache, self.scale, mask))
@@ -200,6 +202,11 @@ class Model(nn.Module):
         return self
 
     def make_cache(self, reserve: int = 0) -> list:
+        if self.args.use_bidirectional_attention:
+            raise UnsupportedArchitectureError(
+                "gemma3 with bidirectional attention is an embedding model: it does not "
+                "generate text (use hf2q_mlx.embed or `hf2q-mlx embed`)"
+            )
         return [
             RotatingKVCache(self.args.sliding_window, reserve)
             if layer.self_attn.is_sliding
@@ -232,6 +239,10 @@ _PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
+    # a bare Gemma3TextModel (sentence-transformers folders: EmbeddingGemma)
+    ("embed_tokens.", "model.embed_tokens."),
+    ("layers.", "model.layers."),
+    ("norm.", "model.norm."),
 )
 
 # llama.cpp tensor names -> module parameters; llama.cpp already stores norms as 1 + w

@@ -34,7 +34,14 @@ def use_kernels() -> bool:
 
 def positions(cache) -> mx.array:
     """The first position of this call, read from a layer cache (0 without one), as a (1,) int32
-    array: kernels and ``mx.fast.rope`` read it, so every decode step builds the same graph."""
+    array: kernels and ``mx.fast.rope`` read it, so every decode step builds the same graph. A
+    static cache (``models/static_cache.py``) holds one position per row: (B,)."""
+    pos = getattr(cache, "pos", None)
+    if pos is not None:
+        return pos
+    tree = getattr(cache, "tree", None)
+    if tree is not None:  # a token tree (speculative verify): (1, L), offset + depth per token
+        return tree.positions
     return mx.array([cache.offset if cache is not None else 0], dtype=mx.int32)
 
 
@@ -134,7 +141,16 @@ class RoPE:
 
 
 def _rope_graph(x, pos, dims: int, base, scale: float, freqs):
-    offset = pos.reshape(())  # a scalar: the GPU rope reads a (1,) offset once per row
+    if pos.ndim == 2:  # (1 or B, L): one position per token, so each token becomes a batch row
+        B, H, L, D = x.shape
+        rows = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        offsets = mx.broadcast_to(pos, (B, L)).reshape(B * L)
+        rows = mx.fast.rope(
+            rows, dims, traditional=False, base=base, scale=scale, offset=offsets, freqs=freqs
+        )
+        return rows.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+    # a scalar: the GPU rope reads a (1,) offset once per row; (B,) offsets turn each row
+    offset = pos.reshape(()) if pos.size == 1 else pos
     return mx.fast.rope(
         x, dims, traditional=False, base=base, scale=scale, offset=offset, freqs=freqs
     )
@@ -160,7 +176,7 @@ _norm_rope = mx.compile(_norm_rope_graph)  # shape-specialised, as _rope
 
 def norm_rope(x: mx.array, norm: RMSNorm, rope: RoPE, pos: mx.array) -> mx.array:
     """Per-head norm then RoPE: x (B, L, H, D) -> (B, H, L, D), one kernel."""
-    if use_kernels():
+    if use_kernels() and pos.ndim == 1:  # a token tree's (1, L) positions: the reference
         return norm_rope_kernel.rms_norm_rope(
             x, norm.weight, rope.inv_freq, eps=norm.eps, offset=pos, scale=rope.scale
         )
@@ -181,7 +197,7 @@ def qk_norm_rope(
     Hk, D) -> (B, H, L, D) each; queries wider than D (Qwen 3.5's [query | gate] heads) use their
     first D channels. ``v`` given: also returned, normed without weight and not rotated. One eps
     for all, ``q_norm``'s (as the kernel takes it)."""
-    if use_kernels():
+    if use_kernels() and pos.ndim == 1:  # a token tree's (1, L) positions: the reference
         return norm_rope_kernel.qk_norm_rope(
             q, k, q_norm.weight, k_norm.weight, rope.inv_freq,
             eps=q_norm.eps, offset=pos, scale=rope.scale, v=v,

@@ -1,14 +1,23 @@
 """Linear and embedding layers whose weights stay in GGML block layout (raw uint8 rows).
 
 On the CPU (default device the CPU, so no GPU kernel applies, and no ``reference_only()`` /
-``HF2Q_KERNELS=reference``) a layer whose type has an exact MLX affine form (Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q3_K, Q4_K, Q5_K: ``custom_kernels/affine_repack.py``) multiplies with
-``mx.quantized_matmul`` on a repack built lazily on its first call, instead of dequantizing the
-whole weight to fp32 on every call. Memory: the raw blocks stay (they are the parameter that
-loads and is checked), and the repack adds about bits + 2 bits per weight (the codes plus an
-fp32 scale and bias per 32 weights): 6 for the 4-bit types, 7 for the 5-bit ones, 10 for Q8_0
-and Q3_K; on the CPU only. Q2_K and Q6_K keep the dequantize-per-call path; on a GPU
-``ggml_matmul`` dispatches as before.
+``HF2Q_KERNELS=reference``) the matmul depends on the rows of x:
+
+- up to ``CPU_QMM_MAX_ROWS`` rows (decode): a layer whose type has an exact MLX affine form
+  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K: ``custom_kernels/affine_repack.py``)
+  multiplies with ``mx.quantized_matmul`` on a repack built lazily on its first call. Memory:
+  the raw blocks stay (they are the parameter that loads and is checked), and the repack adds
+  about bits + 2 bits per weight (the codes plus an fp32 scale and bias per 32 weights): 6 for
+  the 4-bit types, 7 for the 5-bit ones, 10 for Q8_0 and Q3_K; on the CPU only. Q2_K and
+  Q6_K have no exact affine form: their layers keep an fp32 copy instead (32 bits per weight,
+  built on the first few-row call) rather than dequantizing the whole weight on every step.
+- more rows (prefill, perplexity): the weight is dequantized per call by chunks of rows and
+  multiplied in one fp32 GEMM per chunk, which MLX runs through the BLAS
+  ``custom_kernels/cpu_blas.py`` routed it to. MLX's CPU
+  ``quantized_matmul`` costs about M times its one-row cost, the dequantize-and-GEMM about the
+  same for any M: past a few rows the second wins (docs/cli.md, CPU figures).
+
+On a GPU ``ggml_matmul`` dispatches as before.
 """
 
 from __future__ import annotations
@@ -19,7 +28,12 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx import custom_kernels
 from hf2q_mlx.custom_kernels.affine_repack import GROUP_SIZE, affine_repack
-from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES, ggml_get_rows, row_bytes
+from hf2q_mlx.custom_kernels.dequant import (
+    DENSE_TYPES,
+    dequantize_reference,
+    ggml_get_rows,
+    row_bytes,
+)
 from hf2q_mlx.custom_kernels.qmatmul import ggml_matmul
 from hf2q_mlx.errors import WeightMismatchError
 
@@ -30,6 +44,30 @@ def _cpu_affine_path() -> bool:
         return False  # on a GPU ggml_matmul picks the kernel (or its reference)
     # backend() is None on the CPU either way; tell a forced reference apart
     return not custom_kernels.reference_forced()
+
+
+CPU_QMM_MAX_ROWS = 4  # rows of x up to which the CPU multiplies on the affine repack
+_CPU_DEQ_CHUNK = 1 << 24  # weight elements dequantized at once on the CPU (64 MB of fp32)
+
+
+def _cpu_rows(x: mx.array) -> int:
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return rows
+
+
+def _cpu_dequant_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -> mx.array:
+    """x (..., K) @ W.T on the CPU for many rows: W (N, row_bytes) dequantized by chunks of
+    rows to fp32 (the reference dequantizer's exact values), one fp32 GEMM per chunk."""
+    n = w_raw.shape[0]
+    xf = x.astype(mx.float32)
+    step = max(1, _CPU_DEQ_CHUNK // k)
+    parts = [
+        xf @ dequantize_reference(w_raw[r : r + step], ggml_type, k).T for r in range(0, n, step)
+    ]  # each (..., <= step)
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return y.astype(x.dtype)
 
 
 def _affine_matmul(x: mx.array, packed: tuple) -> mx.array:
@@ -50,6 +88,29 @@ class _GGMLModule(nn.Module):
         self.ggml_type = ggml_type
         self.row_bytes = row_bytes(ggml_type, cols)
         self._rows, self._cols = rows, cols
+
+    def _cpu_matmul(self, x: mx.array) -> mx.array | None:
+        """x @ W.T on the CPU path (see the module docstring), or None off it (GPU, forced
+        reference, or an x of the wrong width: ``ggml_matmul`` then checks and reports)."""
+        if x.shape[-1] != self._cols or not _cpu_affine_path():
+            return None
+        if _cpu_rows(x) > CPU_QMM_MAX_ROWS:
+            return _cpu_dequant_matmul(x, self["weight"], self.ggml_type, self._cols)
+        packed = self._affine_weight()
+        if packed is not None:
+            return _affine_matmul(x, packed)
+        dense = self._dense_weight()  # (N, K) fp32: no exact affine form (Q2_K, Q6_K)
+        return (x.astype(mx.float32) @ dense.T).astype(x.dtype)
+
+    def _dense_weight(self) -> mx.array:
+        """``weight`` dequantized to fp32 once (the reference's values), for the few-row CPU
+        path of the types without an affine repack; kept and dropped like the repack."""
+        weight = self["weight"]
+        cached = vars(self).get("_dense")
+        if cached is None or cached[0] is not weight:
+            cached = (weight, dequantize_reference(weight, self.ggml_type, self._cols))
+            object.__setattr__(self, "_dense", cached)
+        return cached[1]
 
     def _affine_weight(self) -> tuple | None:
         """(wq, scales, biases, bits) of ``weight`` on the CPU path, else None.
@@ -79,6 +140,7 @@ class _GGMLModule(nn.Module):
                     f"shape {self.weight_shape} (raw GGML blocks), got {value.dtype} {value.shape}"
                 )
             vars(self).pop("_affine", None)  # the repack of the old weight
+            vars(self).pop("_dense", None)
         elif key == "bias" and isinstance(value, mx.array):
             if value.shape != self.weight_shape[:1]:
                 raise WeightMismatchError(
@@ -104,11 +166,9 @@ class GGMLLinear(_GGMLModule):
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (..., in_features) -> (..., out_features) in x.dtype."""
-        packed = self._affine_weight() if x.shape[-1] == self.in_features else None
-        if packed is None:
+        y = self._cpu_matmul(x)
+        if y is None:
             y = ggml_matmul(x, self.weight, self.ggml_type, self.in_features)
-        else:
-            y = _affine_matmul(x, packed)
         return y + self.bias.astype(y.dtype) if "bias" in self else y
 
 
@@ -135,10 +195,8 @@ class GGMLEmbedding(_GGMLModule):
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x (..., dims) -> logits (..., num_embeddings) in x.dtype (tied output head)."""
-        packed = self._affine_weight() if x.shape[-1] == self.dims else None
-        if packed is None:
-            return ggml_matmul(x, self.weight, self.ggml_type, self.dims)
-        return _affine_matmul(x, packed)
+        y = self._cpu_matmul(x)
+        return ggml_matmul(x, self.weight, self.ggml_type, self.dims) if y is None else y
 
 
 def _child(parent, key: str):

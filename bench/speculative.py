@@ -1,0 +1,264 @@
+"""Speculative decoding speed: tokens/s and acceptance against plain decoding.
+
+``real``: Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.5B-Instruct drafting (K = 2, 4, 6)
+on code-completion prompts, and prompt lookup on an edit-this-file prompt (both GGUFs from
+``hf2q-mlx fetch``). ``replay``: Qwen 3.5 at the 9B and 35B-A3B shapes with random Q4_K weights
+(``bench/qwen3_5.py``), verified against a drafter that replays the target's own greedy output
+with each draft token wrong with probability 1 - a (a = 0.5 / 0.7 / 0.9), so the numbers are the
+verify cost alone (the draft is free). Every configuration runs in interleaved rounds in one
+process; the tables give medians. Prints a table and writes JSON.
+
+    python3 bench/speculative.py real --json bench/results/speculative_real.json
+    python3 bench/speculative.py replay --json bench/results/speculative_replay.json
+    python3 bench/speculative.py replay --tiny --rounds 1 --tokens 24   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
+from hf2q_mlx.speculative import verify_rows
+
+CODE_PROMPTS = [
+    "def is_prime(n: int) -> bool:\n    ",
+    "import numpy as np\n\n\ndef softmax(x):\n    ",
+    "# Return the index of target in the sorted list items, or -1.\ndef binary_search(",
+]
+FILE = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+'''
+EDIT_PROMPT = [
+    {
+        "role": "user",
+        "content": "Rename the variable `out` to `merged` in this file and reply with the whole "
+        f"file, nothing else:\n\n```python\n{FILE}```",
+    }
+]
+
+
+def run(model, tok, prompt, tokens: int, **kw) -> dict:
+    t0 = time.perf_counter()
+    rs = list(stream_generate(model, tok, prompt, max_tokens=tokens, **kw))
+    last = rs[-1]
+    return {
+        "tokens": [r.token for r in rs],
+        "tps": last.generation_tps,
+        "wall_s": time.perf_counter() - t0,
+        "drafted": last.drafted_tokens,
+        "accepted": last.accepted_tokens,
+    }
+
+
+def summarize(runs: list[dict], plain: list[dict] | None) -> dict:
+    out = {
+        "tps": statistics.median(r["tps"] for r in runs),
+        "drafted": runs[-1]["drafted"],
+        "accepted": runs[-1]["accepted"],
+        "acceptance": runs[-1]["accepted"] / max(runs[-1]["drafted"], 1),
+    }
+    if plain is not None:
+        out["speedup"] = out["tps"] / statistics.median(r["tps"] for r in plain)
+        out["identical"] = all(r["tokens"] == plain[0]["tokens"] for r in runs)
+    return out
+
+
+def bench_real(args) -> list[dict]:
+    from hf2q_mlx.io.default_model import cache_dir
+    from hf2q_mlx.io.fetch import SPLIT_MODELS, cached_path
+    from hf2q_mlx.io.loader import load
+
+    names = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+    paths = {n: cached_path(SPLIT_MODELS[n], cache_dir()) for n in names}
+    missing = [n for n, p in paths.items() if p is None]
+    if missing:
+        sys.exit("missing: " + ", ".join(f"hf2q-mlx fetch {n}" for n in missing))
+    target, tok = load(paths["qwen2.5-coder-1.5b"])
+    draft, _ = load(paths["qwen2.5-coder-0.5b"])
+    configs = {"plain": {}}
+    for k in args.k:
+        configs[f"draft K={k}"] = dict(draft_model=draft, num_draft_tokens=k)
+    cases = [(f"code {i}", p, configs) for i, p in enumerate(CODE_PROMPTS[: args.prompts])]
+    lookup = {"plain": {}, "lookup n=3 K=8": dict(prompt_lookup=3, num_draft_tokens=8)}
+    cases.append(("edit file", EDIT_PROMPT, lookup))
+    rows = []
+    for case, prompt, confs in cases:
+        runs = {name: [] for name in confs}
+        for _ in range(args.rounds):  # interleaved: each round runs every configuration
+            for name, kw in confs.items():
+                runs[name].append(run(target, tok, prompt, args.tokens, **kw))
+        for name in confs:
+            row = {"case": case, "config": name, **summarize(runs[name], runs["plain"])}
+            rows.append(row)
+            print(row_text(row), flush=True)
+    return rows
+
+
+class IdsTokenizer:
+    """Token ids in, nothing decoded (random weights make no text)."""
+
+    eos_token_ids: set = set()
+    bos_token_id = None
+    vocab_size = None
+
+    def detokenizer(self):
+        class Detok:
+            last_segment = ""
+
+            def add_token(self, t):
+                pass
+
+            def finalize(self):
+                pass
+
+        return Detok()
+
+
+def load_qwen_bench():
+    path = Path(__file__).with_name("qwen3_5.py")
+    spec = importlib.util.spec_from_file_location("bench_qwen3_5", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay_run(model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int) -> dict:
+    """Decode ``len(ref)`` tokens with drafts copied from ``ref`` (the target's greedy output),
+    each wrong with probability 1 - acc. Stops where the target leaves ``ref`` (rounding)."""
+    rng = np.random.default_rng(seed)
+    V = model.args.vocab_size
+    cache = make_prompt_cache(model, reserve=k + 1)
+    logits = prefill(model, mx.array(prompt, dtype=mx.int32), cache)
+    out = [int(mx.argmax(logits, axis=-1).item())]
+    todo, drafted, accepted, diverged = [out[0]], 0, 0, None
+    rounds = []
+    t0 = time.perf_counter()
+    while len(out) < len(ref):
+        n = min(k, len(ref) - len(out) - 1)
+        want = ref[len(out) : len(out) + n]
+        drafts = [t if rng.random() < acc else int((t + rng.integers(1, V)) % V) for t in want]
+        t1 = time.perf_counter()
+        res = verify_rows(model, cache, [todo], [drafts])[0]
+        rounds.append(time.perf_counter() - t1)
+        drafted, accepted = drafted + n, accepted + res.accepted
+        if res.tokens != ref[len(out) : len(out) + len(res.tokens)]:
+            diverged = len(out)
+            break
+        out += res.tokens
+        todo = res.todo
+    elapsed = time.perf_counter() - t0
+    return {
+        "tps": (len(out) - 1) / elapsed,
+        "drafted": drafted,
+        "accepted": accepted,
+        "tokens_per_round": (len(out) - 1) / max(len(rounds), 1),
+        "verify_ms": 1e3 * statistics.median(rounds) if rounds else 0.0,
+        "diverged_at": diverged,
+    }
+
+
+def bench_replay(args) -> list[dict]:
+    qb = load_qwen_bench()
+    shapes = qb.TINY_SHAPES if args.tiny else qb.SHAPES
+    names = [s for s in args.shapes.split(",") if s in shapes] if args.shapes else list(shapes)
+    dtype = mx.bfloat16
+    rows = []
+    for name in names:
+        config = shapes[name]
+        model = qb.build_ours(config, dtype)
+        qb.randomize_q4k(model, dtype)
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(0, config["vocab_size"], args.prompt_tokens).tolist()
+        plain, spec = [], {a: [] for a in args.acceptance}
+        warm = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)  # compiles
+        for a in args.acceptance:
+            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99)
+        for r in range(args.rounds):
+            p = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
+            plain.append(p)
+            for a in args.acceptance:
+                spec[a].append(replay_run(model, prompt, p["tokens"], args.k, a, seed=r))
+        base = statistics.median(p["tps"] for p in plain)
+        rows.append({"shape": name, "config": "plain", "tps": base, "step_ms": 1e3 / base})
+        print(row_text(rows[-1]), flush=True)
+        for a, runs in spec.items():
+            drafted = max(sum(x["drafted"] for x in runs), 1)
+            row = {
+                "shape": name,
+                "config": f"replay a={a} K={args.k}",
+                "tps": statistics.median(x["tps"] for x in runs),
+                "speedup": statistics.median(x["tps"] for x in runs) / base,
+                "acceptance": sum(x["accepted"] for x in runs) / drafted,
+                "tokens_per_round": statistics.median(x["tokens_per_round"] for x in runs),
+                "verify_ms": statistics.median(x["verify_ms"] for x in runs),
+                "diverged_at": [x["diverged_at"] for x in runs],
+            }  # fmt: skip
+            rows.append(row)
+            print(row_text(row), flush=True)
+        del model
+        mx.clear_cache()
+    return rows
+
+
+def row_text(r: dict) -> str:
+    head = f"{r.get('case', r.get('shape')):>10}  {r['config']:<18} {r['tps']:8.1f} tok/s"
+    if "speedup" in r:
+        head += f"  x{r['speedup']:.2f}"
+    if "acceptance" in r:
+        head += f"  acceptance {r['acceptance']:.2f}"
+    if "verify_ms" in r:
+        head += f"  verify {r['verify_ms']:.1f} ms, {r['tokens_per_round']:.2f} tok/round"
+    if r.get("identical") is False or any(d is not None for d in r.get("diverged_at", [])):
+        head += "  (output differs from plain decoding)"
+    return head
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("real", help="Qwen2.5-Coder 0.5B drafting for 1.5B; prompt lookup")
+    p.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=3, help="code prompts to run (3)")
+    p.add_argument("--json")
+    p = sub.add_parser("replay", help="Qwen 3.5 9B / 35B-A3B shapes, replayed drafts")
+    p.add_argument("--shapes", default=None, help="comma list (9b,35b-a3b; tiny,tiny-moe)")
+    p.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = bench_real(args) if args.mode == "real" else bench_replay(args)
+    if args.json:
+        meta = {"device": str(mx.default_device()), "mlx": mx.__version__, "args": vars(args)}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

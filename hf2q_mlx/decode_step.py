@@ -1,0 +1,281 @@
+"""The decode step built once: B rows, each at its own position, one compiled graph per token.
+
+``DecodeStep(model, max_batch, max_len)`` preallocates every layer's cache for ``max_batch`` rows
+(``models/static_cache.py``) and compiles ``model(tokens, caches)`` once per attention-span bucket
+(full-attention layers read the first 256, 512, 1024, ... slots, whichever covers the longest
+row). Per token the host passes the rows' positions and which rows advance, and gets lazy logits
+(or greedy token ids) back; it never reads a value from the device in between.
+
+Prompts go in through ``prefill(row, ids)``: the model's ordinary per-sequence caches, viewing the
+row's slots, run the chunk eagerly and are copied back. ``save_row`` / ``load_row`` move a row's
+whole state (prefix reuse), ``adopt`` takes over caches that ``stream_generate`` prefilled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache
+from hf2q_mlx.models.recurrent_cache import RecurrentCache
+from hf2q_mlx.models.static_cache import StaticKVCache, StaticRecurrentCache
+
+MIN_SPAN = 256
+
+
+@dataclass
+class RowState:
+    """One row's cache contents: ``position`` tokens; per layer the arrays of that row."""
+
+    position: int
+    arrays: list[list[mx.array]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layer in self.arrays for a in layer)
+
+
+def _model_caches(model) -> list:
+    if hasattr(model, "make_cache"):
+        return model.make_cache()
+    return [KVCache() for _ in model.layers]
+
+
+class DecodeStep:
+    """A compiled one-token step over ``max_batch`` rows of at most ``max_len`` tokens each."""
+
+    def __init__(self, model, max_batch: int = 1, max_len: int = 4096, reserve: int = 0, like=None):
+        if max_batch < 1 or max_len < 1:
+            raise InvalidArgumentError(
+                f"DecodeStep needs max_batch >= 1 and max_len >= 1, got {max_batch}, {max_len}"
+            )
+        if not self.supports(model):
+            raise InvalidArgumentError(
+                f"{type(model).__module__}: its caches have no static form for DecodeStep"
+            )
+        self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        self.positions = [0] * max_batch
+        self.caches = self._allocate(reserve, like)
+        self._compiled = mx.compile(self._step)
+        self.busy = False
+
+    @staticmethod
+    def supports(model, kv_bits=None) -> bool:
+        """True for our model files (they read positions through ``models.ops.positions``)
+        when every cache the model makes has a static counterpart (not TurboQuant)."""
+        if kv_bits is not None or not type(model).__module__.startswith("hf2q_mlx.models."):
+            return False
+        kinds = (KVCache, RotatingKVCache, RecurrentCache)
+        return all(type(c) in kinds for c in _model_caches(model))
+
+    # ---- cache allocation and row transfer -----------------------------------------------------
+
+    def _allocate(self, reserve: int, like=None) -> list:
+        """Shapes and dtypes from filled per-sequence caches ``like`` (else one probe token
+        through fresh ones), then B rows."""
+        probe = like
+        if probe is None or any(getattr(c, "keys", 0) is None for c in probe):
+            probe = _model_caches(self.model)
+            mx.eval(self.model(mx.array([[0]]), cache=probe))
+        B, out = self.max_batch, []
+        for c in probe:
+            if isinstance(c, RecurrentCache):
+                conv, st = c.conv_state, c.state
+                out.append(
+                    StaticRecurrentCache(
+                        mx.zeros((B, *conv.shape[1:]), conv.dtype),
+                        mx.zeros((B, *st.shape[1:]), st.dtype),
+                    )
+                )
+                continue
+            window = c.window if isinstance(c, RotatingKVCache) else None
+            C = self.max_len if window is None else min(window + reserve, self.max_len)
+            _, H, _, Dk = c.keys.shape
+            Dv = c.values.shape[-1]
+            keys = mx.zeros((B, H, C, Dk), c.keys.dtype)
+            values = mx.zeros((B, H, C, Dv), c.values.dtype)
+            out.append(StaticKVCache(keys, values, window))
+        mx.eval([s.arrays for s in out])
+        return out
+
+    def _check_row(self, row: int) -> None:
+        if not (isinstance(row, int) and 0 <= row < self.max_batch):
+            raise InvalidArgumentError(f"row must be in [0, {self.max_batch}), got {row!r}")
+
+    def position(self, row: int) -> int:
+        self._check_row(row)
+        return self.positions[row]
+
+    def reset_row(self, row: int) -> None:
+        """The row becomes empty. KV slots need no clearing (masks come from positions);
+        recurrent states start from zero."""
+        self._check_row(row)
+        self.positions[row] = 0
+        for s in self.caches:
+            if isinstance(s, StaticRecurrentCache):
+                s.arrays = [_set_row(a, row, mx.zeros(a.shape[1:], a.dtype)) for a in s.arrays]
+
+    def _row_views(self, row: int) -> list:
+        """Per-sequence caches holding the row's state, for an eager forward pass."""
+        pos, views = self.positions[row], []
+        for s in self.caches:
+            if isinstance(s, StaticRecurrentCache):
+                c = RecurrentCache()
+                if pos > 0:
+                    c.conv_state, c.state = (a[row : row + 1] for a in s.arrays)
+            elif s.window is None:
+                c = KVCache(max_size=s.capacity)
+                c.keys, c.values = (a[row : row + 1] for a in s.arrays)
+            else:  # a ring shorter than the window never wraps: a plain buffer then
+                C = s.capacity
+                c = RotatingKVCache(s.window, C - s.window) if C >= s.window else KVCache(C)
+                c.keys, c.values = (a[row : row + 1] for a in s.arrays)
+            c.offset = pos
+            views.append(c)
+        return views
+
+    def adopt(self, row: int, caches: Sequence) -> None:
+        """Copy per-sequence caches (batch 1, the model's own kinds) into ``row``."""
+        self._check_row(row)
+        offsets = {c.offset for c in caches}
+        if len(offsets) != 1 or len(caches) != len(self.caches):
+            raise InvalidArgumentError("adopt() needs one consistent cache per layer")
+        pos = offsets.pop()
+        if pos > self.max_len:
+            raise ContextLengthError(f"{pos} cached tokens exceed DecodeStep's {self.max_len}")
+        for s, c in zip(self.caches, caches):
+            if isinstance(s, StaticRecurrentCache):
+                if c.state is not None:
+                    s.arrays = [
+                        _set_row(a, row, n[0]) for a, n in zip(s.arrays, [c.conv_state, c.state])
+                    ]
+                continue
+            if c.keys is None:
+                continue
+            if s.window is None:
+                n = min(pos, c.keys.shape[2])
+                s.arrays = [
+                    _set_row(a, row, src[0, :, :n], n)
+                    for a, src in zip(s.arrays, [c.keys, c.values])
+                ]
+            else:
+                s.arrays = [
+                    _adopt_ring(a, row, src[0], pos) for a, src in zip(s.arrays, [c.keys, c.values])
+                ]
+        self.positions[row] = pos
+
+    def prefill(self, row: int, ids: Sequence[int]) -> mx.array:
+        """Feed prompt tokens to ``row`` after what it holds -> logits (V,) of the last token."""
+        self._check_row(row)
+        if len(ids) == 0:
+            raise InvalidArgumentError("prefill needs at least one token")
+        if self.positions[row] + len(ids) > self.max_len:
+            raise ContextLengthError(
+                f"row {row}: {self.positions[row]} + {len(ids)} tokens pass max_len {self.max_len}"
+            )
+        views = self._row_views(row)
+        logits = self.model(mx.array([list(ids)], dtype=mx.int32), cache=views)
+        self.adopt(row, views)
+        return logits[0, -1]
+
+    def save_row(self, row: int) -> RowState:
+        """A copy of the row's state (for prefix reuse); full-attention layers keep only the
+        filled slots."""
+        self._check_row(row)
+        pos, arrays = self.positions[row], []
+        for s in self.caches:
+            if isinstance(s, StaticKVCache) and s.window is None:
+                arrays.append([mx.contiguous(a[row, :, :pos]) for a in s.arrays])
+            else:
+                arrays.append([mx.contiguous(a[row]) for a in s.arrays])
+        mx.eval(arrays)
+        return RowState(pos, arrays)
+
+    def load_row(self, row: int, saved: RowState) -> None:
+        self._check_row(row)
+        for s, arrs in zip(self.caches, saved.arrays):
+            n = saved.position if isinstance(s, StaticKVCache) and s.window is None else None
+            s.arrays = [_set_row(a, row, v, n) for a, v in zip(s.arrays, arrs)]
+        self.positions[row] = saved.position
+
+    # ---- the compiled step ---------------------------------------------------------------------
+
+    def _step(self, tokens, pos, active, arrays, span: int, greedy: bool):
+        for s, a in zip(self.caches, arrays):
+            s.arrays, s.pos, s.active = a, pos, active
+            if isinstance(s, StaticKVCache) and s.window is None:
+                s.span = span
+        logits = self.model(tokens, cache=self.caches)[:, -1, :]
+        out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits
+        return out, [s.arrays for s in self.caches]
+
+    def decode(
+        self, tokens: mx.array | Sequence[int], active: Sequence[bool] | None = None, greedy=False
+    ) -> mx.array:
+        """One token for every row (``tokens`` (B,)) at its own position; rows not ``active`` do
+        not advance (their logits are meaningless). -> lazy logits (B, V), or token ids (B,) int32
+        with ``greedy``."""
+        B = self.max_batch
+        active = [True] * B if active is None else [bool(a) for a in active]
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
+        if tokens.shape != (B,) or len(active) != B:
+            raise InvalidArgumentError(f"decode needs {B} tokens and {B} active flags")
+        longest = max((p for p, a in zip(self.positions, active) if a), default=0) + 1
+        if longest > self.max_len:
+            raise ContextLengthError(f"a row would pass max_len {self.max_len}")
+        span = min(self.max_len, max(MIN_SPAN, 1 << (longest - 1).bit_length()))
+        pos = mx.array(self.positions, dtype=mx.int32)
+        out, arrays = self._compiled(
+            tokens[:, None].astype(mx.int32), pos, mx.array(active),
+            [s.arrays for s in self.caches], span, greedy,
+        )  # fmt: skip
+        for s, a in zip(self.caches, arrays):
+            s.arrays = a
+        self.positions = [p + a for p, a in zip(self.positions, active)]
+        return out
+
+
+def _set_row(buf: mx.array, row: int, value: mx.array, n: int | None = None) -> mx.array:
+    """buf with row ``row`` (its first ``n`` slots on axis 1 when n is given) set to value."""
+    if n is None:
+        buf[row] = value
+    elif n > 0:
+        buf[row, :, :n] = value
+    return buf
+
+
+def _adopt_ring(buf: mx.array, row: int, src: mx.array, pos: int) -> mx.array:
+    """A ring (H, C', D) filled by a per-sequence RotatingKVCache (slot = position % C') into the
+    static ring (slot = position % C) of ``row``: the last min(pos, C, C') positions move."""
+    C, C2 = buf.shape[2], src.shape[1]
+    if C == C2:
+        buf[row] = src
+        return buf
+    p = mx.arange(pos - min(pos, C, C2), pos)  # rings of different sizes (a short max_len)
+    moved = mx.take(src, p % C2, axis=1)  # (H, n, D)
+    idx = mx.broadcast_to((p % C)[None, :, None], moved.shape)
+    buf[row] = mx.put_along_axis(buf[row], idx, moved.astype(buf.dtype), axis=1)
+    return buf
+
+
+_STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len)
+
+
+def shared_step(model, max_batch: int, needed: int, like=None) -> DecodeStep | None:
+    """A DecodeStep of the model for ``needed`` tokens per row, built once per (rows, length
+    bucket: a power of two from 1024) and reused across calls, or None when the model has no
+    static caches or the cached step is in use (a second generator on the same model)."""
+    if not DecodeStep.supports(model):
+        return None
+    max_len = max(1024, 1 << (needed - 1).bit_length())
+    steps = model.__dict__.get(_STEPS)
+    if steps is None:
+        steps = {}
+        object.__setattr__(model, _STEPS, steps)  # not an nn.Module child or parameter
+    step = steps.get((max_batch, max_len))
+    if step is None:
+        step = steps[(max_batch, max_len)] = DecodeStep(model, max_batch, max_len, like=like)
+    return None if step.busy else step

@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health,
+metrics. Handlers never touch MLX: they tokenize, submit to the engine thread and await the
+events it sends back through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hf2q_mlx.errors import ContextLengthError, Hf2qError, QueueFullError
+from hf2q_mlx.serving import openai_api as oa
+from hf2q_mlx.serving.engine import Engine, Event
+
+DISCONNECT_POLL_S = 0.5
+
+
+def _error(status: int, err: Exception, kind: str = "invalid_request_error") -> JSONResponse:
+    body = oa.error_body(err, kind)
+    if isinstance(err, ContextLengthError):
+        body["error"]["code"] = "context_length_exceeded"
+        body["error"]["param"] = body["error"]["param"] or "messages"
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(engine: Engine, model_id: str) -> FastAPI:
+    """The app serving ``engine`` under the model name ``model_id``."""
+    app = FastAPI(title="hf2q-mlx", docs_url=None, redoc_url=None)
+    tokenizer = engine.tokenizer
+    model_ids = {model_id}
+    metrics = engine.metrics
+    created = int(time.time())
+
+    @app.exception_handler(Hf2qError)
+    async def on_hf2q_error(request: Request, err: Hf2qError) -> JSONResponse:
+        if isinstance(err, QueueFullError):
+            metrics.inc("http_requests_total", status="429")
+            return _error(429, err, "rate_limit_exceeded")
+        metrics.inc("http_requests_total", status="400")
+        return _error(400, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        metrics.inc("http_requests_total", status=str(err.status_code))
+        return _error(err.status_code, Exception(err.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, err: Exception) -> JSONResponse:
+        metrics.inc("http_requests_total", status="500")
+        return _error(500, Exception(f"internal error: {type(err).__name__}"), "server_error")
+
+    async def body_of(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise oa.bad_request(f"malformed JSON body: {err}", None, "invalid_json") from None
+
+    def submit(parsed: oa.ParsedRequest) -> tuple[str, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        return engine.submit(parsed.prompt, parsed.params, sink), events
+
+    async def collect(request: Request, rid: str, events: asyncio.Queue) -> list[Event] | None:
+        """All events of a request; None when the client went away (the request is cancelled)."""
+        out: list[Event] = []
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    engine.cancel(rid)
+                    metrics.inc("client_disconnects_total")
+                    return None
+                continue
+            out.append(event)
+            if event.finish_reason is not None:
+                return out
+
+    async def stream(
+        rid: str, events: asyncio.Queue, first: list[dict], chunk: Callable[[Event], dict | None],
+        last: Callable[[Event], list[dict]],
+    ) -> AsyncIterator[str]:  # fmt: skip
+        done = False
+        try:
+            for obj in first:
+                yield _sse(obj)
+            while True:
+                event = await events.get()
+                if event.finish_reason == "error":
+                    err = oa.error_body(Exception(event.error or "internal error"), "server_error")
+                    yield _sse(err)
+                    break
+                obj = chunk(event)
+                if obj is not None:
+                    yield _sse(obj)
+                if event.finish_reason is not None:
+                    for obj in last(event):
+                        yield _sse(obj)
+                    break
+            done = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away (or the server is stopping): free the row
+                engine.cancel(rid)
+                metrics.inc("client_disconnects_total")
+
+    def finished(events: list[Event] | None, build: Callable[[list[Event]], dict]):
+        if events is None:
+            metrics.inc("http_requests_total", status="499")
+            return JSONResponse({}, status_code=499)
+        if events[-1].finish_reason == "error":
+            metrics.inc("http_requests_total", status="500")
+            return _error(500, Exception(events[-1].error or "internal error"), "server_error")
+        metrics.inc("http_requests_total", status="200")
+        return JSONResponse(build(events))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await body_of(request)
+        parsed = await run_in_threadpool(oa.parse_chat, body, tokenizer, model_ids, engine.max_len)
+        rid, events = submit(parsed)
+        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        want_lp = parsed.params.logprobs
+        if not parsed.stream:
+            got = await collect(request, rid, events)
+            return finished(
+                got, lambda ev: oa.chat_response(cid, parsed.model, tokenizer, ev, want_lp)
+            )
+
+        def chunk(e: Event) -> dict | None:
+            lp = oa.chat_logprobs(tokenizer, [e]) if want_lp and e.token is not None else None
+            if e.text or lp is not None:
+                return oa.chat_chunk(cid, parsed.model, {"content": e.text}, None, lp)
+            return None
+
+        def last(e: Event) -> list[dict]:
+            out = [oa.chat_chunk(cid, parsed.model, {}, e.finish_reason)]
+            if parsed.include_usage:
+                out.append(oa.usage_chunk(cid, parsed.model, "chat.completion.chunk", e))
+            return out
+
+        first = [oa.chat_chunk(cid, parsed.model, {"role": "assistant", "content": ""}, None)]
+        metrics.inc("http_requests_total", status="200")
+        return StreamingResponse(
+            stream(rid, events, first, chunk, last), media_type="text/event-stream"
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        parsed = await run_in_threadpool(
+            oa.parse_completion, body, tokenizer, model_ids, engine.max_len
+        )
+        rid, events = submit(parsed)
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        want_lp = parsed.params.logprobs
+        if not parsed.stream:
+            got = await collect(request, rid, events)
+            return finished(
+                got, lambda ev: oa.completion_response(cid, parsed.model, tokenizer, ev, want_lp)
+            )
+
+        def chunk(e: Event) -> dict | None:
+            lp = oa.completion_logprobs(tokenizer, [e]) if want_lp and e.token is not None else None
+            if e.text or lp is not None:
+                return oa.completion_chunk(cid, parsed.model, e.text, None, lp)
+            return None
+
+        def last(e: Event) -> list[dict]:
+            out = [oa.completion_chunk(cid, parsed.model, "", e.finish_reason)]
+            if parsed.include_usage:
+                out.append(oa.usage_chunk(cid, parsed.model, "text_completion", e))
+            return out
+
+        metrics.inc("http_requests_total", status="200")
+        return StreamingResponse(
+            stream(rid, events, [], chunk, last), media_type="text/event-stream"
+        )
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": created, "owned_by": "hf2q-mlx"}
+                     for m in sorted(model_ids)],
+        }  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        alive = engine._thread is not None and engine._thread.is_alive()
+        body = {"status": "ok" if alive else "engine stopped", **engine.stats()}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

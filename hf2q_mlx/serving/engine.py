@@ -1,0 +1,439 @@
+"""The serving engine: one background thread owns MLX and runs a continuous-batching loop.
+
+Every iteration (a *step*) the loop (1) takes new requests and cancellations from a thread-safe
+inbox, (2) admits waiting requests into free rows, reusing the longest saved prompt prefix,
+(3) feeds at most ``prefill_chunk`` prompt tokens (whole chunks, so a long prompt delays the
+running streams by one chunk at most) and (4) runs one batched decode over every row that is
+generating, then samples each row with its own options. A row's last prompt token goes through
+the decode step like a generated one, so a prompt's chunks and its first token are computed
+exactly as ``stream_generate`` computes them.
+
+Callers talk to the engine only through ``submit`` / ``cancel`` (any thread); results come back
+through each request's ``sink`` callback, called on the engine thread (it must not block).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, QueueFullError
+from hf2q_mlx.generation import check_token_ids, context_limit, vocab_limit
+from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
+from hf2q_mlx.serving.metrics import Metrics
+from hf2q_mlx.serving.prefix_pool import PrefixPool
+from hf2q_mlx.serving.sequential_step import SequentialStep, state_arrays
+from hf2q_mlx.serving.stop_text import StopText
+
+DEFAULT_MAX_LEN = 4096
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """Stop engine threads still running at exit (a notebook that never closed its engine)."""
+    for engine in list(_LIVE):
+        engine.shutdown(timeout=10.0)
+
+
+def make_step(
+    model: Any, max_batch: int, max_len: int, kv_bits: Any = None, compiled: bool | None = None
+):
+    """The compiled batched step (``DecodeStep``) where it applies, else ``SequentialStep``.
+
+    ``compiled=None`` picks the compiled step on a GPU only: on the CPU a batch of B rows costs
+    B single-row steps either way, and a partly filled compiled batch still pays for all B rows
+    (docs/serving.md)."""
+    from hf2q_mlx.decode_step import DecodeStep
+
+    if compiled is None:
+        compiled = mx.default_device() == mx.gpu
+    if compiled and DecodeStep.supports(model, kv_bits):
+        return DecodeStep(model, max_batch, max_len)
+    return SequentialStep(model, max_batch, max_len, kv_bits)
+
+
+def _materialize_model(model: Any) -> None:
+    """Evaluate every array a model holds, private attributes too (RoPE tables, ...): MLX streams
+    are per thread, so an array left lazy by the loading thread cannot be evaluated by the engine
+    thread."""
+    params, others = [], []
+    for _, m in model.named_modules():
+        # parameters (the module's dict items) and plain attributes, helper objects included
+        params += [v for v in m.values() if isinstance(v, mx.array)]
+        others += state_arrays(list(vars(m).values()))
+    mx.eval(params)
+    for a in others:
+        try:
+            mx.eval(a)
+        except RuntimeError:  # a placeholder an earlier mx.compile trace left behind
+            pass
+
+
+@dataclass
+class Event:
+    """One generated token of a request (``text`` may be empty), or its end.
+
+    ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
+    (max_tokens or the context), "cancelled" or "error" (``error`` says why).
+    """
+
+    request_id: str
+    text: str
+    token: int | None
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    budget: int
+    submitted: float = field(default_factory=time.perf_counter)
+    row: int = -1
+    cursor: int = 0  # prompt tokens held by the row
+    pending: int = -1  # the next token the decode step feeds
+    generated: int = 0
+    reused: int = 0
+    text: StopText | None = None
+    eos: frozenset = frozenset()
+
+
+class Engine:
+    """Continuous batching over ``max_batch`` rows; ``start()`` launches the loop thread."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_len: int | None = None,
+        kv_bits: Any = None,
+        prefill_chunk: int = 512,
+        prefix_cache_bytes: int = 256 << 20,
+        min_prefix_tokens: int = 1,
+        compiled: bool | None = None,
+        step: Any = None,
+    ) -> None:
+        for name, v, low in (
+            ("max_batch", max_batch, 1),
+            ("max_queue", max_queue, 0),
+            ("prefill_chunk", prefill_chunk, 1),
+            ("prefix_cache_bytes", prefix_cache_bytes, 0),
+            ("min_prefix_tokens", min_prefix_tokens, 1),
+        ):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
+        limit = context_limit(model)
+        if max_len is None:
+            max_len = min(limit or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
+        if not isinstance(max_len, int) or max_len < 2:
+            raise InvalidArgumentError(f"max_len must be an integer >= 2, got {max_len!r}")
+        _materialize_model(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.max_len = max_len if limit is None else min(max_len, limit)
+        self.min_prefix_tokens = min_prefix_tokens
+        self.vocab = vocab_limit(model, tokenizer)
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self.step = step or make_step(model, max_batch, self.max_len, kv_bits, compiled)
+        self.sampler = BatchSampler(max_batch, model.args.vocab_size)
+        self.pool = PrefixPool(prefix_cache_bytes)
+        self.metrics = Metrics(max_batch)
+        self.rows: list[Request | None] = [None] * max_batch
+        self.waiting: deque[Request] = deque()
+        self.inbox: queue.Queue = queue.Queue()
+        self.by_id: dict[str, Request] = {}
+        self._lock = threading.Lock()
+        self._outstanding = 0  # admitted or waiting, counted at submit for the 429 decision
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.steps = 0
+
+    # ---- caller side (any thread) --------------------------------------------------------------
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None]
+    ) -> str:
+        """Queue a request; returns its id. Raises SamplingOptionsError, InvalidArgumentError,
+        ContextLengthError before queueing, QueueFullError when max_batch + max_queue requests
+        are already in the engine."""
+        if self._stop.is_set():
+            raise InvalidArgumentError("this engine has been shut down; make a new one")
+        params.validate()
+        if not prompt:
+            raise InvalidArgumentError("prompt is empty: give at least one token or character")
+        check_token_ids(prompt, self.vocab)
+        if len(prompt) > self.max_len:
+            raise ContextLengthError(
+                f"prompt of {len(prompt)} tokens exceeds the context of {self.max_len} tokens"
+            )
+        with self._lock:
+            if self._outstanding >= self.max_batch + self.max_queue:
+                raise QueueFullError(
+                    f"server busy: {self._outstanding} requests running or queued "
+                    f"(max_batch {self.max_batch} + max_queue {self.max_queue}); retry later"
+                )
+            self._outstanding += 1
+            rid = f"req-{next(self._ids)}"
+        budget = min(params.max_tokens, self.max_len - len(prompt) + 1)
+        req = Request(rid, list(prompt), params, sink, budget)
+        self.metrics.inc("requests_total")
+        self.metrics.inc("prompt_tokens_total", len(prompt))
+        self.inbox.put(("add", req))
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its row is free before the next step runs."""
+        self.inbox.put(("cancel", request_id))
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            _LIVE.add(self)
+            self._thread = threading.Thread(target=self._run, name="hf2q-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def stats(self) -> dict[str, int]:
+        """Running rows, waiting requests and outstanding requests (a snapshot)."""
+        with self._lock:
+            outstanding = self._outstanding
+        return {
+            "running": sum(r is not None for r in self.rows),
+            "waiting": len(self.waiting),
+            "outstanding": outstanding,
+            "steps": self.steps,
+            "prefix_entries": len(self.pool),
+            "prefix_bytes": self.pool.nbytes,
+        }
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # MLX keeps a worker per thread-local stream: without this, the process may abort
+            # at exit ("terminate called without an active exception")
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _loop(self) -> None:
+        busy = False
+        while not self._stop.is_set():
+            idle = not self.waiting and all(r is None for r in self.rows)
+            if idle and busy:
+                mx.clear_cache()  # nothing running: hand freed buffers back to the system
+            busy = not idle
+            try:
+                self._drain(block=idle)
+                if self._stop.is_set():
+                    break
+                self._admit()
+                self._prefill()
+                self._decode()
+                self.steps += 1
+            except Exception as err:  # an engine bug: fail the running requests, keep serving
+                traceback.print_exc()
+                self._fail_all(f"internal error: {type(err).__name__}: {err}")
+            self._update_gauges()
+        self._fail_all("server shutting down", reason="cancelled")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, value = item
+            if kind == "add":
+                self.waiting.append(value)
+                self.by_id[value.id] = value
+            elif kind == "cancel":
+                self._cancel(value)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, request_id: str) -> None:
+        req = self.by_id.get(request_id)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled", "")
+
+    def _finish(self, req: Request, reason: str, text: str, error: str | None = None) -> None:
+        """Free the request's row and send its last event."""
+        if req.row >= 0 and self.rows[req.row] is req:
+            self.rows[req.row] = None
+            self.sampler.clear_row(req.row)
+        req.row = -1
+        if self.by_id.pop(req.id, None) is None:
+            return
+        with self._lock:
+            self._outstanding -= 1
+        self.metrics.inc("requests_finished_total", reason=reason)
+        self._send(req, Event(req.id, text, None, None, [], reason, len(req.prompt),
+                              req.generated, req.reused, error))  # fmt: skip
+
+    def _send(self, req: Request, event: Event) -> None:
+        try:
+            req.sink(event)
+        except Exception:  # a broken sink must not stop the engine
+            traceback.print_exc()
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        for req in [r for r in self.rows if r is not None] + list(self.waiting):
+            self._finish(req, reason, "", message)
+        self.waiting.clear()
+        for row in range(self.max_batch):
+            try:
+                self.step.reset_row(row)
+            except Exception:
+                traceback.print_exc()
+
+    def _admit(self) -> None:
+        for row in range(self.max_batch):
+            if not self.waiting:
+                return
+            if self.rows[row] is not None:
+                continue
+            req = self.waiting.popleft()
+            n = len(req.prompt)
+            reused, saved = self.pool.longest(req.prompt[: n - 1])
+            if saved is not None:
+                self.step.load_row(row, saved)
+            else:
+                self.step.reset_row(row)
+            req.row, req.cursor, req.reused = row, reused, reused
+            req.text = StopText(self.tokenizer, req.params.stop)
+            req.eos = frozenset() if req.params.ignore_eos else self.eos
+            self.rows[row] = req
+            self.sampler.set_row(row, req.params)
+            self.metrics.inc("prefix_reused_tokens_total", reused)
+            if req.cursor == n - 1:
+                req.pending = req.prompt[-1]
+
+    def _prefill(self) -> None:
+        """Whole chunks of the oldest prefilling rows, at most ``prefill_chunk`` tokens in all
+        (the first chunk always runs)."""
+        spent = 0
+        for req in sorted((r for r in self.rows if r is not None), key=lambda r: r.submitted):
+            end = len(req.prompt) - 1
+            if req.cursor >= end:
+                continue
+            size = min(self.prefill_chunk, end - req.cursor)
+            if spent and spent + size > self.prefill_chunk:
+                break
+            self.step.prefill(req.row, req.prompt[req.cursor : req.cursor + size])
+            self._materialize()
+            req.cursor += size
+            spent += size
+            self.metrics.inc("prefill_tokens_total", size)
+            if req.cursor == end:
+                req.pending = req.prompt[-1]
+                self._save_prefix(req)
+
+    def _materialize(self) -> None:
+        """Evaluate the rows' caches now (not the chunk's logits), so the chunk's cost lands in
+        this step. DecodeStep keeps each layer's state in ``.arrays``."""
+        caches = getattr(self.step, "caches", [])
+        if all(hasattr(c, "arrays") for c in caches):
+            mx.eval([c.arrays for c in caches])
+        else:
+            mx.eval(state_arrays(caches))
+
+    def _save_prefix(self, req: Request) -> None:
+        key = req.prompt[: len(req.prompt) - 1]
+        if self.pool.budget == 0 or len(key) < self.min_prefix_tokens or key in self.pool:
+            return
+        self.pool.put(key, self.step.save_row(req.row))
+
+    def _decode(self) -> None:
+        active = [r is not None and r.cursor >= len(r.prompt) - 1 for r in self.rows]
+        if not any(active):
+            return
+        tokens = mx.array([r.pending if a else 0 for r, a in zip(self.rows, active)], mx.int32)
+        logits = self.step.decode(tokens, active)
+        out = self.sampler.sample(logits, active)
+        now = time.perf_counter()
+        n_new = 0
+        for row, on in enumerate(active):
+            req = self.rows[row]
+            if not on or req is None:
+                continue
+            if req.generated == 0:
+                # the last prompt token went through this step
+                self.metrics.inc("prefill_tokens_total", 1)
+                self.metrics.observe_ttft(now - req.submitted)
+            n_new += 1
+            self._emit(req, out.tokens[row], out.logprobs[row], out.top[row])
+        self.metrics.tokens_generated(n_new)
+
+    def _emit(self, req: Request, token: int, logprob: float, top: list) -> None:
+        req.generated += 1
+        lp = logprob if req.params.logprobs or req.params.top_logprobs else None
+        if token in req.eos:
+            text, _ = req.text.finish()
+            finish: str | None = "stop"
+        else:
+            text, hit = req.text.add(token)
+            finish = "stop" if hit else None
+            if finish is None and req.generated >= req.budget:
+                more, hit = req.text.finish()
+                text, finish = text + more, "stop" if hit else "length"
+        event = Event(req.id, text, token, lp, top, None, len(req.prompt), req.generated,
+                      req.reused)  # fmt: skip
+        if finish is None:
+            req.pending = token
+            self._send(req, event)
+            return
+        # the token and the end travel in one event
+        self.rows[req.row] = None
+        self.sampler.clear_row(req.row)
+        req.row = -1
+        self.by_id.pop(req.id, None)
+        with self._lock:
+            self._outstanding -= 1
+        self.metrics.inc("requests_finished_total", reason=finish)
+        event.finish_reason = finish
+        self._send(req, event)
+
+    def _update_gauges(self) -> None:
+        self.metrics.set("running", sum(r is not None for r in self.rows))
+        self.metrics.set("queue_depth", len(self.waiting) + self.inbox.qsize())
+        self.metrics.set("prefix_pool_bytes", self.pool.nbytes)
+        self.metrics.set("prefix_pool_entries", len(self.pool))
+        self.metrics.set("mlx_active_memory_bytes", mx.get_active_memory())
+        self.metrics.set("mlx_cache_memory_bytes", mx.get_cache_memory())

