@@ -265,17 +265,22 @@ _STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len)
 
 
 def shared_step(model, max_batch: int, needed: int, like=None) -> DecodeStep | None:
-    """A DecodeStep of the model for ``needed`` tokens per row, built once per (rows, length
-    bucket: a power of two from 1024) and reused across calls, or None when the model has no
-    static caches or the cached step is in use (a second generator on the same model)."""
+    """A DecodeStep of the model with ``max_batch`` rows of at least ``needed`` tokens, built
+    once and reused across calls (an idle one at least that long, else a new one of the next
+    power of two from 1024, which replaces the shorter idle ones), or None when the model has no
+    static caches or its step is in use (a second generator on the same model)."""
     if not DecodeStep.supports(model):
         return None
-    max_len = max(1024, 1 << (needed - 1).bit_length())
     steps = model.__dict__.get(_STEPS)
     if steps is None:
         steps = {}
         object.__setattr__(model, _STEPS, steps)  # not an nn.Module child or parameter
-    step = steps.get((max_batch, max_len))
-    if step is None:
-        step = steps[(max_batch, max_len)] = DecodeStep(model, max_batch, max_len, like=like)
-    return None if step.busy else step
+    fits = [v for (b, n), v in steps.items() if b == max_batch and n >= needed]
+    if fits:
+        step = min(fits, key=lambda v: v.max_len)
+        return None if step.busy else step
+    for key in [k for k, v in steps.items() if k[0] == max_batch and not v.busy]:
+        del steps[key]
+    max_len = max(1024, 1 << (needed - 1).bit_length())
+    step = steps[(max_batch, max_len)] = DecodeStep(model, max_batch, max_len, like=like)
+    return step

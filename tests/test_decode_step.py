@@ -15,7 +15,7 @@ import pytest
 from conftest import requires_gpu
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hf2q_mlx.decode_step import DecodeStep
+from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import gemma3, gemma4, llama, qwen2, qwen3_5, qwen3_5_moe
 
@@ -246,3 +246,16 @@ def test_gpu_compiled_matches_eager(name):
         for r, (p, c) in enumerate(zip(ps, conts)):
             for i, (g, w) in enumerate(zip(got[r], eager_logits(model, p, c))):
                 assert_close(g, w, f"{name} GPU row {r} step {i}")
+
+
+def test_shared_step_is_reused_and_replaced_by_a_longer_one():
+    model = tiny_model("llama")
+    a = shared_step(model, 1, 100)
+    assert a is not None and a.max_len == 1024 and shared_step(model, 1, 900) is a
+    a.busy = True
+    assert shared_step(model, 1, 50) is None  # in use: the caller decodes eagerly
+    a.busy = False
+    b = shared_step(model, 1, 1500)
+    assert b.max_len == 2048 and b is not a
+    assert shared_step(model, 1, 10) is b  # the longer step serves short requests too
+    assert shared_step(nn.Linear(2, 2), 1, 10) is None  # not one of our model files
