@@ -44,7 +44,23 @@ def _model_caches(model) -> list:
     return [KVCache() for _ in model.layers]
 
 
-class DecodeStep:
+class RowSlots:
+    """What every step over ``max_batch`` rows shares (DecodeStep here, the serving fallback
+    ``SequentialStep``): the rows' positions and the row check."""
+
+    max_batch: int
+    positions: list[int]
+
+    def _check_row(self, row: int) -> None:
+        if not (isinstance(row, int) and 0 <= row < self.max_batch):
+            raise InvalidArgumentError(f"row must be in [0, {self.max_batch}), got {row!r}")
+
+    def position(self, row: int) -> int:
+        self._check_row(row)
+        return self.positions[row]
+
+
+class DecodeStep(RowSlots):
     """A compiled one-token step over ``max_batch`` rows of at most ``max_len`` tokens each."""
 
     def __init__(self, model, max_batch: int = 1, max_len: int = 4096, reserve: int = 0, like=None):
@@ -100,14 +116,6 @@ class DecodeStep:
             out.append(StaticKVCache(keys, values, window))
         mx.eval([s.arrays for s in out])
         return out
-
-    def _check_row(self, row: int) -> None:
-        if not (isinstance(row, int) and 0 <= row < self.max_batch):
-            raise InvalidArgumentError(f"row must be in [0, {self.max_batch}), got {row!r}")
-
-    def position(self, row: int) -> int:
-        self._check_row(row)
-        return self.positions[row]
 
     def reset_row(self, row: int) -> None:
         """The row becomes empty. KV slots need no clearing (masks come from positions);

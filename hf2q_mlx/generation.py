@@ -220,27 +220,22 @@ def check_generation_arguments(
     parse_kv_bits(kv_bits)
 
 
-def _cache_arrays(cache: list) -> list[mx.array]:
-    """Every array the caches hold (nested objects, lists and dicts included), to evaluate the
-    caches without computing any logits."""
-    arrays: list[mx.array] = []
-
-    def collect(value: Any, depth: int) -> None:
-        if isinstance(value, mx.array):
-            arrays.append(value)
-        elif depth < 4 and isinstance(value, (list, tuple)):
-            for v in value:
-                collect(v, depth + 1)
-        elif depth < 4 and isinstance(value, dict):
-            for v in value.values():
-                collect(v, depth + 1)
-        elif depth < 4 and hasattr(value, "__dict__"):
-            for v in vars(value).values():
-                collect(v, depth + 1)
-
-    for c in cache:
-        collect(c, 0)
-    return arrays
+def cache_arrays(value: Any, depth: int = 0) -> list[mx.array]:
+    """Every array inside nested lists, tuples, dicts and objects (a cache list's state), to
+    evaluate caches without computing any logits."""
+    if isinstance(value, mx.array):
+        return [value]
+    if depth >= 5:
+        return []
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, dict):
+        items = list(value.values())
+    elif hasattr(value, "__dict__"):
+        items = list(vars(value).values())
+    else:
+        return []
+    return [a for v in items for a in cache_arrays(v, depth + 1)]
 
 
 def prefill(model: Any, tokens: mx.array, cache: list, step: int = 512) -> mx.array:
@@ -252,7 +247,7 @@ def prefill(model: Any, tokens: mx.array, cache: list, step: int = 512) -> mx.ar
     while n - 1 - i > 0:
         size = min(step, n - 1 - i)
         model(tokens[None, i : i + size], cache=cache)
-        mx.eval(_cache_arrays(cache))
+        mx.eval(cache_arrays(cache))
         i += size
     return model(tokens[None, n - 1 :], cache=cache)[:, -1, :]
 

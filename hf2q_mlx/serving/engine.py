@@ -29,11 +29,11 @@ from typing import Any
 import mlx.core as mx
 
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, QueueFullError
-from hf2q_mlx.generation import check_token_ids, context_limit, vocab_limit
+from hf2q_mlx.generation import cache_arrays, check_token_ids, context_limit, vocab_limit
 from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
 from hf2q_mlx.serving.metrics import Metrics
 from hf2q_mlx.serving.prefix_pool import PrefixPool
-from hf2q_mlx.serving.sequential_step import SequentialStep, state_arrays
+from hf2q_mlx.serving.sequential_step import SequentialStep
 from hf2q_mlx.serving.stop_text import StopText
 
 DEFAULT_MAX_LEN = 4096
@@ -72,7 +72,7 @@ def _materialize_model(model: Any) -> None:
     for _, m in model.named_modules():
         # parameters (the module's dict items) and plain attributes, helper objects included
         params += [v for v in m.values() if isinstance(v, mx.array)]
-        others += state_arrays(list(vars(m).values()))
+        others += cache_arrays(list(vars(m).values()))
     mx.eval(params)
     for a in others:
         try:
@@ -372,7 +372,7 @@ class Engine:
         if all(hasattr(c, "arrays") for c in caches):
             mx.eval([c.arrays for c in caches])
         else:
-            mx.eval(state_arrays(caches))
+            mx.eval(cache_arrays(caches))
 
     def _save_prefix(self, req: Request) -> None:
         key = req.prompt[: len(req.prompt) - 1]

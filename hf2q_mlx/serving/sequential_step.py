@@ -13,26 +13,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from hf2q_mlx.decode_step import RowSlots
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
-from hf2q_mlx.generation import make_prompt_cache
+from hf2q_mlx.generation import cache_arrays, make_prompt_cache
 from hf2q_mlx.models.cache import KVCache
-
-
-def state_arrays(value: Any, depth: int = 0) -> list[mx.array]:
-    """Every mx.array inside nested lists, tuples, dicts and objects (a cache's state)."""
-    if isinstance(value, mx.array):
-        return [value]
-    if depth >= 5:
-        return []
-    if isinstance(value, (list, tuple)):
-        items = value
-    elif isinstance(value, dict):
-        items = list(value.values())
-    elif hasattr(value, "__dict__"):
-        items = list(vars(value).values())
-    else:
-        return []
-    return [a for v in items for a in state_arrays(v, depth + 1)]
 
 
 class SavedRow:
@@ -45,10 +29,10 @@ class SavedRow:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in state_arrays(self.caches))
+        return sum(a.nbytes for a in cache_arrays(self.caches))
 
 
-class SequentialStep:
+class SequentialStep(RowSlots):
     """``max_batch`` rows of per-sequence caches; ``decode`` runs the active rows one by one."""
 
     def __init__(self, model: Any, max_batch: int, max_len: int, kv_bits: Any = None) -> None:
@@ -60,19 +44,11 @@ class SequentialStep:
         self.caches = [make_prompt_cache(model, kv_bits) for _ in range(max_batch)]
         self.positions = [0] * max_batch
         # built in the caller's thread: nothing lazy may reach the engine thread
-        mx.eval(state_arrays(self.caches))
+        mx.eval(cache_arrays(self.caches))
 
     @staticmethod
     def supports(model: Any, kv_bits: Any = None) -> bool:
         return True
-
-    def _check_row(self, row: int) -> None:
-        if not (isinstance(row, int) and 0 <= row < self.max_batch):
-            raise InvalidArgumentError(f"row must be in [0, {self.max_batch}), got {row!r}")
-
-    def position(self, row: int) -> int:
-        self._check_row(row)
-        return self.positions[row]
 
     def reset_row(self, row: int) -> None:
         self._check_row(row)
@@ -91,7 +67,7 @@ class SequentialStep:
                 f"row {row}: {self.positions[row]} + {len(ids)} tokens pass max_len {self.max_len}"
             )
         logits = self.model(mx.array([list(ids)], dtype=mx.int32), cache=self.caches[row])
-        mx.eval(state_arrays(self.caches[row]))
+        mx.eval(cache_arrays(self.caches[row]))
         self.positions[row] += len(ids)
         return logits[0, -1]
 
@@ -127,7 +103,7 @@ class SequentialStep:
             if type(c) is KVCache and c.keys is not None:
                 c.keys = mx.contiguous(c.keys[..., : c.offset, :])
                 c.values = mx.contiguous(c.values[..., : c.offset, :])
-        mx.eval(state_arrays(saved))
+        mx.eval(cache_arrays(saved))
         return SavedRow(self.positions[row], saved)
 
     def load_row(self, row: int, saved: SavedRow) -> None:
