@@ -10,6 +10,7 @@ that take the most time. Busy well under 100 % means host time, not kernels, set
 
     python3 bench/decode_profile.py gemma4:26b-a4b q4_k [--prompt 512] [--steps 16] [--json F]
     python3 bench/decode_profile.py qwen3_5:9b mlx4
+    python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled [--batch 8]
     python3 bench/decode_profile.py gemma4:tiny-moe q4_k        # CPU smoke run (no CUPTI)
 
 Needs torch with CUDA for the kernel columns; without it only wall times are printed.
@@ -38,11 +39,16 @@ def _bench_module(name: str):
     return module
 
 
-def build(family: str, shape: str, fmt: str, dtype: mx.Dtype):
-    """-> (model, vocab size) with random weights in ``fmt`` (q4_k or mlx4)."""
+def build(family: str, shape: str, fmt: str, dtype: mx.Dtype, layers: int | None = None):
+    """-> (model, vocab size) with random weights in ``fmt`` (q4_k or mlx4); ``layers``: keep
+    only the first layers of a Gemma 4 shape (quicker runs that compare settings)."""
     if family == "gemma4":
         g = _bench_module("gemma4")
         config = {**g.SHAPES, **g.TINY}[shape]
+        if layers:
+            config = dict(
+                config, num_hidden_layers=layers, layer_types=config["layer_types"][:layers]
+            )
         args = g.gemma4.ModelArgs.from_dict(config)
         model = g.build_ggml(args, dtype) if fmt == "q4_k" else g.build_mlx4(args, dtype)
         return model, args.vocab_size
@@ -69,14 +75,36 @@ def _cuda_kernels(prof) -> list[tuple[str, float]]:
     ]
 
 
-def profile_decode(model, vocab: int, prompt: int, steps: int, use_cuda: bool) -> dict:
+def eager_step(model, vocab: int, prompt: int, steps: int):
+    """-> (first token (1,), step function): the per-sequence graph built anew each token."""
     cache = model.make_cache()
     ids = mx.random.randint(0, vocab, (1, prompt), key=mx.random.key(0))
     y = mx.argmax(model(ids, cache)[:, -1, :], axis=-1)
-    mx.eval(y)
 
     def step(y):
         return mx.argmax(model(y[:, None], cache)[:, -1, :], axis=-1)
+
+    return y, step
+
+
+def compiled_step(model, vocab: int, prompt: int, steps: int, batch: int = 1):
+    """-> (first tokens (B,), step function): hf2q_mlx.decode_step.DecodeStep, B rows."""
+    from hf2q_mlx.decode_step import DecodeStep
+
+    st = DecodeStep(model, batch, prompt + steps + 16)
+    ids = mx.random.randint(0, vocab, (prompt,), key=mx.random.key(0)).tolist()
+    y = mx.stack([mx.argmax(st.prefill(r, ids)).astype(mx.int32) for r in range(batch)])
+    return y, lambda y: st.decode(y, greedy=True)
+
+
+def profile_decode(
+    model, vocab: int, prompt: int, steps: int, use_cuda: bool, mode: str = "eager", batch: int = 1
+) -> dict:
+    if mode == "eager":
+        y, step = eager_step(model, vocab, prompt, steps)
+    else:
+        y, step = compiled_step(model, vocab, prompt, steps, batch)
+    mx.eval(y)
 
     for _ in range(4):  # warm-up: kernel builds, graph caches
         y = step(y)
@@ -126,7 +154,7 @@ def profile_decode(model, vocab: int, prompt: int, steps: int, use_cuda: bool) -
                 "us_per_token": t / steps,
                 "avg_us": t / c,
             }  # fmt: skip
-            for n, (c, t) in top[:25]
+            for n, (c, t) in top[:40]
         ],
     )
     return out
@@ -138,19 +166,25 @@ def main() -> None:
     ap.add_argument("format", choices=["q4_k", "mlx4"])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--step", choices=["eager", "compiled"], default="eager")
+    ap.add_argument("--batch", type=int, default=1, help="rows of the compiled step")
+    ap.add_argument("--layers", type=int, default=None, help="Gemma 4: first N layers only")
+    ap.add_argument("--no-cupti", action="store_true", help="wall times only (no profiler)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     family, _, shape = a.model.partition(":")
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    use_cuda = gpu and importlib.util.find_spec("torch") is not None
+    use_cuda = gpu and not a.no_cupti and importlib.util.find_spec("torch") is not None
     if use_cuda:
         import torch
 
         use_cuda = torch.cuda.is_available()
     dtype = mx.bfloat16 if gpu else mx.float32
-    model, vocab = build(family, shape, a.format, dtype)
-    r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda)
-    r.update(model=a.model, format=a.format, device=str(mx.default_device()))
+    model, vocab = build(family, shape, a.format, dtype, a.layers)
+    r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch)
+    r.update(model=a.model, format=a.format, step=a.step, batch=a.batch, layers=a.layers)
+    r["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
+    r["device"] = str(mx.default_device())
     b_ms, s_ms = r["graph_build_ms_per_token"], r["eval_submit_ms_per_token"]
     print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall (Python graph build "
           f"{b_ms:.2f}, MLX eval submit {s_ms:.2f})", end="")  # fmt: skip

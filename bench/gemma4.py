@@ -122,6 +122,7 @@ def build_ggml(args: gemma4.ModelArgs, dtype: mx.Dtype) -> nn.Module:
         cols = cols or getattr(m, "in_features", None) or m.dims
         rows = m.weight.size // m.weight.shape[-1]
         m.weight = random_ggml_blocks(rows, cols, t, seed=seed).reshape(m.weight.shape)
+    model.fuse_projections()  # as the loader does
     eval_by_layer(model)
     return model
 

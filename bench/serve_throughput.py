@@ -4,15 +4,22 @@ engine behind `mlx_lm.server`) on the very same MLX 4-bit arrays.
 
 Per stream count n: n requests submitted at once, prompts of mixed lengths (32..1024 tokens),
 EOS ignored, ``--gen`` tokens each. Reports aggregate decode tok/s (tokens after the first /
-time from the first first-token to the last token), p50/p99 time to first token and p50/p99
-inter-token latency, and the ratio to the single-stream rate. The engine is driven directly
-(no HTTP), with the batched compiled DecodeStep on a GPU. A prefill chunk delays the running
-streams once, so p99 inter-token latency depends on ``--prefill-chunk``. Prints a table and
-writes JSON.
+time from the first first-token to the last token, so other streams' prefill counts against
+it), the steady rate (tokens per second while all n streams decode: from the last first-token
+to the first last-token), p50/p99 time to first token and p50/p99 inter-token latency, and the
+ratios to the single-stream rates. The engine is driven directly (no HTTP), with the batched
+compiled DecodeStep on a GPU. A prefill step delays the running streams once, so p99
+inter-token latency depends on ``--prefill-chunk`` (the prefill tokens of all rows per step:
+a larger one means fewer, longer stalls). Before each measured wave one request per attention
+span the wave reaches compiles the step (2 tokens each). Prints a table and writes JSON after
+every row (a run cut short keeps what it measured).
 
     python bench/serve_throughput.py                          # both shapes, H200
     python bench/serve_throughput.py --shapes gemma4-26b-a4b --streams 1,8,32
     python bench/serve_throughput.py --tiny --streams 1,2,4 --gen 8   # CPU smoke run
+    # H200, the batching targets (docs/serving.md):
+    python bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4,q4_k \
+        --streams 1,8,32 --gen 256 --prefill-chunk 4096 --time-cap 360
     pip install --no-deps mlx-lm==0.32.2                      # for the mlx-lm column
 """
 
@@ -34,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemma4 as g4bench  # noqa: E402  (bench/gemma4.py: model builders at the real shapes)
 import qwen3_5 as q35bench  # noqa: E402
 
+from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
 from hf2q_mlx.serving.batch_sampler import SamplingParams  # noqa: E402
 from hf2q_mlx.serving.engine import Engine  # noqa: E402
@@ -102,6 +110,11 @@ def summarize(name: str, n: int, starts: dict, stamps: dict) -> dict:
     first = min(s[0] for s in stamps.values() if s)
     last = max(s[-1] for s in stamps.values() if s)
     decoded = sum(max(len(s) - 1, 0) for s in stamps.values())
+    # the window where every stream decodes: after the last first token, up to the first end
+    lo = max(s[0] for s in stamps.values() if s)
+    hi = min(s[-1] for s in stamps.values() if s)
+    steady = [t for s in stamps.values() for t in s if lo < t <= hi]
+    steady_itl = [b - a for s in stamps.values() for a, b in zip(s, s[1:]) if lo < b <= hi]
 
     def pct(xs: list[float], q: float) -> float:
         xs = sorted(xs)
@@ -109,27 +122,41 @@ def summarize(name: str, n: int, starts: dict, stamps: dict) -> dict:
 
     return {"impl": name, "streams": n, "tokens": sum(len(s) for s in stamps.values()),
             "decode_tok_s": decoded / max(last - first, 1e-9),
+            "steady_tok_s": len(steady) / (hi - lo) if hi > lo else float("nan"),
+            "steady_itl_p99_ms": pct(steady_itl, 0.99),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
             "itl_mean_ms": statistics.fmean(itl) * 1e3 if itl else float("nan")}  # fmt: skip
 
 
-def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts_for(n: int, vocab: int, seed: int, length: int | None = None) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])]
-            for i in range(n)]  # fmt: skip
+    lengths = [length or PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(n)]
+    return [[rng.randrange(vocab) for _ in range(m)] for m in lengths]
 
 
 def run_ours(model, n, gen, vocab, max_len, compiled=None, prefill_chunk=512) -> dict:
     engine = Engine(model, StubTokenizer(), max_batch=n, max_queue=0, max_len=max_len,
                     prefix_cache_bytes=0, compiled=compiled,
                     prefill_chunk=prefill_chunk).start()  # fmt: skip
-    # warm-up: compile the step and every attention span the run will reach
-    _wave(engine, prompts_for(n, vocab, 99), gen)
+    # warm-up: compile the step at every attention span the wave will reach (DecodeStep
+    # buckets the span by the longest row: powers of two from 256, capped at max_len); the
+    # sequential step compiles nothing: one short request
+    span = 256 if isinstance(engine.step, DecodeStep) else 8
+    while True:
+        length = min(span, max_len - 2)
+        _wave(engine, prompts_for(1, vocab, span, length), 2)
+        if length < span or span >= max_len or span < 256:
+            break
+        span *= 2
+    steps0, t0 = engine.steps, time.perf_counter()
     starts, stamps = _wave(engine, prompts_for(n, vocab, 0), gen)
+    steps, wall = engine.steps - steps0, time.perf_counter() - t0
     step = type(engine.step).__name__
     engine.shutdown()
-    return {**summarize(f"hf2q_mlx ({step})", n, starts, stamps)}
+    # engine steps of the wave and their mean wall time (prefill steps included)
+    return {**summarize(f"hf2q_mlx ({step})", n, starts, stamps), "engine_steps": steps,
+            "step_ms": wall / max(steps, 1) * 1e3}  # fmt: skip
 
 
 def _wave(engine: Engine, prompts: list[list[int]], gen: int) -> tuple[dict, dict]:
@@ -181,14 +208,18 @@ def run_mlx_lm(model, n: int, gen: int, vocab: int) -> dict:
 
 
 HEADER = (f"{'shape':<16} {'fmt':<5} {'impl':<28} {'n':>3} {'decode tok/s':>12} {'x n=1':>6} "
-          f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}")  # fmt: skip
+          f"{'steady':>8} {'x n=1':>6} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
+          f"{'x n=1':>6} {'steady p99':>10}")  # fmt: skip
 
 
 def row_text(r: dict) -> str:
+    nan = float("nan")
     return (f"{r['shape']:<16} {r['format']:<5} {r['impl']:<28} {r['streams']:>3} "
-            f"{r['decode_tok_s']:>12.1f} {r.get('speedup', float('nan')):>6.2f} "
+            f"{r['decode_tok_s']:>12.1f} {r.get('speedup', nan):>6.2f} "
+            f"{r['steady_tok_s']:>8.1f} {r.get('steady_speedup', nan):>6.2f} "
             f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>8.1f} {r['itl_p50_ms']:>8.2f} "
-            f"{r['itl_p99_ms']:>8.2f}")  # fmt: skip
+            f"{r['itl_p99_ms']:>8.2f} {r.get('itl_p99_ratio', nan):>6.2f} "
+            f"{r['steady_itl_p99_ms']:>10.2f}")  # fmt: skip
 
 
 def main() -> None:
@@ -202,8 +233,12 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk (512)")
     p.add_argument("--step", choices=["auto", "compiled", "sequential"], default="auto",
                    help="decode step: auto = DecodeStep on a GPU")  # fmt: skip
+    p.add_argument("--time-cap", type=float, default=None,
+                   help="seconds: start no new row past this (what ran is kept)")  # fmt: skip
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    t_start = time.perf_counter()
+    out = a.json or f"bench/results/serve_throughput_{time.strftime('%Y-%m-%d_%H%M')}.json"
     shapes = ["tiny-gemma4", "tiny-qwen3.5"] if a.tiny else a.shapes.split(",")
     counts = [int(x) for x in a.streams.split(",")]
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
@@ -211,8 +246,15 @@ def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}, {a.gen} tokens per stream")
     print(HEADER, flush=True)
     rows = []
+
+    def out_of_time() -> bool:
+        return a.time_cap is not None and time.perf_counter() - t_start > a.time_cap
+
     for shape in shapes:
         for fmt in a.formats.split(","):
+            if out_of_time():
+                print(f"time cap: {shape} {fmt} not run")
+                continue
             model, config, family = build(shape, fmt, dtype)
             vocab = config["vocab_size"]
             impls = [("ours", model)]
@@ -228,6 +270,9 @@ def main() -> None:
             for kind, m in impls:
                 single = None
                 for n in counts:
+                    if out_of_time():
+                        print(f"time cap: {shape} {fmt} {kind} n={n} not run")
+                        continue
                     try:
                         if kind == "ours":
                             compiled = {"auto": None, "compiled": True}.get(a.step, False)
@@ -238,18 +283,25 @@ def main() -> None:
                         print(f"{shape} {fmt} {kind} n={n}: {type(err).__name__}: {err}")
                         continue
                     r.update(shape=shape, format=fmt)
-                    single = r["decode_tok_s"] if n == 1 else single
-                    r["speedup"] = r["decode_tok_s"] / single if single else float("nan")
+                    single = r if n == 1 else single
+                    for key, ratio in (("decode_tok_s", "speedup"),
+                                       ("steady_tok_s", "steady_speedup"),
+                                       ("itl_p99_ms", "itl_p99_ratio")):  # fmt: skip
+                        r[ratio] = r[key] / single[key] if single else float("nan")
                     rows.append(r)
                     print(row_text(r), flush=True)
+                    save(out, a.gen, rows)
             del model, impls
             gc.collect()
             mx.clear_cache()
     print("\n" + HEADER + "\n" + "\n".join(row_text(r) for r in rows))
-    out = a.json or f"bench/results/serve_throughput_{time.strftime('%Y-%m-%d_%H%M')}.json"
-    Path(out).write_text(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device()),
-                                     "gen": a.gen, "rows": rows}, indent=1) + "\n")  # fmt: skip
+    save(out, a.gen, rows)
     print(f"wrote {out}")
+
+
+def save(path: str, gen: int, rows: list[dict]) -> None:
+    Path(path).write_text(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device()),
+                                      "gen": gen, "rows": rows}, indent=1) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

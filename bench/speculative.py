@@ -5,8 +5,10 @@ on code-completion prompts, and prompt lookup on an edit-this-file prompt (both 
 ``hf2q-mlx fetch``). ``replay``: Qwen 3.5 at the 9B and 35B-A3B shapes with random Q4_K weights
 (``bench/qwen3_5.py``), verified against a drafter that replays the target's own greedy output
 with each draft token wrong with probability 1 - a (a = 0.5 / 0.7 / 0.9), so the numbers are the
-verify cost alone (the draft is free). Every configuration runs in interleaved rounds in one
-process; the tables give medians. Prints a table and writes JSON.
+verify cost alone (the draft is free). Plain decoding is the compiled step (B = 1, as
+``stream_generate`` runs it); the verify runs on the same compiled step (``--eager`` adds the
+eager verify for comparison). Every configuration runs in interleaved rounds in one process;
+the tables give medians. Prints a table and writes JSON.
 
     python3 bench/speculative.py real --json bench/results/speculative_real.json
     python3 bench/speculative.py replay --json bench/results/speculative_replay.json
@@ -26,8 +28,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
-from hf2q_mlx.speculative import verify_rows
+from hf2q_mlx.speculative import verify_rows, verify_step_rows
 
 CODE_PROMPTS = [
     "def is_prime(n: int) -> bool:\n    ",
@@ -99,7 +102,8 @@ def bench_real(args) -> list[dict]:
     for k in args.k:
         configs[f"draft K={k}"] = dict(draft_model=draft, num_draft_tokens=k)
     cases = [(f"code {i}", p, configs) for i, p in enumerate(CODE_PROMPTS[: args.prompts])]
-    lookup = {"plain": {}, "lookup n=3 K=8": dict(prompt_lookup=3, num_draft_tokens=8)}
+    lk = args.lookup_k
+    lookup = {"plain": {}, f"lookup n=3 K={lk}": dict(prompt_lookup=3, num_draft_tokens=lk)}
     cases.append(("edit file", EDIT_PROMPT, lookup))
     rows = []
     for case, prompt, confs in cases:
@@ -142,13 +146,28 @@ def load_qwen_bench():
     return module
 
 
-def replay_run(model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int) -> dict:
+def replay_run(
+    model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int, eager: bool = False
+) -> dict:
     """Decode ``len(ref)`` tokens with drafts copied from ``ref`` (the target's greedy output),
-    each wrong with probability 1 - acc. Stops where the target leaves ``ref`` (rounding)."""
+    each wrong with probability 1 - acc, verified on the compiled step (``eager``: through
+    per-sequence caches). Stops where the target leaves ``ref`` (rounding)."""
     rng = np.random.default_rng(seed)
     V = model.args.vocab_size
-    cache = make_prompt_cache(model, reserve=k + 1)
-    logits = prefill(model, mx.array(prompt, dtype=mx.int32), cache)
+    if eager:
+        cache = make_prompt_cache(model, reserve=k + 1)
+        logits = prefill(model, mx.array(prompt, dtype=mx.int32), cache)
+
+        def verify(todo, drafts):
+            return verify_rows(model, cache, [todo], [drafts])[0]
+    else:
+        step = shared_step(model, 1, len(prompt) + len(ref) + k, reserve=k)
+        step.reset_row(0)
+        logits = step.prefill(0, prompt)
+
+        def verify(todo, drafts):
+            return verify_step_rows(step, [0], [todo], [drafts], length=k + 1)[0]
+
     out = [int(mx.argmax(logits, axis=-1).item())]
     todo, drafted, accepted, diverged = [out[0]], 0, 0, None
     rounds = []
@@ -158,7 +177,7 @@ def replay_run(model, prompt: list[int], ref: list[int], k: int, acc: float, see
         want = ref[len(out) : len(out) + n]
         drafts = [t if rng.random() < acc else int((t + rng.integers(1, V)) % V) for t in want]
         t1 = time.perf_counter()
-        res = verify_rows(model, cache, [todo], [drafts])[0]
+        res = verify(todo, drafts)
         rounds.append(time.perf_counter() - t1)
         drafted, accepted = drafted + n, accepted + res.accepted
         if res.tokens != ref[len(out) : len(out) + len(res.tokens)]:
@@ -189,23 +208,29 @@ def bench_replay(args) -> list[dict]:
         qb.randomize_q4k(model, dtype)
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, config["vocab_size"], args.prompt_tokens).tolist()
-        plain, spec = [], {a: [] for a in args.acceptance}
-        warm = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)  # compiles
-        for a in args.acceptance:
-            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99)
+        modes = [(a, False) for a in args.acceptance]
+        modes += [(a, True) for a in args.acceptance] if args.eager else []
+        plain, spec = [], {m: [] for m in modes}
+        # warm-up: the compiled traces (decode, verify of K + 1, rollback), kernels
+        replay_run(model, prompt, [0] * (args.k + 3), args.k, 0.5, seed=99)
+        warm = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
+        for a, eager in modes:
+            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, eager=eager)
         for r in range(args.rounds):
             p = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
             plain.append(p)
-            for a in args.acceptance:
-                spec[a].append(replay_run(model, prompt, p["tokens"], args.k, a, seed=r))
+            for a, eager in modes:
+                spec[a, eager].append(
+                    replay_run(model, prompt, p["tokens"], args.k, a, seed=r, eager=eager)
+                )
         base = statistics.median(p["tps"] for p in plain)
-        rows.append({"shape": name, "config": "plain", "tps": base, "step_ms": 1e3 / base})
+        rows.append({"shape": name, "config": "plain compiled", "tps": base, "step_ms": 1e3 / base})
         print(row_text(rows[-1]), flush=True)
-        for a, runs in spec.items():
+        for (a, eager), runs in spec.items():
             drafted = max(sum(x["drafted"] for x in runs), 1)
             row = {
                 "shape": name,
-                "config": f"replay a={a} K={args.k}",
+                "config": f"{'eager ' if eager else ''}replay a={a} K={args.k}",
                 "tps": statistics.median(x["tps"] for x in runs),
                 "speedup": statistics.median(x["tps"] for x in runs) / base,
                 "acceptance": sum(x["accepted"] for x in runs) / drafted,
@@ -221,7 +246,7 @@ def bench_replay(args) -> list[dict]:
 
 
 def row_text(r: dict) -> str:
-    head = f"{r.get('case', r.get('shape')):>10}  {r['config']:<18} {r['tps']:8.1f} tok/s"
+    head = f"{r.get('case', r.get('shape')):>10}  {r['config']:<24} {r['tps']:8.1f} tok/s"
     if "speedup" in r:
         head += f"  x{r['speedup']:.2f}"
     if "acceptance" in r:
@@ -241,6 +266,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=3, help="code prompts to run (3)")
+    p.add_argument("--lookup-k", type=int, default=8, help="drafts per prompt-lookup round")
     p.add_argument("--json")
     p = sub.add_parser("replay", help="Qwen 3.5 9B / 35B-A3B shapes, replayed drafts")
     p.add_argument("--shapes", default=None, help="comma list (9b,35b-a3b; tiny,tiny-moe)")
@@ -250,6 +276,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--eager", action="store_true", help="also the eager verify")
     p.add_argument("--json")
     args = parser.parse_args(argv)
     rows = bench_real(args) if args.mode == "real" else bench_replay(args)

@@ -205,18 +205,43 @@ class _Plan:
 _CALLS: dict[tuple, _Plan] = {}
 
 
-def _kernel_covers(x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int) -> bool:
+def _kernel_covers(
+    x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, all_tokens: bool = False
+) -> bool:
+    """Whether the kernel takes this call as it is: 1..MAX_TOKENS tokens and x with the ids'
+    leading dims; ``all_tokens``: any number of tokens, x broadcast or not (_fp32_by_slices)."""
     lead = expert_ids.shape if x.ndim == expert_ids.ndim + 1 else expert_ids.shape[:-1]
     return (
         backend() is not None
         and ggml_type in _KERNELS
         and x.dtype in Q.X_DTYPES
-        and tuple(x.shape[:-1]) == tuple(lead)  # broadcast x: the reference handles it
-        and 1 <= math.prod(expert_ids.shape[:-1]) <= MAX_TOKENS
+        # broadcast x: the reference handles it
+        and (all_tokens or tuple(x.shape[:-1]) == tuple(lead))
+        and (all_tokens or 1 <= math.prod(expert_ids.shape[:-1]) <= MAX_TOKENS)
         and expert_ids.size > 0
         and w.shape[0] > 0
         and w.shape[1] > 0
     )
+
+
+def _fp32_by_slices(
+    x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int
+) -> mx.array:
+    """fp32 x past the kernel's tokens (or broadcast): the kernel over slices of MAX_TOKENS
+    tokens. Not gather_mm / matmul: MLX runs fp32 matmuls as TF32 (fp16-level error) on CUDA and
+    M5-class GPUs unless MLX_ENABLE_TF32=0, and fp32 x asks for fp32 accuracy. Each pair reads
+    its expert's rows (no sharing between tokens): a precision mode, not the fast path."""
+    lead, k = expert_ids.shape[:-1], expert_ids.shape[-1]
+    n_tok = math.prod(lead)
+    per_slot = x.ndim == expert_ids.ndim + 1
+    xs = mx.broadcast_to(x, (*lead, k, K) if per_slot else (*lead, K))
+    xs = xs.reshape(n_tok, k, K) if per_slot else xs.reshape(n_tok, K)
+    ids = expert_ids.reshape(n_tok, k)
+    parts = [
+        expert_matmul(xs[i : i + MAX_TOKENS], w, ids[i : i + MAX_TOKENS], ggml_type, K)
+        for i in range(0, n_tok, MAX_TOKENS)
+    ]
+    return mx.concatenate(parts).reshape(*lead, k, w.shape[1])
 
 
 def expert_matmul(
@@ -230,7 +255,8 @@ def expert_matmul(
 
     Float weights go through ``mx.gather_mm`` (the reference for half-precision weights on the
     CPU, where gather_mm is float32-only). GGML weights: on a GPU, for 1..16 tokens, the expert
-    mat-vec kernel (each (token, slot) pair reads its expert's blocks only). Otherwise, while
+    mat-vec kernel (each (token, slot) pair reads its expert's blocks only); fp32 x takes it for
+    any number of tokens, 16 at a time (fp32 math whatever MLX_ENABLE_TF32 says). Otherwise, while
     there are fewer (token, expert) pairs than experts (decode), gather the selected blocks and
     dequantize them (the reference); from then on every expert is needed about once anyway, so
     all experts are dequantized once for this call and multiplied with gather_mm (prefill).
@@ -260,6 +286,8 @@ def expert_matmul(
     if _kernel_covers(x, w, expert_ids, ggml_type):
         plan = _CALLS[key] = _Plan(x, w, expert_ids, ggml_type, in_features)
         return plan(x, w, expert_ids)
+    if x.dtype == mx.float32 and _kernel_covers(x, w, expert_ids, ggml_type, all_tokens=True):
+        return _fp32_by_slices(x, w, expert_ids, ggml_type, in_features)
     if expert_ids.size < w.shape[0]:
         return expert_matmul_reference(x, w, expert_ids, ggml_type, in_features)
     w_all = dequantize_reference(w, ggml_type, in_features)  # (E, N, K) fp32, this call only

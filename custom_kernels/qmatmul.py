@@ -388,6 +388,23 @@ def _ggml_matmul_dequant(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def _ggml_matmul_row_slices(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -> mx.array:
+    """Many rows of x: the mat-vec kernel over slices of 16 rows.
+
+    For fp32 x, not mx.matmul: MLX runs fp32 matmuls as TF32 (10-bit mantissa, fp16-level
+    error) on CUDA and M5-class GPUs unless MLX_ENABLE_TF32=0, and fp32 x asks for fp32
+    accuracy. For a decode batch (up to ``ROW_SLICE_MAX`` rows) each row's output stays the
+    bits it has alone (the batched lm_head's row parity), and reading the weight a few times
+    costs less than dequantizing it.
+    """
+    step = _M_BUCKETS[-1]
+    return mx.concatenate(
+        [ggml_matmul(x[r : r + step], w_raw, ggml_type, k) for r in range(0, x.shape[0], step)]
+    )
+
+
+ROW_SLICE_MAX = 64  # rows of fp16/bf16 x still run as mat-vec slices (a decode batch)
+
 # Launch plans by call signature: a repeat call (every decode step) is one dict lookup, then
 # the launch. x goes in with its own shape (the kernel reads M, N, K from dims) and the output
 # is created in (..., N): no reshapes.
@@ -398,8 +415,10 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     """x (..., K) @ dequant(w_raw).T -> (..., N) in x.dtype, fp32 accumulation.
 
     Dispatcher, for the ten block types and x in fp32/fp16/bf16 on a GPU: the mat-vec kernel
-    for 1..16 rows of x; for more, the GPU dequantizer by row chunks and mx.matmul. The reference
-    elsewhere (CPU, HF2Q_KERNELS=reference, dense GGML types, other dtypes).
+    for 1..16 rows of x, over 16-row slices up to 64 rows (each row's bits as alone) and for
+    fp32 x at any size (fp32 math whatever MLX_ENABLE_TF32 says); fp16/bf16 x past 64 rows
+    take the GPU dequantizer by row chunks and mx.matmul. The reference elsewhere (CPU,
+    HF2Q_KERNELS=reference, dense GGML types, other dtypes).
     """
     be = backend()
     if be is not None:
@@ -440,5 +459,9 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         )
         _CALLS[(ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype)] = plan
         return ggml_matmul(x, w_raw, ggml_type, in_features)
-    out = _ggml_matmul_dequant(x.reshape(M, in_features), w_raw, ggml_type, in_features)
+    x2 = x.reshape(M, in_features)
+    if x.dtype == mx.float32 or M <= ROW_SLICE_MAX:
+        out = _ggml_matmul_row_slices(x2, w_raw, ggml_type, in_features)
+    else:
+        out = _ggml_matmul_dequant(x2, w_raw, ggml_type, in_features)
     return out.reshape(*x.shape[:-1], w_raw.shape[0])

@@ -8,8 +8,13 @@ embedding models.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# An fp32 request gets fp32 accuracy: MLX's CUDA back end runs fp32 matmuls as TF32 (fp16-level
+# error) unless told not to; the bf16/fp16 paths are unaffected. Read by MLX at its first matmul.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"
 

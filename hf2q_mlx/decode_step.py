@@ -9,6 +9,10 @@ row). Per token the host passes the rows' positions and which rows advance, and 
 Prompts go in through ``prefill(row, ids)``: the model's ordinary per-sequence caches, viewing the
 row's slots, run the chunk eagerly and are copied back. ``save_row`` / ``load_row`` move a row's
 whole state (prefix reuse), ``adopt`` takes over caches that ``stream_generate`` prefilled.
+
+Speculative decoding: ``verify(tokens (B, L))`` feeds L tokens per row in one compiled call
+(one trace per L), ``rollback(row, n)`` then forgets the last n of them exactly (KV positions move
+back; recurrent layers take the state kept for that token). It needs ``reserve >= L - 1``.
 """
 
 from __future__ import annotations
@@ -72,10 +76,19 @@ class DecodeStep(RowSlots):
             raise InvalidArgumentError(
                 f"{type(model).__module__}: its caches have no static form for DecodeStep"
             )
+        if reserve < 0:
+            raise InvalidArgumentError(f"DecodeStep reserve must be >= 0, got {reserve}")
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        self.reserve = reserve  # tokens a verify may write past a row's end (L - 1)
         self.positions = [0] * max_batch
         self.caches = self._allocate(reserve, like)
+        self.recurrent = any(isinstance(s, StaticRecurrentCache) for s in self.caches)
         self._compiled = mx.compile(self._step)
+        self._compiled_rollback = mx.compile(self._rollback)
+        # tokens each row's rollback may still forget (see rollback), and the last verify's
+        # recurrent states per token
+        self._verified = [0] * max_batch
+        self._history: list = []
         self.busy = False
 
     @staticmethod
@@ -92,10 +105,14 @@ class DecodeStep(RowSlots):
     def _allocate(self, reserve: int, like=None) -> list:
         """Shapes and dtypes from filled per-sequence caches ``like`` (else one probe token
         through fresh ones), then B rows."""
+        # one eager token first in any case: layers that build a per-weight form lazily on their
+        # first few-row call (the CPU's affine repack of GGML blocks) then hold it evaluated,
+        # instead of rebuilding it inside every compiled call
+        fresh = _model_caches(self.model)
+        mx.eval(self.model(mx.array([[0]]), cache=fresh))
         probe = like
         if probe is None or any(getattr(c, "keys", 0) is None for c in probe):
-            probe = _model_caches(self.model)
-            mx.eval(self.model(mx.array([[0]]), cache=probe))
+            probe = fresh
         B, out = self.max_batch, []
         for c in probe:
             if isinstance(c, RecurrentCache):
@@ -108,7 +125,9 @@ class DecodeStep(RowSlots):
                 )
                 continue
             window = c.window if isinstance(c, RotatingKVCache) else None
-            C = self.max_len if window is None else min(window + reserve, self.max_len)
+            # ``reserve`` slots past the end: an idle row's L-token write stays in bounds, and a
+            # ring keeps its whole window while L tokens are written
+            C = (self.max_len if window is None else min(window, self.max_len)) + reserve
             _, H, _, Dk = c.keys.shape
             Dv = c.values.shape[-1]
             keys = mx.zeros((B, H, C, Dk), c.keys.dtype)
@@ -121,7 +140,7 @@ class DecodeStep(RowSlots):
         """The row becomes empty. KV slots need no clearing (masks come from positions);
         recurrent states start from zero."""
         self._check_row(row)
-        self.positions[row] = 0
+        self.positions[row], self._verified[row] = 0, 0
         for s in self.caches:
             if isinstance(s, StaticRecurrentCache):
                 s.arrays = [_set_row(a, row, mx.zeros(a.shape[1:], a.dtype)) for a in s.arrays]
@@ -173,7 +192,7 @@ class DecodeStep(RowSlots):
                 s.arrays = [
                     _adopt_ring(a, row, src[0], pos) for a, src in zip(s.arrays, [c.keys, c.values])
                 ]
-        self.positions[row] = pos
+        self.positions[row], self._verified[row] = pos, 0
 
     def prefill(self, row: int, ids: Sequence[int]) -> mx.array:
         """Feed prompt tokens to ``row`` after what it holds -> logits (V,) of the last token."""
@@ -207,7 +226,7 @@ class DecodeStep(RowSlots):
         for s, arrs in zip(self.caches, saved.arrays):
             n = saved.position if isinstance(s, StaticKVCache) and s.window is None else None
             s.arrays = [_set_row(a, row, v, n) for a, v in zip(s.arrays, arrs)]
-        self.positions[row] = saved.position
+        self.positions[row], self._verified[row] = saved.position, 0
 
     # ---- the compiled step ---------------------------------------------------------------------
 
@@ -216,9 +235,46 @@ class DecodeStep(RowSlots):
             s.arrays, s.pos, s.active = a, pos, active
             if isinstance(s, StaticKVCache) and s.window is None:
                 s.span = span
-        logits = self.model(tokens, cache=self.caches)[:, -1, :]
+        logits = self.model(tokens, cache=self.caches)  # (B, L, V)
+        if tokens.shape[1] == 1:
+            logits = logits[:, -1, :]
         out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits
-        return out, [s.arrays for s in self.caches]
+        recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
+        history = [s.history for s in recurrent] if tokens.shape[1] > 1 else []
+        return out, [s.arrays for s in self.caches], history
+
+    def _run(self, tokens: mx.array, active: list[bool], greedy: bool) -> mx.array:
+        """tokens (B, L) through the compiled step; rows advance by L where active."""
+        L = tokens.shape[1]
+        longest = max((p for p, a in zip(self.positions, active) if a), default=0) + L
+        if longest > self.max_len:
+            raise ContextLengthError(f"a row would pass max_len {self.max_len}")
+        span = min(self.max_len, max(MIN_SPAN, 1 << (longest - 1).bit_length()))
+        pos = mx.array(self.positions, dtype=mx.int32)
+        out, arrays, history = self._compiled(
+            tokens.astype(mx.int32), pos, mx.array(active),
+            [s.arrays for s in self.caches], span, greedy,
+        )  # fmt: skip
+        for s, a in zip(self.caches, arrays):
+            s.arrays = a
+        self._history = history
+        self.positions = [p + L * a for p, a in zip(self.positions, active)]
+        if self.recurrent:  # states kept per token by this verify only
+            self._verified = [L * a if L > 1 else 0 for a in active]
+        else:  # a ring keeps reserve + 1 tokens behind its window; an idle write uses L of them
+            cap = self.reserve + 1
+            self._verified = [
+                min(v + L, cap) if a else max(0, min(v, cap - L))
+                for v, a in zip(self._verified, active)
+            ]
+        return out
+
+    def _active(self, active: Sequence[bool] | None) -> list[bool]:
+        B = self.max_batch
+        active = [True] * B if active is None else [bool(a) for a in active]
+        if len(active) != B:
+            raise InvalidArgumentError(f"need {B} active flags, got {len(active)}")
+        return active
 
     def decode(
         self, tokens: mx.array | Sequence[int], active: Sequence[bool] | None = None, greedy=False
@@ -231,19 +287,71 @@ class DecodeStep(RowSlots):
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
         if tokens.shape != (B,) or len(active) != B:
             raise InvalidArgumentError(f"decode needs {B} tokens and {B} active flags")
-        longest = max((p for p, a in zip(self.positions, active) if a), default=0) + 1
-        if longest > self.max_len:
-            raise ContextLengthError(f"a row would pass max_len {self.max_len}")
-        span = min(self.max_len, max(MIN_SPAN, 1 << (longest - 1).bit_length()))
-        pos = mx.array(self.positions, dtype=mx.int32)
-        out, arrays = self._compiled(
-            tokens[:, None].astype(mx.int32), pos, mx.array(active),
-            [s.arrays for s in self.caches], span, greedy,
+        return self._run(tokens[:, None], active, greedy)
+
+    def verify(
+        self,
+        tokens: mx.array | Sequence[Sequence[int]],
+        active: Sequence[bool] | None = None,
+        greedy: bool = False,
+    ) -> mx.array:
+        """L tokens for every row (``tokens`` (B, L)), written at the row's position onward with
+        a causal mask among them (one compiled trace per L). -> lazy logits (B, L, V), position
+        i predicting the token after token i, or ids (B, L) int32 with ``greedy``. Active rows
+        advance by L; ``rollback`` then forgets the rejected tail."""
+        B = self.max_batch
+        active = self._active(active)
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
+        if tokens.ndim != 2 or tokens.shape[0] != B or tokens.shape[1] < 1:
+            raise InvalidArgumentError(f"verify needs tokens (B = {B}, L >= 1), got {tokens.shape}")
+        L = tokens.shape[1]
+        if L - 1 > self.reserve:
+            raise InvalidArgumentError(
+                f"a verify of {L} tokens needs DecodeStep(reserve >= {L - 1}), "
+                f"this one has {self.reserve}"
+            )
+        out = self._run(tokens, active, greedy)
+        return out[:, None] if L == 1 else out
+
+    def rollback(self, row: int, n: int) -> None:
+        """Forget the last ``n`` tokens fed to ``row``: its caches then equal those of a row fed
+        only the tokens before them. With recurrent layers: tokens of the latest ``verify``
+        only; otherwise up to ``reserve + 1`` tokens of the latest verify and decode calls."""
+        self._check_row(row)
+        counts = [0] * self.max_batch
+        counts[row] = n
+        self.rollback_rows(counts)
+
+    def rollback_rows(self, counts: Sequence[int]) -> None:
+        """``rollback`` for every row at once (``counts`` (B,), 0 = keep the row as it is)."""
+        if len(counts) != self.max_batch:
+            raise InvalidArgumentError(f"rollback_rows needs {self.max_batch} counts")
+        for row, n in enumerate(counts):
+            if not (isinstance(n, int) and 0 <= n <= self._verified[row]):
+                raise InvalidArgumentError(
+                    f"row {row}: can roll back 0 to {self._verified[row]} tokens now, not {n!r}"
+                )
+        if not any(counts):
+            return
+        self._verified = [v - n for v, n in zip(self._verified, counts)]
+        self.positions = [p - n for p, n in zip(self.positions, counts)]
+        recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
+        if not recurrent:
+            return
+        # each row's state after the verify tokens it keeps (history index 0: before them)
+        arrays = self._compiled_rollback(
+            self._history, [s.arrays for s in recurrent],
+            mx.array(self._verified, dtype=mx.int32), mx.array([n > 0 for n in counts]),
         )  # fmt: skip
-        for s, a in zip(self.caches, arrays):
+        for s, a in zip(recurrent, arrays):
             s.arrays = a
-        self.positions = [p + a for p, a in zip(self.positions, active)]
-        return out
+
+    def _rollback(self, history, arrays, kept, rows):
+        recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
+        for s, h, a in zip(recurrent, history, arrays):
+            s.arrays = a
+            s.rollback(h, kept, rows)
+        return [s.arrays for s in recurrent]
 
 
 def _set_row(buf: mx.array, row: int, value: mx.array, n: int | None = None) -> mx.array:
@@ -269,26 +377,30 @@ def _adopt_ring(buf: mx.array, row: int, src: mx.array, pos: int) -> mx.array:
     return buf
 
 
-_STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len)
+_STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len, reserve)
 
 
-def shared_step(model, max_batch: int, needed: int, like=None) -> DecodeStep | None:
-    """A DecodeStep of the model with ``max_batch`` rows of at least ``needed`` tokens, built
-    once and reused across calls (an idle one at least that long, else a new one of the next
-    power of two from 1024, which replaces the shorter idle ones), or None when the model has no
-    static caches or its step is in use (a second generator on the same model)."""
+def shared_step(
+    model, max_batch: int, needed: int, like=None, reserve: int = 0
+) -> DecodeStep | None:
+    """A DecodeStep of the model with ``max_batch`` rows of at least ``needed`` tokens (and at
+    least ``reserve``, for a verify of ``reserve + 1`` tokens), built once and reused across calls
+    (an idle one that fits, else a new one of the next power of two from 1024, which replaces the
+    idle ones that do not fit), or None when the model has no static caches or its step is in
+    use (a second generator on the same model)."""
     if not DecodeStep.supports(model):
         return None
     steps = model.__dict__.get(_STEPS)
     if steps is None:
         steps = {}
         object.__setattr__(model, _STEPS, steps)  # not an nn.Module child or parameter
-    fits = [v for (b, n), v in steps.items() if b == max_batch and n >= needed]
+    fits = [v for (b, n, r), v in steps.items() if b == max_batch and n >= needed and r >= reserve]
     if fits:
-        step = min(fits, key=lambda v: v.max_len)
+        step = min(fits, key=lambda v: (v.max_len, v.reserve))
         return None if step.busy else step
     for key in [k for k, v in steps.items() if k[0] == max_batch and not v.busy]:
         del steps[key]
     max_len = max(1024, 1 << (needed - 1).bit_length())
-    step = steps[(max_batch, max_len)] = DecodeStep(model, max_batch, max_len, like=like)
+    step = DecodeStep(model, max_batch, max_len, reserve=reserve, like=like)
+    steps[(max_batch, max_len, reserve)] = step
     return step

@@ -353,7 +353,7 @@ def stream_generate(
     # a verify writes up to K drafts (a tree: K * width) that may have to be rolled back
     rollback = num_draft_tokens * tree_width + 1 if speculative else 0
     # the compiled decode step applies to caches made here (a caller's cache stays updated)
-    compiled = cache is None and not speculative and os.environ.get("HF2Q_DECODE") != "eager"
+    compiled = cache is None and os.environ.get("HF2Q_DECODE") != "eager"
     if cache is None:
         cache = make_prompt_cache(model, kv_bits, reserve=rollback)
     elif speculative:
@@ -465,7 +465,8 @@ def _decode(
     else:
         source = spec.speculative_tokens(
             model, ids, cache, budget=budget, processors=processors, history_size=history_size,
-            key=key, prefill_fn=prefill, prefill_step=prefill_step_size, **speculative,
+            key=key, prefill_fn=prefill, prefill_step=prefill_step_size, compiled=compiled,
+            **speculative,
         )  # fmt: skip
     tic = time.perf_counter()
     detok = tokenizer.detokenizer()

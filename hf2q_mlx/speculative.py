@@ -13,6 +13,11 @@ Rollback: KV caches (growing, ring with ``reserve`` slots, TurboQuant) trim thei
 entries; a model with recurrent layers (Qwen 3.5) restores a snapshot taken before the verify
 and re-feeds the accepted tokens at the front of the next round (``todo``). A token tree
 (``verify_tree``) writes every candidate, then keeps the accepted path (``cache.keep``).
+
+On the compiled step (``decode_step.DecodeStep``, what ``stream_generate`` uses when it made the
+caches itself), ``verify_step_rows`` verifies each row at its own position in one compiled call
+and rolls every cache kind back exactly (recurrent layers keep each token's state), so ``todo``
+is always the last emitted token and the verify has one shape: one trace.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
+from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
 from hf2q_mlx.models.cache import TokenTree
 from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
@@ -253,6 +259,55 @@ def verify_rows(
     return results
 
 
+def verify_step_rows(
+    step: DecodeStep,
+    rows: Sequence[int],
+    todo: Sequence[Sequence[int]],
+    drafts: Sequence[Sequence[int] | mx.array],
+    *,
+    warp: Warp = Warp(),
+    draft_probs: Sequence[mx.array | None] | None = None,
+    key: mx.array | None = None,
+    process: Process | None = None,
+    length: int | None = None,
+) -> list[RowResult]:
+    """``verify_rows`` on a compiled step: ``rows`` of ``step`` verify their ``todo + drafts``
+    in one call, each at its own position (the other rows idle), padded at the end to one length
+    (at least ``length``: a fixed length keeps one compiled trace when the draft count varies).
+    Each row then rolls back exactly what it rejected, so its ``todo`` is the last emitted token.
+    ``process(i, logits, tokens)`` gets the index i into ``rows``."""
+    seqs = []
+    for t, d in zip(todo, drafts):
+        d = d if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.int32)
+        seqs.append((len(t), mx.concatenate([mx.array(list(t), dtype=mx.int32), d])))
+    L = max([r.shape[0] for _, r in seqs] + [length or 1])
+    padded = {row: mx.pad(r, (0, L - r.shape[0])) for row, (_, r) in zip(rows, seqs)}
+    idle = mx.zeros((L,), dtype=mx.int32)
+    tokens = mx.stack([padded.get(b, idle) for b in range(step.max_batch)])  # (B, L)
+    active = [b in padded for b in range(step.max_batch)]
+    logits = step.verify(tokens, active).astype(mx.float32)  # (B, L, V)
+    keys = [None] * len(rows) if key is None else list(mx.random.split(key, len(rows)))
+    outs = []
+    for i, (row, (t, r)) in enumerate(zip(rows, seqs)):
+        K = r.shape[0] - t
+        lg = logits[row, t - 1 : t + K]
+        if process is not None:
+            lg = process(i, lg, r[t - 1 : t + K])
+        q = draft_probs[i] if draft_probs is not None else None
+        outs.append(accept_candidates(lg, r[t:], warp, q, keys[i]))
+    mx.eval(outs, tokens)
+    host = tokens.tolist()
+    results, counts = [], [0] * step.max_batch
+    for i, (row, (t, _)) in enumerate(zip(rows, seqs)):
+        ok, cand, lp_drafts, lp_cand = (x.tolist() for x in outs[i])
+        a = first_rejection(ok)
+        emitted = host[row][t : t + a] + [cand[a]]
+        results.append(RowResult(emitted, lp_drafts[:a] + [lp_cand[a]], a, [cand[a]]))
+        counts[row] = L - (t + a)  # the cache keeps todo and the accepted drafts
+    step.rollback_rows(counts)
+    return results
+
+
 # ---- token tree -------------------------------------------------------------------------------
 
 
@@ -372,18 +427,48 @@ class PromptLookup:
 
 class DraftModel:
     """A small model sharing the target's tokenizer drafts K tokens, one forward each, on the
-    device without reading anything back (the drafts feed the target's verify directly)."""
+    device without reading anything back (the drafts feed the target's verify directly).
 
-    def __init__(self, model: Any, k: int, warp: Warp, width: int = 1):
+    ``needed`` (tokens the draft will hold, given when the caller made the target's caches):
+    a draft without recurrent layers runs on its compiled step (``DecodeStep``: the queued
+    tokens as one verify padded to K + 1, then K - 1 decodes; rollback moves the position back)."""
+
+    def __init__(self, model: Any, k: int, warp: Warp, width: int = 1, needed: int = 0):
         self.model, self.k, self.warp, self.width = model, k, warp, width
         # rings keep k + 2 extra slots, recurrent states k + 2 tokens of history: trim is exact
         self.cache = model.make_cache(reserve=k + 2)
         self.todo: list[int] = []  # decided tokens the draft cache does not hold yet
         self.fed = -1  # drafts of this round's proposal that went through it (-1: none)
+        self.step = None
+        if needed and not has_recurrent(self.cache):  # None too when the step is in use
+            self.step = shared_step(model, 1, needed, reserve=k)
 
     def prefill(self, ids: Sequence[int], prefill_fn: Callable, step: int) -> None:
         """Fill the draft cache with the prompt (``prefill_fn`` = ``generation.prefill``)."""
         prefill_fn(self.model, mx.array(list(ids), dtype=mx.int32), self.cache, step)
+        if self.step is not None:
+            self.step.busy = True
+            self.step.reset_row(0)
+            self.step.adopt(0, self.cache)
+
+    def close(self) -> None:
+        if self.step is not None:
+            self.step.busy = False
+
+    def _forward(self, x: mx.array) -> mx.array:
+        """x (n,) int32 tokens -> logits (1, V) fp32 after the last one."""
+        if self.step is None:
+            return self.model(x[None], cache=self.cache)[0, -1:].astype(mx.float32)
+        if x.shape[0] == 1:
+            return self.step.decode(x).astype(mx.float32)
+        L = self.k + 1  # one verify shape for every round: one compiled trace
+        while x.shape[0] > L:  # more queued than a round emits (not in stream_generate)
+            self.step.verify(x[None, :L])
+            x = x[L:]
+        n = x.shape[0]
+        logits = self.step.verify(mx.pad(x, (0, L - n))[None])[0, n - 1 : n]
+        self.step.rollback(0, L - n)
+        return logits.astype(mx.float32)
 
     def propose(
         self,
@@ -402,7 +487,7 @@ class DraftModel:
         drafts, probs, alts = [], [], []
         keys = [None] * k if key is None else list(mx.random.split(key, k))
         for i in range(k):
-            logits = self.model(x[None], cache=self.cache)[0, -1:].astype(mx.float32)  # (1, V)
+            logits = self._forward(x)  # (1, V)
             for proc in processors:
                 logits = proc(hist[None], logits)
             if self.warp.greedy:
@@ -434,8 +519,11 @@ class DraftModel:
         while m < min(len(emitted) - 1, len(drafts)) and emitted[m] == drafts[m]:
             m += 1
         kept = min(m, self.fed)
-        for c in self.cache:
-            c.trim(self.fed - kept)
+        if self.step is not None:
+            self.step.rollback(0, self.fed - kept)
+        else:
+            for c in self.cache:
+                c.trim(self.fed - kept)
         self.todo = list(emitted[kept:])
         self.fed = -1
 
@@ -456,19 +544,52 @@ def speculative_tokens(
     tree_width: int = 1,
     prefill_fn: Callable,
     prefill_step: int = 512,
+    compiled: bool = False,
 ) -> Iterator[tuple[int, float, int, int]]:
     """Yield (token, logprob, drafted so far, accepted so far) for each generated token.
 
     The first token comes from the prompt's prefill as in plain decoding; then each round
     drafts up to ``num_draft_tokens`` tokens and verifies them in one target forward
     (``verify_rows``, or ``verify_tree`` when ``tree_width`` > 1 and the caches are KV caches).
+    ``compiled`` (the caller made ``cache`` and it has a static form): chain verifies run on
+    the model's compiled step (``verify_step_rows``), which takes over ``cache`` after the prefill.
     """
     tokens = list(ids)
     logits = prefill_fn(model, mx.array(tokens, dtype=mx.int32), cache, prefill_step)
-    drafter = PromptLookup(prompt_lookup) if prompt_lookup is not None else None
-    if draft_model is not None:
-        drafter = DraftModel(draft_model, num_draft_tokens, warp, tree_width)
-        drafter.prefill(tokens, prefill_fn, prefill_step)
+    step, drafter = None, None
+    # a token tree stays eager; recurrent models verify a tree's chain, so they may use the step
+    if compiled and (tree_width == 1 or has_recurrent(cache)) and budget > 1:
+        # rows hold the prompt, the output and a verify's padded drafts
+        needed = len(tokens) + budget + num_draft_tokens
+        step = shared_step(model, 1, needed, cache, reserve=num_draft_tokens)
+    if step is not None:
+        step.busy = True
+        step.reset_row(0)
+        step.adopt(0, cache)
+    try:
+        if draft_model is not None:
+            # the draft holds the output, a round's drafts and a verify's padding
+            needed = len(tokens) + budget + 2 * num_draft_tokens + 2 if compiled else 0
+            drafter = DraftModel(draft_model, num_draft_tokens, warp, tree_width, needed)
+            drafter.prefill(tokens, prefill_fn, prefill_step)
+        elif prompt_lookup is not None:
+            drafter = PromptLookup(prompt_lookup)
+        yield from _rounds(
+            model, tokens, cache, logits, step, drafter, budget=budget, warp=warp,
+            processors=processors, history_size=history_size, key=key,
+            num_draft_tokens=num_draft_tokens, tree_width=tree_width,
+        )  # fmt: skip
+    finally:
+        if step is not None:
+            step.busy = False
+        if isinstance(drafter, DraftModel):
+            drafter.close()
+
+
+def _rounds(
+    model, tokens, cache, logits, step, drafter, *, budget, warp, processors, history_size, key,
+    num_draft_tokens, tree_width,
+) -> Iterator[tuple[int, float, int, int]]:  # fmt: skip
     tree = tree_width > 1 and not has_recurrent(cache)
 
     def process_one(x: mx.array, drafts: mx.array) -> mx.array:
@@ -517,6 +638,12 @@ def speculative_tokens(
             )
         if tree and alts is not None:
             res = verify_tree(model, cache, todo, drafts, alts, process_one if processors else None)
+        elif step is not None:  # todo is one token; drafts padded to K: one compiled trace
+            res = verify_step_rows(
+                step, [0], [todo], [drafts], warp=warp, key=sub, draft_probs=[q],
+                process=process if processors else None,
+                length=1 + num_draft_tokens if drafts.shape[0] else 1,
+            )[0]  # fmt: skip
         else:
             res = verify_rows(
                 model, cache, [todo], [drafts], warp=warp, key=sub,

@@ -14,6 +14,7 @@ from hf2q_mlx.models import gemma4_gguf, ops
 from hf2q_mlx.models.base import BaseModelArgs
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, causal_mask
 from hf2q_mlx.models.contract import Architecture, LayerRoPE
+from hf2q_mlx.models.fused_projections import FusedQKV, fuse_gate_up, gated_mlp_hidden
 from hf2q_mlx.models.gemma4_moe import Experts, Router
 from hf2q_mlx.models.ops import RMSNorm
 
@@ -147,7 +148,7 @@ class RoPE(ops.RoPE):
             raise UnsupportedArchitectureError(f"Gemma 4 rope_type {kind!r} is not supported")
 
 
-class Attention(nn.Module):
+class Attention(FusedQKV, nn.Module):
     def __init__(self, args: ModelArgs, i: int):
         super().__init__()
         self.head_dim, self.n_kv_heads, self.k_eq_v = args.layer_geometry(i)
@@ -164,16 +165,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=bias)
         self.rope = RoPE(args.rope_parameters[args.layer_types[i]], D)
 
+    def fuse_projections(self) -> None:
+        """q/k/v as one matmul where their weights stack; not where V is K or is shared."""
+        if not self.shares_kv and not self.k_eq_v:
+            FusedQKV.fuse_projections(self)
+
     def __call__(self, x, pos: mx.array, cache=None, shared_kv=None, mask=None):
         """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V."""
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        fused = "q_proj" not in self
+        if fused:
+            q, k, v = self.project_heads(x, transpose=False)  # (B, L, H, D) each
+        else:
+            q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         if shared_kv is not None:
             q = ops.norm_rope(q, self.q_norm, self.rope, pos)
             k, v, mask = shared_kv
         else:
-            k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+            if not fused:
+                k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+                v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
             # v: a weightless norm, no RoPE
             q, k, v = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rope, pos, v=v)
             if cache is not None:
@@ -189,9 +200,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.activation = activation
 
+    def fuse_projections(self) -> None:
+        fuse_gate_up(self)
+
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.gated_activation(gate, up, self.activation))
+        return self.down_proj(gated_mlp_hidden(self, x, self.activation))
 
 
 class DecoderLayer(nn.Module):
@@ -221,15 +234,32 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(H, eps=eps)
             self.activation = act
 
-    def __call__(self, x, pos, cache=None, shared_kv=None, mask=None, per_layer_input=None):
-        y, kv = self.self_attn(self.input_layernorm(x), pos, cache, shared_kv, mask)
-        h, n = ops.residual_norm(
-            x, y, self.pre_feedforward_layernorm, self.post_attention_layernorm
+    def __call__(
+        self, x, pos, cache=None, shared_kv=None, mask=None, per_layer_input=None, n=None,
+        next_norm=None,
+    ):  # fmt: skip
+        """-> (residual stream, ``next_norm`` of it or None, (keys, values, mask)). ``n``: this
+        layer's input norm of x when the previous layer made it (one kernel with its end)."""
+        n = self.input_layernorm(x) if n is None else n
+        y, kv = self.self_attn(n, pos, cache, shared_kv, mask)
+        h, n = ops.post_norm_residual(
+            x, y, self.post_attention_layernorm, self.pre_feedforward_layernorm
         )
         f = self.mlp(n)
+        e = None
         if self.moe:
-            ids, weights = self.router(h)  # routed on the residual stream, not the normed input
-            e = self.experts(self.pre_feedforward_layernorm_2(h), ids, weights)
+            # routed on the residual stream, not the normed input; the experts' norm comes along
+            ids, weights, xn = self.router(h, self.pre_feedforward_layernorm_2)
+            e = self.experts(xn, ids, weights)
+        if not self.ple and next_norm is not None:
+            # the scalar scales the whole residual stream; the next norm shares the kernel
+            return (*ops.post_norm_residual(
+                h, f, self.post_feedforward_layernorm, next_norm, y2=e,
+                norm1=self.post_feedforward_layernorm_1 if self.moe else None,
+                norm2=self.post_feedforward_layernorm_2 if self.moe else None,
+                scale=self.layer_scalar,
+            ), kv)  # fmt: skip
+        if self.moe:
             f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(e)
         h = h + self.post_feedforward_layernorm(f)
         if self.ple:
@@ -237,7 +267,7 @@ class DecoderLayer(nn.Module):
             gate = self.per_layer_input_gate(h)
             g = ops.gated_activation(gate, per_layer_input, self.activation, kernel=False)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar, kv  # the scalar scales the whole residual stream
+        return h * self.layer_scalar, None, kv
 
 
 class Gemma4TextModel(nn.Module):
@@ -275,18 +305,21 @@ class Gemma4TextModel(nn.Module):
             masks = {FULL: causal_mask(L), SLIDING: causal_mask(L, 0, self.args.sliding_window)}
         sources = self.args.kv_source
         produced: dict[int, tuple] = {}
+        n = None  # the next layer's input norm, when the last layer's end kernel made it
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, layer in enumerate(self.layers):
             src = sources[i]
             c = cache[i] if cache is not None and src is None else None
-            h, kv = layer(
+            h, n, kv = layer(
                 h, pos, c,
                 shared_kv=produced.get(src) if src is not None else None,
                 mask=masks.get(self.args.layer_types[i]),
                 per_layer_input=ple[:, :, i, :] if ple is not None else None,
+                n=n, next_norm=next_norms[i],
             )  # fmt: skip
             if i in self._producers:
                 produced[i] = kv
-        return self.norm(h)
+        return self.norm(h) if n is None else n
 
 
 class Model(nn.Module):
@@ -309,6 +342,14 @@ class Model(nn.Module):
     @property
     def layers(self) -> list:
         return self.model.layers
+
+    def fuse_projections(self) -> Model:
+        """After ``load_weights``: q/k/v and the dense MLP's gate/up as one matmul each where
+        the weights stack. Outputs do not change; the fused model loads no more checkpoints."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        return self
 
     def make_cache(self, reserve: int = 0) -> list:
         """One cache per KV-producing layer: ring buffers for sliding layers, growing buffers for

@@ -21,15 +21,23 @@ class Router(nn.Module):
         self.top_k, self.eps = top_k, eps
         self._root = hidden_size**-0.5
 
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """x (..., H) -> expert ids (..., k) uint32, weights (..., k) fp32."""
+    def __call__(self, x: mx.array, post_norm: ops.RMSNorm | None = None):
+        """x (..., H) -> expert ids (..., k) uint32, weights (..., k) fp32, and ``post_norm(x)``
+        (the experts' input; None without), all three from one kernel when kernels run."""
+        routed = ops.moe_router(
+            x, self.proj, self.top_k, eps=self.eps, pre_scale=self.scale, pre_mult=self._root,
+            expert_scale=self.per_expert_scale, post_norm=post_norm,
+        )  # fmt: skip
+        if routed is not None:
+            return routed
         h = mx.fast.rms_norm(x, None, self.eps) * (self.scale * self._root).astype(x.dtype)
         logits = self.proj(h).astype(mx.float32)
         k = self.top_k
         ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
         # softmax over the chosen k == full softmax renormalized over the top k
         w = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1, precise=True)
-        return ids, w * self.per_expert_scale[ids].astype(mx.float32)
+        xn = None if post_norm is None else post_norm(x)
+        return ids, w * self.per_expert_scale[ids].astype(mx.float32), xn
 
 
 class Experts(nn.Module):
@@ -43,7 +51,6 @@ class Experts(nn.Module):
         self.activation = activation
 
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        # (..., k, 2I) [gate | up]: the reference splits it, the kernel reads it whole
-        h = ops.gated_activation(self.gate_up_proj(x, ids), None, self.activation)
-        y = self.down_proj(h, ids)  # (..., k, H)
-        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        # (..., k, I): gate_up (..., k, 2I) [gate | up] and the activation (one kernel for GGML)
+        h = ops.expert_glu(x, ids, self.gate_up_proj, None, self.activation)
+        return ops.expert_down(h, ids, weights, self.down_proj)  # (..., H)

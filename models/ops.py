@@ -15,7 +15,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hf2q_mlx import custom_kernels
-from hf2q_mlx.custom_kernels import activations
+from hf2q_mlx.custom_kernels import activations, gated_delta
+from hf2q_mlx.custom_kernels import expert_down as expert_down_kernel
+from hf2q_mlx.custom_kernels import expert_down_affine as affine_down_kernel
+from hf2q_mlx.custom_kernels import expert_glu as expert_glu_kernel
+from hf2q_mlx.custom_kernels import expert_glu_affine as affine_glu_kernel
+from hf2q_mlx.custom_kernels import gated_delta_decode as delta_decode_kernel
+from hf2q_mlx.custom_kernels import moe_router as moe_router_kernel
+from hf2q_mlx.custom_kernels import post_norm_residual as post_norm_kernel
 from hf2q_mlx.custom_kernels import residual_rms_norm as residual_norm_kernel
 from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope_kernel
 from hf2q_mlx.custom_kernels import softcap as softcap_kernel
@@ -91,11 +98,34 @@ def residual_norm(
     ``post_norm``: the branch's own output norm (Gemma's post-attention / post-feedforward
     norms), ``h = x + post_norm(y)``."""
     if use_kernels():
+        if post_norm is not None and post_norm.eps == norm.eps:  # the branch norm too
+            w = post_norm.weight
+            return post_norm_kernel.post_norm_residual(x, y, w, norm.weight, norm.eps)
         y = y if post_norm is None else post_norm(y)
         return residual_norm_kernel.residual_rms_norm(x, y, norm.weight, norm.eps)
     if post_norm is None:
         return _add_rms_norm(x, y, norm.weight, norm.eps)
     return _norm_add_rms_norm(x, y, post_norm.weight, post_norm.eps, norm.weight, norm.eps)
+
+
+def post_norm_residual(
+    x: mx.array,
+    y: mx.array,
+    norm: RMSNorm,
+    next_norm: RMSNorm,
+    y2: mx.array | None = None,
+    norm1: RMSNorm | None = None,
+    norm2: RMSNorm | None = None,
+    scale: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """A Gemma-style branch join: ``h = (x + norm(b)) * scale`` with ``b = y``, or
+    ``norm1(y) + norm2(y2)`` for two branches, and ``next_norm(h)``, one kernel on a GPU. The
+    norms share one eps."""
+    w = [None if m is None else m.weight for m in (norm1, norm2)]
+    args = (x, y, norm.weight, next_norm.weight, norm.eps, y2, *w, scale)
+    if use_kernels() and (scale is None or scale.dtype == x.dtype):  # else dtype promotion
+        return post_norm_kernel.post_norm_residual(*args)
+    return post_norm_kernel.post_norm_residual_reference(*args)
 
 
 def prenorm_layers(layers, h: mx.array, caches, final_norm: RMSNorm, pos: mx.array) -> mx.array:
@@ -112,6 +142,36 @@ def prenorm_layers(layers, h: mx.array, caches, final_norm: RMSNorm, pos: mx.arr
 def gated_rms_norm(x: mx.array, gate: mx.array, norm: RMSNorm) -> mx.array:
     """``norm(x) * silu(gate)`` (the output norm of a gated delta-net)."""
     return gated_activation(gate, norm(x), "silu", kernel=False)
+
+
+def gated_delta_net(net, qkv: mx.array, z: mx.array, a: mx.array, b: mx.array, cache) -> mx.array:
+    """The core of a Qwen 3.5 gated delta-net block ``net`` from its projections (B, L, .): conv,
+    gates, delta rule, gated output norm -> (B, L, Hv Dv) for out_proj; reads and advances
+    ``cache`` (None: zero states). Decode (L == 1) with kernels is one kernel
+    (custom_kernels/gated_delta_decode.py), which also keeps a static cache's inactive rows
+    (``cache.active``), so those states are stored without the cache's own masking."""
+    B, L, _ = qkv.shape
+    conv, state = (None, None) if cache is None else (cache.conv_state, cache.state)
+    weight = net.conv1d.weight.reshape(net.conv_dim, net.kernel_size)  # (C, K, 1) -> (C, K)
+    gate_args = (net.A_log, net.dt_bias)
+    heads = (net.num_k_heads, net.head_k_dim)
+    if L == 1 and use_kernels():
+        active = getattr(cache, "active", None)
+        out, conv, state = delta_decode_kernel.gated_delta_decode(
+            qkv, z, a, b, conv, weight, *gate_args, state, net.norm.weight, net.norm.eps,
+            *heads, net.tiled, active,
+        )  # fmt: skip
+        if active is not None:
+            cache.conv_state, cache.state = conv, state
+        elif cache is not None:
+            cache.update(conv, state, L)
+        return out
+    # a static cache's multi-token verify (decode_step.py) keeps each token's state for rollback
+    update = getattr(cache, "delta_update", gated_delta.gated_delta_update)
+    y, conv, state = update(qkv, conv, weight, a, b, *gate_args, state, *heads, tiled=net.tiled)
+    if cache is not None:
+        cache.update(conv, state, L)
+    return gated_rms_norm(y, z.reshape(y.shape), net.norm).reshape(B, L, -1)
 
 
 # ---- rotary embedding ----------------------------------------------------------------------------
@@ -231,6 +291,88 @@ def gated_activation(
     if up is None:
         gate, up = mx.split(gate, 2, axis=-1)
     return _GATED[kind](gate, up)
+
+
+_GLU_ACTS = expert_glu_kernel.ACTIVATIONS
+
+
+def expert_glu(
+    x: mx.array, ids: mx.array, gate_up: nn.Module, up: nn.Module | None = None, kind: str = "silu"
+) -> mx.array:
+    """``act(gate) * up`` of the routed experts: x (..., D), ids (..., k) -> (..., k, F).
+    ``gate_up`` an ExpertLinear of fused [gate | up] rows, or the gate rows with ``up``. GGML or
+    MLX affine experts with kernels: gate, up and the activation in one kernel (expert_glu.py,
+    expert_glu_affine.py)."""
+    if use_kernels() and getattr(gate_up, "mode", None) == "affine" and kind in _GLU_ACTS:
+        gs, bits = gate_up.group_size, gate_up.bits
+        arrays = (gate_up.weight, gate_up.scales, gate_up.get("biases"))
+        up_arrays = None if up is None else (up.weight, up.scales, up.get("biases"))
+        same = up is None or (up.group_size, up.bits, up.mode) == (gs, bits, "affine")
+        if same and affine_glu_kernel.kernel_covers(x, arrays, up_arrays, ids, gs, bits):
+            return affine_glu_kernel.expert_glu_affine(x, arrays, ids, gs, bits, kind, up_arrays)
+    t = getattr(gate_up, "ggml_type", None)
+    if (
+        use_kernels()
+        and t is not None
+        and kind in _GLU_ACTS
+        and (up is None or getattr(up, "ggml_type", None) == t)
+    ):
+        w_up = None if up is None else up.weight
+        return expert_glu_kernel.expert_glu(x, gate_up.weight, ids, t, gate_up.in_features,
+                                            kind, w_up)  # fmt: skip
+    if up is None:
+        return gated_activation(gate_up(x, ids), None, kind)
+    return gated_activation(gate_up(x, ids), up(x, ids), kind)
+
+
+def expert_down(h: mx.array, ids: mx.array, weights: mx.array, down: nn.Module) -> mx.array:
+    """The routed experts' down projections summed with their gate weights: h (..., k, F),
+    ids and weights (..., k) -> (..., D). GGML or MLX affine experts with kernels: one kernel
+    (expert_down.py, expert_down_affine.py); otherwise ``down``, then the weighted sum in h's
+    dtype."""
+    if use_kernels() and getattr(down, "mode", None) == "affine":
+        arrays = (down.weight, down.scales, down.get("biases"))
+        gs, bits = down.group_size, down.bits
+        if affine_down_kernel.kernel_covers(h, arrays, ids, weights, gs, bits):
+            return affine_down_kernel.expert_down_affine(h, arrays, ids, weights, gs, bits)
+    t = getattr(down, "ggml_type", None)
+    if use_kernels() and t is not None:
+        return expert_down_kernel.expert_down(h, down.weight, ids, weights, t, down.in_features)
+    y = down(h, ids)  # (..., k, D)
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def moe_router(
+    x: mx.array,
+    proj: nn.Module,
+    k: int,
+    *,
+    eps: float = 1e-6,
+    pre_scale: mx.array | None = None,
+    pre_mult: float = 1.0,
+    expert_scale: mx.array | None = None,
+    renormalize: bool = True,
+    post_norm: RMSNorm | None = None,
+) -> tuple[mx.array, mx.array, mx.array | None] | None:
+    """The router kernel (moe_router.py: logits, top-k, weights and ``post_norm(x)`` in one
+    launch) -> (ids (..., k) uint32, weights (..., k) fp32, post_norm(x) or None); None when it
+    does not apply (no kernels, a biased or GGML router, prefill rows): the model then builds
+    its own routing graph, the reference. ``proj``: nn.Linear or affine nn.QuantizedLinear."""
+    if not use_kernels() or "bias" in proj:
+        return None
+    if type(proj) is nn.QuantizedLinear and proj.mode == "affine":
+        quant = (proj.scales, proj.get("biases"), proj.group_size, proj.bits)
+    elif type(proj) is nn.Linear:
+        quant = None
+    else:
+        return None
+    norm_w = None if post_norm is None or post_norm.eps != eps else post_norm.weight
+    opts = dict(eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
+                renormalize=renormalize, post_norm=norm_w, quant=quant)  # fmt: skip
+    if not moe_router_kernel.kernel_covers(x, proj.weight, k, **opts):
+        return None
+    ids, weights, xn = moe_router_kernel.moe_router(x, proj.weight, k, **opts)
+    return ids, weights, xn if norm_w is not None or post_norm is None else post_norm(x)
 
 
 @partial(mx.compile, shapeless=True)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update
 from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import ops
@@ -93,25 +92,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
-        B, L, _ = x.shape
-        z = self.in_proj_z(x).reshape(B, L, self.num_v_heads, self.head_v_dim)
-        conv_state, state = (None, None) if cache is None else (cache.conv_state, cache.state)
-        y, conv_state, state = gated_delta_update(
-            self.in_proj_qkv(x),
-            conv_state,
-            self.conv1d.weight.reshape(self.conv_dim, self.kernel_size),
-            self.in_proj_a(x),
-            self.in_proj_b(x),
-            self.A_log,
-            self.dt_bias,
-            state,
-            self.num_k_heads,
-            self.head_k_dim,
-            tiled=self.tiled,
-        )
-        if cache is not None:
-            cache.update(conv_state, state, L)
-        return self.out_proj(ops.gated_rms_norm(y, z, self.norm).reshape(B, L, -1))
+        # conv, gates, delta rule and gated norm in ops (decode with kernels: one kernel)
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
+        qkv, z, a, b = (p(x) for p in projections)
+        return self.out_proj(ops.gated_delta_net(self, qkv, z, a, b, cache))
 
 
 class Attention(nn.Module):

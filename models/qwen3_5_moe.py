@@ -41,13 +41,14 @@ class Experts(nn.Module):
             self.up_proj = ExpertLinear(num_experts, dims, hidden_dims)
         self.down_proj = ExpertLinear(num_experts, hidden_dims, dims)
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """x (N, D), indices (N, k) -> (N, k, D)."""
-        if "gate_up_proj" in self:  # (N, k, 2I): the kernel reads it whole
-            h = ops.gated_activation(self.gate_up_proj(x, indices))
+    def __call__(self, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
+        """x (N, D), indices and scores (N, k) -> the scores-weighted sum of the chosen experts'
+        outputs (N, D)."""
+        if "gate_up_proj" in self:  # (N, k, 2I): the kernels read it whole
+            h = ops.expert_glu(x, indices, self.gate_up_proj)
         else:
-            h = ops.gated_activation(self.gate_proj(x, indices), self.up_proj(x, indices))
-        return self.down_proj(h, indices)
+            h = ops.expert_glu(x, indices, self.gate_proj, self.up_proj)
+        return ops.expert_down(h, indices, scores, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
@@ -61,17 +62,24 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(h, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, D)
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x (N, D) -> expert ids (N, k) uint32, weights (N, k) fp32 (one kernel with kernels)."""
         k = self.top_k
+        routed = ops.moe_router(x, self.gate, k, renormalize=self.norm_topk_prob)
+        if routed is not None:
+            return routed[:2]
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         indices = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # (N, k), unordered
         scores = mx.take_along_axis(probs, indices, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = self.experts(x, indices)  # (N, k, D)
-        y = (y * scores[..., None].astype(y.dtype)).sum(axis=1)
+        return indices, scores
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, D)
+        indices, scores = self.route(x)
+        y = self.experts(x, indices, scores)  # (N, D)
         y = y + ops.sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))
         return y.reshape(shape)
 

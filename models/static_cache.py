@@ -9,13 +9,17 @@ token: nothing here reads a value back from the device.
   ``span`` slots, a bucket the step chooses (a few traces instead of reading the whole buffer).
 - ``StaticKVCache(window=W)``: sliding-window ring, slot = position % capacity, with
   ``capacity - W`` reserve slots so that L > 1 tokens (a verify step) can be written at once.
-- ``StaticRecurrentCache``: Qwen 3.5's conv and delta-net state; inactive rows keep theirs.
+- ``StaticRecurrentCache``: Qwen 3.5's conv and delta-net state; inactive rows keep theirs. An
+  L > 1 call (a speculative verify) runs the recurrence token by token and keeps every token's
+  state (``history``), so that a rollback picks the state after the accepted tokens exactly.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
+from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update
 from hf2q_mlx.errors import Hf2qError
 
 
@@ -45,15 +49,6 @@ class StaticKVCache(_RowPositions):
     def arrays(self, arrays: list[mx.array]) -> None:
         self.keys, self.values = arrays
 
-    def key_positions(self, L: int) -> mx.array:
-        """(B, S) absolute position held by each attended slot after this call's L writes
-        (negative = empty)."""
-        end = self.pos[:, None] + L  # (B, 1): tokens held after the write
-        i = mx.arange(self.span)[None]
-        if self.window is None:
-            return mx.where(i < end, i, -1)
-        return (end - 1) - ((end - 1 - i) % self.capacity)
-
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys (B, H, L, Dk), values (B, H, L, Dv) written at each row's position ->
         (keys, values, mask (B, 1, L, S))."""
@@ -62,17 +57,17 @@ class StaticKVCache(_RowPositions):
         slots = q_pos if self.window is None else q_pos % self.capacity
         self.keys = _scatter(self.keys, slots, keys)
         self.values = _scatter(self.values, slots, values)
-        k_pos = self.key_positions(L)[:, None, :]  # (B, 1, S)
-        mask = (k_pos >= 0) & (k_pos <= q_pos[:, :, None])
-        if self.window is not None:
-            mask = mask & (k_pos > q_pos[:, :, None] - self.window)
+        span = self.span if self.window is None else self.capacity
+        mask = visible(self.pos, L, span, self.capacity, self.window)  # (B, 1, L, S)
         k, v = self.keys, self.values
         if self.span < self.capacity:
             k, v = k[:, :, : self.span], v[:, :, : self.span]
-        return k, v, mask[:, None]
+        return k, v, mask
 
     def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        # one kernel with the masks worked out from pos inside it (the mask above stays unbuilt)
+        span = self.span if self.window is None else self.capacity
+        return decode_attention(queries, self.keys, self.values, self.pos, scale, span, self.window)
 
 
 def _scatter(buf: mx.array, slots: mx.array, new: mx.array) -> mx.array:
@@ -87,6 +82,9 @@ class StaticRecurrentCache(_RowPositions):
 
     def __init__(self, conv_state: mx.array, state: mx.array):
         self.conv_state, self.state = conv_state, state
+        # after an L > 1 call: [conv (B, L+1, K-1, C), state (B, L+1, Hv, Dv, Dk)], index j =
+        # the row's state after j of the call's tokens (0: before the call)
+        self.history: list[mx.array] | None = None
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -96,7 +94,38 @@ class StaticRecurrentCache(_RowPositions):
     def arrays(self, arrays: list[mx.array]) -> None:
         self.conv_state, self.state = arrays
 
+    def delta_update(self, qkv, conv_state, conv_weight, a, b, *rest, **kw):
+        """``gated_delta_update`` (the model's delta-net layer calls it through the cache); more
+        than one token: one token at a time (the decode kernel, as plain decoding runs it),
+        keeping each token's states in ``history``."""
+        L = qkv.shape[1]
+        if L == 1:
+            self.history = None
+            return gated_delta_update(qkv, conv_state, conv_weight, a, b, *rest, **kw)
+        (A_log, dt_bias, state, *heads) = rest
+        convs, states, ys = [conv_state], [state], []
+        for j in range(L):
+            y, conv_state, state = gated_delta_update(
+                qkv[:, j : j + 1], conv_state, conv_weight, a[:, j : j + 1], b[:, j : j + 1],
+                A_log, dt_bias, state, *heads, **kw,
+            )  # fmt: skip
+            ys.append(y)
+            convs.append(conv_state)
+            states.append(state)
+        self.history = [mx.stack(convs, axis=1), mx.stack(states, axis=1)]
+        return mx.concatenate(ys, axis=1), conv_state, state
+
     def update(self, conv_state: mx.array, state: mx.array, length: int) -> None:
         keep = self.active
         self.conv_state = mx.where(keep[:, None, None], conv_state, self.conv_state)
         self.state = mx.where(keep[:, None, None, None], state, self.state)
+
+    def rollback(self, history: list[mx.array], kept: mx.array, rows: mx.array) -> None:
+        """Rows ``rows`` (B,) bool take their state after ``kept`` (B,) int32 tokens of the call
+        that left ``history``; the others keep theirs."""
+        out = []
+        for cur, hist in zip(self.arrays, history):
+            idx = kept.reshape((-1,) + (1,) * (hist.ndim - 1))
+            picked = mx.take_along_axis(hist, idx, axis=1)[:, 0]
+            out.append(mx.where(rows.reshape((-1,) + (1,) * (cur.ndim - 1)), picked, cur))
+        self.arrays = out

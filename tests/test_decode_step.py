@@ -259,3 +259,84 @@ def test_shared_step_is_reused_and_replaced_by_a_longer_one():
     assert b.max_len == 2048 and b is not a
     assert shared_step(model, 1, 10) is b  # the longer step serves short requests too
     assert shared_step(nn.Linear(2, 2), 1, 10) is None  # not one of our model files
+
+
+# ---- speculative verify: L tokens per row, then an exact rollback -------------------------------
+
+# Gemma 4's tiny random models amplify rounding: their own eager L-token forward differs from
+# the one-token path by up to 2e-4 of the largest logit (measured on these sequences, MoE 1.1e-4
+# here); a wrong rollback or mask is off by O(1)
+VERIFY_RTOL = {"gemma4-moe": 5e-4}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_verify_and_rollback_match_eager(name):
+    """Three rows (prompts of 3, 9, 1) verify 4 tokens per round for 6 rounds, one row idle
+    every third round, and keep a random prefix each round (1 to 4 tokens): every verify
+    position's logits equal those of the eager path fed only the kept tokens so far, and a
+    decode after the last rollback does too (rings of 4-5 wrap several times)."""
+    model, K = tiny_model(name), 3
+    rtol = VERIFY_RTOL.get(name, RTOL)
+    ps = prompts([3, 9, 1])
+    step = DecodeStep(model, max_batch=3, max_len=48, reserve=K)
+    for r, p in enumerate(ps):
+        step.prefill(r, p)
+    rng = np.random.default_rng(2)
+    fed = [list(p) for p in ps]
+    for k in range(6):
+        toks = rng.integers(0, 80, (3, K + 1)).tolist()
+        active = [True, k % 3 != 1, k % 3 != 2]
+        logits = step.verify(toks, active)
+        assert logits.shape == (3, K + 1, VOCAB)
+        kept = rng.integers(1, K + 2, 3).tolist()
+        for r in range(3):
+            if active[r]:
+                want = eager_logits(model, fed[r], toks[r])[1:]
+                for i, w in enumerate(want):
+                    err = np.abs(np.array(logits[r, i]) - w).max() / np.abs(w).max()
+                    assert err <= rtol, f"{name} round {k} row {r} position {i}: {err:.2e}"
+                fed[r] += toks[r][: kept[r]]
+        step.rollback_rows([K + 1 - n if a else 0 for n, a in zip(kept, active)])
+        assert step.positions == [len(f) for f in fed]
+    nxt = rng.integers(0, 80, 3).tolist()
+    out = step.decode(nxt)
+    for r in range(3):
+        want = eager_logits(model, fed[r], [nxt[r]])[-1]
+        err = np.abs(np.array(out[r]) - want).max() / np.abs(want).max()
+        assert err <= rtol, f"{name} decode after rollback, row {r}: {err:.2e}"
+
+
+def test_verify_greedy_rollback_per_row_and_errors():
+    model = tiny_model("qwen3_5-moe")
+    (p,) = prompts([5], seed=4)
+    step = DecodeStep(model, max_batch=2, max_len=12, reserve=2)
+    step.prefill(0, p)
+    step.prefill(1, p)
+    ids = step.verify([[3, 4, 5], [3, 4, 6]], greedy=True)
+    assert ids.dtype == mx.int32 and ids.shape == (2, 3)
+    want = [int(np.argmax(x)) for x in eager_logits(model, p, [3, 4, 5])[1:]]
+    assert ids[0].tolist() == want
+    step.rollback(0, 1)  # one at a time: 3 - 1 - 1 = 1 token kept
+    step.rollback(0, 1)
+    assert step.positions == [6, 8]
+    out = step.decode([7, 9], [True, False])
+    assert_close(out[0], eager_logits(model, p, [3, 7])[-1], "after two rollbacks")
+    with pytest.raises(InvalidArgumentError):
+        step.rollback(1, 1)  # a decode since: nothing to roll back
+    step.verify([[1, 2, 3], [1, 2, 3]], [True, False])
+    with pytest.raises(InvalidArgumentError):
+        step.rollback(0, 4)
+    with pytest.raises(InvalidArgumentError):
+        step.rollback(1, 1)  # idle in that verify
+    with pytest.raises(InvalidArgumentError):
+        step.verify([[1, 2, 3, 4]] * 2)  # L - 1 > reserve
+    with pytest.raises(ContextLengthError):
+        step.verify([[1, 2, 3]] * 2, [True, False])  # row 0: 10 + 3 tokens > max_len 12
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["gemma3", "llama", "qwen3_5-dense", "qwen3_5-moe"])
+def test_gpu_verify_and_rollback_match_eager(name):
+    """The verify test above with the kernels inside the compiled graph (fp32, 1e-4)."""
+    with mx.stream(mx.gpu):
+        test_verify_and_rollback_match_eager(name)

@@ -267,7 +267,8 @@ def test_gguf_matches_safetensors(tmp_path, qtype):
     assert model.args.rope_parameters[F]["partial_rotary_factor"] == 0.25
     if qtype is not None:
         assert model.layers[0].experts.gate_up_proj.ggml_type == qtype
-        assert model.layers[0].mlp.gate_proj.weight.dtype == mx.uint8
+        mlp = model.layers[0].mlp  # the loader fuses gate/up where the weights stack
+        assert "gate_up_proj" in mlp and mlp.gate_up_proj.weight.dtype == mx.uint8
     # the same (dequantized) weights through the safetensors path
     ref = gemma4.Model(want_args)
     ref.load_weights(list(ref.sanitize(held).items()), strict=True)
@@ -278,3 +279,24 @@ def test_gguf_matches_safetensors(tmp_path, qtype):
     cache = model.make_cache()
     out = [model(ids[:, :6], cache)] + [model(ids[:, t : t + 1], cache) for t in range(6, 10)]
     assert_logits(mx.concatenate(out, axis=1), want[:, :10])
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe", "eseries"])
+def test_fused_projections_change_no_logit(variant):
+    """q/k/v and gate/up stacked into one matmul each: the same fp32 logits, bit for bit, on the
+    CPU (each output is still one dot product over the same input)."""
+    cfg, hf = hf_model(variant)
+    model = gemma4.Model(gemma4.ModelArgs.from_dict(cfg.to_dict()))
+    model.load_weights(list(model.sanitize(hf_weights(hf)).items()), strict=True)
+    ids, _ = tokens_and_reference(variant)
+    before = model(ids)
+    cache = model.make_cache()
+    steps = [model(ids[:, :6], cache)] + [model(ids[:, t : t + 1], cache) for t in range(6, 9)]
+    model.fuse_projections()
+    fused = [layer for layer in model.layers if "q_proj" not in layer.self_attn]
+    assert fused and all("gate_up_proj" in layer.mlp for layer in model.layers)
+    assert mx.array_equal(before, model(ids)).item()
+    cache = model.make_cache()
+    again = [model(ids[:, :6], cache)] + [model(ids[:, t : t + 1], cache) for t in range(6, 9)]
+    for want, got in zip(steps, again):
+        assert mx.array_equal(want, got).item()

@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 import hf2q_mlx.custom_kernels as ck
 from hf2q_mlx.custom_kernels import (
     activations,
+    post_norm_residual,
     reference_only,
     residual_rms_norm,
     rms_norm_rope,
@@ -41,6 +42,7 @@ from kernel_emulator import Emulated  # noqa: E402
 FUSED = {
     "rms_norm_rope": rms_norm_rope,
     "residual_rms_norm": residual_rms_norm,
+    "post_norm_residual": post_norm_residual,
     "activations": activations,
     "softcap": softcap,
 }
@@ -72,6 +74,15 @@ MODELS = {
         num_experts=8, top_k_experts=3, moe_intermediate_size=32,
         hidden_size_per_layer_input=32, vocab_size_per_layer_input=96, num_kv_shared_layers=2,
     )),
+    # 26B-A4B-like: no per-layer inputs, so each block's end (branch norms, residual, layer
+    # scalar) shares one kernel with the next block's input norm
+    "gemma4_moe": (gemma4, dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+        sliding_window=4, layer_types=[S, S, F, S], final_logit_softcapping=15.0,
+        attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
+        num_experts=8, top_k_experts=3, moe_intermediate_size=32, hidden_size_per_layer_input=0,
+    )),
     # SmolLM2-like (no q/k norms: RoPE stays mx.fast.rope); fused projections
     "llama": (llama, dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -89,20 +100,25 @@ MODELS = {
 CALLS = 3  # prefill of 5 tokens, then 2 decode steps
 # kernel launches over CALLS forward passes: per layer (or per attention layer) and call
 LAUNCHES = {
-    # norm + RoPE per layer; 2 residual + norm per layer; 1 GeGLU per layer; the softcap
-    "gemma3": dict(rms_norm_rope=3 * CALLS, residual_rms_norm=6 * CALLS, activations=3 * CALLS,
-                   softcap=CALLS),
-    # norm + RoPE (q only on the 2 KV-sharing layers); 1 residual + norm; MLP + experts GeGLU
-    # (the per-layer-input gate stays compiled MLX)
-    "gemma4": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=4 * CALLS, activations=8 * CALLS,
-                   softcap=CALLS),
-    "llama": dict(rms_norm_rope=0, residual_rms_norm=6 * CALLS, activations=3 * CALLS,
-                  softcap=0),
-    "qwen3_5": dict(rms_norm_rope=1 * CALLS, residual_rms_norm=8 * CALLS,
+    # norm + RoPE per layer; 2 (branch norm + residual + norm) per layer; 1 GeGLU per layer;
+    # the softcap
+    "gemma3": dict(rms_norm_rope=3 * CALLS, residual_rms_norm=0, post_norm_residual=6 * CALLS,
+                   activations=3 * CALLS, softcap=CALLS),
+    # norm + RoPE (q only on the 2 KV-sharing layers); 1 branch norm + residual + norm (the
+    # per-layer inputs keep each block's end apart); MLP + experts GeGLU (the per-layer-input
+    # gate stays compiled MLX)
+    "gemma4": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=0, post_norm_residual=4 * CALLS,
+                   activations=8 * CALLS, softcap=CALLS),
+    # 2 joins per layer (after attention; the block's end with the next input norm)
+    "gemma4_moe": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=0,
+                       post_norm_residual=8 * CALLS, activations=8 * CALLS, softcap=CALLS),
+    "llama": dict(rms_norm_rope=0, residual_rms_norm=6 * CALLS, post_norm_residual=0,
+                  activations=3 * CALLS, softcap=0),
+    "qwen3_5": dict(rms_norm_rope=1 * CALLS, residual_rms_norm=8 * CALLS, post_norm_residual=0,
                     activations=4 * CALLS, softcap=0),
     # routed experts + shared expert: 2 SwiGLUs per layer
     "qwen3_5_moe": dict(rms_norm_rope=2 * CALLS, residual_rms_norm=8 * CALLS,
-                        activations=8 * CALLS, softcap=0),
+                        post_norm_residual=0, activations=8 * CALLS, softcap=0),
 }  # fmt: skip
 
 needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ not found")
@@ -291,8 +307,9 @@ def test_gpu_greedy_kernels_match_reference(name, monkeypatch):
         assert all(c.launches == 0 for c in counters.values())
         got_tokens, got_logits = greedy(model, prompt, 16)
     # Llama has no q/k norms: its RoPE stays mx.fast.rope (the H200 run of 07:47 caught this)
-    expected = ["residual_rms_norm", "activations"] + ["rms_norm_rope"] * (name != "llama")
-    assert all(counters[k].launches > 0 for k in expected), {
+    expected = ["activations"] + ["rms_norm_rope"] * (name != "llama")
+    joins = counters["residual_rms_norm"].launches + counters["post_norm_residual"].launches
+    assert joins > 0 and all(counters[k].launches > 0 for k in expected), {
         k: c.launches for k, c in counters.items()
     }
     assert got_tokens == want_tokens

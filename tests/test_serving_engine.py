@@ -4,14 +4,20 @@ strings, option checks (fast, CPU)."""
 from __future__ import annotations
 
 import math
+import threading
+from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import requires_gpu
 
+from hf2q_mlx.decode_step import RowSlots
 from hf2q_mlx.errors import SamplingOptionsError
 from hf2q_mlx.serving.batch_generator import sampling_params
 from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
+from hf2q_mlx.serving.engine import Engine
 from hf2q_mlx.serving.prefix_pool import PrefixPool
 from hf2q_mlx.serving.stop_text import StopText
 
@@ -99,6 +105,34 @@ def test_a_seeded_row_draws_the_same_whatever_shares_the_batch():
     assert [
         other_seed.sample(random_logits(4, i)[2:3], [True]).tokens[0] for i in range(12)
     ] != alone
+
+
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=requires_gpu)])
+def test_candidate_draw_equals_the_full_sort_draw(gpu):
+    """Rows filtering with top-k draw among the top-k candidates (the GPU top-k kernel where a
+    GPU runs, its reference on the CPU) exactly what the full-vocabulary sort draws: the same
+    filters over the same values and the same Gumbel noise at the candidates."""
+    B, vocab = 6, 1000
+    opts = [
+        dict(top_k=1),
+        dict(top_k=5, top_p=0.8),
+        dict(top_k=64, min_p=0.05),
+        dict(top_k=40, top_p=0.9, min_p=0.01),
+        dict(temperature=0.0),
+        dict(top_k=17),
+    ]
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    seeds = rng.integers(0, 2**31, size=B).tolist()
+    xs = [rng.normal(size=(B, vocab)).astype(np.float32) * 4 for _ in range(8)]
+    runs = []
+    for candidates in (False, True):
+        with mx.stream(mx.gpu if gpu else mx.cpu):
+            s = BatchSampler(B, vocab, candidates=candidates)
+            for row, o in enumerate(opts):
+                s.set_row(row, SamplingParams(**{"temperature": 0.7, **o}, seed=seeds[row]))
+            runs.append([s.sample(mx.array(x), [True] * B).tokens for x in xs])
+    assert runs[1] == runs[0]
+    assert len({t for step in runs[0] for t in step}) > B  # the draws do vary
 
 
 def test_frequency_and_presence_penalties_count_generated_tokens():
@@ -198,3 +232,89 @@ def test_serve_rejects_bad_flags_before_loading(flags, fragment, capsys, monkeyp
     assert commands.main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
+
+
+class _AnyDetok:
+    def __init__(self) -> None:
+        self.last_segment = ""
+
+    def add_token(self, t: int) -> None:
+        self.last_segment = f"<{t}>"
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+class _CountTok:
+    eos_token_ids = [6]
+
+    def detokenizer(self) -> _AnyDetok:
+        return _AnyDetok()
+
+
+class _CountModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.args = SimpleNamespace(vocab_size=50, max_position_embeddings=64)
+
+
+class _CountStep(RowSlots):
+    """A model-free decode step: the next token after t is t + 1 (greedy logits); it records
+    every row's input tokens, so the test sees what the engine fed while overlapping steps."""
+
+    def __init__(self, max_batch: int, vocab: int) -> None:
+        self.max_batch, self.V = max_batch, vocab
+        self.positions = [0] * max_batch
+        self.caches: list = []
+        self.fed: list[tuple[list[bool], mx.array]] = []
+
+    def reset_row(self, row: int) -> None:
+        self.positions[row] = 0
+
+    def prefill(self, row: int, ids) -> mx.array:
+        self.positions[row] += len(ids)
+        return mx.zeros((self.V,))
+
+    def decode(self, tokens: mx.array, active) -> mx.array:
+        self.fed.append((list(active), tokens))
+        self.positions = [p + bool(a) for p, a in zip(self.positions, active)]
+        return mx.eye(self.V)[(tokens + 1) % self.V] * 10.0  # (B, V)
+
+
+def test_overlapped_steps_drop_an_ended_row_one_step_late_without_emitting():
+    """The engine submits step k before reading step k - 1: a row that hits EOS in k - 1 has a
+    token in flight that is discarded, a max_tokens row launches exactly max_tokens steps, and a
+    row reused right away starts from its own prompt, not the discarded device token."""
+    step = _CountStep(2, 50)
+    engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_queue=4, max_len=64,
+                    prefix_cache_bytes=0, step=step)  # fmt: skip
+    events: dict[str, list] = {}
+    done = threading.Semaphore(0)
+
+    def sink(e) -> None:
+        events.setdefault(e.request_id, []).append(e)
+        if e.finish_reason is not None:
+            done.release()
+
+    a = engine.submit([1, 2, 3], SamplingParams(max_tokens=20), sink)  # 4, 5, 6 = EOS
+    b = engine.submit([9, 10], SamplingParams(max_tokens=3), sink)  # 11, 12, 13: length
+    c = engine.submit([20, 30], SamplingParams(max_tokens=2), sink)  # waits for a row
+    engine.start()
+    try:
+        for _ in range(3):
+            assert done.acquire(timeout=30)
+        assert engine.stats()["running"] == 0 and engine.stats()["outstanding"] == 0
+    finally:
+        engine.shutdown()
+    toks = {k: [e.token for e in v if e.token is not None] for k, v in events.items()}
+    assert toks == {a: [4, 5, 6], b: [11, 12, 13], c: [31, 32]}
+    assert [events[r][-1].finish_reason for r in (a, b, c)] == ["stop", "length", "length"]
+    assert sum(e.finish_reason is not None for v in events.values() for e in v) == 3
+    fed: dict[int, list[int]] = {0: [], 1: []}
+    for active, tokens in step.fed:
+        for row, t in enumerate(tokens.tolist()):
+            if active[row]:
+                fed[row].append(t)
+    # row 0: a fed 3, 4, 5, 6 (the step after EOS ran, its token 7 was dropped), then c's
+    # prompt end 30 and 31; row 1: b's three steps, never a fourth
+    assert fed == {0: [3, 4, 5, 6, 30, 31], 1: [10, 11, 12]}

@@ -13,6 +13,7 @@ from mlx.utils import tree_map
 from scipy import stats
 
 from hf2q_mlx import speculative as spec
+from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
 from hf2q_mlx.generation import make_prompt_cache, stream_generate
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, TokenTree
@@ -128,14 +129,49 @@ def plain_logprobs(name: str) -> list[float]:
     return PLAIN_LOGPROBS[name, None]
 
 
+@pytest.fixture
+def verify_lengths(monkeypatch) -> list[tuple]:
+    """(model, L) of every compiled call while the test runs: DecodeStep.verify (L tokens per
+    row) and DecodeStep.decode (L = 0)."""
+    lengths: list[tuple] = []
+    verify, decode = DecodeStep.verify, DecodeStep.decode
+
+    def counted_verify(self, tokens, *args, **kwargs):
+        lengths.append((self.model, tokens.shape[1]))
+        return verify(self, tokens, *args, **kwargs)
+
+    def counted_decode(self, tokens, *args, **kwargs):
+        lengths.append((self.model, 0))
+        return decode(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStep, "verify", counted_verify)
+    monkeypatch.setattr(DecodeStep, "decode", counted_decode)
+    return lengths
+
+
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_identical_on_every_family(name):
+def test_greedy_identical_on_every_family(name, verify_lengths):
     want = plain(name)
     assert len(set(want)) > 3, "a degenerate reference would prove little"
     m = target(name)
+
+    def target_lengths(draft=None) -> list[int]:
+        """The target's verify lengths since the last call; a ``draft`` without recurrent
+        layers drafts on its own compiled step."""
+        out = [n for model, n in verify_lengths if model is m and n > 0]
+        if draft is not None:
+            compiled_draft = any(model is draft for model, _ in verify_lengths)
+            assert compiled_draft == (not name.startswith("qwen3_5"))
+        verify_lengths.clear()
+        return out
+
     # the target as its own draft: every draft is accepted
     got, last = tokens_of(m, draft_model=m, num_draft_tokens=4)
     assert got == want
+    # chain verifies run on the compiled step, drafts padded to K: one shape (L = 1 for a
+    # round without drafts: the last token)
+    lengths = target_lengths()
+    assert 5 in lengths and set(lengths) <= {1, 5}
     # the same log-probabilities (fp32; the verify's shapes differ: rounding only)
     got_logprobs = list(LAST_LOGPROBS)
     np.testing.assert_allclose(got_logprobs, plain_logprobs(name), atol=1e-3)
@@ -144,14 +180,20 @@ def test_greedy_identical_on_every_family(name):
     got, last = tokens_of(m, draft_model=noisy_draft(name), num_draft_tokens=3)
     assert got == want
     assert 0 < last.accepted_tokens < last.drafted_tokens
-    # prompt lookup
+    lengths = target_lengths(draft=noisy_draft(name))
+    assert 4 in lengths and set(lengths) <= {1, 4}
+    # prompt lookup (rounds without a match verify the one token: L = 1)
     got, last = tokens_of(m, prompt_lookup=2, num_draft_tokens=3)
     assert got == want
     assert last.drafted_tokens > 0
-    # token tree: several candidates per depth (models with recurrent layers verify the chain)
+    lengths = target_lengths()
+    assert 4 in lengths and set(lengths) <= {1, 4}
+    # token tree: several candidates per depth, eager (models with recurrent layers verify the
+    # chain, on the compiled step)
     got, last = tokens_of(m, draft_model=noisy_draft(name), num_draft_tokens=3, tree_width=3)
     assert got == want
     assert last.accepted_tokens < last.drafted_tokens
+    assert bool(target_lengths()) == name.startswith("qwen3_5")
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4-eseries", "qwen3_5-dense"])
@@ -376,6 +418,33 @@ def test_verify_rows_each_with_its_own_drafts_match_single_rows():
             todo[b] = res[b].todo
     for b in range(2):
         assert got[b][:16] == want[b][:16]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5-dense"])
+def test_verify_step_rows_at_their_own_positions_match_single_rows(name):
+    # the compiled step: rows at different positions (prompts of 6 and 3 tokens), each with its
+    # own corrupted drafts and its own rollback; a third row idles throughout
+    m = target(name)
+    prompts = [[4, 8, 15, 16, 23, 42], [1, 2, 3]]
+    want = [tokens_of_prompt(m, p) for p in prompts]
+    step = DecodeStep(m, max_batch=3, max_len=64, reserve=3)
+    todo = [[int(mx.argmax(step.prefill(b, p)).item())] for b, p in enumerate(prompts)]
+    got = [[t[0]] for t in todo]
+    rng = np.random.default_rng(1)
+    while min(len(g) for g in got) < 16:
+        drafts = []
+        for b in range(2):
+            d = want[b][len(got[b]) : len(got[b]) + 3]
+            drafts.append([t if rng.random() < 0.7 else (t + 1) % 80 for t in d])
+        res = spec.verify_step_rows(step, [0, 1], todo, drafts, length=4)
+        for b in range(2):
+            got[b] += res[b].tokens
+            todo[b] = res[b].todo
+            assert todo[b] == [got[b][-1]]  # exact rollback: nothing to re-feed
+    for b in range(2):
+        assert got[b][:16] == want[b][:16]
+        assert step.positions[b] == len(prompts[b]) + len(got[b]) - 1
+    assert step.positions[2] == 0
 
 
 def tokens_of_prompt(m, prompt: list[int]) -> list[int]:

@@ -35,6 +35,7 @@ HOT_FUNCTIONS: list[tuple[str, str, str]] = [
     ("hf2q_mlx.custom_kernels.qmatmul", "ggml_matmul", "ggml_matmul"),
     ("hf2q_mlx.custom_kernels.expert_matmul", "expert_matmul", "expert_matmul"),
     ("hf2q_mlx.custom_kernels.gated_delta", "gated_delta_update", "gated_delta"),
+    ("hf2q_mlx.custom_kernels.gated_delta_decode", "gated_delta_decode", "gated_delta"),
     ("hf2q_mlx.models.turboquant.kernels", "tq_flash_decode", "tq_flash_decode"),
     ("hf2q_mlx.models.turboquant.kernels", "tq_quantize", "tq_quantize"),
     ("hf2q_mlx.custom_kernels.rms_norm_rope", "rms_norm_rope", "norm_rope"),

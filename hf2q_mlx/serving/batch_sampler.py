@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.errors import SamplingOptionsError
 from hf2q_mlx.generation import check_generation_arguments, is_int
@@ -74,22 +75,41 @@ class SamplingParams:
 
 @dataclass
 class SampledBatch:
-    """Host values of one step: per row the token, its log-prob and the top alternatives."""
+    """Host values of one step: per row the token, its log-prob (NaN when no row asked for
+    log-probs: they are not read back then) and the top alternatives."""
 
     tokens: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]]
 
 
-class BatchSampler:
-    """Device-side sampling state for ``max_batch`` rows of a ``vocab``-wide head."""
+@dataclass
+class PendingSample:
+    """One step's sampling, submitted (``mx.async_eval``) but not read back: ``tokens`` (B,)
+    int32 stay on the device as the next step's input; ``BatchSampler.read`` brings the host
+    values over."""
 
-    def __init__(self, max_batch: int, vocab: int) -> None:
+    tokens: mx.array  # (B,) int32
+    outputs: list[mx.array]  # tokens, then the chosen log-probs and top ids / values if asked
+    tops: list[int]  # top_logprobs per row at launch (0: none, or the row was not active)
+
+
+class BatchSampler:
+    """Device-side sampling state for ``max_batch`` rows of a ``vocab``-wide head.
+
+    ``candidates``: rows that filter with top-k (0 < k <= 64) draw among the top-k candidates
+    of a GPU top-k kernel (``custom_kernels/sampling.py``) instead of a full sort of the
+    vocabulary; the draw is exactly that of the full path (the same filters over the same
+    values, the same Gumbel noise gathered at the candidates). On by default where a GPU kernel
+    runs; the full path is the CPU / reference one."""
+
+    def __init__(self, max_batch: int, vocab: int, candidates: bool | None = None) -> None:
         self.B, self.V = max_batch, vocab
         self.params: list[SamplingParams | None] = [None] * max_batch
         self.keys = mx.zeros((max_batch, 2), mx.uint32)  # one random key per row
         self.counts: mx.array | None = None  # (B, V) generated-token counts, for penalties
         self._rows: dict[str, mx.array] | None = None
+        self.candidates = backend() is not None if candidates is None else candidates
         mx.eval(self.keys)  # lazy arrays cannot cross threads: the engine thread samples
 
     def set_row(self, row: int, params: SamplingParams) -> None:
@@ -125,6 +145,10 @@ class BatchSampler:
 
     def sample(self, logits: mx.array, active: Sequence[bool]) -> SampledBatch:
         """logits (B, V) -> one token per row (inactive rows: meaningless values)."""
+        return self.read(self.launch(logits, active))
+
+    def launch(self, logits: mx.array, active: Sequence[bool]) -> PendingSample:
+        """Build one step's sampling over logits (B, V) and submit it without waiting."""
         r = self._row_arrays()
         live = [p for p, a in zip(self.params, active) if a and p is not None]
         logits = logits.astype(mx.float32)
@@ -138,7 +162,8 @@ class BatchSampler:
         sampled = [a and p is not None and p.temperature > 0 for p, a in zip(self.params, active)]
         if any(sampled):
             split = mx.vmap(mx.random.split)(self.keys)  # (B, 2, 2): [next key, sub-key]
-            draw = self._draw(logprobs, r, live, split[:, 1])
+            drawn = [p for p, s in zip(self.params, sampled) if s]
+            draw = self._draw(logprobs, r, drawn, split[:, 1])
             tokens = mx.where(r["greedy"], tokens, draw)
             self.keys = mx.where(mx.array(sampled)[:, None], split[:, 0], self.keys)
         if self.counts is not None:
@@ -149,9 +174,11 @@ class BatchSampler:
                 mx.take_along_axis(self.counts, tokens[:, None], axis=-1) + on[:, None],
                 axis=-1,
             )
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        want_top = max((p.top_logprobs for p in live), default=0)
-        outputs = [tokens, chosen]
+        outputs = [tokens]
+        if any(p.logprobs or p.top_logprobs for p in live):
+            outputs.append(mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0])
+        tops = [p.top_logprobs if a and p is not None else 0 for p, a in zip(self.params, active)]
+        want_top = max(tops, default=0)
         if want_top > 0:
             top_ids = mx.argpartition(-logprobs, want_top - 1, axis=-1)[:, :want_top]
             top_vals = mx.take_along_axis(logprobs, top_ids, axis=-1)
@@ -160,32 +187,54 @@ class BatchSampler:
                 mx.take_along_axis(top_ids, order, axis=-1),
                 mx.take_along_axis(top_vals, order, axis=-1),
             ]
-        mx.eval(outputs, self.keys, *(() if self.counts is None else (self.counts,)))
-        host = [o.tolist() for o in outputs]
+        mx.async_eval(outputs, self.keys, *(() if self.counts is None else (self.counts,)))
+        return PendingSample(tokens, outputs, tops)
+
+    def read(self, pending: PendingSample) -> SampledBatch:
+        """Wait for a launched step and bring its token ids (and asked-for log-probs) over."""
+        host = [o.tolist() for o in pending.outputs]
+        lps = host[1] if len(host) > 1 else [float("nan")] * self.B
         top: list[list[tuple[int, float]]] = [[] for _ in range(self.B)]
-        if want_top > 0:
-            for row, p in enumerate(self.params):
-                if p is not None and active[row] and p.top_logprobs:
-                    n = p.top_logprobs
-                    top[row] = list(zip(host[2][row][:n], host[3][row][:n]))
-        return SampledBatch(host[0], host[1], top)
+        for row, n in enumerate(pending.tops):
+            if n:
+                top[row] = list(zip(host[2][row][:n], host[3][row][:n]))
+        return SampledBatch(host[0], lps, top)
 
     def _draw(
-        self, logprobs: mx.array, r: dict[str, mx.array], live: list, subkeys: mx.array
+        self, logprobs: mx.array, r: dict[str, mx.array], drawn: list, subkeys: mx.array
     ) -> mx.array:
-        """Tempered, filtered Gumbel-max draw for every row with its sub-key (B, 2)."""
+        """Tempered, filtered Gumbel-max draw for every row with its sub-key (B, 2); ``drawn``:
+        the options of the rows that sample."""
         x = logprobs * r["inv_temp"][:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in live):
-            order = mx.argsort(-x, axis=-1)  # (B, V), most likely first
-            s = mx.take_along_axis(x, order, axis=-1)
-            rank = mx.arange(self.V)[None]
-            s = mx.where(rank < r["top_k"][:, None], s, -mx.inf)
-            probs = mx.softmax(s, axis=-1, precise=True)
-            mass_before = mx.cumsum(probs, axis=-1) - probs
-            s = mx.where(mass_before < r["top_p"][:, None], s, -mx.inf)
-            x = mx.put_along_axis(x, order, s, axis=-1)
-        # p_i >= min_p * p_max  <=>  x_i >= max(x) + log(min_p)
-        floor = mx.max(x, axis=-1, keepdims=True) + r["log_min_p"][:, None]
-        x = mx.where(x >= floor, x, -mx.inf)
-        noise = mx.vmap(lambda k: mx.random.gumbel((self.V,), key=k))(subkeys)
-        return mx.argmax(x + noise, axis=-1).astype(mx.int32)
+        noise = mx.vmap(lambda k: mx.random.gumbel((self.V,), key=k))(subkeys)  # (B, V)
+        if not any(p.top_k > 0 or p.top_p < 1.0 for p in drawn):
+            return _gumbel_max(x, noise, r["log_min_p"])
+        kc = min(max(p.top_k for p in drawn), self.V)  # a top-k past the vocabulary keeps all
+        if self.candidates and all(0 < p.top_k <= sampling_kernels.MAX_K for p in drawn):
+            # the k best of each row (sorted, ties to the lower index), then the filters over
+            # them alone: the rest of the vocabulary is -inf after top-k anyway
+            vals, ids = sampling_kernels.topk(x, kc)  # (B, kc) each
+            ids = ids.astype(mx.int32)
+            s = _nucleus(vals, r, kc)
+            pick = _gumbel_max(s, mx.take_along_axis(noise, ids, axis=-1), r["log_min_p"])
+            return mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+        order = mx.argsort(-x, axis=-1)  # (B, V), most likely first
+        s = _nucleus(mx.take_along_axis(x, order, axis=-1), r, self.V)
+        return _gumbel_max(mx.put_along_axis(x, order, s, axis=-1), noise, r["log_min_p"])
+
+
+def _nucleus(s: mx.array, r: dict[str, mx.array], n: int) -> mx.array:
+    """Values s (B, n) sorted most likely first -> top-k, then top-p applied (-inf dropped)."""
+    rank = mx.arange(n)[None]
+    s = mx.where(rank < r["top_k"][:, None], s, -mx.inf)
+    probs = mx.softmax(s, axis=-1, precise=True)
+    mass_before = mx.cumsum(probs, axis=-1) - probs
+    return mx.where(mass_before < r["top_p"][:, None], s, -mx.inf)
+
+
+def _gumbel_max(x: mx.array, noise: mx.array, log_min_p: mx.array) -> mx.array:
+    """min-p, then argmax(x + noise) per row -> (B,) int32 positions in x."""
+    # p_i >= min_p * p_max  <=>  x_i >= max(x) + log(min_p)
+    floor = mx.max(x, axis=-1, keepdims=True) + log_min_p[:, None]
+    x = mx.where(x >= floor, x, -mx.inf)
+    return mx.argmax(x + noise, axis=-1).astype(mx.int32)

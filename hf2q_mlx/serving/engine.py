@@ -2,11 +2,15 @@
 
 Every iteration (a *step*) the loop (1) takes new requests and cancellations from a thread-safe
 inbox, (2) admits waiting requests into free rows, reusing the longest saved prompt prefix,
-(3) feeds at most ``prefill_chunk`` prompt tokens (whole chunks, so a long prompt delays the
-running streams by one chunk at most) and (4) runs one batched decode over every row that is
-generating, then samples each row with its own options. A row's last prompt token goes through
-the decode step like a generated one, so a prompt's chunks and its first token are computed
-exactly as ``stream_generate`` computes them.
+(3) feeds at most ``prefill_chunk`` prompt tokens in all, over as many rows as fit (whole
+chunks, evaluated together, so a long prompt delays the running streams by one chunk at most),
+(4) builds one batched decode over every row that is generating plus each row's sampling and
+submits it without waiting, then (5) reads the *previous* step's token ids back and streams
+them. The sampled ids stay on the device as the next step's input, so the host work of a step
+overlaps the device work of the one before; a row that ends (EOS, a stop string) is dropped
+one step late and its extra token is discarded, never emitted. A row's last prompt token goes
+through the decode step like a generated one, so a prompt's chunks and its first token are
+computed exactly as ``stream_generate`` computes them.
 
 Callers talk to the engine only through ``submit`` / ``cancel`` (any thread); results come back
 through each request's ``sink`` callback, called on the engine thread (it must not block).
@@ -30,7 +34,7 @@ import mlx.core as mx
 
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, QueueFullError
 from hf2q_mlx.generation import cache_arrays, check_token_ids, context_limit, vocab_limit
-from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
+from hf2q_mlx.serving.batch_sampler import BatchSampler, PendingSample, SamplingParams
 from hf2q_mlx.serving.metrics import Metrics
 from hf2q_mlx.serving.prefix_pool import PrefixPool
 from hf2q_mlx.serving.sequential_step import SequentialStep
@@ -101,6 +105,14 @@ class Event:
     error: str | None = None
 
 
+@dataclass
+class _Inflight:
+    """A submitted decode step: its rows (with the request each held) and its sampling."""
+
+    rows: list[tuple[int, Request]]
+    sample: PendingSample
+
+
 @dataclass(eq=False)
 class Request:
     id: str
@@ -111,8 +123,9 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     row: int = -1
     cursor: int = 0  # prompt tokens held by the row
-    pending: int = -1  # the next token the decode step feeds
-    generated: int = 0
+    pending: int = -1  # the first token the decode step feeds (the prompt's last)
+    launched: int = 0  # decode steps submitted for the row (tokens computed or in flight)
+    generated: int = 0  # tokens read back and emitted
     reused: int = 0
     text: StopText | None = None
     eos: frozenset = frozenset()
@@ -170,6 +183,7 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._inflight: _Inflight | None = None
         self.steps = 0
 
     # ---- caller side (any thread) --------------------------------------------------------------
@@ -250,7 +264,7 @@ class Engine:
     def _loop(self) -> None:
         busy = False
         while not self._stop.is_set():
-            idle = not self.waiting and all(r is None for r in self.rows)
+            idle = not self.waiting and all(r is None for r in self.rows) and self._inflight is None
             if idle and busy:
                 mx.clear_cache()  # nothing running: hand freed buffers back to the system
             busy = not idle
@@ -314,6 +328,7 @@ class Engine:
             traceback.print_exc()
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
+        self._inflight = None
         for req in [r for r in self.rows if r is not None] + list(self.waiting):
             self._finish(req, reason, "", message)
         self.waiting.clear()
@@ -347,23 +362,27 @@ class Engine:
 
     def _prefill(self) -> None:
         """Whole chunks of the oldest prefilling rows, at most ``prefill_chunk`` tokens in all
-        (the first chunk always runs)."""
-        spent = 0
+        (the first chunk always runs), evaluated together once."""
+        spent, done = 0, []
         for req in sorted((r for r in self.rows if r is not None), key=lambda r: r.submitted):
             end = len(req.prompt) - 1
             if req.cursor >= end:
                 continue
             size = min(self.prefill_chunk, end - req.cursor)
             if spent and spent + size > self.prefill_chunk:
-                break
+                continue  # a shorter chunk further on may still fit
             self.step.prefill(req.row, req.prompt[req.cursor : req.cursor + size])
-            self._materialize()
             req.cursor += size
             spent += size
-            self.metrics.inc("prefill_tokens_total", size)
             if req.cursor == end:
-                req.pending = req.prompt[-1]
-                self._save_prefix(req)
+                done.append(req)
+        if not spent:
+            return
+        self._materialize()
+        self.metrics.inc("prefill_tokens_total", spent)
+        for req in done:
+            req.pending = req.prompt[-1]
+            self._save_prefix(req)
 
     def _materialize(self) -> None:
         """Evaluate the rows' caches now (not the chunk's logits), so the chunk's cost lands in
@@ -381,18 +400,45 @@ class Engine:
         self.pool.put(key, self.step.save_row(req.row))
 
     def _decode(self) -> None:
-        active = [r is not None and r.cursor >= len(r.prompt) - 1 for r in self.rows]
+        """Submit this step's decode and sampling, then stream the previous step's tokens."""
+        prev, self._inflight = self._inflight, None
+        self._inflight = self._launch(prev)
+        if prev is not None:
+            self._collect(prev)
+
+    def _launch(self, prev: _Inflight | None) -> _Inflight | None:
+        # a row generates until it has launched its budget; one that turns out to have ended
+        # (EOS, a stop string) in the step being read back is dropped one step late
+        active = [
+            r is not None and r.cursor >= len(r.prompt) - 1 and r.launched < r.budget
+            for r in self.rows
+        ]
         if not any(active):
-            return
-        tokens = mx.array([r.pending if a else 0 for r, a in zip(self.rows, active)], mx.int32)
+            return None
+        # rows already generating feed the previous step's ids, still on the device
+        chained = [a and r.launched > 0 for r, a in zip(self.rows, active)]
+        tokens = mx.array(
+            [r.pending if a and not c else 0 for r, a, c in zip(self.rows, active, chained)],
+            mx.int32,
+        )
+        if any(chained):
+            tokens = mx.where(mx.array(chained), prev.sample.tokens, tokens)  # (B,)
         logits = self.step.decode(tokens, active)
-        out = self.sampler.sample(logits, active)
+        sample = self.sampler.launch(logits, active)
+        rows = []
+        for row, on in enumerate(active):
+            if on:
+                self.rows[row].launched += 1
+                rows.append((row, self.rows[row]))
+        return _Inflight(rows, sample)
+
+    def _collect(self, done: _Inflight) -> None:
+        out = self.sampler.read(done.sample)
         now = time.perf_counter()
         n_new = 0
-        for row, on in enumerate(active):
-            req = self.rows[row]
-            if not on or req is None:
-                continue
+        for row, req in done.rows:
+            if self.rows[row] is not req:
+                continue  # ended or cancelled since: its token is discarded
             if req.generated == 0:
                 # the last prompt token went through this step
                 self.metrics.inc("prefill_tokens_total", 1)
@@ -416,7 +462,6 @@ class Engine:
         event = Event(req.id, text, token, lp, top, None, len(req.prompt), req.generated,
                       req.reused)  # fmt: skip
         if finish is None:
-            req.pending = token
             self._send(req, event)
             return
         # the token and the end travel in one event

@@ -57,8 +57,8 @@ class SequentialStep(RowSlots):
 
     def prefill(self, row: int, ids: Sequence[int]) -> mx.array:
         """Feed ``ids`` to ``row`` after what it holds -> lazy logits (V,) of the last token.
-        The row's caches are evaluated here, so the head over the whole chunk is never
-        computed unless the caller evaluates the logits."""
+        Nothing is evaluated: the engine evaluates every row's caches after a step's chunks
+        (not the logits, so the head over a chunk is never computed)."""
         self._check_row(row)
         if len(ids) == 0:
             raise InvalidArgumentError("prefill needs at least one token")
@@ -67,7 +67,6 @@ class SequentialStep(RowSlots):
                 f"row {row}: {self.positions[row]} + {len(ids)} tokens pass max_len {self.max_len}"
             )
         logits = self.model(mx.array([list(ids)], dtype=mx.int32), cache=self.caches[row])
-        mx.eval(cache_arrays(self.caches[row]))
         self.positions[row] += len(ids)
         return logits[0, -1]
 

@@ -233,7 +233,9 @@ def test_bad_and_poisoned_ids_give_nan_rows_on_the_emulator(t):
 @pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
 def test_dispatcher_routing_on_the_emulator(monkeypatch):
     """With a GPU back end (faked) the dispatcher takes the kernel for 1..16 tokens, keeps the
-    batch dims and accepts int32 ids; 17 tokens and broadcast x take the dequantizing paths."""
+    batch dims and accepts int32 ids; past 16 tokens or with broadcast x, fp16/bf16 x take the
+    dequantizing paths and fp32 x the kernel 16 tokens at a time (gather_mm would run fp32 as
+    TF32 on CUDA unless MLX_ENABLE_TF32=0; the suite sets 0, so the routing shows it here)."""
     t, e, n, kk = T.Q4_K, 10, 7, 512
     raw, wf = _experts(t, e, n, kk)
     w = mx.array(raw)
@@ -262,13 +264,18 @@ def test_dispatcher_routing_on_the_emulator(monkeypatch):
 
     calls.clear()
     ids17 = _ids(17, 2, e, seed=3)
-    x17 = _x(17, 2, kk, True, mx.float32, seed=4)
+    x17 = _x(17, 2, kk, True, mx.bfloat16, seed=4)
     _check(X.expert_matmul(x17, w, ids17, t, kk), x17, wf, ids17)
-    xb = _x(1, 2, kk, False, mx.float32, seed=5)  # one x row broadcast over 3 tokens
+    xb = _x(1, 2, kk, False, mx.float16, seed=5)  # one x row broadcast over 3 tokens
     ids3 = _ids(3, 2, e, seed=6)
-    yb = X.expert_matmul(xb, w, ids3, t, kk)
-    _check(yb, mx.broadcast_to(xb, (3, kk)), wf, ids3)
+    _check(X.expert_matmul(xb, w, ids3, t, kk), mx.broadcast_to(xb, (3, kk)), wf, ids3)
     assert calls == []
+    # fp32 x: 17 tokens in two launches (16 + 1), broadcast x in one; fp32 accuracy either way
+    x17 = x17.astype(mx.float32)
+    _check(X.expert_matmul(x17, w, ids17, t, kk), x17, wf, ids17)
+    xb = xb.astype(mx.float32)
+    _check(X.expert_matmul(xb, w, ids3, t, kk), mx.broadcast_to(xb, (3, kk)), wf, ids3)
+    assert calls == ["ggml_expert_qmv_q4_k"] * 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""Attention of a few new tokens per row over a preallocated (static) KV cache, masks in-kernel.
+
+The compiled decode step keeps each row's keys and values in fixed buffers: full attention in
+slots 0..capacity-1, sliding windows in a ring (slot = position % capacity). This op reads the
+first ``span`` slots, works out each slot's absolute position from the row's position, and
+attends the visible ones (causal, inside the window) in one launch, where the MLX graph needs
+the mask arithmetic, two matmuls and a softmax.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+
+
+def key_positions(pos: mx.array, L: int, span: int, capacity: int, ring: bool) -> mx.array:
+    """(B, span) absolute position held by each of the first ``span`` slots once the L new
+    tokens of every row are written at positions pos..pos+L-1 (negative = empty)."""
+    end = pos[:, None] + L  # (B, 1): tokens held after the write
+    i = mx.arange(span)[None]
+    if not ring:
+        return mx.where(i < end, i, -1)
+    return (end - 1) - ((end - 1 - i) % capacity)
+
+
+def visible(pos: mx.array, L: int, span: int, capacity: int, window: int | None) -> mx.array:
+    """(B, 1, L, span) bool: query l of row b (position pos[b] + l) sees slot s."""
+    q_pos = pos[:, None] + mx.arange(L)[None]  # (B, L)
+    k_pos = key_positions(pos, L, span, capacity, window is not None)[:, None, :]  # (B, 1, S)
+    mask = (k_pos >= 0) & (k_pos <= q_pos[:, :, None])
+    if window is not None:
+        mask = mask & (k_pos > q_pos[:, :, None] - window)
+    return mask[:, None]
+
+
+def decode_attention_reference(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    pos: mx.array,
+    scale: float,
+    span: int,
+    window: int | None = None,
+) -> mx.array:
+    """q (B, Hq, L, D), keys (B, Hk, C, D), values (B, Hk, C, Dv) holding the L new tokens
+    already, pos (B,) int32 tokens each row held before them -> (B, Hq, L, Dv) in q's dtype.
+    ``window`` None: full attention over slots 0..span-1; else a ring of C slots."""
+    C = keys.shape[2]
+    mask = visible(pos, q.shape[2], span, C, window)
+    k, v = keys[:, :, :span], values[:, :, :span]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# Template: T, D, DV, REP (query heads per KV head), L, SPAN, CAP, RING, WIN, W (SIMD groups),
+# P (parts of the span), CHUNK (slots per part).
+_BODY = """
+  // One threadgroup per (row = (b, query head h, token l), part of the span); its W SIMD groups
+  // take the part's slots s = first + simd_id, + W, ...; lane j holds q/o elements j, j + 32, ...
+  // Each group keeps an online softmax (max, sum, weighted values); the groups merge at the end,
+  // into the output (P == 1) or into the part's (max, sum, values) for the merge kernel.
+  constexpr int EK = (D + 31) / 32;
+  constexpr int EV = (DV + 31) / 32;
+  constexpr int CH = 128;  // output dims merged per pass through shared memory
+  SHARED float wm[W];
+  SHARED float wl[W];
+  SHARED float wo[W * CH];
+  const int Hq = int(dims[0]);
+  const int row = int(gid_x);  // (b * Hq + h) * L + l
+  const int part = int(gid_y);
+  const int l = row % L;
+  const int h = (row / L) % Hq;
+  const int b = row / (L * Hq);
+  const int hk = h / REP;
+  const int Hk = Hq / REP;
+  const float sc = scale[0];
+  const int p0 = int(pos[b]);
+  const int end = p0 + L;
+  const int qp = p0 + l;
+  float qv[EK];
+  UNROLL for (int e = 0; e < EK; ++e) {
+    const int i = int(lane) + 32 * e;
+    qv[e] = i < D ? to_float(q[uint64_t(row) * D + i]) * sc : 0.0f;
+  }
+  float o[EV];
+  UNROLL for (int e = 0; e < EV; ++e) o[e] = 0.0f;
+  float m = -INF_F;
+  float den = 0.0f;
+  const uint64_t kbase = uint64_t(b * Hk + hk) * CAP;
+  const int last = (part + 1) * CHUNK < SPAN ? (part + 1) * CHUNK : SPAN;
+  for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
+    int kp;
+    if (RING) {
+      int r = (end - 1 - s) % CAP;
+      if (r < 0) r += CAP;
+      kp = end - 1 - r;
+    } else {
+      kp = s < end ? s : -1;
+    }
+    if (kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN)) continue;  // uniform in the group
+    const uint64_t ko = (kbase + uint64_t(s)) * D;
+    const uint64_t vo = (kbase + uint64_t(s)) * DV;
+    float vv[EV];
+    UNROLL for (int e = 0; e < EV; ++e) {  // issued before the score needs them
+      const int i = int(lane) + 32 * e;
+      vv[e] = i < DV ? to_float(values[vo + i]) : 0.0f;
+    }
+    float part_dot = 0.0f;
+    UNROLL for (int e = 0; e < EK; ++e) {
+      const int i = int(lane) + 32 * e;
+      if (i < D) part_dot += qv[e] * to_float(keys[ko + i]);
+    }
+    const float score = simd_sum(part_dot);
+    const float m2 = max_f(m, score);
+    const float fix = exp_f(m - m2);
+    const float p = exp_f(score - m2);
+    den = den * fix + p;
+    UNROLL for (int e = 0; e < EV; ++e) o[e] = o[e] * fix + p * vv[e];
+    m = m2;
+  }
+  if (lane == 0) {
+    wm[simd_id] = m;
+    wl[simd_id] = den;
+  }
+  BARRIER();
+  float M = -INF_F;
+  for (int w = 0; w < W; ++w) M = max_f(M, wm[w]);
+  float total = 0.0f;
+  for (int w = 0; w < W; ++w) total += wm[w] == -INF_F ? 0.0f : wl[w] * exp_f(wm[w] - M);
+  const float own = m == -INF_F ? 0.0f : exp_f(m - M);
+  const float inv = (P == 1 && total > 0.0f) ? 1.0f / total : 1.0f;
+  const uint64_t prow = uint64_t(row) * P + part;
+  if (P > 1 && tid == 0) {
+    pm[prow] = M;
+    pl[prow] = total;
+  }
+  UNROLL for (int e = 0; e < EV; ++e) {
+    const int i0 = 32 * e;  // this pass merges dims i0 .. i0 + 31 of every group (CH >= 32)
+    if (e % (CH / 32) == 0) BARRIER();
+    wo[int(simd_id) * CH + (i0 % CH) + int(lane)] = o[e] * own;
+    if (e % (CH / 32) == CH / 32 - 1 || e == EV - 1) {
+      BARRIER();
+      const int base = i0 - (i0 % CH);
+      for (int t = int(tid); t < CH; t += int(tg_size)) {
+        const int i = base + t;
+        if (i >= DV || t > (i0 % CH) + 31) continue;
+        float acc = 0.0f;
+        for (int w = 0; w < W; ++w) acc += wo[w * CH + t];
+        if (P == 1) {
+          out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
+        } else {
+          po[prow * DV + i] = acc;
+        }
+      }
+    }
+  }
+"""
+
+# Template: T, DV, P.
+_MERGE_BODY = """
+  // One threadgroup per row; thread t owns output dims t, t + tg_size, ...: the P parts'
+  // (max, sum, weighted values) rescaled to the largest max and summed.
+  const uint64_t row = gid_x;
+  float M = -INF_F;
+  for (int j = 0; j < P; ++j) M = max_f(M, pm[row * P + j]);
+  float total = 0.0f;
+  float wj[P];
+  UNROLL for (int j = 0; j < P; ++j) {
+    const float mj = pm[row * P + j];
+    wj[j] = mj == -INF_F ? 0.0f : exp_f(mj - M);
+    total += wj[j] * pl[row * P + j];
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (uint i = tid; i < uint(DV); i += tg_size) {
+    float acc = 0.0f;
+    UNROLL for (int j = 0; j < P; ++j) acc += wj[j] * po[(row * P + j) * DV + i];
+    out[row * DV + i] = from_float<T>(acc * inv);
+  }
+"""
+
+_kernel = Kernel(
+    "decode_attention",
+    inputs=["q", "keys", "values", "pos", "scale", "dims"],
+    outputs=["out", "pm", "pl", "po"],
+    body=_BODY,
+    examples=[
+        Example(
+            {"q": t, "keys": t, "values": t, "pos": (mx.int32, 2), "scale": (mx.float32, 1),
+             "dims": (mx.int32, 1)},
+            {"out": t, "pm": mx.float32, "pl": mx.float32, "po": mx.float32},
+            {"T": t, "D": d, "DV": d, "REP": rep, "L": l, "SPAN": 256, "CAP": cap, "RING": ring,
+             "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts)},
+        )
+        for t, d, rep, l, cap, ring, win, w, parts in (
+            (mx.bfloat16, 256, 2, 1, 1024, 0, 0, 32, 8),
+            (mx.float32, 80, 1, 3, 260, 1, 256, 8, 1),
+            (mx.float16, 512, 8, 1, 1024, 1, 1024, 16, 4),
+        )
+    ],
+)  # fmt: skip
+
+_merge = Kernel(
+    "decode_attention_merge",
+    inputs=["pm", "pl", "po"],
+    outputs=["out"],
+    body=_MERGE_BODY,
+    examples=[
+        Example({"pm": mx.float32, "pl": mx.float32, "po": mx.float32}, {"out": t},
+                {"T": t, "DV": dv, "P": parts})
+        for t, dv, parts in ((mx.bfloat16, 256, 8), (mx.float32, 80, 3))
+    ],
+)  # fmt: skip
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def decode_attention(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    pos: mx.array,
+    scale: float,
+    span: int,
+    window: int | None = None,
+) -> mx.array:
+    """Dispatcher for ``decode_attention_reference`` (same arguments): one kernel launch on a
+    GPU for up to 16 query tokens per row, the reference elsewhere."""
+    B, Hq, L, D = q.shape
+    Bk, Hk, C, Dk = keys.shape
+    if Bk != B or Dk != D or values.shape[:3] != keys.shape[:3] or Hk == 0 or Hq % Hk:
+        raise ValueError(f"q {q.shape}, keys {keys.shape}, values {values.shape} do not match")
+    if not 0 < span <= C or pos.shape != (B,):
+        raise ValueError(f"span {span} of {C} slots, pos {pos.shape} for {B} rows")
+    be = backend()
+    if be is not None:
+        sig = (q.dtype, keys.dtype, values.dtype, pos.dtype)
+        plan = _plan(_kernel, _merge, be, q.shape, C, values.shape[-1], Hq // Hk, span, window,
+                     scale, sig)  # fmt: skip
+        if plan is not None:
+            launch, merge, consts = plan
+            out, pm, pl, po = launch(inputs=[q, keys, values, pos, *consts])
+            return out if merge is None else merge(inputs=[pm, pl, po])[0]
+    return decode_attention_reference(q, keys, values, pos, scale, span, window)
+
+
+# Threadgroups to aim at: about two per streaming multiprocessor of a large GPU; a batch with
+# fewer (row, head, token) rows splits each row's span into parts (one more launch to merge).
+TARGET_GROUPS = 256
+
+
+def split(rows: int, span: int, head_dim: int = 128) -> tuple[int, int]:
+    """-> (parts, SIMD groups per part) for ``rows`` query rows over ``span`` slots. Wide heads
+    take fewer groups: each lane holds 3 head_dim / 32 floats, and a threadgroup of 32 groups
+    (1024 threads) leaves 64 registers per thread, past which the launch fails."""
+    parts = max(1, min(32, TARGET_GROUPS // max(rows, 1), span // 16))
+    chunk = -(-span // parts)
+    most = 32 if head_dim <= 128 else 16 if head_dim <= 256 else 8
+    return parts, max(2, min(most, chunk // 8))
+
+
+@lru_cache(maxsize=256)
+def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig):
+    """(launcher, merge launcher or None, constant inputs) for one call shape, or None for the
+    reference."""
+    B, Hq, L, D = q_shape
+    dt = sig[0]
+    if dt not in _FLOATS or sig[1:3] != (dt, dt) or sig[3] != mx.int32 or L > 16:
+        return None
+    if max(D, Dv) > 1024 or B * Hq * L >= 2**31:
+        return None
+    rows = B * Hq * L
+    parts, warps = split(rows, span, max(D, Dv))
+    one = parts == 1
+    launch = kernel.launcher(
+        list(sig) + [mx.float32, mx.int32],
+        grid=(rows * 32 * warps, parts, 1),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(B, Hq, L, Dv) if one else (1,), (1,) if one else (rows, parts),
+                       (1,) if one else (rows, parts), (1,) if one else (rows, parts, Dv)],
+        output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
+        template={"T": dt, "D": D, "DV": Dv, "REP": rep, "L": L, "SPAN": span, "CAP": C,
+                  "RING": window is not None, "WIN": window or 0, "W": warps, "P": parts,
+                  "CHUNK": -(-span // parts)},
+        backend=be,
+    )  # fmt: skip
+    finish = None
+    if not one:
+        finish = merge.launcher(
+            [mx.float32] * 3,
+            grid=(rows * min(1024, -(-Dv // 32) * 32),),
+            threadgroup=(min(1024, -(-Dv // 32) * 32),),
+            output_shapes=[(B, Hq, L, Dv)],
+            output_dtypes=[dt],
+            template={"T": dt, "DV": Dv, "P": parts},
+            backend=be,
+        )
+    consts = (mx.array([scale], dtype=mx.float32), mx.array([Hq], dtype=mx.int32))
+    return launch, finish, consts

@@ -1,0 +1,215 @@
+"""Routed experts' down projections and their gate-weighted sum in one launch (GGML blocks)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+from gguf import GGMLQuantizationType
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.dequant import row_bytes
+from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
+from hf2q_mlx.custom_kernels.expert_matmul import expert_matmul, expert_matmul_reference
+from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
+from hf2q_mlx.errors import WeightMismatchError
+
+
+def expert_down_reference(
+    h: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    weights: mx.array,
+    ggml_type: int | None,
+    in_features: int,
+) -> mx.array:
+    """h (..., k, F) one row per slot, expert_ids and weights (..., k) -> the weighted sum of
+    the slots' down projections, sum_s weights[s] * (W[ids[s]] @ h[s]), (..., N) in h.dtype.
+    fp32 throughout (expert_matmul_reference's math), rounded once: the kernel's oracle."""
+    y = expert_matmul_reference(h.astype(mx.float32), w, expert_ids, ggml_type, in_features)
+    return (y * weights[..., None].astype(mx.float32)).sum(axis=-2).astype(h.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel: qmatmul's fp32 GGML mat-vec loop (as expert_matmul runs it) once per slot of a token
+# inside one threadgroup, each slot's R row sums added into `tot` with the slot's weight; the
+# lane and SIMD-group reduction runs once, on the weighted sum.
+
+_PREFIX = r"""
+  // Thread mapping: threadgroup (gid_x, gid_y) = (block of R output rows, token t); its SIMD
+  // groups run the mat-vec loop below for each slot s of t in turn (expert ids[t, s], input
+  // row h[t, s]) and keep sum_s wts[t, s] * row sums. edims = (1, N, K, slots, E).
+  const uint ex_tok = gid_y;
+  const uint ex_slots = uint(edims[3]);
+  const uint ex_k = uint(edims[2]);
+  float tot[R];
+  UNROLL for (int r = 0; r < R; ++r) tot[r] = 0.0f;
+  bool ex_bad = false;  // an id past the last expert: NaN rows (nothing of it is read)
+  for (uint slot = 0; slot < ex_slots; ++slot) {
+    const uint ex_pair = ex_tok * ex_slots + slot;
+    const uint ex_e = uint(ids[ex_pair]);
+    if (ex_e >= uint(edims[4])) {  // the same for every thread: no divergence
+      ex_bad = true;
+      continue;
+    }
+    const float ex_w = wts[ex_pair];
+    CONSTANT_PTR(const int) dims = edims;
+    DEVICE_PTR(const T) x = xs + size_t(ex_pair) * ex_k;
+    DEVICE_PTR(const uchar) w = wq + size_t(ex_e) * uint(edims[1]) * (size_t(ex_k / @QK@) * @BB@);
+"""
+
+_EPILOGUE = r"""
+    UNROLL for (int r = 0; r < R; ++r) tot[r] = fma_f(ex_w, acc[r][0], tot[r]);
+  }
+  // Sum the lanes, then the SIMD groups, and write the token's R rows.
+  const uint out_row0 = gid_x * R;
+  const uint out_n = uint(edims[1]);
+  SHARED float red[8 * R];
+  UNROLL for (int r = 0; r < R; ++r) {
+    const float v = simd_sum(tot[r]);
+    if (lane == 0) red[simd_id * R + r] = v;
+  }
+  BARRIER();
+  if (tid < uint(R) && out_row0 + tid < out_n) {
+    float v = 0.0f;
+    for (uint s = 0; s < n_simd; ++s) v += red[s * R + tid];
+    if (ex_bad) v = bitcast<float>(0x7FC00000u);
+    ys[size_t(ex_tok) * out_n + out_row0 + tid] = from_float<T>(v);
+  }
+"""
+
+
+def _loop() -> str:
+    """qmatmul's fp32 mat-vec loop inside this kernel's slot loop, with its own epilogue."""
+    if "@PROLOGUE@" not in Q._BODY or "@EPILOGUE@" not in Q._BODY:
+        raise RuntimeError("expert_down: qmatmul's mat-vec loop no longer has its placeholders")
+    prologue = Q._PROLOGUE.lstrip("\n")
+    return Q._BODY.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", _EPILOGUE.lstrip("\n"))
+
+
+def _make_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "wts": mx.float32, "edims": (mx.int32, 5)},
+            {"ys": dt},
+            {"T": dt, "MT": 1, "R": r, "U": u},
+        )  # fmt: skip
+        for dt, r, u in ((mx.float32, 4, 2), (mx.bfloat16, 2, 1))
+    ]
+    return Kernel(
+        f"ggml_expert_down_{GGMLQuantizationType(ggml_type).name.lower()}",
+        inputs=["xs", "wq", "ids", "wts", "edims"],
+        outputs=["ys"],
+        body=fill_format(_PREFIX + _loop(), ggml_type),
+        header=kernel_header(ggml_type),
+        examples=examples,
+    )
+
+
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
+
+
+def _launch(h, w, expert_ids, ggml_type: int, K: int, config):
+    E, N, _ = w.shape
+    k = expert_ids.shape[-1]
+    tokens = expert_ids.size // k
+    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32))
+    launch = dict(
+        grid=(-(-N // cfg["R"]) * 32 * cfg["W"], tokens),
+        threadgroup=(32 * cfg["W"], 1),
+        output_shapes=[(tokens, N)],
+        output_dtypes=[h.dtype],
+        template={"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
+    )
+    return launch, [1, N, K, k, E], (*expert_ids.shape[:-1], N)
+
+
+def _flat(h, expert_ids, weights, K: int):
+    ids = expert_ids.reshape(expert_ids.size)
+    ids = ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
+    wts = weights.reshape(weights.size)
+    wts = wts if wts.dtype == mx.float32 else wts.astype(mx.float32)
+    return h.reshape(-1, K), ids, wts
+
+
+def expert_down_kernel(
+    h: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    weights: mx.array,
+    ggml_type: int,
+    in_features: int,
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """The GPU kernel alone, the contract of :func:`expert_down_reference` for GGML weights;
+    a token with an id >= E gives a NaN row. ``config`` overrides R, U, W; ``init_value``
+    pre-fills the output (tests poison it with NaN)."""
+    launch, edims, shape = _launch(h, w, expert_ids, ggml_type, in_features, config)
+    hs, ids, wts = _flat(h, expert_ids, weights, in_features)
+    inputs = [hs, w, ids, wts, mx.array(edims, dtype=mx.int32)]
+    return _KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0].reshape(shape)
+
+
+_CALLS: dict[tuple, tuple] = {}
+
+
+def kernel_covers(h, w, expert_ids, weights, ggml_type) -> bool:
+    """True when :func:`expert_down` runs its kernel: a GPU, GGML experts, 1..32 tokens, one
+    input row per (token, slot)."""
+    return (
+        backend() is not None
+        and ggml_type in _KERNELS
+        and h.dtype in Q.X_DTYPES
+        and h.ndim == expert_ids.ndim + 1
+        and tuple(h.shape[:-1]) == tuple(expert_ids.shape)
+        and tuple(weights.shape) == tuple(expert_ids.shape)
+        and 1 <= math.prod(expert_ids.shape[:-1]) <= MAX_TOKENS
+        and expert_ids.size > 0
+        and w.shape[0] > 0
+        and w.shape[1] > 0
+    )
+
+
+def expert_down(
+    h: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    weights: mx.array,
+    ggml_type: int | None,
+    in_features: int,
+) -> mx.array:
+    """Dispatcher with the contract of :func:`expert_down_reference`: on a GPU, GGML experts
+    and 1..32 tokens, one kernel; otherwise the path the models ran before (expert_matmul,
+    then the weighted sum in h's dtype)."""
+    key = (_KERNELS.get(ggml_type), ggml_type, in_features, h.shape, h.dtype, w.shape,
+           expert_ids.shape, expert_ids.dtype, weights.dtype)  # fmt: skip
+    if backend() is not None:
+        plan = _CALLS.get(key)
+        if plan is not None:
+            return _run(plan, h, w, expert_ids, weights)
+    if ggml_type is not None and kernel_covers(h, w, expert_ids, weights, ggml_type):
+        if h.shape[-1] != in_features:
+            raise WeightMismatchError(f"h has {h.shape[-1]} features, the experts {in_features}")
+        rb = row_bytes(ggml_type, in_features)
+        if w.ndim != 3 or w.shape[-1] != rb or w.dtype != mx.uint8:
+            raise WeightMismatchError(
+                f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
+            )
+        launch, edims, shape = _launch(h, w, expert_ids, ggml_type, in_features, None)
+        dtypes = [h.dtype, mx.uint8, mx.uint32, mx.float32, mx.int32]
+        plan = (_KERNELS[ggml_type].launcher(dtypes, **launch), mx.array(edims, mx.int32),
+                shape, in_features)  # fmt: skip
+        _CALLS[key] = plan
+        return _run(plan, h, w, expert_ids, weights)
+    y = expert_matmul(h, w, expert_ids, ggml_type, in_features)  # (..., k, N)
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def _run(plan, h, w, expert_ids, weights) -> mx.array:
+    launch, edims, shape, K = plan
+    hs, ids, wts = _flat(h, expert_ids, weights, K)
+    return launch(inputs=[hs, w, ids, wts, edims])[0].reshape(shape)

@@ -1,0 +1,300 @@
+"""Qwen 3.5 gated delta-net decode in one launch: conv, gates, recurrence and gated output norm.
+
+For L = 1 token per row, from the block's projections (``qkv`` (B, 1, C) with
+C = 2 Hk Dk + Hv Dv, ``z`` (B, 1, Hv Dv), ``a``, ``b`` (B, 1, Hv)), the conv state (B, K-1, C),
+the depthwise conv weight (C, K), A_log, dt_bias (Hv,), the recurrent state (B, Hv, Dv, Dk) and
+the gated norm's weight (Dv,): the short causal conv update with SiLU, the split into q/k/v, the
+q/k l2 norms (q scaled by Dk**-0.5), the gates (decay = exp(-exp(A_log) softplus(a + dt_bias)),
+beta = sigmoid(b)), the delta-rule update and readout y = S q, then out = rms_norm(y) * w *
+silu(z) per value head: the input of ``out_proj``. ``active`` (B,) bool (a static cache's rows
+that advance): rows not active keep their conv state and state (their output is meaningless).
+
+The math is ``custom_kernels/gated_delta.py``'s (its module docstring); this file adds the
+output norm and the row mask so that the decode of a delta-net block is one kernel between
+in_proj and out_proj.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update_reference
+from hf2q_mlx.errors import InvalidArgumentError
+
+SIMD_WIDTH = 32
+MAX_WARPS = 16  # SIMD groups per threadgroup (512 threads): value rows are spread over them
+MAX_STATE_REGS = 64  # floats of state a lane holds (rows per SIMD group x Dk / 32)
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def gated_delta_decode_reference(
+    qkv: mx.array,
+    z: mx.array,
+    a: mx.array,
+    b: mx.array,
+    conv_state: mx.array,
+    conv_weight: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array,
+    norm_weight: mx.array,
+    norm_eps: float,
+    num_k_heads: int,
+    head_k_dim: int,
+    tiled: bool = False,
+    active: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The same in MLX ops -> (out (B, L, Hv Dv) in qkv.dtype, conv state, state fp32)."""
+    y, conv, s = gated_delta_update_reference(
+        qkv, conv_state, conv_weight, a, b, A_log, dt_bias, state, num_k_heads, head_k_dim, tiled
+    )
+    B, L, hv, dv = y.shape
+    gate = z.reshape(B, L, hv, dv).astype(mx.float32)
+    normed = mx.fast.rms_norm(y.astype(mx.float32), norm_weight.astype(mx.float32), norm_eps)
+    out = (normed * gate * mx.sigmoid(gate)).reshape(B, L, hv * dv).astype(qkv.dtype)
+    if active is not None:
+        conv = mx.where(active[:, None, None], conv, conv_state.astype(conv.dtype))
+        s = mx.where(active[:, None, None, None], s, state.astype(s.dtype))
+    return out, conv, s
+
+
+_BODY = """
+  // One threadgroup per (batch row bi, value head h). SIMD group w owns the value rows
+  // dv = w + NW * r (r < R); lane owns key channels lane + 32 i (i < NK, Dk = 32 NK), so a state
+  // row is one coalesced sweep and each reduction over Dk is one simd_sum. Every SIMD group
+  // redoes the conv, l2 norms and gates of its key head (a few dozen FMAs, no barrier); the one
+  // barrier sums y^2 over the head for the gated RMSNorm. All threads then copy the new conv state.
+  // Every load comes before the first store (nothing to order them behind), so all are in flight.
+  constexpr int NK = Dk / SIMD_SIZE;
+  constexpr int KD = Hk * Dk;
+  constexpr int C = 2 * KD + Hv * Dv;
+  const uint n = gid_x;  // bi * Hv + h
+  const uint bi = n / Hv;
+  const uint h = n % Hv;
+  const uint hk = TILED ? h % Hk : h / (Hv / Hk);
+  const bool act = MASKED ? bool(active[bi]) : true;
+  const uint xrow = bi * C;               // this row's qkv (one token)
+  const uint crow = bi * (KC - 1) * C;    // this row's conv state
+  SHARED float part[NW];
+
+  // per owned row: its state row, conv + SiLU of its v channel, its z and norm weight
+  float s[R * NK], vv[R], zr[R], wr[R];
+  UNROLL for (int r = 0; r < R; ++r) {
+    const uint dv = simd_id + NW * r < uint(Dv) ? simd_id + NW * r : uint(Dv - 1);  // past Dv:
+    // a copy of the last row, computed and never stored
+    UNROLL for (int i = 0; i < NK; ++i)
+      s[r * NK + i] = to_float(state_in[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i]);
+    const uint cv = 2 * KD + h * Dv + dv;
+    float v = to_float(conv_w[cv * KC + KC - 1]) * to_float(qkv[xrow + cv]);
+    for (int j = 0; j < KC - 1; ++j)
+      v += to_float(conv_w[cv * KC + j]) * to_float(conv_state[crow + j * C + cv]);
+    vv[r] = v / (1.0f + exp_f(-v));
+    zr[r] = to_float(z[n * Dv + dv]);
+    wr[r] = to_float(norm_w[dv]);
+  }
+
+  // conv + SiLU of this lane's q and k channels, then l2 norms (eps 1e-6 on the sum of squares)
+  float qv[NK], kv[NK];
+  float qq = 0.0f, kk = 0.0f;
+  UNROLL for (int i = 0; i < NK; ++i) {
+    const uint c = hk * Dk + lane + SIMD_SIZE * i;
+    float aq = to_float(conv_w[c * KC + KC - 1]) * to_float(qkv[xrow + c]);
+    float ak = to_float(conv_w[(KD + c) * KC + KC - 1]) * to_float(qkv[xrow + KD + c]);
+    for (int j = 0; j < KC - 1; ++j) {
+      aq += to_float(conv_w[c * KC + j]) * to_float(conv_state[crow + j * C + c]);
+      ak += to_float(conv_w[(KD + c) * KC + j]) * to_float(conv_state[crow + j * C + KD + c]);
+    }
+    qv[i] = aq / (1.0f + exp_f(-aq));
+    kv[i] = ak / (1.0f + exp_f(-ak));
+    qq += qv[i] * qv[i];
+    kk += kv[i] * kv[i];
+  }
+  const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));  // + the readout scale
+  const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
+  UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
+
+  const float x = to_float(a[n]) + to_float(dt_bias[h]);
+  const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
+  const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
+  const float beta = 1.0f / (1.0f + exp_f(-to_float(b[n])));
+
+  // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
+  float ys[R];
+  float ss = 0.0f;
+  UNROLL for (int r = 0; r < R; ++r) {
+    float mem = 0.0f;
+    UNROLL for (int i = 0; i < NK; ++i) mem += s[r * NK + i] * kv[i];
+    const float delta = (vv[r] - decay * simd_sum(mem)) * beta;
+    float o = 0.0f;
+    UNROLL for (int i = 0; i < NK; ++i) {
+      const float sn = fma_f(s[r * NK + i], decay, kv[i] * delta);
+      o += sn * qv[i];
+      if (act) s[r * NK + i] = sn;
+    }
+    ys[r] = simd_sum(o) * qs;
+    if (simd_id + NW * r < uint(Dv)) ss += ys[r] * ys[r];
+  }
+  UNROLL for (int r = 0; r < R; ++r) {
+    const uint dv = simd_id + NW * r;
+    if (dv < uint(Dv)) {
+      UNROLL for (int i = 0; i < NK; ++i)
+        state_out[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i] = s[r * NK + i];
+    }
+  }
+
+  // gated RMSNorm over the head's Dv outputs: out = y rsqrt(mean(y^2) + eps) w silu(z)
+  if (lane == 0) part[simd_id] = ss;
+  BARRIER();
+  float tot = 0.0f;
+  UNROLL for (int w = 0; w < NW; ++w) tot += part[w];
+  const float rstd = rsqrt_f(tot / float(Dv) + eps[0]);
+  UNROLL for (int r = 0; r < R; ++r) {
+    const uint dv = simd_id + NW * r;
+    if (dv < uint(Dv) && lane == uint(r % SIMD_SIZE)) {
+      const float o = ys[r] * rstd * wr[r] * (zr[r] / (1.0f + exp_f(-zr[r])));
+      out[n * Dv + dv] = from_float<OutT>(o);
+    }
+  }
+
+  // new conv state: rows 1..K-2 of the old one, then this token (inactive rows: the old one).
+  // The head's v channels here; q and k channels from the first value head of each key head.
+  const bool qk_writer = TILED ? h < uint(Hk) : h % uint(Hv / Hk) == 0;
+  const uint nqk = qk_writer ? uint(2 * Dk) : 0u;
+  for (int j = 0; j < KC - 1; ++j) {
+    for (uint e = tid; e < nqk + uint(Dv); e += tg_size) {
+      const uint c = e < nqk ? (e < uint(Dk) ? hk * Dk + e : KD + hk * Dk + e - Dk)
+                             : 2 * KD + h * Dv + (e - nqk);
+      float v;
+      if (!act) v = to_float(conv_state[crow + j * C + c]);
+      else if (j + 1 < KC - 1) v = to_float(conv_state[crow + (j + 1) * C + c]);
+      else v = to_float(qkv[xrow + c]);
+      conv_out[crow + j * C + c] = from_float<OutT>(v);
+    }
+  }
+"""
+
+_INPUTS = [
+    "qkv", "z", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state_in", "norm_w",
+    "eps", "active",
+]  # fmt: skip
+_OUTPUTS = ["out", "state_out", "conv_out"]
+
+
+def _example(dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int) -> Example:
+    nw = min(MAX_WARPS, dv)
+    return Example(
+        inputs={
+            "qkv": dtype, "z": dtype, "a": dtype, "b": dtype, "conv_state": dtype,
+            "conv_w": dtype, "A_log": mx.float32, "dt_bias": mx.float32,
+            "state_in": mx.float32, "norm_w": dtype, "eps": (mx.float32, 1),
+            "active": (mx.bool_, 4),
+        },
+        outputs={"out": dtype, "state_out": mx.float32, "conv_out": dtype},
+        template={
+            "Dk": dk, "Dv": dv, "Hk": 16, "Hv": 32, "KC": 4, "NW": nw, "R": -(-dv // nw),
+            "TILED": tiled, "MASKED": masked, "OutT": dtype,
+        },
+    )  # fmt: skip
+
+
+_kernel = Kernel(
+    "gated_delta_decode",
+    inputs=_INPUTS,
+    outputs=_OUTPUTS,
+    body=_BODY,
+    examples=[
+        _example(mx.bfloat16, False, True, 128, 128),  # Qwen 3.5 9B / 35B-A3B
+        _example(mx.float32, True, False, 64, 7),
+    ],
+)
+
+
+def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int) -> bool:
+    """Shapes the kernel takes (else the reference): Dk a multiple of 32 and the state of a
+    SIMD group's rows within MAX_STATE_REGS floats per lane."""
+    nw = min(MAX_WARPS, dv)
+    return (
+        dtype in _FLOATS
+        and dk % SIMD_WIDTH == 0
+        and -(-dv // nw) * (dk // SIMD_WIDTH) <= MAX_STATE_REGS
+        and K >= 2
+    )
+
+
+@lru_cache(maxsize=64)
+def _plan(kernel, be, B, C, K, hk, dk, hv, dv, tiled, masked, eps, dtypes, init_value):
+    """(launcher, eps array, placeholder mask) for one call shape."""
+    nw = min(MAX_WARPS, dv)
+    dtype = dtypes[0]
+    launch = kernel.launcher(
+        list(dtypes),
+        grid=(B * hv * SIMD_WIDTH * nw,),
+        threadgroup=(SIMD_WIDTH * nw,),
+        output_shapes=[(B, 1, hv * dv), (B, hv, dv, dk), (B, K - 1, C)],
+        output_dtypes=[dtype, mx.float32, dtype],
+        template={
+            "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
+            "TILED": tiled, "MASKED": masked, "OutT": dtype,
+        },
+        init_value=init_value,
+        backend=be,
+    )  # fmt: skip
+    return launch, mx.array([eps], dtype=mx.float32), mx.array([True])
+
+
+def gated_delta_decode(
+    qkv: mx.array,
+    z: mx.array,
+    a: mx.array,
+    b: mx.array,
+    conv_state: mx.array | None,
+    conv_weight: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: mx.array | None,
+    norm_weight: mx.array,
+    norm_eps: float,
+    num_k_heads: int,
+    head_k_dim: int,
+    tiled: bool = False,
+    active: mx.array | None = None,
+    init_value: float | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Dispatcher -> (out (B, 1, Hv Dv) in qkv.dtype, new conv state, new state fp32): one
+    kernel where it applies, else the reference. ``conv_state`` / ``state`` None: zeros (a
+    first token). ``init_value`` fills the outputs before the launch (tests poison them)."""
+    B, L, C = qkv.shape
+    hv = a.shape[-1]
+    dv, rem = divmod(C - 2 * num_k_heads * head_k_dim, hv)
+    if L != 1 or rem or dv <= 0 or hv % num_k_heads or z.shape != (B, L, hv * dv):
+        raise InvalidArgumentError(
+            f"gated_delta_decode: qkv {qkv.shape}, z {z.shape} and {hv} value heads do not "
+            f"match one token of {num_k_heads} key heads of {head_k_dim}"
+        )
+    K = conv_weight.shape[-1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
+    if state is None:
+        state = mx.zeros((B, hv, dv, head_k_dim), dtype=mx.float32)
+    be = backend()
+    if be is None or not _covered(qkv.dtype, num_k_heads, head_k_dim, hv, dv, K):
+        return gated_delta_decode_reference(
+            qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
+            norm_eps, num_k_heads, head_k_dim, tiled, active,
+        )  # fmt: skip
+    masked = active is not None
+    if masked and active.dtype != mx.bool_:
+        active = active.astype(mx.bool_)
+    inputs = [qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight]
+    dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_)
+    launch, eps, unmasked = _plan(
+        _kernel, be, B, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
+        float(norm_eps), dtypes, init_value,
+    )  # fmt: skip
+    inputs += [eps, active if masked else unmasked]
+    out, state, conv = launch(inputs=inputs)
+    return out, conv, state

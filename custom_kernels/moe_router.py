@@ -1,0 +1,464 @@
+"""Mixture-of-experts router in one launch: logits, top-k, gate weights, the experts' input norm."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
+
+
+def top_k_ids(logits: mx.array, k: int) -> mx.array:
+    """The k largest logits' indices (..., k) uint32, largest first; equal logits: the lower
+    index first (the kernel's rule, -inf included). k rounds of a masked argmax."""
+    E = logits.shape[-1]
+    iota = mx.arange(E, dtype=mx.uint32)
+    taken = mx.zeros(logits.shape, dtype=mx.bool_)
+    out = []
+    for _ in range(k):
+        m = mx.where(taken, -mx.inf, logits).max(axis=-1, keepdims=True)
+        # argmax of a bool row: its first True, the lowest index among the untaken maxima
+        i = mx.argmax((logits == m) & ~taken, axis=-1, keepdims=True).astype(mx.uint32)
+        taken = taken | (iota == i)
+        out.append(i)
+    return mx.concatenate(out, axis=-1)
+
+
+def moe_router_reference(
+    x: mx.array,
+    w: mx.array,
+    k: int,
+    *,
+    eps: float = 1e-6,
+    pre_scale: mx.array | None = None,
+    pre_mult: float = 1.0,
+    expert_scale: mx.array | None = None,
+    renormalize: bool = True,
+    post_norm: mx.array | None = None,
+    quant: tuple | None = None,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """x (..., D), router weight w (E, D) float -> expert ids (..., k) uint32 (largest logit
+    first, ties to the lower index), gate weights (..., k) fp32, and ``post_norm`` given:
+    ``rms_norm(x, post_norm, eps)`` (..., D) in x.dtype, else None.
+
+    ``quant`` = (scales, biases, group_size, bits): w is MLX affine-quantized (uint32 codes,
+    an ``nn.QuantizedLinear``'s arrays), the logits those of its dequantized weight.
+    Logits ``h @ w.T`` in the matmul's dtype, h = x, or with ``pre_scale`` (Gemma 4):
+    ``rms_norm(x) * (pre_scale * pre_mult)`` in x.dtype. Weights: softmax over the chosen k
+    (``renormalize``) or the full softmax's values at them; times ``expert_scale[ids]`` if given.
+    """
+    h = x
+    if pre_scale is not None:
+        h = mx.fast.rms_norm(x, None, eps) * (pre_scale * pre_mult).astype(x.dtype)
+    if quant is None:
+        logits = (h @ w.T).astype(mx.float32)  # (..., E)
+    else:
+        # fp32 dequantization and products, rounded once to the output dtype (as MLX's GPU
+        # quantized mat-vecs; its CPU one accumulates bf16 in bf16)
+        scales, biases, gs, bits = quant
+        f32 = mx.float32
+        wd = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=gs, bits=bits)
+        lt = _matmul_dtype(x.dtype, scales.dtype)
+        logits = (h.astype(f32) @ wd.T).astype(lt).astype(f32)
+    ids = top_k_ids(logits, k)
+    if renormalize:
+        wts = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1, precise=True)
+    else:
+        wts = mx.take_along_axis(mx.softmax(logits, axis=-1, precise=True), ids, axis=-1)
+    if expert_scale is not None:
+        wts = wts * expert_scale[ids].astype(mx.float32)
+    xn = None if post_norm is None else mx.fast.rms_norm(x, post_norm, eps)
+    return ids, wts, xn
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel. Template: T (x), TW (w), LT (the logits' matmul dtype: where they round), D, E, K,
+# QB (affine bits, 0 = float w), GS (affine group size), VEC (16-byte loads of float rows), WK
+# (0 fp32 / 1 fp16 / 2 bf16 float w), flags PRE (Gemma's pre-norm and scale),
+# PES (per-expert scale), NORM2 (write xn), RENORM. params (fp32): eps, pre_mult rounded to T.
+
+_HEADER = """
+// 16 bytes of weights -> 4 fp32 (kind 0) or 8 fp16 / bf16 (kind 1 / 2) floats
+FN void unpack16(uint4 q, int kind, THREAD_PTR(float) f) {
+  const uint u[4] = {q.x, q.y, q.z, q.w};
+  UNROLL for (int p = 0; p < 4; ++p) {
+    if (kind == 0) {
+      f[p] = bitcast<float>(u[p]);
+    } else if (kind == 1) {
+      f[2 * p] = f16_bits_to_float(uint16_t(u[p] & 0xFFFFu));
+      f[2 * p + 1] = f16_bits_to_float(uint16_t(u[p] >> 16));
+    } else {
+      f[2 * p] = bf16_bits_to_float(uint16_t(u[p] & 0xFFFFu));
+      f[2 * p + 1] = bf16_bits_to_float(uint16_t(u[p] >> 16));
+    }
+  }
+}
+"""
+
+_BODY = r"""
+  // Thread mapping: one threadgroup per token row. All threads stage the row (pre-normed if
+  // PRE) in shared memory; SIMD group s computes the logits of experts s, s + n_simd, ...
+  // with its lanes striding over the row (16-byte loads for float rows when VEC, else one
+  // element each); SIMD group 0 then picks the top K and writes ids and weights.
+  const uint row = gid_x;
+  DEVICE_PTR(const T) xr = x + size_t(row) * D;
+  SHARED float4 xs4[(D + 3) / 4];  // float4s: aligned for the 16-byte reads of VEC
+  SHARED_PTR(float) xs = (SHARED_PTR(float))(xs4);
+  SHARED float lg[E];
+  SHARED float red[32];
+  float inv = 1.0f;
+  if (PRE || NORM2) {  // the row's RMS statistics, as mx.fast.rms_norm computes them
+    float ss = 0.0f;
+    for (uint i = tid; i < uint(D); i += tg_size) {
+      const float v = to_float(xr[i]);
+      ss = fma_f(v, v, ss);
+    }
+    ss = simd_sum(ss);
+    if (lane == 0) red[simd_id] = ss;
+    BARRIER();
+    float tot = 0.0f;
+    for (uint s = 0; s < n_simd; ++s) tot += red[s];
+    inv = rsqrt_f(tot / float(D) + params[0]);
+  }
+  for (uint i = tid; i < uint(D); i += tg_size) {
+    const float v = to_float(xr[i]);
+    // every step rounded to T, as the reference's ops in x's dtype round
+    const float nv = to_float(from_float<T>(v * inv));
+    float h = v;
+    if (PRE) {
+      const float sr = to_float(from_float<T>(to_float(pre_scale[i]) * params[1]));
+      h = to_float(from_float<T>(nv * sr));
+    }
+    xs[i] = h;
+    if (NORM2) xn[size_t(row) * D + i] = from_float<T>(nv * to_float(post_norm[i]));
+  }
+  BARRIER();
+  // Logits. Lanes read 16-byte chunks of a row, NU chunks in flight per lane (one SM's share
+  // of the bandwidth needs many loads in flight). VEC (float rows, D a multiple of VW): VW
+  // weights per chunk, WK 0 fp32 / 1 fp16 / 2 bf16. QB > 0 (MLX affine rows of D * QB / 32
+  // words): CPW codes of one group per chunk, w = scale * code + bias, summed as
+  // scale * sum(code * x) + bias * sum(x). Otherwise (float rows, odd D): one weight per lane.
+  constexpr uint NU = 8;
+  constexpr uint VW = WK == 0 ? 4 : 8;
+  constexpr uint NCH = VEC ? uint(D) / VW : 0;
+  for (uint e = simd_id; VEC && e < uint(E); e += n_simd) {
+    DEVICE_PTR(const uint4) wr4 = DEVICE_CAST(const uint4, w + size_t(e) * D);
+    float acc[NU];
+    UNROLL for (uint u = 0; u < NU; ++u) acc[u] = 0.0f;
+    for (uint c0 = 0; c0 < NCH; c0 += NU * SIMD_SIZE) {
+      uint4 q[NU];
+      UNROLL for (uint u = 0; u < NU; ++u) {
+        const uint c = c0 + u * SIMD_SIZE + lane;
+        if (c < NCH) q[u] = wr4[c];
+      }
+      UNROLL for (uint u = 0; u < NU; ++u) {
+        const uint c = c0 + u * SIMD_SIZE + lane;
+        if (c >= NCH) continue;
+        float wv[8];
+        unpack16(q[u], WK, wv);
+        UNROLL for (uint p = 0; p < VW; p += 4) {
+          const float4 xv = xs4[(c * VW + p) / 4];
+          acc[u] = fma_f(wv[p], xv.x, acc[u]);
+          acc[u] = fma_f(wv[p + 1], xv.y, acc[u]);
+          acc[u] = fma_f(wv[p + 2], xv.z, acc[u]);
+          acc[u] = fma_f(wv[p + 3], xv.w, acc[u]);
+        }
+      }
+    }
+    float dot = 0.0f;
+    UNROLL for (uint u = 0; u < NU; ++u) dot += acc[u];
+    dot = simd_sum(dot);
+    if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
+  }
+  constexpr uint QBS = QB ? QB : 8;  // (QB = 0 instantiations compile this loop, never run it)
+  constexpr uint WPC = 32 / QBS;     // codes per word
+  constexpr uint CPW = 4 * WPC;      // codes per chunk
+  constexpr uint NCA = QB ? uint(D) / CPW : 0;
+  constexpr uint NUA = 4;
+  for (uint e = simd_id; QB && e < uint(E); e += n_simd) {
+    DEVICE_PTR(const uint4) wr4 = DEVICE_CAST(const uint4, w + size_t(e) * (uint(D) / WPC));
+    const size_t g0 = size_t(e) * (uint(D) / GS);
+    float acc[NUA];
+    UNROLL for (uint u = 0; u < NUA; ++u) acc[u] = 0.0f;
+    for (uint c0 = 0; c0 < NCA; c0 += NUA * SIMD_SIZE) {
+      uint4 q[NUA];
+      UNROLL for (uint u = 0; u < NUA; ++u) {
+        const uint c = c0 + u * SIMD_SIZE + lane;
+        if (c < NCA) q[u] = wr4[c];
+      }
+      UNROLL for (uint u = 0; u < NUA; ++u) {
+        const uint c = c0 + u * SIMD_SIZE + lane;
+        if (c >= NCA) continue;
+        const uint wd[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+        float d = 0.0f, sx = 0.0f;
+        UNROLL for (uint j = 0; j < 4; ++j) {
+          UNROLL for (uint p = 0; p < WPC; p += 4) {
+            const float4 xv = xs4[(c * CPW + j * WPC + p) / 4];
+            const float xq[4] = {xv.x, xv.y, xv.z, xv.w};
+            UNROLL for (uint t = 0; t < 4; ++t) {
+              const uint code = (wd[j] >> (QBS * (p + t))) & ((1u << QBS) - 1u);
+              d = fma_f(float(code), xq[t], d);
+              sx += xq[t];
+            }
+          }
+        }
+        const size_t g = g0 + c * CPW / GS;
+        acc[u] = fma_f(to_float(w_scales[g]), d, fma_f(to_float(w_biases[g]), sx, acc[u]));
+      }
+    }
+    const float dot = simd_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
+  }
+  for (uint e = simd_id; !VEC && !QB && e < uint(E); e += n_simd) {
+    DEVICE_PTR(const TW) wr = w + size_t(e) * D;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: more loads in flight per lane
+    for (uint i0 = 0; i0 < uint(D); i0 += 4 * SIMD_SIZE) {
+      UNROLL for (int u = 0; u < 4; ++u) {
+        const uint i = i0 + uint(u) * SIMD_SIZE + lane;
+        if (i < uint(D)) acc[u] = fma_f(to_float(wr[i]), xs[i], acc[u]);
+      }
+    }
+    const float dot = simd_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
+  }
+  BARRIER();
+  if (simd_id != 0) return;
+  // Top K: K rounds of a SIMD-wide argmax (largest logit, the lower expert index on ties) over
+  // the lanes' experts lane, lane + 32, ...; `taken` marks the chosen ones in each lane.
+  constexpr uint EPL = (uint(E) + 31) / 32;
+  constexpr uint NONE = 0xFFFFFFFFu;
+  float v[EPL];
+  float lmax = -INF_F;
+  UNROLL for (uint q = 0; q < EPL; ++q) {
+    const uint e = lane + 32 * q;
+    v[q] = e < uint(E) ? lg[e] : -INF_F;
+    lmax = max_f(lmax, v[q]);
+  }
+  lmax = simd_max(lmax);
+  float den = 0.0f;  // the full softmax's denominator (RENORM = 0)
+  if (!RENORM) {
+    UNROLL for (uint q = 0; q < EPL; ++q)
+      if (lane + 32 * q < uint(E)) den += exp_f(v[q] - lmax);
+    den = simd_sum(den);
+  }
+  uint taken = 0u;
+  float sel_v[K];
+  uint sel_i[K];
+  UNROLL for (int s = 0; s < K; ++s) {
+    float bv = -INF_F;
+    uint bi = NONE;
+    UNROLL for (uint q = 0; q < EPL; ++q) {
+      const uint e = lane + 32 * q;
+      if (e < uint(E) && !((taken >> q) & 1u) && (bi == NONE || v[q] > bv)) {
+        bv = v[q];
+        bi = e;
+      }
+    }
+    const float m = simd_max(bv);
+    const uint win = simd_min((bi != NONE && bv == m) ? bi : NONE);
+    // NaN logits can leave no winner (NONE): its slots get id NONE and a NaN weight, which
+    // the expert kernels turn into NaN rows without reading anything
+    if (win < uint(E) && win % 32 == lane) taken |= 1u << (win / 32);
+    sel_v[s] = m;
+    sel_i[s] = win;
+  }
+  float tot = 0.0f;
+  if (RENORM) {  // softmax over the chosen K; sel_v[0] is their max
+    UNROLL for (int s = 0; s < K; ++s) tot += exp_f(sel_v[s] - sel_v[0]);
+  }
+  UNROLL for (int s = 0; s < K; ++s) {
+    if (uint(s) != lane) continue;
+    float wt = RENORM ? exp_f(sel_v[s] - sel_v[0]) / tot : exp_f(sel_v[s] - lmax) / den;
+    if (sel_i[s] >= uint(E)) wt = bitcast<float>(0x7FC00000u);
+    else if (PES) wt *= to_float(expert_scale[sel_i[s]]);
+    ids[size_t(row) * K + s] = sel_i[s];
+    wts[size_t(row) * K + s] = wt;
+  }
+"""
+
+_WK = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+
+_kernel = Kernel(
+    "moe_router",
+    inputs=["x", "w", "w_scales", "w_biases", "pre_scale", "expert_scale", "post_norm", "params"],
+    outputs=["ids", "wts", "xn"],
+    body=_BODY,
+    header=_HEADER,
+    examples=[
+        Example(
+            {"x": t, "w": tw, "w_scales": t, "w_biases": t, "pre_scale": t, "expert_scale": t,
+             "post_norm": t, "params": (mx.float32, 2)},
+            {"ids": mx.uint32, "wts": mx.float32, "xn": t},
+            {"T": t, "TW": tw, "LT": lt, "D": d, "E": e, "K": k, "QB": qb, "GS": gs, "VEC": vec,
+             "WK": _WK.get(tw, 0), "PRE": pre, "PES": pre, "NORM2": pre, "RENORM": renorm},
+        )
+        for t, tw, lt, d, e, k, qb, gs, vec, pre, renorm in (
+            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1),
+            (mx.float16, mx.float32, mx.float32, 2048, 256, 8, 0, 1, 1, 0, 0),
+            (mx.float32, mx.float16, mx.float32, 200, 40, 5, 0, 1, 0, 1, 1),
+            (mx.bfloat16, mx.uint32, mx.bfloat16, 2048, 256, 8, 8, 64, 0, 0, 1),
+        )
+    ],
+)  # fmt: skip
+
+MAX_ROWS = 32  # token rows per call the kernel takes (decode); prefill runs the reference
+# SIMD groups per threadgroup: 512 threads keep 64 KB of weight loads in flight on one SM and
+# leave each thread 128 registers (a 1024-thread launch fails past 64 on CUDA)
+WARPS = 16
+MAX_K = 32  # the top-k rounds keep one lane per chosen expert
+MAX_E = 1024  # `taken` holds 32 experts per lane
+_SHARED_BYTES = 30 * 1024  # xs (D floats) + logits (E floats), under Metal's 32 KB
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+_OPTIONAL = ("pre_scale", "expert_scale", "post_norm")
+
+
+def _matmul_dtype(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
+    """The dtype ``h @ w.T`` returns (MLX promotes fp16 with bf16 to fp32)."""
+    return a if a == b else mx.float32
+
+
+def kernel_covers(x: mx.array, w: mx.array, k: int, **opts) -> bool:
+    """True when :func:`moe_router` (same arguments) runs its kernel: a GPU, 1..32 rows, a float
+    or affine-quantized (4/8 bits) weight, the sizes it holds in shared memory."""
+    D, E = x.shape[-1], w.shape[0]
+    quant = opts.get("quant")
+    if quant is None:
+        w_ok = w.ndim == 2 and w.dtype in _FLOATS
+    else:
+        scales, biases, gs, bits = quant
+        w_ok = (
+            bits in (4, 8)
+            and gs % (128 // bits) == 0  # a 16-byte chunk of codes within one group
+            and w.dtype == mx.uint32
+            and w.shape == (E, D * bits // 32)
+            and biases is not None
+            and scales.dtype in _FLOATS
+            and biases.dtype == scales.dtype
+            and D % gs == 0
+            and scales.shape == biases.shape == (E, D // gs)
+        )
+    same = all(opts.get(n) is None or opts[n].dtype == x.dtype for n in ("pre_scale", "post_norm"))
+    es = opts.get("expert_scale")
+    return (
+        backend() is not None
+        and w_ok
+        and x.dtype in _FLOATS
+        and same
+        and (es is None or es.dtype in _FLOATS)
+        and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS
+        and 1 <= k <= min(E, MAX_K)
+        and E <= MAX_E
+        and 4 * (D + E + 32) <= _SHARED_BYTES
+    )
+
+
+def _check(x: mx.array, w: mx.array, k: int, opts: dict) -> None:
+    """Caller errors: shapes that cannot belong together."""
+    quant = opts.get("quant")
+    D = w.shape[-1] if quant is None else w.shape[-1] * 32 // quant[3]  # the weight's width
+    if w.ndim != 2 or D != x.shape[-1]:
+        raise WeightMismatchError(
+            f"router weight {tuple(w.shape)} does not match x's {x.shape[-1]} features"
+        )
+    if not 1 <= k <= w.shape[0]:
+        raise InvalidArgumentError(f"top-k {k} is not in 1..{w.shape[0]} experts")
+    for name, n in zip(_OPTIONAL, (D, w.shape[0], D)):
+        a = opts.get(name)
+        if a is not None and a.shape != (n,):
+            raise WeightMismatchError(f"{name} has shape {tuple(a.shape)}, expected ({n},)")
+
+
+def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None):
+    D, E = x.shape[-1], w.shape[0]
+    rows = math.prod(x.shape[:-1])
+    lead = tuple(x.shape[:-1])
+    quant = opts.get("quant")
+    scales = x if quant is None else quant[0]
+    arrays = _arrays(x, w, opts)
+    lt = _matmul_dtype(x.dtype, w.dtype if quant is None else scales.dtype)
+    post = opts.get("post_norm") is not None
+    launch = _kernel.launcher(
+        [a.dtype for a in arrays] + [mx.float32],
+        grid=(rows * 32 * min(WARPS, E),),
+        threadgroup=(32 * min(WARPS, E),),
+        output_shapes=[(*lead, k), (*lead, k), x.shape if post else (1,)],
+        output_dtypes=[mx.uint32, mx.float32, x.dtype],
+        template={"T": x.dtype, "TW": w.dtype, "LT": lt, "D": D, "E": E, "K": k,
+                  "QB": 0 if quant is None else quant[3], "GS": 1 if quant is None else quant[2],
+                  "VEC": quant is None and D % (16 // w.dtype.size) == 0,
+                  "WK": _WK.get(w.dtype, 0),
+                  "PRE": opts.get("pre_scale") is not None,
+                  "PES": opts.get("expert_scale") is not None, "NORM2": post,
+                  "RENORM": bool(opts.get("renormalize", True))},
+        init_value=init_value,
+    )  # fmt: skip
+    # pre_mult rounded to x's dtype, as ``array * python_float`` rounds it; a leaf array made
+    # from Python numbers, so a plan first built inside mx.compile holds no traced op
+    mult = _round_to(opts.get("pre_mult", 1.0), x.dtype)
+    return launch, mx.array([opts.get("eps", 1e-6), mult], dtype=mx.float32), post
+
+
+def _arrays(x: mx.array, w: mx.array, opts: dict) -> list[mx.array]:
+    """The kernel's array inputs but params; x stands in for the absent ones (never read)."""
+    quant = opts.get("quant")
+    sb = [x, x] if quant is None else [quant[0], quant[1]]
+    return [x, w, *sb, *(x if opts.get(n) is None else opts[n] for n in _OPTIONAL)]
+
+
+def _run(plan, x: mx.array, w: mx.array, opts: dict):
+    launch, params, post = plan
+    ids, wts, xn = launch(inputs=[*_arrays(x, w, opts), params])
+    return ids, wts, xn if post else None
+
+
+def _round_to(v: float, dtype: mx.Dtype) -> float:
+    """``v`` rounded to nearest-even in ``dtype`` (fp32, fp16 or bf16), as a Python float."""
+    if dtype == mx.float16:
+        return float(np.float16(v))
+    f = np.array([v], dtype=np.float32)
+    if dtype == mx.bfloat16:
+        b = f.view(np.uint32)
+        b[:] = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return float(f[0])
+
+
+def moe_router_kernel(
+    x: mx.array, w: mx.array, k: int, *, init_value: float | None = None, **opts
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The GPU kernel alone (tests: no plan cache, no fallback) with the contract and keyword
+    arguments of :func:`moe_router_reference`; ``init_value`` pre-fills the outputs."""
+    return _run(_plan(x, w, k, opts, init_value), x, w, opts)
+
+
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
+    sig = [(a.shape, a.dtype) for a in _arrays(x, w, opts)]
+    quant = opts.get("quant")
+    scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
+    return (_kernel, k, *sig, scalars, None if quant is None else quant[2:],
+            *(opts.get(n) is None for n in _OPTIONAL))  # fmt: skip
+
+
+def moe_router(
+    x: mx.array, w: mx.array, k: int, **opts
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Dispatcher with the contract and keyword arguments of :func:`moe_router_reference`: one
+    kernel launch on a GPU for 1..32 token rows and a float or affine router weight, the
+    reference otherwise."""
+    be = backend()
+    if be is not None:
+        key = _key(x, w, k, opts)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return _run(plan, x, w, opts)
+    _check(x, w, k, opts)
+    if be is None or not kernel_covers(x, w, k, **opts):
+        return moe_router_reference(x, w, k, **opts)
+    plan = _PLANS[key] = _plan(x, w, k, opts)
+    return _run(plan, x, w, opts)

@@ -1,0 +1,126 @@
+"""Attention over a static KV cache with in-kernel masks: the reference against a brute-force
+numpy attention that reads each slot's position from an explicit table, the kernel's CUDA
+rendering on the CPU emulator, and the kernel on a GPU."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from test_norm_rope import emulate, needs_gxx
+
+from hf2q_mlx.custom_kernels import decode_attention as da
+
+
+def _case(B, Hq, Hk, L, D, Dv, C, pos, seed, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((B, Hq, L, D)).astype(np.float32)).astype(dtype)
+    k = mx.array(rng.standard_normal((B, Hk, C, D)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((B, Hk, C, Dv)).astype(np.float32)).astype(dtype)
+    return q, k, v, mx.array(pos, dtype=mx.int32)
+
+
+def _brute(q, k, v, pos, scale, span, window):
+    """Each row's slots hold the positions written last (a dict per row), attended in fp64."""
+    q, k, v = (np.array(a.astype(mx.float32), np.float64) for a in (q, k, v))
+    B, Hq, L, _ = q.shape
+    Hk, C = k.shape[1], k.shape[2]
+    out = np.zeros((B, Hq, L, v.shape[-1]))
+    for b in range(B):
+        held = {}  # slot -> position, after positions 0 .. pos+L-1 were written in order
+        for p in range(int(pos[b]) + L):
+            held[p % C if window is not None else p] = p
+        for h in range(Hq):
+            for li in range(L):
+                qp = int(pos[b]) + li
+                slots = [s for s in range(span) if s in held and held[s] <= qp
+                         and (window is None or held[s] > qp - window)]  # fmt: skip
+                kk, vv = k[b, h // (Hq // Hk), slots], v[b, h // (Hq // Hk), slots]
+                w = kk @ q[b, h, li] * scale
+                w = np.exp(w - w.max())
+                out[b, h, li] = (w / w.sum()) @ vv
+    return out
+
+
+CASES = [  # B, Hq, Hk, L, D, Dv, C, pos, window, span
+    (2, 4, 2, 1, 64, 64, 40, [5, 30], None, 32),
+    (2, 4, 4, 3, 80, 48, 19, [3, 37], 16, 19),  # ring wrapped on row 1, 3 query tokens
+    (3, 6, 2, 1, 32, 32, 8, [0, 7, 21], 6, 8),  # a window smaller than its ring
+    (1, 2, 1, 2, 32, 32, 64, [150], 48, 64),  # a wrapped ring read in 4 parts
+    (1, 4, 1, 1, 512, 512, 64, [40], None, 64),  # Gemma 4's wide global heads, 4 parts
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_is_attention_over_the_slots_positions(case):
+    B, Hq, Hk, L, D, Dv, C, pos, window, span = case
+    q, k, v, p = _case(B, Hq, Hk, L, D, Dv, C, pos, 1)
+    got = da.decode_attention_reference(q, k, v, p, 0.3, span, window)
+    np.testing.assert_allclose(np.array(got), _brute(q, k, v, pos, 0.3, span, window),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_bad_shapes_raise():
+    q, k, v, p = _case(1, 3, 2, 1, 16, 16, 8, [2], 1)
+    with pytest.raises(ValueError):
+        da.decode_attention(q, k, v, p, 1.0, 8)  # 3 query heads over 2 KV heads
+    q, k, v, p = _case(1, 2, 2, 1, 16, 16, 8, [2], 1)
+    with pytest.raises(ValueError):
+        da.decode_attention(q, k, v, p, 1.0, 9)  # span past the buffer
+
+
+def _errors(got, ref32, ref_lo):
+    """(kernel error, same-dtype reference error) against the fp32 reference, max abs."""
+    r = np.array(ref32, np.float64)
+    g = np.array(got.astype(mx.float32), np.float64)
+    lo = np.array(ref_lo.astype(mx.float32), np.float64)
+    return np.abs(g - r).max(), np.abs(lo - r).max()
+
+
+def _check(case, dtype):
+    B, Hq, Hk, L, D, Dv, C, pos, window, span = case
+    q, k, v, p = _case(B, Hq, Hk, L, D, Dv, C, pos, 7, dtype)
+    got = da.decode_attention(q, k, v, p, 0.25, span, window)
+    f32 = [a.astype(mx.float32) for a in (q, k, v)]
+    ref32 = da.decode_attention_reference(*f32, p, 0.25, span, window)
+    if dtype == mx.float32:
+        # fp32 math in both; the online softmax sums in another order: ~1e-6
+        np.testing.assert_allclose(np.array(got), np.array(ref32), rtol=1e-5, atol=1e-5)
+        return
+    err, ref_err = _errors(
+        got, ref32, da.decode_attention_reference(q, k, v, p, 0.25, span, window)
+    )
+    assert err <= 2 * ref_err + 1e-6, (err, ref_err)  # no worse than twice the dtype's own
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("groups", [1, 4096])  # one part per row; the span split in parts
+def test_emulated_kernel_matches_reference(monkeypatch, case, dtype, groups):
+    emu = emulate(monkeypatch, da, "_kernel", "_merge")
+    monkeypatch.setattr(da, "TARGET_GROUPS", groups)
+    da._plan.cache_clear()
+    try:
+        _check(case, dtype)
+    finally:
+        da._plan.cache_clear()
+    parts, _ = da.split(case[0] * case[1] * case[3], case[-1])
+    assert parts > 1 or groups == 1 or case[-1] < 32  # case 0 runs split in two parts
+    assert (emu["_kernel"].launches, emu["_merge"].launches) == (1, int(parts > 1))
+
+
+@requires_gpu
+@pytest.mark.parametrize(
+    "case",
+    CASES + [
+        (1, 16, 8, 1, 256, 256, 1024, [700], 1024, 1024),  # Gemma 4 26B sliding layer
+        (2, 16, 2, 1, 512, 512, 2048, [900, 1500], None, 2048),  # its global layer
+        (4, 16, 2, 5, 256, 256, 4096, [10, 300, 1000, 3000], None, 4096),  # Qwen 3.5, verify
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_gpu_kernel_matches_reference(case, dtype):
+    da._plan.cache_clear()
+    _check(case, dtype)

@@ -1,0 +1,301 @@
+"""The one-launch gated delta-net decode (conv, gates, delta rule, gated output norm, row mask):
+reference and kernel body (CPU emulator) against a float64 oracle, the dispatcher's choices, the
+Qwen 3.5 decode step through it, and the kernel on a GPU."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import kernel_emulator
+import mlx.core as mx
+import numpy as np
+import pytest
+import test_gated_delta as tgd
+from conftest import requires_gpu
+from mlx.utils import tree_flatten, tree_unflatten
+
+import hf2q_mlx.custom_kernels as ck
+from hf2q_mlx.custom_kernels import gated_delta_decode as gdd
+from hf2q_mlx.custom_kernels import reference_only
+from hf2q_mlx.errors import InvalidArgumentError
+
+needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+EPS = 1e-5
+
+# (B, Hk, Hv, Dk, Dv): one head; Dv below the 16 SIMD groups; Dv = 40 (3 rows per SIMD group,
+# the last round partial); 3 value heads per key head; the Qwen 3.5 9B / 35B-A3B delta-net heads
+SHAPES = [
+    (1, 1, 1, 32, 8),
+    (2, 2, 6, 64, 7),
+    (3, 1, 3, 32, 40),
+    (1, 16, 32, 128, 128),
+]
+
+
+def make_inputs(B, hk, hv, dk, dv, seed, dtype=mx.float32, masked=False):
+    """Fresh random inputs for one token; ``masked``: a random mix of active rows (>= 1 off
+    when B > 1)."""
+    inp = tgd.make_inputs(B, 1, hk, hv, dk, dv, seed, dtype)
+    k = mx.random.split(mx.random.key(seed + 10_000), 2)
+    inp["z"] = mx.random.normal((B, 1, hv * dv), key=k[0]).astype(dtype)
+    inp["norm_weight"] = (0.75 + 0.5 * mx.random.uniform(shape=(dv,), key=k[1])).astype(dtype)
+    inp["norm_eps"] = EPS
+    if masked:
+        on = np.random.default_rng(seed).random(B) < 0.5
+        on[0], on[-1] = True, B == 1  # both kinds when B > 1
+        inp["active"] = mx.array(on)
+    return inp
+
+
+def oracle(inp: dict, tiled: bool):
+    """float64: the step of test_gated_delta's oracle, the gated RMSNorm, the row mask."""
+    inp = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
+           for k, v in inp.items()}  # fmt: skip
+    y, conv, st = tgd.oracle(inp, tiled)  # y (B, 1, Hv, Dv)
+    f = lambda name: np.array(inp[name].astype(mx.float32), dtype=np.float64)  # noqa: E731
+    B = y.shape[0]
+    z = f("z").reshape(y.shape)
+    out = y / np.sqrt((y * y).mean(-1, keepdims=True) + EPS) * f("norm_weight")
+    out = (out * z / (1 + np.exp(-z))).reshape(B, 1, -1)
+    if "active" in inp:
+        on = np.array(inp["active"])
+        conv[~on], st[~on] = f("conv_state")[~on], f("state")[~on]
+    return out, conv, st
+
+
+def check(got, want, rtol, what):
+    got = np.array(got.astype(mx.float32))
+    assert got.shape == want.shape, what
+    err = np.abs(got - want).max()
+    assert err <= rtol * np.abs(want).max(), f"{what}: max err {err:.3g}"
+
+
+def exact_states(got, inp, want_conv):
+    """Data movement: the conv state exactly; inactive rows' recurrent states bit for bit."""
+    np.testing.assert_array_equal(np.array(got[1].astype(mx.float32)), want_conv)
+    if "active" in inp:
+        off = ~np.array(inp["active"])
+        np.testing.assert_array_equal(np.array(got[2])[off], np.array(inp["state"])[off])
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_reference_matches_oracle(shape, tiled):
+    inp = make_inputs(*shape, seed=sum(shape), masked=True)
+    want = oracle(inp, tiled)
+    with reference_only():
+        got = gdd.gated_delta_decode(**inp, tiled=tiled)
+    # fp32 against float64 over one step and a norm: ~1e-6 relative
+    for g, w, what in zip(got, want, ("out", "conv_state", "state")):
+        check(g, w, 1e-5, what)
+    exact_states(got, inp, want[1].astype(np.float32))
+
+
+@needs_gxx
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_kernel_body_emulated(shape, tiled, monkeypatch):
+    """``_BODY`` compiled as C++ and launched by the dispatcher: fp32 against the oracle, rows
+    masked when B > 1, outputs poisoned by the emulator."""
+    emu = kernel_emulator.Emulated(gdd._kernel)
+    monkeypatch.setattr(gdd, "_kernel", emu)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    inp = make_inputs(*shape, seed=3 * sum(shape) + tiled, masked=shape[0] > 1)
+    got = gdd.gated_delta_decode(**inp, tiled=tiled)
+    assert emu.launches == 1
+    want = oracle(inp, tiled)
+    # fp32 vs float64: ~1e-6 relative (different reduction orders); 1e-5 leaves room
+    for g, w, what in zip(got, want, ("out", "conv_state", "state")):
+        check(g, w, 1e-5, what)
+    exact_states(got, inp, want[1].astype(np.float32))
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+def test_kernel_body_emulated_half(dtype, monkeypatch):
+    """Half inputs: the kernel keeps y in fp32 through the norm where the reference rounds; its
+    error against the fp32 oracle stays within 2x the same-dtype reference's."""
+    emu = kernel_emulator.Emulated(gdd._kernel)
+    monkeypatch.setattr(gdd, "_kernel", emu)
+    inp = make_inputs(2, 2, 4, 64, 24, seed=5, dtype=dtype, masked=True)
+    with reference_only():
+        ref = gdd.gated_delta_decode(**inp)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    got = gdd.gated_delta_decode(**inp)
+    assert emu.launches == 1
+    want = oracle(inp, False)
+    for i, what in ((0, "out"), (2, "state")):
+        k_err = np.abs(np.array(got[i].astype(mx.float32)) - want[i]).max()
+        r_err = np.abs(np.array(ref[i].astype(mx.float32)) - want[i]).max()
+        assert k_err <= 2 * r_err + 1e-6 * np.abs(want[i]).max(), f"{what}: {k_err} vs {r_err}"
+    exact_states(got, inp, np.array(ref[1].astype(mx.float32)))
+
+
+def test_dispatcher_falls_back_and_validates(monkeypatch):
+    """Dk not a multiple of 32: the reference even with a GPU back end; caller errors raise."""
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdd, "_kernel", None)  # any launch attempt would fail
+    inp = make_inputs(2, 1, 2, 48, 8, seed=2, masked=True)
+    got = gdd.gated_delta_decode(**inp)
+    for g, w, what in zip(got, oracle(inp, False), ("out", "conv_state", "state")):
+        check(g, w, 1e-5, what)
+    bad = dict(inp, num_k_heads=3)  # 2 * 3 * 48 + 2 * dv != C
+    with pytest.raises(InvalidArgumentError, match="gated_delta_decode"):
+        gdd.gated_delta_decode(**bad)
+    two = dict(inp, qkv=mx.concatenate([inp["qkv"]] * 2, axis=1))  # L = 2 is not a decode
+    with pytest.raises(InvalidArgumentError, match="gated_delta_decode"):
+        gdd.gated_delta_decode(**two)
+
+
+# ---- the Qwen 3.5 decode step (static caches, a paused row) through the emulated kernel ----
+
+QWEN = dict(
+    vocab_size=64, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+    rms_norm_eps=1e-5, num_hidden_layers=4, full_attention_interval=4,
+)  # fmt: skip
+
+
+def tiny_qwen():
+    from hf2q_mlx.models import qwen3_5
+
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(QWEN))
+    params = []
+    for i, (name, p) in enumerate(tree_flatten(model.parameters())):
+        key = mx.random.key(500 + i)
+        if p.ndim == 1:
+            v = 0.75 + 0.5 * mx.random.uniform(shape=p.shape, key=key)
+        else:
+            v = mx.random.normal(p.shape, key=key) / p.shape[-1] ** 0.5
+        params.append((name, v))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+@needs_gxx
+def test_decode_step_takes_one_launch_per_delta_net_layer(monkeypatch):
+    """DecodeStep's step (run eagerly: the emulator is not traceable) over 3 rows, one paused:
+    one launch per delta-net layer, logits of the active rows and every cache as the CPU
+    reference path gives them, the paused row's states untouched."""
+    from hf2q_mlx.decode_step import DecodeStep
+    from hf2q_mlx.models.static_cache import StaticRecurrentCache
+
+    with mx.stream(mx.cpu):
+        model = tiny_qwen()
+        step = DecodeStep(model, max_batch=3, max_len=16)
+        for row, n in enumerate([3, 5, 2]):
+            step.prefill(row, list(range(1, n + 1)))
+        before = [list(s.arrays) for s in step.caches]
+        call = (
+            mx.array([[7], [8], [9]]), mx.array(step.positions), mx.array([True, False, True]),
+            before, step.max_len, False,
+        )  # fmt: skip
+        want, want_arrays = step._step(*call)[:2]  # the CPU: today's graph
+        mx.eval(want, want_arrays)
+        # kernels on: this CPU plays the GPU; only the decode kernel runs (on the emulator)
+        monkeypatch.setattr(ck, "_gpu", ("cuda", mx.default_device(), mx.default_device))
+        emu = kernel_emulator.Emulated(gdd._kernel)
+        monkeypatch.setattr(gdd, "_kernel", emu)
+        monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+        with monkeypatch.context() as m:
+            for info in pkgutil.iter_modules(ck.__path__):  # every other kernel: its reference
+                mod = importlib.import_module(f"{ck.__name__}.{info.name}")
+                if mod is not gdd and hasattr(mod, "backend"):
+                    m.setattr(mod, "backend", lambda: None)
+            got, got_arrays = step._step(*call)[:2]
+            mx.eval(got, got_arrays)
+    linear = [isinstance(s, StaticRecurrentCache) for s in step.caches]
+    assert emu.launches == sum(linear) == 3
+    on = np.array([True, False, True])
+    g, w = np.array(got)[on], np.array(want)[on]
+    assert np.abs(g - w).max() <= 1e-4 * np.abs(w).max()  # fp32, two summation orders
+    for is_linear, old, new, ref in zip(linear, before, got_arrays, want_arrays):
+        for o, n, r in zip(old, new, ref):
+            n, r = np.array(n), np.array(r)
+            assert np.abs(n - r).max() <= 1e-4 * max(np.abs(r).max(), 1e-30)
+            if is_linear:
+                np.testing.assert_array_equal(n[1], np.array(o)[1])  # the paused row
+
+
+# ---- the kernel on a GPU (the lead runs these on the H200) ----
+
+GPU_SHAPES = SHAPES + [(32, 16, 32, 128, 128), (5, 4, 4, 96, 33), (2, 2, 4, 256, 64)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_gpu_kernel_matches_reference(shape, tiled, dtype):
+    inp = make_inputs(*shape, seed=7 * sum(shape), dtype=dtype, masked=shape[0] > 1)
+    with mx.stream(mx.gpu):
+        _, hk, hv, dk, dv = shape
+        assert gdd._covered(dtype, hk, dk, hv, dv, 4), "the kernel would not run"
+        got = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=float("nan"))  # poisoned
+        mx.eval(got)
+    with mx.stream(mx.cpu), reference_only():
+        ref = gdd.gated_delta_decode(**inp, tiled=tiled)
+        f32 = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
+               for k, v in inp.items()}  # fmt: skip
+        exact = gdd.gated_delta_decode(**f32, tiled=tiled)
+        mx.eval(ref, exact)
+    exact_states(got, inp, np.array(ref[1].astype(mx.float32)))
+    for i, what in ((0, "out"), (2, "state")):
+        e = np.array(exact[i])
+        k_err = np.abs(np.array(got[i].astype(mx.float32)) - e).max()
+        if dtype == mx.float32:
+            # same math, other reduction orders (~1e-6); the per-head norm scales a small head's
+            # error up to the largest output's: 1e-4
+            assert k_err <= 1e-4 * np.abs(e).max(), f"{what}: {k_err}"
+        else:  # within 2x the bf16 reference's own error against fp32
+            r_err = np.abs(np.array(ref[i].astype(mx.float32)) - e).max()
+            assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
+
+
+VIEWS = {"Reshape", "Broadcast", "Squeeze", "ExpandDims"}  # primitives that launch nothing here
+
+
+@requires_gpu
+@pytest.mark.parametrize("B", [1, 4])
+def test_gpu_block_decode_is_one_launch(B):
+    """The compiled delta-net decode between in_proj and out_proj (a 9B-shaped block, bf16,
+    a static cache with a paused row) holds one launching primitive: the kernel. Before it:
+    the step kernel, two mx.where of the static cache, the RMSNorm and silu(z) * norm = 5."""
+    import io
+    import re
+
+    from hf2q_mlx.models import ops, qwen3_5
+    from hf2q_mlx.models.static_cache import StaticRecurrentCache
+
+    with mx.stream(mx.gpu):
+        args = qwen3_5.ModelArgs.from_dict(dict(QWEN, hidden_size=256, **{
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        }))  # fmt: skip
+        net = qwen3_5.GatedDeltaNet(args)
+        net.update(tree_unflatten([
+            (k, v if k in ("A_log", "dt_bias") else v.astype(mx.bfloat16))
+            for k, v in tree_flatten(net.parameters())
+        ]))  # fmt: skip
+        cache = StaticRecurrentCache(
+            mx.zeros((B, 3, net.conv_dim), mx.bfloat16), mx.zeros((B, 32, 128, 128))
+        )
+        x = mx.random.normal((B, 1, 256)).astype(mx.bfloat16)
+        ins = [p(x) for p in (net.in_proj_qkv, net.in_proj_z, net.in_proj_a, net.in_proj_b)]
+        mx.eval(ins, net.parameters())
+
+        def block(qkv, z, a, b, conv, state, active):
+            cache.conv_state, cache.state, cache.active = conv, state, active
+            return ops.gated_delta_net(net, qkv, z, a, b, cache), cache.conv_state, cache.state
+
+        active = mx.array([i % 2 == 0 for i in range(B)])
+        outs = mx.compile(block)(*ins, cache.conv_state, cache.state, active)
+        buf = io.StringIO()
+        mx.export_to_dot(buf, *outs)
+        mx.eval(outs)
+    prims = [p for p in re.findall(r'label ="([^"]+)"', buf.getvalue()) if p not in VIEWS]
+    print(f"B={B}: {len(prims)} launching primitive(s): {prims}")
+    assert len(prims) == 1, prims
