@@ -9,7 +9,7 @@ import mlx.core as mx
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
-from hf2q_mlx.custom_kernels.expert_glu_affine import Affine
+from hf2q_mlx.custom_kernels.expert_glu_affine import Affine, affine_experts_covered
 from hf2q_mlx.custom_kernels.ggml_formats import COMMON
 from hf2q_mlx.errors import WeightMismatchError
 
@@ -129,21 +129,10 @@ _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 def kernel_covers(h, down: Affine, expert_ids, weights, group_size: int, bits: int) -> bool:
     """True when :func:`expert_down_affine` runs its kernel (a GPU, 1..32 tokens, 4- or 8-bit
     codes in groups of 32..128, one input row per (token, slot))."""
-    wq, scales, biases = down
-    K = h.shape[-1]
+    wq = down[0]
     return (
         backend() is not None
-        and bits in (4, 8)
-        and group_size in (32, 64, 128)
-        and biases is not None
-        and h.dtype in _FLOATS
-        and scales.dtype in _FLOATS
-        and biases.dtype == scales.dtype
-        and K % group_size == 0
-        and wq.dtype == mx.uint32
-        and wq.ndim == 3
-        and wq.shape[-1] * 32 == K * bits
-        and scales.shape == biases.shape == (*wq.shape[:2], K // group_size)
+        and affine_experts_covered(h, down, group_size, bits)
         and h.ndim == expert_ids.ndim + 1
         and tuple(h.shape[:-1]) == tuple(expert_ids.shape)
         and tuple(weights.shape) == tuple(expert_ids.shape)

@@ -168,15 +168,13 @@ def _launch(x, gate_up: Affine, up, expert_ids, group_size: int, bits: int, acti
     return launch, edims, (*expert_ids.shape, F), K
 
 
-def kernel_covers(x, gate_up: Affine, up, expert_ids, group_size: int, bits: int) -> bool:
-    """True when :func:`expert_glu_affine` runs its kernel (a GPU, 1..32 tokens, 4- or 8-bit
-    codes in groups of 32..128, x's leading dims those of the ids)."""
-    wq, scales, biases = gate_up
-    lead = expert_ids.shape if x.ndim == expert_ids.ndim + 1 else expert_ids.shape[:-1]
+def affine_experts_covered(x: mx.array, w: Affine, group_size: int, bits: int) -> bool:
+    """The affine expert kernels' common terms: x in a float dtype, 4- or 8-bit codes (E, rows,
+    K bits / 32) in groups of 32..128 with float scales and biases of one dtype."""
+    wq, scales, biases = w
     K = x.shape[-1]
     return (
-        backend() is not None
-        and bits in (4, 8)
+        bits in (4, 8)
         and group_size in (32, 64, 128)
         and biases is not None
         and x.dtype in _FLOATS
@@ -187,6 +185,17 @@ def kernel_covers(x, gate_up: Affine, up, expert_ids, group_size: int, bits: int
         and wq.ndim == 3
         and wq.shape[-1] * 32 == K * bits
         and scales.shape == biases.shape == (*wq.shape[:2], K // group_size)
+    )
+
+
+def kernel_covers(x, gate_up: Affine, up, expert_ids, group_size: int, bits: int) -> bool:
+    """True when :func:`expert_glu_affine` runs its kernel (a GPU, 1..32 tokens, 4- or 8-bit
+    codes in groups of 32..128, x's leading dims those of the ids)."""
+    wq = gate_up[0]
+    lead = expert_ids.shape if x.ndim == expert_ids.ndim + 1 else expert_ids.shape[:-1]
+    return (
+        backend() is not None
+        and affine_experts_covered(x, gate_up, group_size, bits)
         and (
             up is None
             or all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(up, gate_up))

@@ -231,8 +231,9 @@ class DecodeStep(RowSlots):
     # ---- the compiled step ---------------------------------------------------------------------
 
     def _step(self, tokens, pos, active, arrays, span: int, greedy: bool):
+        shared: dict = {}  # write slots, computed once per step for every layer
         for s, a in zip(self.caches, arrays):
-            s.arrays, s.pos, s.active = a, pos, active
+            s.arrays, s.pos, s.active, s.shared = a, pos, active, shared
             if isinstance(s, StaticKVCache) and s.window is None:
                 s.span = span
         logits = self.model(tokens, cache=self.caches)  # (B, L, V)

@@ -26,6 +26,7 @@ from hf2q_mlx.errors import Hf2qError
 class _RowPositions:
     pos: mx.array  # (B,) int32: tokens each row holds before this call
     active: mx.array  # (B,) bool: rows that advance
+    shared: dict | None = None  # one step's values computed once for all layers
 
     @property
     def offset(self):
@@ -52,9 +53,8 @@ class StaticKVCache(_RowPositions):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys (B, H, L, Dk), values (B, H, L, Dv) written at each row's position ->
         (keys, values, mask (B, 1, L, S))."""
-        B, H, L, _ = keys.shape
-        q_pos = self.pos[:, None] + mx.arange(L)[None]  # (B, L)
-        slots = q_pos if self.window is None else q_pos % self.capacity
+        L = keys.shape[2]
+        slots = self._slots(L)
         self.keys = _scatter(self.keys, slots, keys)
         self.values = _scatter(self.values, slots, values)
         span = self.span if self.window is None else self.capacity
@@ -63,6 +63,16 @@ class StaticKVCache(_RowPositions):
         if self.span < self.capacity:
             k, v = k[:, :, : self.span], v[:, :, : self.span]
         return k, v, mask
+
+    def _slots(self, L: int) -> mx.array:
+        """(B, L) slot of each new token. One set of ops per step: the step hands every cache
+        the same ``shared`` dict, so layers with the same ring size reuse the first one's."""
+        memo = self.shared if self.shared is not None else {}
+        key = (L, None if self.window is None else self.capacity)
+        if key not in memo:
+            q_pos = self.pos[:, None] + mx.arange(L)[None]  # (B, L)
+            memo[key] = q_pos if self.window is None else q_pos % self.capacity
+        return memo[key]
 
     def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
         # one kernel with the masks worked out from pos inside it (the mask above stays unbuilt)

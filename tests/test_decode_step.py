@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import gemma3, gemma4, llama, qwen2, qwen3_5, qwen3_5_moe
+from hf2q_mlx.models.static_cache import StaticKVCache
 
 RTOL = 1e-4
 VOCAB = 96
@@ -259,6 +260,30 @@ def test_shared_step_is_reused_and_replaced_by_a_longer_one():
     assert b.max_len == 2048 and b is not a
     assert shared_step(model, 1, 10) is b  # the longer step serves short requests too
     assert shared_step(nn.Linear(2, 2), 1, 10) is None  # not one of our model files
+
+
+def test_write_slots_are_computed_once_per_step():
+    """The step's graph holds one modulo for the sliding layers' ring slots (one ring size) and
+    one arange for the new tokens, whatever the number of layers: the layers share them."""
+    import io
+    import re
+
+    model = tiny_model("gemma3")  # 5 layers: 3 sliding, 2 full
+    step = DecodeStep(model, 2, 64)
+    for row, ids in enumerate(prompts([3, 7])):
+        step.prefill(row, ids)
+    pos = mx.array(step.positions, dtype=mx.int32)
+    arrays = [s.arrays for s in step.caches]
+    out, new, _ = step._step(mx.array([[1], [2]]), pos, mx.array([True, True]), arrays, 64, True)
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out, *[a for arrs in new for a in arrs])
+    labels = re.findall(r'label ="([^"]+)"', buf.getvalue())
+    # on the CPU the reference attention builds each sliding layer's mask (one modulo each);
+    # the write slots add one modulo for all of them, not one per layer
+    sliding = [c for c in step.caches if isinstance(c, StaticKVCache) and c.window is not None]
+    assert len(sliding) == 3 and labels.count("Remainder") == len(sliding) + 1, labels
+    shared = {id(c.shared) for c in step.caches}
+    assert len(shared) == 1 and len(step.caches[0].shared) == 2  # (L, full) and (L, ring)
 
 
 # ---- speculative verify: L tokens per row, then an exact rollback -------------------------------
