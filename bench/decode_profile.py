@@ -182,14 +182,17 @@ def main() -> None:
     dtype = mx.bfloat16 if gpu else mx.float32
     model, vocab = build(family, shape, a.format, dtype, a.layers)
     r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch)
-    r.update(model=a.model, format=a.format, step=a.step, batch=a.batch, layers=a.layers)
+    r["layers"] = len(model.layers)
+    r.update(model=a.model, format=a.format, step=a.step, batch=a.batch)
     r["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     r["device"] = str(mx.default_device())
     b_ms, s_ms = r["graph_build_ms_per_token"], r["eval_submit_ms_per_token"]
     print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall (Python graph build "
           f"{b_ms:.2f}, MLX eval submit {s_ms:.2f})", end="")  # fmt: skip
     if "kernel_ms_per_token" in r:
-        print(f", {r['kernels_per_token']:.0f} kernels/token, {r['kernel_ms_per_token']:.2f} ms "
+        per_layer = r["kernels_per_token"] / r["layers"]
+        print(f", {r['kernels_per_token']:.0f} kernels/token ({per_layer:.1f} per layer), "
+              f"{r['kernel_ms_per_token']:.2f} ms "
               f"kernel time/token, GPU busy {100 * r['gpu_busy']:.0f} %")  # fmt: skip
         print(f"{'kernel':<80} {'/token':>7} {'us/token':>9} {'avg us':>8}")
         for t in r["top"]:
