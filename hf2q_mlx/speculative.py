@@ -194,6 +194,40 @@ class RowResult:
     todo: list[int] = field(default_factory=list)
 
 
+def _sequences(todo, drafts) -> list[tuple[int, mx.array]]:
+    """Per row: (len(todo), todo + drafts as one int32 array)."""
+    out = []
+    for t, d in zip(todo, drafts):
+        d = d if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.int32)
+        out.append((len(t), mx.concatenate([mx.array(list(t), dtype=mx.int32), d])))
+    return out
+
+
+def _accept_rows(logits, where, seqs, tokens, warp, draft_probs, key, process):
+    """Acceptance for every row of a verify: row i's logits are ``logits[where[i]]`` (B, L, V)
+    and its input ``tokens[where[i]]``; one evaluation, then the decisions on the host ->
+    (RowResult per row, tokens as host lists)."""
+    where = list(where)
+    keys = [None] * len(seqs) if key is None else list(mx.random.split(key, len(seqs)))
+    outs = []
+    for i, (b, (t, r)) in enumerate(zip(where, seqs)):
+        K = r.shape[0] - t
+        lg = logits[b, t - 1 : t + K]
+        if process is not None:
+            lg = process(i, lg, r[t - 1 : t + K])
+        q = draft_probs[i] if draft_probs is not None else None
+        outs.append(accept_candidates(lg, r[t:], warp, q, keys[i]))
+    mx.eval(outs, tokens)
+    host = tokens.tolist()
+    results = []
+    for b, (t, _), out in zip(where, seqs, outs):
+        ok, cand, lp_drafts, lp_cand = (x.tolist() for x in out)
+        a = first_rejection(ok)
+        emitted = host[b][t : t + a] + [cand[a]]
+        results.append(RowResult(emitted, lp_drafts[:a] + [lp_cand[a]], a))
+    return results, host
+
+
 def _rollback(cache: list, snap: list | None, written: int, keep: int) -> int:
     """Forget the last ``written - keep`` entries; returns how many of the written stay."""
     if keep >= written:
@@ -225,34 +259,14 @@ def verify_rows(
     ``draft_probs[b]`` (K_b, V): the distribution row b's drafts were drawn from (None: point
     masses, e.g. prompt lookup). ``process(b, logits, tokens)`` applies logits processors.
     """
-    B = len(todo)
-    rows = []
-    for t, d in zip(todo, drafts):
-        d = d if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.int32)
-        rows.append((len(t), mx.concatenate([mx.array(list(t), dtype=mx.int32), d])))
+    rows = _sequences(todo, drafts)
     L = max(r.shape[0] for _, r in rows)
-    padded = [mx.pad(r, (0, L - r.shape[0])) for _, r in rows]
-    tokens = mx.stack(padded)  # (B, L)
+    tokens = mx.stack([mx.pad(r, (0, L - r.shape[0])) for _, r in rows])  # (B, L)
     snap = snapshot_cache(cache) if has_recurrent(cache) else None
     logits = model(tokens, cache=cache).astype(mx.float32)  # (B, L, V)
-    keys = [None] * B if key is None else list(mx.random.split(key, B))
-    outs = []
-    for b, (t, r) in enumerate(rows):
-        K = r.shape[0] - t
-        lg = logits[b, t - 1 : t + K]
-        if process is not None:
-            lg = process(b, lg, r[t - 1 : t + K])
-        q = draft_probs[b] if draft_probs is not None else None
-        outs.append(accept_candidates(lg, r[t:], warp, q, keys[b]))
-    mx.eval(outs, tokens)
-    host = tokens.tolist()
-    results, committed = [], []
-    for b, (t, _) in enumerate(rows):
-        ok, cand, lp_drafts, lp_cand = (x.tolist() for x in outs[b])
-        a = first_rejection(ok)
-        emitted = host[b][t : t + a] + [cand[a]]
-        results.append(RowResult(emitted, lp_drafts[:a] + [lp_cand[a]], a))
-        committed.append(t + a)
+    results, host = _accept_rows(logits, range(len(rows)), rows, tokens, warp, draft_probs, key,
+                                 process)  # fmt: skip
+    committed = [t + res.accepted for (t, _), res in zip(rows, results)]
     kept = _rollback(cache, snap, L, min(committed))
     for b, res in enumerate(results):
         res.todo = host[b][kept : committed[b]] + [res.tokens[-1]]
@@ -276,34 +290,18 @@ def verify_step_rows(
     (at least ``length``: a fixed length keeps one compiled trace when the draft count varies).
     Each row then rolls back exactly what it rejected, so its ``todo`` is the last emitted token.
     ``process(i, logits, tokens)`` gets the index i into ``rows``."""
-    seqs = []
-    for t, d in zip(todo, drafts):
-        d = d if isinstance(d, mx.array) else mx.array(list(d), dtype=mx.int32)
-        seqs.append((len(t), mx.concatenate([mx.array(list(t), dtype=mx.int32), d])))
+    seqs = _sequences(todo, drafts)
     L = max([r.shape[0] for _, r in seqs] + [length or 1])
     padded = {row: mx.pad(r, (0, L - r.shape[0])) for row, (_, r) in zip(rows, seqs)}
     idle = mx.zeros((L,), dtype=mx.int32)
     tokens = mx.stack([padded.get(b, idle) for b in range(step.max_batch)])  # (B, L)
     active = [b in padded for b in range(step.max_batch)]
     logits = step.verify(tokens, active).astype(mx.float32)  # (B, L, V)
-    keys = [None] * len(rows) if key is None else list(mx.random.split(key, len(rows)))
-    outs = []
-    for i, (row, (t, r)) in enumerate(zip(rows, seqs)):
-        K = r.shape[0] - t
-        lg = logits[row, t - 1 : t + K]
-        if process is not None:
-            lg = process(i, lg, r[t - 1 : t + K])
-        q = draft_probs[i] if draft_probs is not None else None
-        outs.append(accept_candidates(lg, r[t:], warp, q, keys[i]))
-    mx.eval(outs, tokens)
-    host = tokens.tolist()
-    results, counts = [], [0] * step.max_batch
-    for i, (row, (t, _)) in enumerate(zip(rows, seqs)):
-        ok, cand, lp_drafts, lp_cand = (x.tolist() for x in outs[i])
-        a = first_rejection(ok)
-        emitted = host[row][t : t + a] + [cand[a]]
-        results.append(RowResult(emitted, lp_drafts[:a] + [lp_cand[a]], a, [cand[a]]))
-        counts[row] = L - (t + a)  # the cache keeps todo and the accepted drafts
+    results, _ = _accept_rows(logits, rows, seqs, tokens, warp, draft_probs, key, process)
+    counts = [0] * step.max_batch
+    for row, (t, _), res in zip(rows, seqs, results):
+        res.todo = [res.tokens[-1]]
+        counts[row] = L - (t + res.accepted)  # the cache keeps todo and the accepted drafts
     step.rollback_rows(counts)
     return results
 
