@@ -17,14 +17,22 @@ from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 
+def ring_slot_positions(offset, capacity: int, span: int | None = None) -> mx.array:
+    """Absolute position held by each of the first ``span`` (default all) slots of a ring of
+    ``capacity`` slots after ``offset`` writes, slot = position % capacity (negative = empty);
+    a growing buffer is the case capacity >= offset. ``offset``: an int, or (B, 1) per row."""
+    i = mx.arange(capacity if span is None else span)
+    return (offset - 1) - ((offset - 1 - i) % capacity)
+
+
 def key_positions(pos: mx.array, L: int, span: int, capacity: int, ring: bool) -> mx.array:
     """(B, span) absolute position held by each of the first ``span`` slots once the L new
     tokens of every row are written at positions pos..pos+L-1 (negative = empty)."""
     end = pos[:, None] + L  # (B, 1): tokens held after the write
+    if ring:
+        return ring_slot_positions(end, capacity, span)
     i = mx.arange(span)[None]
-    if not ring:
-        return mx.where(i < end, i, -1)
-    return (end - 1) - ((end - 1 - i) % capacity)
+    return mx.where(i < end, i, -1)
 
 
 def visible(pos: mx.array, L: int, span: int, capacity: int, window: int | None) -> mx.array:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels.decode_attention import ring_slot_positions
 from hf2q_mlx.errors import Hf2qError
 
 
@@ -139,14 +140,6 @@ class KVCache(_KVBuffers):
         n = max(0, min(n, self.offset))
         self.offset -= n
         return n
-
-
-def ring_slot_positions(offset: int, capacity: int) -> mx.array:
-    """Absolute position held by each slot of a ring of ``capacity`` slots after ``offset``
-    writes, slot = position % capacity (negative = empty); a growing buffer is the case
-    capacity >= offset."""
-    i = mx.arange(capacity)
-    return (offset - 1) - ((offset - 1 - i) % capacity)
 
 
 # one-token ring masks by (position, capacity, window): the sliding layers of a model share one

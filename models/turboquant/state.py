@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels.decode_attention import ring_slot_positions
 from hf2q_mlx.custom_kernels.tq_quantize import stored_vectors
-from hf2q_mlx.models.cache import ring_slot_positions
 from hf2q_mlx.models.turboquant.codec import TQCodec
 
 
