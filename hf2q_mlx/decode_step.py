@@ -50,14 +50,25 @@ def _model_caches(model) -> list:
 
 class RowSlots:
     """What every step over ``max_batch`` rows shares (DecodeStep here, the serving fallback
-    ``SequentialStep``): the rows' positions and the row check."""
+    ``SequentialStep``): the rows' positions and the row and prefill checks."""
 
     max_batch: int
+    max_len: int
     positions: list[int]
 
     def _check_row(self, row: int) -> None:
         if not (isinstance(row, int) and 0 <= row < self.max_batch):
             raise InvalidArgumentError(f"row must be in [0, {self.max_batch}), got {row!r}")
+
+    def _check_prefill(self, row: int, n: int) -> None:
+        """A valid row, at least one token, and room for ``n`` more."""
+        self._check_row(row)
+        if n == 0:
+            raise InvalidArgumentError("prefill needs at least one token")
+        if self.positions[row] + n > self.max_len:
+            raise ContextLengthError(
+                f"row {row}: {self.positions[row]} + {n} tokens pass max_len {self.max_len}"
+            )
 
     def position(self, row: int) -> int:
         self._check_row(row)
@@ -196,13 +207,7 @@ class DecodeStep(RowSlots):
 
     def prefill(self, row: int, ids: Sequence[int]) -> mx.array:
         """Feed prompt tokens to ``row`` after what it holds -> logits (V,) of the last token."""
-        self._check_row(row)
-        if len(ids) == 0:
-            raise InvalidArgumentError("prefill needs at least one token")
-        if self.positions[row] + len(ids) > self.max_len:
-            raise ContextLengthError(
-                f"row {row}: {self.positions[row]} + {len(ids)} tokens pass max_len {self.max_len}"
-            )
+        self._check_prefill(row, len(ids))
         views = self._row_views(row)
         logits = self.model(mx.array([list(ids)], dtype=mx.int32), cache=views)
         self.adopt(row, views)

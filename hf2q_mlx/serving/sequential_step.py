@@ -59,13 +59,7 @@ class SequentialStep(RowSlots):
         """Feed ``ids`` to ``row`` after what it holds -> lazy logits (V,) of the last token.
         Nothing is evaluated: the engine evaluates every row's caches after a step's chunks
         (not the logits, so the head over a chunk is never computed)."""
-        self._check_row(row)
-        if len(ids) == 0:
-            raise InvalidArgumentError("prefill needs at least one token")
-        if self.positions[row] + len(ids) > self.max_len:
-            raise ContextLengthError(
-                f"row {row}: {self.positions[row]} + {len(ids)} tokens pass max_len {self.max_len}"
-            )
+        self._check_prefill(row, len(ids))
         logits = self.model(mx.array([list(ids)], dtype=mx.int32), cache=self.caches[row])
         self.positions[row] += len(ids)
         return logits[0, -1]
