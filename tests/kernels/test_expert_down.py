@@ -11,6 +11,7 @@ import pytest
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
 from kernel_emulator import Emulated
+from test_expert_glu import _experts, _poisoned, assert_rows_close
 
 import hf2q_mlx.custom_kernels as ck
 from hf2q_mlx.custom_kernels import expert_down as D
@@ -18,32 +19,12 @@ from hf2q_mlx.custom_kernels import expert_glu as G
 from hf2q_mlx.custom_kernels._render import Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.errors import WeightMismatchError
-from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import gemma4_moe, qwen3_5_moe
 from hf2q_mlx.models.experts import ExpertLinear
 
 needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
 # fp32: the same exact products summed in other orders over K and the k slots (~sqrt(kK) ulps)
 FP32_TOL = 1e-5
-_W_CACHE: dict = {}
-
-
-def _experts(t: int, e: int, n: int, k: int, seed: int) -> np.ndarray:
-    key = (t, e, n, k, seed)
-    if key not in _W_CACHE:
-        with mx.stream(mx.cpu):
-            raw = random_ggml_blocks(e * n, k, t, seed=seed, scale=0.5)
-            _W_CACHE[key] = np.array(raw).reshape(e, n, -1)
-    return _W_CACHE[key]
-
-
-def _poisoned(raw: np.ndarray, ids: mx.array) -> mx.array:
-    out = raw.copy()
-    keep = np.zeros(raw.shape[0], dtype=bool)
-    sel = np.array(ids).reshape(-1).astype(np.int64)
-    keep[sel[sel < raw.shape[0]]] = True
-    out[~keep] = 0xFF
-    return mx.array(out)
 
 
 def _route(m: int, k: int, e: int, seed: int) -> tuple[mx.array, mx.array]:
@@ -78,18 +59,7 @@ def _check(out: mx.array, h, raw, ids, wts, t, K) -> None:
     twice the error of that fp32 result rounded to h's dtype (floored at FP32_TOL)."""
     ref = _reference(h, raw, ids, wts, t, K)
     assert out.dtype == h.dtype and out.shape == ref.shape
-    got = np.array(out.astype(mx.float32)).astype(np.float64)
-    assert np.isfinite(ref).all()
-    assert not np.isnan(got).any(), "unwritten (poisoned) outputs or an unselected expert read"
-    norm = np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
-    err = np.linalg.norm(got - ref, axis=-1) / norm
-    tol = np.full(err.shape, FP32_TOL)
-    if h.dtype != mx.float32:
-        rounded = np.array(mx.array(ref.astype(np.float32)).astype(h.dtype).astype(mx.float32))
-        assert np.isfinite(rounded).all(), "test data overflows the dtype"
-        tol = np.maximum(2 * np.linalg.norm(rounded - ref, axis=-1) / norm, FP32_TOL)
-    worst = np.argmax(err / tol)
-    assert (err <= tol).all(), f"token {worst}: relative error {err[worst]:.3g} > {tol[worst]:.3g}"
+    assert_rows_close(out, ref, h.dtype)
 
 
 # (type, h dtype, tokens, k, E, N, K, config): Gemma-4-26B-A4B's down rows are Q5_0 (K 704 is

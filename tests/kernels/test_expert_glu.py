@@ -91,24 +91,31 @@ def _reference(x, raw_g, raw_u, ids, t, K, act) -> np.ndarray:
         return np.array(out).astype(np.float64)
 
 
-def _check(out: mx.array, x, raw_g, raw_u, ids, t, K, act) -> None:
-    """Per (token, slot) row: relative 2-norm error <= FP32_TOL against fp32 math; fp16/bf16 x:
-    at most twice the error of that fp32 result rounded to x's dtype (floored at FP32_TOL)."""
-    F = raw_g.shape[1]
-    assert out.dtype == x.dtype and out.shape == (*ids.shape, F)
-    ref = _reference(x, raw_g, raw_u, ids, t, K, act)
+def assert_rows_close(out: mx.array, ref: np.ndarray, dtype) -> None:
+    """Per output row (last axis): relative 2-norm error <= FP32_TOL against the fp32 result
+    ``ref``; fp16/bf16: at most twice the error of ``ref`` rounded to ``dtype`` (floored at
+    FP32_TOL). Shared by the expert kernels' tests."""
     got = np.array(out.astype(mx.float32)).astype(np.float64)
     assert np.isfinite(ref).all()
     assert not np.isnan(got).any(), "unwritten (poisoned) outputs or an unselected expert read"
     norm = np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
     err = np.linalg.norm(got - ref, axis=-1) / norm
     tol = np.full(err.shape, FP32_TOL)
-    if x.dtype != mx.float32:
-        rounded = np.array(mx.array(ref.astype(np.float32)).astype(x.dtype).astype(mx.float32))
+    if dtype != mx.float32:
+        rounded = np.array(mx.array(ref.astype(np.float32)).astype(dtype).astype(mx.float32))
         assert np.isfinite(rounded).all(), "test data overflows the dtype"
         tol = np.maximum(2 * np.linalg.norm(rounded - ref, axis=-1) / norm, FP32_TOL)
     worst = np.unravel_index(np.argmax(err / tol), err.shape)
-    assert (err <= tol).all(), f"pair {worst}: relative error {err[worst]:.3g} > {tol[worst]:.3g}"
+    assert (err <= tol).all(), f"row {worst}: relative error {err[worst]:.3g} > {tol[worst]:.3g}"
+
+
+def _check(out: mx.array, x, raw_g, raw_u, ids, t, K, act) -> None:
+    """Per (token, slot) row: relative 2-norm error <= FP32_TOL against fp32 math; fp16/bf16 x:
+    at most twice the error of that fp32 result rounded to x's dtype (floored at FP32_TOL)."""
+    F = raw_g.shape[1]
+    assert out.dtype == x.dtype and out.shape == (*ids.shape, F)
+    ref = _reference(x, raw_g, raw_u, ids, t, K, act)
+    assert_rows_close(out, ref, x.dtype)
 
 
 # (type, x dtype, activation, fused, tokens, k, per-slot x, E, F, K, config): F not a multiple
