@@ -122,10 +122,10 @@ def post_norm_residual(
     ``norm1(y) + norm2(y2)`` for two branches, and ``next_norm(h)``, one kernel on a GPU. The
     norms share one eps."""
     w = [None if m is None else m.weight for m in (norm1, norm2)]
-    args = (x, y, norm.weight, next_norm.weight, norm.eps, y2, *w, scale)
-    if use_kernels() and (scale is None or scale.dtype == x.dtype):  # else dtype promotion
-        return post_norm_kernel.post_norm_residual(*args)
-    return post_norm_kernel.post_norm_residual_reference(*args)
+    # the dispatcher takes the reference where no kernel applies (CPU, a scale of another dtype)
+    return post_norm_kernel.post_norm_residual(
+        x, y, norm.weight, next_norm.weight, norm.eps, y2, *w, scale
+    )
 
 
 def prenorm_layers(layers, h: mx.array, caches, final_norm: RMSNorm, pos: mx.array) -> mx.array:
