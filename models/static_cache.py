@@ -57,12 +57,16 @@ class StaticKVCache(_RowPositions):
         slots = self._slots(L)
         self.keys = _scatter(self.keys, slots, keys)
         self.values = _scatter(self.values, slots, values)
-        span = self.span if self.window is None else self.capacity
-        mask = visible(self.pos, L, span, self.capacity, self.window)  # (B, 1, L, S)
+        mask = visible(self.pos, L, self.read_span, self.capacity, self.window)  # (B, 1, L, S)
         k, v = self.keys, self.values
-        if self.span < self.capacity:
-            k, v = k[:, :, : self.span], v[:, :, : self.span]
+        if self.read_span < self.capacity:
+            k, v = k[:, :, : self.read_span], v[:, :, : self.read_span]
         return k, v, mask
+
+    @property
+    def read_span(self) -> int:
+        """Slots attention reads: the step's bucket (full attention) or the whole ring."""
+        return self.span if self.window is None else self.capacity
 
     def _slots(self, L: int) -> mx.array:
         """(B, L) slot of each new token. One set of ops per step: the step hands every cache
@@ -76,8 +80,9 @@ class StaticKVCache(_RowPositions):
 
     def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
         # one kernel with the masks worked out from pos inside it (the mask above stays unbuilt)
-        span = self.span if self.window is None else self.capacity
-        return decode_attention(queries, self.keys, self.values, self.pos, scale, span, self.window)
+        return decode_attention(
+            queries, self.keys, self.values, self.pos, scale, self.read_span, self.window
+        )
 
 
 def _scatter(buf: mx.array, slots: mx.array, new: mx.array) -> mx.array:
