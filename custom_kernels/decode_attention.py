@@ -233,9 +233,12 @@ def decode_attention(
     scale: float,
     span: int,
     window: int | None = None,
+    merge_heads: bool = False,
 ) -> mx.array:
     """Dispatcher for ``decode_attention_reference`` (same arguments): one kernel launch on a
-    GPU for up to 16 query tokens per row, the reference elsewhere."""
+    GPU for up to 16 query tokens per row, the reference elsewhere. ``merge_heads``: the output
+    as (B, L, Hq * Dv), the layout the output projection reads (one token per row: the
+    kernel's own (B, Hq, 1, Dv) memory, so no transpose or reshape node)."""
     B, Hq, L, D = q.shape
     Bk, Hk, C, Dk = keys.shape
     if Bk != B or Dk != D or values.shape[:3] != keys.shape[:3] or Hk == 0 or Hq % Hk:
@@ -245,13 +248,21 @@ def decode_attention(
     be = backend()
     if be is not None:
         sig = (q.dtype, keys.dtype, values.dtype, pos.dtype)
+        flat = merge_heads and L == 1
         plan = _plan(_kernel, _merge, be, q.shape, C, values.shape[-1], Hq // Hk, span, window,
-                     scale, sig)  # fmt: skip
+                     scale, sig, flat)  # fmt: skip
         if plan is not None:
             launch, merge, consts = plan
             out, pm, pl, po = launch(inputs=[q, keys, values, pos, *consts])
-            return out if merge is None else merge(inputs=[pm, pl, po])[0]
-    return decode_attention_reference(q, keys, values, pos, scale, span, window)
+            out = out if merge is None else merge(inputs=[pm, pl, po])[0]
+            return out if flat or not merge_heads else _merged(out)
+    out = decode_attention_reference(q, keys, values, pos, scale, span, window)
+    return _merged(out) if merge_heads else out
+
+
+def _merged(out: mx.array) -> mx.array:
+    B, _, L, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, Hq, L, Dv) -> (B, L, Hq * Dv)
 
 
 # Threadgroups to aim at: about two per streaming multiprocessor of a large GPU; a batch with
@@ -266,13 +277,15 @@ def split(rows: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     parts = max(1, min(32, TARGET_GROUPS // max(rows, 1), span // 16))
     chunk = -(-span // parts)
     most = 32 if head_dim <= 128 else 16 if head_dim <= 256 else 8
-    return parts, max(2, min(most, chunk // 8))
+    # two slots per SIMD group or more: each slot is a dependent round trip to memory, so the
+    # part's latency is its slots per group (at one token per row, the whole step waits on it)
+    return parts, max(2, min(most, chunk // 2))
 
 
 @lru_cache(maxsize=256)
-def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig):
+def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False):
     """(launcher, merge launcher or None, constant inputs) for one call shape, or None for the
-    reference."""
+    reference. ``flat`` (one token per row): the output shaped (B, 1, Hq * Dv)."""
     B, Hq, L, D = q_shape
     dt = sig[0]
     if dt not in _FLOATS or sig[1:3] != (dt, dt) or sig[3] != mx.int32 or L > 16:
@@ -280,13 +293,14 @@ def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig):
     if max(D, Dv) > 1024 or B * Hq * L >= 2**31:
         return None
     rows = B * Hq * L
+    out_shape = (B, 1, Hq * Dv) if flat else (B, Hq, L, Dv)
     parts, warps = split(rows, span, max(D, Dv))
     one = parts == 1
     launch = kernel.launcher(
         list(sig) + [mx.float32, mx.int32],
         grid=(rows * 32 * warps, parts, 1),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(B, Hq, L, Dv) if one else (1,), (1,) if one else (rows, parts),
+        output_shapes=[out_shape if one else (1,), (1,) if one else (rows, parts),
                        (1,) if one else (rows, parts), (1,) if one else (rows, parts, Dv)],
         output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
         template={"T": dt, "D": D, "DV": Dv, "REP": rep, "L": L, "SPAN": span, "CAP": C,
@@ -300,7 +314,7 @@ def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig):
             [mx.float32] * 3,
             grid=(rows * min(1024, -(-Dv // 32) * 32),),
             threadgroup=(min(1024, -(-Dv // 32) * 32),),
-            output_shapes=[(B, Hq, L, Dv)],
+            output_shapes=[out_shape],
             output_dtypes=[dt],
             template={"T": dt, "DV": Dv, "P": parts},
             backend=be,

@@ -119,19 +119,18 @@ def _launch(h, w, expert_ids, ggml_type: int, K: int, config):
     launch = dict(
         grid=(-(-N // cfg["R"]) * 32 * cfg["W"], tokens),
         threadgroup=(32 * cfg["W"], 1),
-        output_shapes=[(tokens, N)],
+        output_shapes=[(*expert_ids.shape[:-1], N)],  # written flat: no reshape node after
         output_dtypes=[h.dtype],
         template={"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
     )
-    return launch, [1, N, K, k, E], (*expert_ids.shape[:-1], N)
+    return launch, [1, N, K, k, E]
 
 
-def _flat(h, expert_ids, weights, K: int):
-    ids = expert_ids.reshape(expert_ids.size)
-    ids = ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
-    wts = weights.reshape(weights.size)
-    wts = wts if wts.dtype == mx.float32 else wts.astype(mx.float32)
-    return h.reshape(-1, K), ids, wts
+def _cast(expert_ids, weights):
+    """ids uint32, weights fp32, in their own shapes: the kernel reads flat memory (a reshape
+    would be one more graph node per call)."""
+    ids = expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
+    return ids, weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
 
 
 def expert_down_kernel(
@@ -148,10 +147,10 @@ def expert_down_kernel(
     """The GPU kernel alone, the contract of :func:`expert_down_reference` for GGML weights;
     a token with an id >= E gives a NaN row. ``config`` overrides R, U, W; ``init_value``
     pre-fills the output (tests poison it with NaN)."""
-    launch, edims, shape = _launch(h, w, expert_ids, ggml_type, in_features, config)
-    hs, ids, wts = _flat(h, expert_ids, weights, in_features)
-    inputs = [hs, w, ids, wts, mx.array(edims, dtype=mx.int32)]
-    return _KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0].reshape(shape)
+    launch, edims = _launch(h, w, expert_ids, ggml_type, in_features, config)
+    ids, wts = _cast(expert_ids, weights)
+    inputs = [h, w, ids, wts, mx.array(edims, dtype=mx.int32)]
+    return _KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
 
 
 _CALLS: dict[tuple, tuple] = {}
@@ -199,10 +198,9 @@ def expert_down(
             raise WeightMismatchError(
                 f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
             )
-        launch, edims, shape = _launch(h, w, expert_ids, ggml_type, in_features, None)
+        launch, edims = _launch(h, w, expert_ids, ggml_type, in_features, None)
         dtypes = [h.dtype, mx.uint8, mx.uint32, mx.float32, mx.int32]
-        plan = (_KERNELS[ggml_type].launcher(dtypes, **launch), mx.array(edims, mx.int32),
-                shape, in_features)  # fmt: skip
+        plan = (_KERNELS[ggml_type].launcher(dtypes, **launch), mx.array(edims, mx.int32))
         _CALLS[key] = plan
         return _run(plan, h, w, expert_ids, weights)
     y = expert_matmul(h, w, expert_ids, ggml_type, in_features)  # (..., k, N)
@@ -210,6 +208,6 @@ def expert_down(
 
 
 def _run(plan, h, w, expert_ids, weights) -> mx.array:
-    launch, edims, shape, K = plan
-    hs, ids, wts = _flat(h, expert_ids, weights, K)
-    return launch(inputs=[hs, w, ids, wts, edims])[0].reshape(shape)
+    launch, edims = plan
+    ids, wts = _cast(expert_ids, weights)
+    return launch(inputs=[h, w, ids, wts, edims])[0]

@@ -150,19 +150,18 @@ def _launch(h, down: Affine, expert_ids, group_size: int, bits: int):
     launch = dict(
         grid=(-(-N // ROWS) * 32 * WARPS, tokens),
         threadgroup=(32 * WARPS, 1),
-        output_shapes=[(tokens, N)],
+        output_shapes=[(*expert_ids.shape[:-1], N)],  # written flat: no reshape node after
         output_dtypes=[h.dtype],
         template={"T": h.dtype, "BITS": bits, "GS": group_size, "R": ROWS},
     )
-    return launch, [1, N, h.shape[-1], k, E], (*expert_ids.shape[:-1], N)
+    return launch, [1, N, h.shape[-1], k, E]
 
 
 def _inputs(h, down: Affine, expert_ids, weights, edims) -> list[mx.array]:
-    ids = expert_ids.reshape(expert_ids.size)
-    ids = ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
-    wts = weights.reshape(weights.size)
-    wts = wts if wts.dtype == mx.float32 else wts.astype(mx.float32)
-    return [h.reshape(-1, h.shape[-1]), *down, ids, wts, edims]
+    # in their own shapes: the kernel reads flat memory (a reshape is one more graph node)
+    ids = expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
+    wts = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
+    return [h, *down, ids, wts, edims]
 
 
 def expert_down_affine_kernel(
@@ -177,9 +176,9 @@ def expert_down_affine_kernel(
 ) -> mx.array:
     """The GPU kernel alone, the contract of :func:`expert_down_affine_reference`; a token with
     an id >= E gives a NaN row; ``init_value`` pre-fills the output (tests poison it)."""
-    launch, edims, shape = _launch(h, down, expert_ids, group_size, bits)
+    launch, edims = _launch(h, down, expert_ids, group_size, bits)
     inputs = _inputs(h, down, expert_ids, weights, mx.array(edims, dtype=mx.int32))
-    return _kernel(inputs, init_value=init_value, **launch)[0].reshape(shape)
+    return _kernel(inputs, init_value=init_value, **launch)[0]
 
 
 _CALLS: dict[tuple, tuple] = {}
@@ -201,15 +200,15 @@ def expert_down_affine(
     if backend() is not None:
         plan = _CALLS.get(key)
         if plan is not None:
-            launch, edims, shape = plan
-            return launch(inputs=_inputs(h, down, expert_ids, weights, edims))[0].reshape(shape)
+            launch, edims = plan
+            return launch(inputs=_inputs(h, down, expert_ids, weights, edims))[0]
     if h.shape[-1] * bits != down[0].shape[-1] * 32:
         raise WeightMismatchError(
             f"h has {h.shape[-1]} features, the {bits}-bit experts {down[0].shape[-1]} words"
         )
     if not kernel_covers(h, down, expert_ids, weights, group_size, bits):
         return expert_down_affine_reference(h, down, expert_ids, weights, group_size, bits)
-    launch, edims, shape = _launch(h, down, expert_ids, group_size, bits)
+    launch, edims = _launch(h, down, expert_ids, group_size, bits)
     dtypes = [h.dtype, *(a.dtype for a in down), mx.uint32, mx.float32, mx.int32]
-    _CALLS[key] = (_kernel.launcher(dtypes, **launch), mx.array(edims, mx.int32), shape)
+    _CALLS[key] = (_kernel.launcher(dtypes, **launch), mx.array(edims, mx.int32))
     return expert_down_affine(h, down, expert_ids, weights, group_size, bits)

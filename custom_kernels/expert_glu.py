@@ -156,18 +156,18 @@ def _launch(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, con
     launch = dict(
         grid=(-(-F // rh) * 32 * cfg["W"], expert_ids.size),
         threadgroup=(32 * cfg["W"], 1),
-        output_shapes=[(expert_ids.size, F)],
+        output_shapes=[(*expert_ids.shape, F)],  # written flat: no reshape node after
         output_dtypes=[x.dtype],
         template={"T": x.dtype, "MT": 1, "R": 2 * rh, "U": cfg["U"],
                   "ACT": ACTIVATIONS.index(activation)},
     )  # fmt: skip
     up0 = 0 if w_up is not None else F
-    return launch, [1, F, K, 1 if per_slot else k, E, rows, up0], (*expert_ids.shape, F)
+    return launch, [1, F, K, 1 if per_slot else k, E, rows, up0]
 
 
 def _uint32_ids(expert_ids: mx.array) -> mx.array:
-    ids = expert_ids.reshape(expert_ids.size)
-    return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
+    # the kernel reads flat memory: any shape will do (a reshape would be one more graph node)
+    return expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
 
 
 def expert_glu_kernel(
@@ -188,36 +188,70 @@ def expert_glu_kernel(
     ``config``: R (features per threadgroup), U, W (as qmatmul's ``launch_config``; R there
     counts rows, so the default takes half of it); ``init_value`` pre-fills the output.
     """
-    launch, edims, shape = _launch(x, w, w_up, expert_ids, ggml_type, in_features, activation,
-                                   config)  # fmt: skip
+    launch, edims = _launch(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
     wu = w if w_up is None else w_up
-    inputs = [x.reshape(-1, in_features), w, wu, _uint32_ids(expert_ids)]
+    inputs = [x, w, wu, _uint32_ids(expert_ids)]
     (out,) = _KERNELS[ggml_type](
         [*inputs, mx.array(edims, dtype=mx.int32)], init_value=init_value, **launch
     )
-    return out.reshape(shape)
+    return out
 
 
 class _Plan:
     """One call signature's launch, resolved once (a decode step pays a lookup and the launch)."""
 
-    __slots__ = ("launch", "edims", "out_shape", "K")
+    __slots__ = ("launch", "edims")
 
     def __init__(self, x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str):
-        launch, edims, self.out_shape = _launch(x, w, w_up, expert_ids, ggml_type, K,
-                                                activation, None)  # fmt: skip
+        launch, edims = _launch(x, w, w_up, expert_ids, ggml_type, K, activation, None)
         dtypes = [x.dtype, mx.uint8, mx.uint8, mx.uint32, mx.int32]
         self.launch = _KERNELS[ggml_type].launcher(dtypes, **launch)
         self.edims = mx.array(edims, dtype=mx.int32)
-        self.K = K
 
     def __call__(self, x, w, w_up, expert_ids) -> mx.array:
         ids = _uint32_ids(expert_ids)
-        inputs = [x.reshape(-1, self.K), w, w if w_up is None else w_up, ids, self.edims]
-        return self.launch(inputs=inputs)[0].reshape(self.out_shape)
+        # x as it comes ((..., K) or (..., k, K)): the kernel reads rows of K from flat memory
+        inputs = [x, w, w if w_up is None else w_up, ids, self.edims]
+        return self.launch(inputs=inputs)[0]
 
 
 _CALLS: dict[tuple, _Plan] = {}
+_DENSE: dict[tuple, tuple] = {}
+
+
+def dense_glu(
+    x: mx.array, w: mx.array, ggml_type: int, in_features: int, activation: str = "silu"
+) -> mx.array | None:
+    """act(gate) * up of a dense layer of fused [gate | up] GGML rows ``w`` (2F, row_bytes):
+    x (..., K) -> (..., F), for 1..32 rows on a GPU in ONE launch (this kernel over a single
+    expert, every id 0), where a mat-vec and the activation kernel take two. None where it
+    does not apply (the caller runs the projection, then the activation). Its one rounding to
+    x.dtype is the experts' (expert_glu_reference), not the two-step path's two."""
+    key = (ggml_type, in_features, activation, x.shape, x.dtype, w.shape, w.dtype)
+    plan = _DENSE.get(key) if backend() is not None else None
+    if plan is None:
+        rows = math.prod(x.shape[:-1])
+        if not (
+            backend() is not None
+            and ggml_type in _KERNELS
+            and activation in ACTIVATIONS
+            and x.dtype in Q.X_DTYPES
+            and 1 <= rows <= MAX_TOKENS
+            and x.shape[-1] == in_features
+            and w.ndim == 2
+            and w.dtype == mx.uint8
+            and w.shape[0] % 2 == 0
+            and w.shape[1] == row_bytes(ggml_type, in_features)
+        ):
+            return None
+        ids = mx.array([[0]] * rows, dtype=mx.uint32)  # a leaf with data (safe in a trace)
+        launch, edims = _launch(x, w[None], None, ids, ggml_type, in_features, activation, None)
+        launch["output_shapes"] = [(*x.shape[:-1], w.shape[0] // 2)]
+        dtypes = [x.dtype, mx.uint8, mx.uint8, mx.uint32, mx.int32]
+        plan = (_KERNELS[ggml_type].launcher(dtypes, **launch), ids, mx.array(edims, mx.int32))
+        _DENSE[key] = plan
+    launch, ids, edims = plan
+    return launch(inputs=[x, w, w, ids, edims])[0]
 
 
 def _kernel_covers(x, w, w_up, expert_ids, ggml_type) -> bool:

@@ -159,13 +159,13 @@ def _launch(x, gate_up: Affine, up, expert_ids, group_size: int, bits: int, acti
     launch = dict(
         grid=(-(-F // (ROWS // 2)) * 32 * WARPS, expert_ids.size),
         threadgroup=(32 * WARPS, 1),
-        output_shapes=[(expert_ids.size, F)],
+        output_shapes=[(*expert_ids.shape, F)],  # written flat: no reshape node after
         output_dtypes=[x.dtype],
         template={"T": x.dtype, "BITS": bits, "GS": group_size, "R": ROWS,
                   "ACT": ACTIVATIONS.index(activation)},
     )  # fmt: skip
     edims = [1, F, K, 1 if per_slot else k, E, rows, 0 if up is not None else F]
-    return launch, edims, (*expert_ids.shape, F), K
+    return launch, edims
 
 
 def affine_experts_covered(x: mx.array, w: Affine, group_size: int, bits: int) -> bool:
@@ -221,11 +221,10 @@ def expert_glu_affine_kernel(
 ) -> mx.array:
     """The GPU kernel alone, the contract of :func:`expert_glu_affine_reference`; an id >= E
     gives NaN rows; ``init_value`` pre-fills the output (tests poison it with NaN)."""
-    launch, edims, shape, K = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
+    launch, edims = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
     upa = gate_up if up is None else up
-    ids = expert_ids.reshape(expert_ids.size).astype(mx.uint32)
-    inputs = [x.reshape(-1, K), *gate_up, *upa, ids, mx.array(edims, dtype=mx.int32)]
-    return _kernel(inputs, init_value=init_value, **launch)[0].reshape(shape)
+    inputs = [x, *gate_up, *upa, _uint32(expert_ids), mx.array(edims, dtype=mx.int32)]
+    return _kernel(inputs, init_value=init_value, **launch)[0]
 
 
 _CALLS: dict[tuple, tuple] = {}
@@ -259,16 +258,19 @@ def expert_glu_affine(
     if not kernel_covers(x, gate_up, up, expert_ids, group_size, bits):
         return expert_glu_affine_reference(x, gate_up, expert_ids, group_size, bits, activation,
                                            up)  # fmt: skip
-    launch, edims, shape, K = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
+    launch, edims = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
     dtypes = [x.dtype, *(a.dtype for a in gate_up), *(a.dtype for a in (up or gate_up)),
               mx.uint32, mx.int32]  # fmt: skip
-    plan = _CALLS[key] = (_kernel.launcher(dtypes, **launch), mx.array(edims, mx.int32), shape, K)
+    plan = _CALLS[key] = (_kernel.launcher(dtypes, **launch), mx.array(edims, mx.int32))
     return _run(plan, x, gate_up, up, expert_ids)
 
 
 def _run(plan, x, gate_up: Affine, up, expert_ids) -> mx.array:
-    launch, edims, shape, K = plan
-    ids = expert_ids.reshape(expert_ids.size)
-    ids = ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
-    inputs = [x.reshape(-1, K), *gate_up, *(gate_up if up is None else up), ids, edims]
-    return launch(inputs=inputs)[0].reshape(shape)
+    launch, edims = plan
+    # x and the ids in their own shapes: the kernel reads flat memory (no reshape nodes)
+    inputs = [x, *gate_up, *(gate_up if up is None else up), _uint32(expert_ids), edims]
+    return launch(inputs=inputs)[0]
+
+
+def _uint32(ids: mx.array) -> mx.array:
+    return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)

@@ -2,12 +2,17 @@
 
 For L = 1 token per row, from the block's projections (``qkv`` (B, 1, C) with
 C = 2 Hk Dk + Hv Dv, ``z`` (B, 1, Hv Dv), ``a``, ``b`` (B, 1, Hv)), the conv state (B, K-1, C),
-the depthwise conv weight (C, K), A_log, dt_bias (Hv,), the recurrent state (B, Hv, Dv, Dk) and
-the gated norm's weight (Dv,): the short causal conv update with SiLU, the split into q/k/v, the
-q/k l2 norms (q scaled by Dk**-0.5), the gates (decay = exp(-exp(A_log) softplus(a + dt_bias)),
-beta = sigmoid(b)), the delta-rule update and readout y = S q, then out = rms_norm(y) * w *
-silu(z) per value head: the input of ``out_proj``. ``active`` (B,) bool (a static cache's rows
-that advance): rows not active keep their conv state and state (their output is meaningless).
+the depthwise conv weight (C, K) or (C, K, 1), A_log, dt_bias (Hv,), the recurrent state
+(B, Hv, Dv, Dk) and the gated norm's weight (Dv,): the short causal conv update with SiLU, the
+split into q/k/v, the q/k l2 norms (q scaled by Dk**-0.5), the gates (decay =
+exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b)), the delta-rule update and readout
+y = S q, then out = rms_norm(y) * w * silu(z) per value head: the input of ``out_proj``.
+``active`` (B,) bool (a static cache's rows that advance): rows not active keep their conv state
+and state (their output is meaningless).
+
+Each of qkv, z, a, b may be ``Channels`` of a fused in_proj's output (B, 1, N), read in place at
+its offset (template constants: each input's values per token and first channel), so a decode
+graph holds no slice between the fused mat-vec and this kernel.
 
 The math is ``custom_kernels/gated_delta.py``'s (its module docstring); this file adds the
 output norm and the row mask so that the decode of a delta-net block is one kernel between
@@ -16,6 +21,7 @@ in_proj and out_proj.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
@@ -29,6 +35,50 @@ SIMD_WIDTH = 32
 MAX_WARPS = 16  # SIMD groups per threadgroup (512 threads): value rows are spread over them
 MAX_STATE_REGS = 64  # floats of state a lane holds (rows per SIMD group x Dk / 32)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@dataclass(frozen=True, eq=False)
+class Channels:
+    """Channels ``first .. first + count`` of a fused projection's output ``data`` (B, L, N),
+    left unsplit: the decode kernel reads them in place. Stands where a (B, L, count) array
+    does."""
+
+    data: mx.array  # (B, L, N)
+    first: int
+    count: int
+
+    def __post_init__(self):
+        shape = self.data.shape
+        if len(shape) != 3 or self.first < 0 or self.count <= 0:
+            raise InvalidArgumentError(f"channels {self.first}+{self.count} of a {shape} array")
+        if self.first + self.count > shape[-1]:
+            raise InvalidArgumentError(
+                f"channels {self.first}..{self.first + self.count} outside {shape[-1]}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        B, L, _ = self.data.shape
+        return (B, L, self.count)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.data.dtype
+
+
+def dense(x: mx.array | Channels) -> mx.array:
+    """``x`` as its (B, L, count) array: a slice of a ``Channels``' data (not for a decode
+    step's kernel path, where the slice would be one more node)."""
+    if isinstance(x, Channels):
+        return x.data[..., x.first : x.first + x.count]
+    return x
+
+
+def _layout(x: mx.array | Channels) -> tuple[int, int]:
+    """(values per token, first channel) of an input as the kernel reads it."""
+    if isinstance(x, Channels):
+        return x.data.shape[-1], x.first
+    return x.shape[-1], 0
 
 
 def gated_delta_decode_reference(
@@ -49,6 +99,7 @@ def gated_delta_decode_reference(
     active: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The same in MLX ops -> (out (B, L, Hv Dv) in qkv.dtype, conv state, state fp32)."""
+    conv_weight = conv_weight.reshape(conv_weight.shape[:2])  # (C, K, 1) -> (C, K)
     y, conv, s = gated_delta_update_reference(
         qkv, conv_state, conv_weight, a, b, A_log, dt_bias, state, num_k_heads, head_k_dim, tiled
     )
@@ -77,7 +128,9 @@ _BODY = """
   const uint h = n % Hv;
   const uint hk = TILED ? h % Hk : h / (Hv / Hk);
   const bool act = MASKED ? bool(active[bi]) : true;
-  const uint xrow = bi * C;               // this row's qkv (one token)
+  const uint xrow = bi * QS + QO;         // this row's qkv (one token)
+  const uint zrow = bi * ZS + ZO + h * Dv;  // this head's z
+  const uint arow = bi * AS + AO + h, brow = bi * BS + BO + h;  // this head's a and b
   const uint crow = bi * (KC - 1) * C;    // this row's conv state
   SHARED float part[NW];
 
@@ -93,7 +146,7 @@ _BODY = """
     for (int j = 0; j < KC - 1; ++j)
       v += to_float(conv_w[cv * KC + j]) * to_float(conv_state[crow + j * C + cv]);
     vv[r] = v / (1.0f + exp_f(-v));
-    zr[r] = to_float(z[n * Dv + dv]);
+    zr[r] = to_float(z[zrow + dv]);
     wr[r] = to_float(norm_w[dv]);
   }
 
@@ -117,10 +170,10 @@ _BODY = """
   const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
   UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
 
-  const float x = to_float(a[n]) + to_float(dt_bias[h]);
+  const float x = to_float(a[arow]) + to_float(dt_bias[h]);
   const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
   const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
-  const float beta = 1.0f / (1.0f + exp_f(-to_float(b[n])));
+  const float beta = 1.0f / (1.0f + exp_f(-to_float(b[brow])));
 
   // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
   float ys[R];
@@ -184,7 +237,9 @@ _INPUTS = [
 _OUTPUTS = ["out", "state_out", "conv_out"]
 
 
-def _example(dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int) -> Example:
+def _example(
+    dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int, layout: tuple
+) -> Example:
     nw = min(MAX_WARPS, dv)
     return Example(
         inputs={
@@ -196,9 +251,14 @@ def _example(dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int) -> Ex
         outputs={"out": dtype, "state_out": mx.float32, "conv_out": dtype},
         template={
             "Dk": dk, "Dv": dv, "Hk": 16, "Hv": 32, "KC": 4, "NW": nw, "R": -(-dv // nw),
-            "TILED": tiled, "MASKED": masked, "OutT": dtype,
+            "TILED": tiled, "MASKED": masked, "OutT": dtype, **_layout_template(layout),
         },
     )  # fmt: skip
+
+
+def _layout_template(layout: tuple) -> dict:
+    """QS, QO, ZS, ZO, AS, AO, BS, BO: values per token and first channel of qkv, z, a, b."""
+    return dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout))
 
 
 _kernel = Kernel(
@@ -207,8 +267,9 @@ _kernel = Kernel(
     outputs=_OUTPUTS,
     body=_BODY,
     examples=[
-        _example(mx.bfloat16, False, True, 128, 128),  # Qwen 3.5 9B / 35B-A3B
-        _example(mx.float32, True, False, 64, 7),
+        # Qwen 3.5 9B / 35B-A3B: in_proj qkv + z fused, b + a fused
+        _example(mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0)),
+        _example(mx.float32, True, False, 64, 7, (2272, 0, 224, 0, 32, 0, 32, 0)),  # unfused
     ],
 )
 
@@ -226,7 +287,7 @@ def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int) -> boo
 
 
 @lru_cache(maxsize=64)
-def _plan(kernel, be, B, C, K, hk, dk, hv, dv, tiled, masked, eps, dtypes, init_value):
+def _plan(kernel, be, B, C, K, hk, dk, hv, dv, tiled, masked, eps, dtypes, layout, init_value):
     """(launcher, eps array, placeholder mask) for one call shape."""
     nw = min(MAX_WARPS, dv)
     dtype = dtypes[0]
@@ -238,7 +299,7 @@ def _plan(kernel, be, B, C, K, hk, dk, hv, dv, tiled, masked, eps, dtypes, init_
         output_dtypes=[dtype, mx.float32, dtype],
         template={
             "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
-            "TILED": tiled, "MASKED": masked, "OutT": dtype,
+            "TILED": tiled, "MASKED": masked, "OutT": dtype, **_layout_template(layout),
         },
         init_value=init_value,
         backend=be,
@@ -247,10 +308,10 @@ def _plan(kernel, be, B, C, K, hk, dk, hv, dv, tiled, masked, eps, dtypes, init_
 
 
 def gated_delta_decode(
-    qkv: mx.array,
-    z: mx.array,
-    a: mx.array,
-    b: mx.array,
+    qkv: mx.array | Channels,
+    z: mx.array | Channels,
+    a: mx.array | Channels,
+    b: mx.array | Channels,
     conv_state: mx.array | None,
     conv_weight: mx.array,
     A_log: mx.array,
@@ -265,17 +326,28 @@ def gated_delta_decode(
     init_value: float | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Dispatcher -> (out (B, 1, Hv Dv) in qkv.dtype, new conv state, new state fp32): one
-    kernel where it applies, else the reference. ``conv_state`` / ``state`` None: zeros (a
-    first token). ``init_value`` fills the outputs before the launch (tests poison them)."""
+    kernel where it applies, else the reference. ``conv_weight`` (C, K), or (C, K, 1) as the
+    model keeps it (the kernel reads it flat: no reshape node). ``conv_state`` / ``state``
+    None: zeros (a first token). ``init_value`` fills the outputs before the launch (tests
+    poison them). Every array goes in and comes out in its own shape: a reshape would be one
+    more node in each decode step's graph. Any of qkv, z, a, b may be ``Channels`` of a fused
+    projection's output (several may share one), which the kernel reads in place."""
     B, L, C = qkv.shape
     hv = a.shape[-1]
     dv, rem = divmod(C - 2 * num_k_heads * head_k_dim, hv)
-    if L != 1 or rem or dv <= 0 or hv % num_k_heads or z.shape != (B, L, hv * dv):
+    gates = a.shape == b.shape == (B, L, hv)
+    if L != 1 or rem or dv <= 0 or hv % num_k_heads or z.shape != (B, L, hv * dv) or not gates:
         raise InvalidArgumentError(
-            f"gated_delta_decode: qkv {qkv.shape}, z {z.shape} and {hv} value heads do not "
+            f"gated_delta_decode: qkv {qkv.shape}, z {z.shape}, a {a.shape} and b {b.shape} do not "
             f"match one token of {num_k_heads} key heads of {head_k_dim}"
         )
-    K = conv_weight.shape[-1]
+    w_shape = conv_weight.shape
+    if len(w_shape) < 2 or w_shape[0] != C or w_shape[2:] not in ((), (1,)):
+        raise InvalidArgumentError(
+            f"gated_delta_decode: conv weight {w_shape} is not (C, K) or (C, K, 1) "
+            f"for C = {C} channels"
+        )
+    K = w_shape[1]
     if conv_state is None:
         conv_state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
     if state is None:
@@ -283,17 +355,20 @@ def gated_delta_decode(
     be = backend()
     if be is None or not _covered(qkv.dtype, num_k_heads, head_k_dim, hv, dv, K):
         return gated_delta_decode_reference(
-            qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight,
-            norm_eps, num_k_heads, head_k_dim, tiled, active,
+            *(dense(x) for x in (qkv, z, a, b)), conv_state, conv_weight, A_log, dt_bias,
+            state, norm_weight, norm_eps, num_k_heads, head_k_dim, tiled, active,
         )  # fmt: skip
     masked = active is not None
     if masked and active.dtype != mx.bool_:
         active = active.astype(mx.bool_)
-    inputs = [qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight]
+    projections = (qkv, z, a, b)
+    layout = tuple(v for x in projections for v in _layout(x))
+    data = [x.data if isinstance(x, Channels) else x for x in projections]  # read in place
+    inputs = [*data, conv_state, conv_weight, A_log, dt_bias, state, norm_weight]
     dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_)
     launch, eps, unmasked = _plan(
         _kernel, be, B, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
-        float(norm_eps), dtypes, init_value,
+        float(norm_eps), dtypes, layout, init_value,
     )  # fmt: skip
     inputs += [eps, active if masked else unmasked]
     out, state, conv = launch(inputs=inputs)

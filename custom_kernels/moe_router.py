@@ -138,11 +138,12 @@ _BODY = r"""
   }
   BARRIER();
   // Logits. Lanes read 16-byte chunks of a row, NU chunks in flight per lane (one SM's share
-  // of the bandwidth needs many loads in flight). VEC (float rows, D a multiple of VW): VW
-  // weights per chunk, WK 0 fp32 / 1 fp16 / 2 bf16. QB > 0 (MLX affine rows of D * QB / 32
-  // words): CPW codes of one group per chunk, w = scale * code + bias, summed as
-  // scale * sum(code * x) + bias * sum(x). Otherwise (float rows, odd D): one weight per lane.
-  constexpr uint NU = 8;
+  // of the bandwidth needs many loads in flight: a 2816-wide bf16 row is one round of 16).
+  // VEC (float rows, D a multiple of VW): VW weights per chunk, WK 0 fp32 / 1 fp16 / 2 bf16.
+  // QB > 0 (MLX affine rows of D * QB / 32 words): CPW codes of one group per chunk,
+  // w = scale * code + bias, summed as scale * sum(code * x) + bias * sum(x). Otherwise
+  // (float rows, odd D): one weight per lane.
+  constexpr uint NU = 16;
   constexpr uint VW = WK == 0 ? 4 : 8;
   constexpr uint NCH = VEC ? uint(D) / VW : 0;
   for (uint e = simd_id; VEC && e < uint(E); e += n_simd) {
@@ -178,7 +179,7 @@ _BODY = r"""
   constexpr uint WPC = 32 / QBS;     // codes per word
   constexpr uint CPW = 4 * WPC;      // codes per chunk
   constexpr uint NCA = QB ? uint(D) / CPW : 0;
-  constexpr uint NUA = 4;
+  constexpr uint NUA = 8;
   for (uint e = simd_id; QB && e < uint(E); e += n_simd) {
     DEVICE_PTR(const uint4) wr4 = DEVICE_CAST(const uint4, w + size_t(e) * (uint(D) / WPC));
     const size_t g0 = size_t(e) * (uint(D) / GS);
@@ -210,7 +211,9 @@ _BODY = r"""
         acc[u] = fma_f(to_float(w_scales[g]), d, fma_f(to_float(w_biases[g]), sx, acc[u]));
       }
     }
-    const float dot = simd_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    float dot = 0.0f;
+    UNROLL for (uint u = 0; u < NUA; ++u) dot += acc[u];
+    dot = simd_sum(dot);
     if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
   }
   for (uint e = simd_id; !VEC && !QB && e < uint(E); e += n_simd) {

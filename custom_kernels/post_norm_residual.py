@@ -51,11 +51,23 @@ _BODY = """
   const float eps = fparams[0];
   float a[NPT];
   float c[NPT];
+  // every operand loaded up front: one round of memory latency instead of one per norm (the
+  // barriers between the norms keep loads from moving past them)
+  float xv[NPT], wv[NPT], w1v[NPT], w2v[NPT], nv[NPT], nv2[NPT];
   float sa = 0.0f, sc = 0.0f;
   UNROLL for (int j = 0; j < NPT; ++j) {
     const uint i = tid + uint(TG * j);
-    a[j] = i < uint(H) ? to_float(y[base + i]) : 0.0f;
-    c[j] = (TWO && i < uint(H)) ? to_float(y2[base + i]) : 0.0f;
+    const bool ok = i < uint(H);
+    a[j] = ok ? to_float(y[base + i]) : 0.0f;
+    c[j] = (TWO && ok) ? to_float(y2[base + i]) : 0.0f;
+    xv[j] = ok ? to_float(x[base + i]) : 0.0f;
+    wv[j] = ok ? to_float(w[i]) : 0.0f;
+    w1v[j] = (TWO && ok) ? to_float(w1[i]) : 0.0f;
+    w2v[j] = (TWO && ok) ? to_float(w2[i]) : 0.0f;
+    nv[j] = ok ? to_float(next_w[i]) : 0.0f;
+    nv2[j] = (N2 && ok) ? to_float(next_w2[i]) : 0.0f;
+  }
+  UNROLL for (int j = 0; j < NPT; ++j) {
     sa = fma_f(a[j], a[j], sa);
     sc = fma_f(c[j], c[j], sc);
   }
@@ -72,8 +84,8 @@ _BODY = """
     UNROLL for (int j = 0; j < NPT; ++j) {
       const uint i = tid + uint(TG * j);
       if (i < uint(H)) {
-        const float na = to_float(from_float<T>(a[j] * ia * to_float(w1[i])));
-        const float nc = to_float(from_float<T>(c[j] * ic * to_float(w2[i])));
+        const float na = to_float(from_float<T>(a[j] * ia * w1v[j]));
+        const float nc = to_float(from_float<T>(c[j] * ic * w2v[j]));
         a[j] = to_float(from_float<T>(na + nc));
       }
       sa = fma_f(a[j], a[j], sa);
@@ -92,8 +104,8 @@ _BODY = """
     const uint i = tid + uint(TG * j);
     float hv = 0.0f;
     if (i < uint(H)) {
-      const float nb = to_float(from_float<T>(a[j] * ib * to_float(w[i])));
-      hv = to_float(from_float<T>(to_float(x[base + i]) + nb));
+      const float nb = to_float(from_float<T>(a[j] * ib * wv[j]));
+      hv = to_float(from_float<T>(xv[j] + nb));
       if (SCALED) hv = to_float(from_float<T>(hv * sv));
       h[base + i] = from_float<T>(hv);
     }
@@ -110,8 +122,8 @@ _BODY = """
   UNROLL for (int j = 0; j < NPT; ++j) {
     const uint i = tid + uint(TG * j);
     if (i < uint(H)) {
-      n[base + i] = from_float<T>(a[j] * io * to_float(next_w[i]));
-      if (N2) n2[base + i] = from_float<T>(a[j] * io * to_float(next_w2[i]));
+      n[base + i] = from_float<T>(a[j] * io * nv[j]);
+      if (N2) n2[base + i] = from_float<T>(a[j] * io * nv2[j]);
     }
   }
 """

@@ -3,13 +3,71 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
-from hf2q_mlx.errors import UnsupportedArchitectureError
+from hf2q_mlx.errors import InvalidArgumentError, UnsupportedArchitectureError
+
+
+@dataclass(frozen=True, eq=False)
+class Heads:
+    """Heads ``first .. first + count`` (each ``width`` values) of a projection's output ``data``
+    (B, L, N), left unsplit: the kernel reads q, k and v in place from a fused q/k/v matmul, so
+    the graph holds no reshape or split between the two. Stands where a (B, L, H, P) array does.
+    """
+
+    data: mx.array  # (B, L, N)
+    first: int
+    count: int
+    width: int
+
+    def __post_init__(self):
+        shape = self.data.shape
+        if len(shape) != 3 or self.width <= 0 or shape[-1] % self.width:
+            raise InvalidArgumentError(f"heads of {self.width} values in a {shape} array")
+        if self.first < 0 or self.count <= 0 or self.first + self.count > shape[-1] // self.width:
+            raise InvalidArgumentError(
+                f"heads {self.first}..{self.first + self.count} outside {shape[-1] // self.width}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, L, H, P) of the array these heads stand for."""
+        B, L, _ = self.data.shape
+        return (B, L, self.count, self.width)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.data.dtype
+
+
+def split_heads(xs) -> list:
+    """Each ``Heads`` of ``xs`` as its (B, L, H, P) array (others as they are): one reshape and
+    one split per projection output, as an unfused reader would take them."""
+    out = list(xs)
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(xs):
+        if isinstance(x, Heads):
+            groups.setdefault(id(x.data), []).append(i)
+    for idx in groups.values():
+        parts = sorted(idx, key=lambda i: xs[i].first)
+        h0 = xs[parts[0]]
+        y = h0.data.reshape(*h0.shape[:2], -1, h0.width)  # (B, L, N / P, P)
+        ends = [xs[i].first + xs[i].count for i in parts]
+        tiles = [xs[i].first for i in parts] == [0, *ends[:-1]] and ends[-1] == y.shape[2]
+        if tiles and all(xs[i].width == h0.width for i in parts):
+            for i, piece in zip(parts, mx.split(y, ends[:-1], axis=2) if ends[:-1] else [y]):
+                out[i] = piece
+        else:  # overlapping or partial: one slice each
+            for i in parts:
+                h = xs[i]
+                heads = h.data.reshape(*h.shape[:2], -1, h.width)
+                out[i] = heads[:, :, h.first : h.first + h.count]
+    return out
 
 
 def rope_inv_freq(dims: int, base: float) -> mx.array:
@@ -65,19 +123,20 @@ def rms_norm_rope_reference(
     weight_offset: float = 0.0,
     dims: int | None = None,
     transpose: bool = True,
+    norm: bool = True,
 ) -> mx.array:
     """x (B, L, H, P) -> (B, H, L, D) (or (B, L, H, D)) in x.dtype, fp32 math in MLX ops.
 
     Uses the first ``D = dims or P`` values of each head: ``y = x * rsqrt(mean(x^2) + eps) *
-    (weight + weight_offset)``, then the first ``R = 2 * len(inv_freq)`` dims rotate in pairs
-    ``(i, i + R/2)`` by ``(position * scale) * inv_freq[i]`` (``mx.fast.rope``, traditional=False)
-    and the rest pass through. Positions: ``offset`` (int, scalar or (B,) array) + arange(L), or
-    ``positions`` (L,) / (B, L).
+    (weight + weight_offset)`` (``norm`` False: ``y = x``; ``weight`` None: no product), then the
+    first ``R = 2 * len(inv_freq)`` dims rotate in pairs ``(i, i + R/2)`` by ``(position *
+    scale) * inv_freq[i]`` (``mx.fast.rope``, traditional=False) and the rest pass through.
+    Positions: ``offset`` (int, scalar or (B,) array) + arange(L), or ``positions`` (L,) / (B, L).
     """
     B, L, H, _ = x.shape
     D = dims or x.shape[-1]
     xf = x[..., :D].astype(mx.float32)
-    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps) if norm else xf
     if weight is not None:
         y = y * (weight.astype(mx.float32) + weight_offset)
     if inv_freq is not None:
@@ -95,7 +154,10 @@ def rms_norm_rope_reference(
 # value, so one build serves every model shape: params (int32) B, L, H0..H2 (heads per tensor,
 # 0 = absent), P0..P2 (values per head in the input, >= D), R (rotated dims, 0 = none), ROPE (bit
 # t: tensor t rotates), HASW (bit t: tensor t has a weight), POS (0 offset, 1 per-batch offsets,
-# 2 positions (L,), 3 positions (B, L)), TRANS (write (B, H, L, D)); fparams: eps, scale, w offset.
+# 2 positions (L,), 3 positions (B, L)), TRANS (write (B, H, L, D)), S0..S2 (values per token in
+# input t: H * P, or N for ``Heads`` of a (B, L, N) output), O0..O2 (where tensor t's first head
+# starts in a token: 0, or first * P), NORM (bit t: tensor t is normed, else only moved and
+# laid out); fparams: eps, scale, w offset.
 _HEADER = r"""
 // sin / cos are not in the shared vocabulary yet
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -136,7 +198,10 @@ _BODY = """
   const uint h = r % H;
   const uint l = (r / H) % L;
   const uint b = r / (H * L);
-  DEVICE_PTR(const T) src = (t == 0 ? x0 : (t == 1 ? x1 : x2)) + uint64_t(r) * uint(params[5 + t]);
+  // token (b, l) of input t starts S_t values in; the tensor's heads O_t values into it
+  DEVICE_PTR(const T) src = (t == 0 ? x0 : (t == 1 ? x1 : x2)) +
+                            uint64_t(r / H) * uint(params[13 + t]) + uint(params[16 + t]) +
+                            uint64_t(h) * uint(params[5 + t]);
 
   float v[D / 32];
   float ss = 0.0f;
@@ -144,11 +209,13 @@ _BODY = """
     v[j] = to_float(src[lane + 32 * j]);
     ss = fma_f(v[j], v[j], ss);
   }
-  const float inv = rsqrt_f(simd_sum(ss) / float(D) + fparams[0]);
+  const float sum = simd_sum(ss);  // every lane, whichever branch the row takes below
+  const bool normed = ((params[19] >> t) & 1) != 0;
+  const float inv = rsqrt_f(sum / float(D) + fparams[0]);
   const bool has_w = ((params[10] >> t) & 1) != 0;
   DEVICE_PTR(const WT) w = t == 0 ? w0 : (t == 1 ? w1 : w2);
   UNROLL for (int j = 0; j < D / 32; ++j) {
-    v[j] *= inv;
+    if (normed) v[j] *= inv;  // else no arithmetic: an exact copy (flushing can't touch it)
     if (has_w) v[j] *= to_float(w[lane + 32 * j]) + fparams[2];
   }
   if (R > 0 && ((params[9] >> t) & 1) != 0) {
@@ -188,7 +255,7 @@ _kernel = Kernel(
     examples=[
         Example(
             {"x0": t, "x1": t, "x2": t, "w0": wt, "w1": wt, "w2": wt, "inv_freq": mx.float32,
-             "pos": (mx.int32, 1), "params": (mx.int32, 13), "fparams": (mx.float32, 3)},
+             "pos": (mx.int32, 1), "params": (mx.int32, 20), "fparams": (mx.float32, 3)},
             {"o0": t, "o1": t, "o2": t},
             {"T": t, "WT": wt, "D": d},
         )
@@ -217,28 +284,29 @@ def _pos_key(offset, positions) -> tuple:
 
 
 def _validate(shapes, wshapes, fshape, pkey, D) -> None:
-    """Raise ValueError for caller errors (both paths; shapes only, so plans can cache it)."""
+    """Raise InvalidArgumentError (a ValueError) for caller errors (both paths; shapes only, so
+    plans can cache it)."""
     for shape, w, name in zip(shapes, wshapes, ("q", "k", "v") if len(shapes) > 1 else ("x",)):
         if len(shape) != 4 or shape[-1] < D:
-            raise ValueError(f"{name} must be (B, L, H, >= {D}), got {shape}")
+            raise InvalidArgumentError(f"{name} must be (B, L, H, >= {D}), got {shape}")
         if w is not None and w != (D,):
-            raise ValueError(f"{name} norm weight must be ({D},), got {w}")
+            raise InvalidArgumentError(f"{name} norm weight must be ({D},), got {w}")
     B, L = shapes[0][:2]
     if any(shape[:2] != (B, L) for shape in shapes):
-        raise ValueError(f"q, k, v disagree on (B, L): {shapes}")
+        raise InvalidArgumentError(f"q, k, v disagree on (B, L): {shapes}")
     if fshape is None:
         return
     if len(fshape) != 1 or 2 * fshape[0] > D:
-        raise ValueError(f"inv_freq must be (R/2,) with R <= {D}, got {fshape}")
+        raise InvalidArgumentError(f"inv_freq must be (R/2,) with R <= {D}, got {fshape}")
     if pkey[0] == "p" and pkey[1] not in ((L,), (B, L)):
-        raise ValueError(f"positions must be (L,) or (B, L) = ({B}, {L}), got {pkey[1]}")
+        raise InvalidArgumentError(f"positions must be (L,) or (B, L) = ({B}, {L}), got {pkey[1]}")
     if pkey[0] == "o" and math.prod(pkey[1]) != 1 and pkey[1] != (B,):
-        raise ValueError(f"offset must be a scalar or (B,) = ({B},), got {pkey[1]}")
+        raise InvalidArgumentError(f"offset must be a scalar or (B,) = ({B},), got {pkey[1]}")
 
 
 def qk_norm_rope(
-    q: mx.array,
-    k: mx.array,
+    q: mx.array | Heads,
+    k: mx.array | Heads,
     q_weight: mx.array | None,
     k_weight: mx.array | None,
     inv_freq: mx.array | None,
@@ -250,27 +318,31 @@ def qk_norm_rope(
     weight_offset: float = 0.0,
     dims: int | None = None,
     transpose: bool = True,
-    v: mx.array | None = None,
+    v: mx.array | Heads | None = None,
     v_weight: mx.array | None = None,
+    v_norm: bool = True,
 ) -> tuple[mx.array, ...]:
     """Norm + RoPE of q (B, L, Hq, Pq) and k (B, L, Hk, Pk) in one launch -> (q, k) (B, H, L, D).
 
     ``v`` (optional) is normed with ``v_weight`` (None = no weight) but not rotated, and returned
-    third (Gemma 4). D = ``dims`` or k's last dim; wider heads use their first D values (Qwen 3.5's
-    [query | gate] heads). Semantics: ``rms_norm_rope_reference`` applied to each tensor. Pass
+    third (Gemma 4); ``v_norm`` False: not normed either, only laid out as q and k (Gemma 3). D =
+    ``dims`` or k's last dim; wider heads use their first D values (Qwen 3.5's [query | gate]
+    heads). Semantics: ``rms_norm_rope_reference`` applied to each tensor. Pass
     positions as an int32 array (``offset`` (1,) or ``positions``) so decode steps share a graph.
+    Each of q, k, v may be ``Heads`` of a fused projection's output, read in place.
     """
     if v is None:
-        xs, ws, rope = (q, k), (q_weight, k_weight), (True, True)
+        xs, ws, rope, norm = (q, k), (q_weight, k_weight), (True, True), (True, True)
     else:
         xs, ws, rope = (q, k, v), (q_weight, k_weight, v_weight), (True, True, False)
-    out = _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, weight_offset,
+        norm = (True, True, v_norm)
+    out = _launch(xs, ws, rope, norm, inv_freq, eps, offset, positions, scale, weight_offset,
                   dims or k.shape[-1], transpose)  # fmt: skip
     return tuple(out)
 
 
 def rms_norm_rope(
-    x: mx.array,
+    x: mx.array | Heads,
     weight: mx.array | None,
     inv_freq: mx.array | None,
     *,
@@ -283,17 +355,24 @@ def rms_norm_rope(
     transpose: bool = True,
 ) -> mx.array:
     """Dispatcher for one tensor: see ``rms_norm_rope_reference``; inv_freq None = norm only."""
-    return _launch((x,), (weight,), (True,), inv_freq, eps, offset, positions, scale,
+    return _launch((x,), (weight,), (True,), (True,), inv_freq, eps, offset, positions, scale,
                    weight_offset, dims or x.shape[-1], transpose)[0]  # fmt: skip
 
 
-def _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, woff, D, transpose):
+def _input_sig(x) -> tuple:
+    """(shape, dtype, layout): layout (values per token, first head's offset) for ``Heads``."""
+    if isinstance(x, Heads):
+        return x.shape, x.dtype, (x.data.shape[-1], x.first * x.width)
+    return x.shape, x.dtype, None
+
+
+def _launch(xs, ws, rope, norm, inv_freq, eps, offset, positions, scale, woff, D, transpose):
     be = backend()
     fshape = None if inv_freq is None else inv_freq.shape
     if be is not None:
         plan = _plan(
-            _kernel, be, tuple([(x.shape, x.dtype) for x in xs]),
-            tuple([None if w is None else (w.shape, w.dtype) for w in ws]), rope,
+            _kernel, be, tuple([_input_sig(x) for x in xs]),
+            tuple([None if w is None else (w.shape, w.dtype) for w in ws]), rope, norm,
             None if inv_freq is None else (fshape, inv_freq.dtype), _pos_key(offset, positions),
             eps, scale, woff, D, transpose,
         )  # fmt: skip
@@ -305,17 +384,19 @@ def _launch(xs, ws, rope, inv_freq, eps, offset, positions, scale, woff, D, tran
                 freqs = inv_freq if inv_freq.dtype == mx.float32 else inv_freq.astype(mx.float32)
                 pos = _pos_array(offset, positions)
             wd = ws[wslot] if wslot is not None else consts[2]
-            xin = [*xs, *xs[:1] * (3 - n)]
+            data = [x.data if isinstance(x, Heads) else x for x in xs]  # Heads: read in place
+            xin = [*data, *data[:1] * (3 - n)]
             win = [wd if w is None else w for w in ws] + [wd] * (3 - n)
             return launch(inputs=[*xin, *win, freqs, pos, consts[3], consts[4]])[:n]
+    xs = split_heads(xs)
     wshapes = [None if w is None else w.shape for w in ws]
     _validate([x.shape for x in xs], wshapes, fshape, _pos_key(offset, positions), D)
     return [
         rms_norm_rope_reference(
             x, w, inv_freq if r else None, eps=eps, offset=offset, positions=positions,
-            scale=scale, weight_offset=woff, dims=D, transpose=transpose,
+            scale=scale, weight_offset=woff, dims=D, transpose=transpose, norm=nm,
         )
-        for x, w, r in zip(xs, ws, rope)
+        for x, w, r, nm in zip(xs, ws, rope, norm)
     ]  # fmt: skip
 
 
@@ -339,12 +420,12 @@ def _pos_mode(pkey: tuple, B: int) -> int:
 
 
 @lru_cache(maxsize=256)
-def _plan(kernel, be, xsig, wsig, rope, fsig, pkey, eps, scale, woff, D, transpose):
+def _plan(kernel, be, xsig, wsig, rope, norm, fsig, pkey, eps, scale, woff, D, transpose):
     """Everything about a call that its shapes and dtypes decide, checked and computed once:
     (launcher, index of a weight to stand in for missing ones, constants, tensors) or None for
     the reference. Caller errors raise here (not cached: every such call raises)."""
-    shapes = [s for s, _ in xsig]
-    dtypes = {d for _, d in xsig}
+    shapes = [s for s, _, _ in xsig]
+    dtypes = {d for _, d, _ in xsig}
     _validate(shapes, [None if w is None else w[0] for w in wsig], fsig and fsig[0], pkey, D)
     B, L = shapes[0][:2]
     R = 0 if fsig is None else 2 * fsig[0][0]
@@ -364,6 +445,8 @@ def _plan(kernel, be, xsig, wsig, rope, fsig, pkey, eps, scale, woff, D, transpo
     n = len(xsig)
     heads = tuple(s[2] for s in shapes)
     pitch = tuple(s[3] for s in shapes)
+    strides = tuple(lay[0] if lay else s[2] * s[3] for s, _, lay in xsig)
+    starts = tuple(lay[1] if lay else 0 for _, _, lay in xsig)
     # unused slots get stand-ins that are never read (8+ elements: Metal keeps every pointer
     # in the device address space, which the body's pointer selects need)
     wslot = next((i for i, w in enumerate(wsig) if w is not None), None)
@@ -376,7 +459,10 @@ def _plan(kernel, be, xsig, wsig, rope, fsig, pkey, eps, scale, woff, D, transpo
         pos_mode,
         int(transpose),
     )
-    params = _const((B, L, *heads, *(0,) * (3 - n), *pitch, *(D,) * (3 - n), *flags), mx.int32)
+    pad = (0,) * (3 - n)
+    normed = sum(1 << i for i, nm in enumerate(norm) if nm)
+    layout = (*strides, *pad, *starts, *pad, normed)
+    params = _const((B, L, *heads, *pad, *pitch, *(D,) * (3 - n), *flags, *layout), mx.int32)
     fparams = _const((float(eps), float(scale), float(woff)), mx.float32)
     consts = (
         _const((0,) * 8, mx.int32),

@@ -22,7 +22,8 @@ def attend(
     scale: float,
     mask: mx.array | None,
 ) -> mx.array:
-    """queries (B, Hq, L, Dk), keys/values (B, Hkv, K, D) -> (B, Hq, L, Dv).
+    """queries (B, Hq, L, Dk), keys/values (B, Hkv, K, D) -> (B, Hq, L, Dv), or (B, L, Hq * Dv)
+    from a cache that merges the heads itself (``StaticKVCache``: its kernel writes that layout).
 
     ``mask`` is the boolean (L, K) mask ``update_and_fetch`` returned, or None.
     """

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections shared by the dense decoders (Gemma 3, Llama)."""
+"""Fused q/k/v and gate/up projections shared by the decoders (Gemma 3, Gemma 4, Llama)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import itertools
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.models.ops import gated_activation
+from hf2q_mlx.custom_kernels.rms_norm_rope import Heads
+from hf2q_mlx.models.ops import gated_activation, gated_projection
 from hf2q_mlx.models.quantized import fuse_linear_groups
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -54,6 +55,18 @@ class FusedQKV:
             outs.extend(mx.split(y, list(splits), axis=axis) if splits else [y])
         return [outs[i] for i in order]
 
+    def project_packed(self, x: mx.array) -> list[Heads]:
+        """q, k, v as ``Heads`` of the matmul outputs (B, L, N), unsplit, for ``ops.norm_rope`` /
+        ``ops.qk_norm_rope``: their kernel reads the heads in place, so a decode graph holds no
+        reshape or split node between the matmul and the kernel (the reference splits)."""
+        groups, order = self._qkv_plan
+        outs = []
+        for attr, splits in groups:
+            y = self[attr](x)  # (B, L, heads * head_dim)
+            bounds = (0, *splits, y.shape[-1] // self.head_dim)
+            outs.extend(Heads(y, a, b - a, self.head_dim) for a, b in zip(bounds, bounds[1:]))
+        return [outs[i] for i in order]
+
 
 def fuse_gate_up(mlp: nn.Module) -> None:
     """gate/up as one matmul where their weights stack."""
@@ -64,5 +77,5 @@ def gated_mlp_hidden(mlp: nn.Module, x: mx.array, kind: str) -> mx.array:
     """act(gate) * up (``ops.gated_activation``) from the fused ``gate_up_proj``, whose output the
     kernel reads whole, or from the separate projections."""
     if "gate_up_proj" in mlp:
-        return gated_activation(mlp.gate_up_proj(x), None, kind)
+        return gated_projection(mlp.gate_up_proj, x, kind)
     return gated_activation(mlp.gate_proj(x), mlp.up_proj(x), kind)

@@ -105,9 +105,10 @@ class Attention(FusedQKV, nn.Module):
 
     def __call__(self, x: mx.array, cache, pos: mx.array) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = self.project_heads(x, transpose=False)  # each (B, L, H, D)
-        q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rope, pos)
-        v = v.transpose(0, 2, 1, 3)
+        q, k, v = self.project_packed(x)  # each (B, L, H, D), unsplit: the kernel reads them
+        # v (no norm) only laid out (B, H, L, D) by the same kernel
+        args = (self.q_norm, self.k_norm, self.rope, pos)
+        q, k, v = ops.qk_norm_rope(q, k, *args, v=v, v_norm=False)
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
         elif self.bidirectional:

@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.custom_kernels.rms_norm_rope import Heads
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import gemma4_gguf, ops
 from hf2q_mlx.models.base import BaseModelArgs
@@ -172,19 +173,18 @@ class Attention(FusedQKV, nn.Module):
 
     def __call__(self, x, pos: mx.array, cache=None, shared_kv=None, mask=None):
         """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V."""
-        B, L, _ = x.shape
         fused = "q_proj" not in self
-        if fused:
-            q, k, v = self.project_heads(x, transpose=False)  # (B, L, H, D) each
-        else:
-            q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        if fused:  # Heads of the fused output(s): the norm + RoPE kernel reads them in place
+            q, k, v = self.project_packed(x)  # (B, L, H, D) each, unsplit
+        else:  # separate projections: Heads too, no reshape node
+            q = Heads(self.q_proj(x), 0, self.n_heads, self.head_dim)
         if shared_kv is not None:
             q = ops.norm_rope(q, self.q_norm, self.rope, pos)
             k, v, mask = shared_kv
         else:
             if not fused:
-                k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-                v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+                k = Heads(self.k_proj(x), 0, self.n_kv_heads, self.head_dim)
+                v = k if self.k_eq_v else Heads(self.v_proj(x), 0, self.n_kv_heads, self.head_dim)
             # v: a weightless norm, no RoPE
             q, k, v = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, self.rope, pos, v=v)
             if cache is not None:

@@ -26,7 +26,7 @@ from hf2q_mlx.custom_kernels import post_norm_residual as post_norm_kernel
 from hf2q_mlx.custom_kernels import residual_rms_norm as residual_norm_kernel
 from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope_kernel
 from hf2q_mlx.custom_kernels import softcap as softcap_kernel
-from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
+from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, rope_inv_freq, split_heads
 from hf2q_mlx.models.attention import attend
 
 
@@ -144,19 +144,20 @@ def gated_rms_norm(x: mx.array, gate: mx.array, norm: RMSNorm) -> mx.array:
     return gated_activation(gate, norm(x), "silu", kernel=False)
 
 
-def gated_delta_net(net, qkv: mx.array, z: mx.array, a: mx.array, b: mx.array, cache) -> mx.array:
-    """The core of a Qwen 3.5 gated delta-net block ``net`` from its projections (B, L, .): conv,
-    gates, delta rule, gated output norm -> (B, L, Hv Dv) for out_proj; reads and advances
-    ``cache`` (None: zero states). Decode (L == 1) with kernels is one kernel
-    (custom_kernels/gated_delta_decode.py), which also keeps a static cache's inactive rows
+def gated_delta_net(net, qkv, z, a, b, cache) -> mx.array:
+    """The core of a Qwen 3.5 gated delta-net block ``net`` from its projections (B, L, .),
+    arrays or ``Channels`` of a fused in_proj's output: conv, gates, delta rule, gated output
+    norm -> (B, L, Hv Dv) for out_proj; reads and advances ``cache`` (None: zero states).
+    Decode (L == 1) with kernels is one kernel (custom_kernels/gated_delta_decode.py), which
+    reads fused projections in place and also keeps a static cache's inactive rows
     (``cache.active``), so those states are stored without the cache's own masking."""
     B, L, _ = qkv.shape
     conv, state = (None, None) if cache is None else (cache.conv_state, cache.state)
-    weight = net.conv1d.weight.reshape(net.conv_dim, net.kernel_size)  # (C, K, 1) -> (C, K)
     gate_args = (net.A_log, net.dt_bias)
     heads = (net.num_k_heads, net.head_k_dim)
     if L == 1 and use_kernels():
-        active = getattr(cache, "active", None)
+        # the kernel reads the (C, K, 1) weight flat: a reshape would be a node in every step
+        weight, active = net.conv1d.weight, getattr(cache, "active", None)
         out, conv, state = delta_decode_kernel.gated_delta_decode(
             qkv, z, a, b, conv, weight, *gate_args, state, net.norm.weight, net.norm.eps,
             *heads, net.tiled, active,
@@ -166,8 +167,10 @@ def gated_delta_net(net, qkv: mx.array, z: mx.array, a: mx.array, b: mx.array, c
         elif cache is not None:
             cache.update(conv, state, L)
         return out
+    qkv, z, a, b = (delta_decode_kernel.dense(x) for x in (qkv, z, a, b))  # fused: slices
     # a static cache's multi-token verify (decode_step.py) keeps each token's state for rollback
     update = getattr(cache, "delta_update", gated_delta.gated_delta_update)
+    weight = net.conv1d.weight.reshape(net.conv_dim, net.kernel_size)  # (C, K, 1) -> (C, K)
     y, conv, state = update(qkv, conv, weight, a, b, *gate_args, state, *heads, tiled=net.tiled)
     if cache is not None:
         cache.update(conv, state, L)
@@ -234,39 +237,47 @@ def _norm_rope_graph(x, weight, eps: float, pos, dims: int, base, scale, freqs, 
 _norm_rope = mx.compile(_norm_rope_graph)  # shape-specialised, as _rope
 
 
-def norm_rope(x: mx.array, norm: RMSNorm, rope: RoPE, pos: mx.array) -> mx.array:
-    """Per-head norm then RoPE: x (B, L, H, D) -> (B, H, L, D), one kernel."""
+def norm_rope(x: mx.array | Heads, norm: RMSNorm, rope: RoPE, pos: mx.array) -> mx.array:
+    """Per-head norm then RoPE: x (B, L, H, D) (or ``Heads`` of a fused projection) -> (B, H, L,
+    D), one kernel."""
     if use_kernels() and pos.ndim == 1:  # a token tree's (1, L) positions: the reference
         return norm_rope_kernel.rms_norm_rope(
             x, norm.weight, rope.inv_freq, eps=norm.eps, offset=pos, scale=rope.scale
         )
+    (x,) = split_heads((x,))
     rope_args = (rope.dims, rope.base, rope.scale, rope.freqs)
     return _norm_rope(x, norm.weight, norm.eps, pos, *rope_args, x.shape[-1])
 
 
 def qk_norm_rope(
-    q: mx.array,
-    k: mx.array,
+    q: mx.array | Heads,
+    k: mx.array | Heads,
     q_norm: RMSNorm,
     k_norm: RMSNorm,
     rope: RoPE,
     pos: mx.array,
-    v: mx.array | None = None,
+    v: mx.array | Heads | None = None,
+    v_norm: bool = True,
 ) -> tuple[mx.array, ...]:
     """Queries' and keys' per-head norms then RoPE, all in one kernel: q (B, L, Hq, P), k (B, L,
     Hk, D) -> (B, H, L, D) each; queries wider than D (Qwen 3.5's [query | gate] heads) use their
-    first D channels. ``v`` given: also returned, normed without weight and not rotated. One eps
-    for all, ``q_norm``'s (as the kernel takes it)."""
+    first D channels. ``v`` given: also returned, normed without weight (``v_norm`` False: not
+    normed, only laid out (B, H, L, D)) and not rotated. One eps for all, ``q_norm``'s (as the
+    kernel takes it). Any of q, k, v may be ``Heads`` of a fused projection's output
+    (``FusedQKV.project_packed``): the kernel reads them in place."""
     if use_kernels() and pos.ndim == 1:  # a token tree's (1, L) positions: the reference
         return norm_rope_kernel.qk_norm_rope(
             q, k, q_norm.weight, k_norm.weight, rope.inv_freq,
-            eps=q_norm.eps, offset=pos, scale=rope.scale, v=v,
+            eps=q_norm.eps, offset=pos, scale=rope.scale, v=v, v_norm=v_norm,
         )  # fmt: skip
+    q, k, v = split_heads((q, k, v))
     D, eps, rope_args = k.shape[-1], q_norm.eps, (rope.dims, rope.base, rope.scale, rope.freqs)
     q = _norm_rope(q, q_norm.weight, eps, pos, *rope_args, D)
     k = _norm_rope(k, k_norm.weight, eps, pos, *rope_args, D)
     if v is None:
         return q, k
+    if not v_norm:
+        return q, k, v.transpose(0, 2, 1, 3)
     return q, k, _norm_rope(v, None, eps, pos, 0, None, 1.0, None, D)
 
 
@@ -294,6 +305,18 @@ def gated_activation(
 
 
 _GLU_ACTS = expert_glu_kernel.ACTIVATIONS
+
+
+def gated_projection(proj: nn.Module, x: mx.array, kind: str = "silu") -> mx.array:
+    """``act(gate) * up`` of a fused [gate | up] projection ``proj``: x (..., D) -> (..., F).
+    A GGML layer with kernels and 1..32 rows: one launch (expert_glu.dense_glu, the experts' GLU
+    kernel over one expert); otherwise ``proj``, then ``gated_activation``."""
+    t = getattr(proj, "ggml_type", None)
+    if t is not None and use_kernels() and kind in _GLU_ACTS and "bias" not in proj:
+        y = expert_glu_kernel.dense_glu(x, proj.weight, t, proj.in_features, kind)
+        if y is not None:
+            return y
+    return gated_activation(proj(x), None, kind)
 
 
 def expert_glu(
@@ -408,4 +431,6 @@ def attention(
     """q (B, Hq, L, Dk), keys/values as the cache returned them -> (B, L, Hq * Dv)."""
     B, _, L, _ = q.shape
     out = attend(q, k, v, cache, scale, mask)
+    if out.ndim == 3:  # heads merged by the cache's kernel already
+        return out
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
+from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, rope_inv_freq
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import ops
 from hf2q_mlx.models.base import BaseModelArgs
 from hf2q_mlx.models.cache import KVCache, causal_mask
 from hf2q_mlx.models.contract import Architecture, LayerRoPE, TokenizerQuirks
-from hf2q_mlx.models.fused_projections import gated_mlp_hidden
+from hf2q_mlx.models.delta_net_projections import FusedInProj
+from hf2q_mlx.models.fused_projections import fuse_gate_up, gated_mlp_hidden
 from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
 from hf2q_mlx.models.ops import RMSNorm, RoPE
 from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
@@ -66,7 +67,10 @@ class ModelArgs(BaseModelArgs):
         return super().from_dict(text)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(FusedInProj, nn.Module):
+    """Linear attention: in_proj qkv / z / b / a (fused by ``fuse_projections``), a short
+    causal conv, the gated delta rule and a gated RMSNorm (``ops.gated_delta_net``), out_proj."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_k_heads = args.linear_num_key_heads
@@ -82,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(h, value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
-        # depthwise causal conv, weight (C, K, 1) as mlx-lm keeps it; the kernel reads (C, K)
+        # depthwise causal conv, weight (C, K, 1) as mlx-lm keeps it; the kernels read (C, K)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
         )
@@ -90,11 +94,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = mx.ones((self.num_v_heads,))
         self.norm = RMSNorm(self.head_v_dim, args.rms_norm_eps)  # a plain weight, gated by z
         self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self._set_in_plan()
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         # conv, gates, delta rule and gated norm in ops (decode with kernels: one kernel)
-        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
-        qkv, z, a, b = (p(x) for p in projections)
+        qkv, z, a, b = self.project(x)
         return self.out_proj(ops.gated_delta_net(self, qkv, z, a, b, cache))
 
 
@@ -120,8 +124,12 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         D = self.head_dim
         qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * D)  # per head: [query | gate]
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, D)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, D).transpose(0, 2, 1, 3)
+        k = Heads(self.k_proj(x), 0, self.n_kv_heads, D)  # the kernel reads it unreshaped
+        v = self.v_proj(x)  # (B, L, Hk D) -> (B, Hk, L, D); one token: a reshape alone
+        if L == 1:  # the same layout without a Transpose node in every decode step
+            v = v.reshape(B, self.n_kv_heads, 1, D)
+        else:
+            v = v.reshape(B, L, self.n_kv_heads, D).transpose(0, 2, 1, 3)
         # the norm + RoPE reads the queries out of the [query | gate] heads in place
         q, k = ops.qk_norm_rope(qg, k, self.q_norm, self.k_norm, self.rope, pos)
         if cache is None:
@@ -138,6 +146,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
         self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
         self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+
+    def fuse_projections(self) -> None:
+        fuse_gate_up(self)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(gated_mlp_hidden(self, x, "silu"))
@@ -215,6 +226,15 @@ class Model(nn.Module):
     @property
     def layers(self) -> list:
         return self.model.layers
+
+    def fuse_projections(self) -> Model:
+        """Lossless, after loading (the loader calls it): each delta-net's input projections
+        and each gate/up pair (the dense MLP, the MoE shared expert) as one matmul per weight
+        kind where the weights stack."""
+        for _, module in self.named_modules():
+            if isinstance(module, (GatedDeltaNet, MLP)):
+                module.fuse_projections()
+        return self
 
     def make_cache(self, reserve: int = 0) -> list:
         """KVCache for attention layers, RecurrentCache(reserve) for delta-net layers."""

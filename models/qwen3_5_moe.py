@@ -3,6 +3,7 @@ expert in every layer."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,9 +43,9 @@ class Experts(nn.Module):
         self.down_proj = ExpertLinear(num_experts, hidden_dims, dims)
 
     def __call__(self, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
-        """x (N, D), indices and scores (N, k) -> the scores-weighted sum of the chosen experts'
-        outputs (N, D)."""
-        if "gate_up_proj" in self:  # (N, k, 2I): the kernels read it whole
+        """x (..., D), indices and scores (..., k) -> the scores-weighted sum of the chosen
+        experts' outputs (..., D)."""
+        if "gate_up_proj" in self:  # (..., k, 2I): the kernels read it whole
             h = ops.expert_glu(x, indices, self.gate_up_proj)
         else:
             h = ops.expert_glu(x, indices, self.gate_proj, self.up_proj)
@@ -63,25 +64,45 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """x (N, D) -> expert ids (N, k) uint32, weights (N, k) fp32 (one kernel with kernels)."""
+        """x (..., D) -> expert ids (..., k) uint32, weights (..., k) fp32 (one kernel with
+        kernels)."""
         k = self.top_k
         routed = ops.moe_router(x, self.gate, k, renormalize=self.norm_topk_prob)
         if routed is not None:
             return routed[:2]
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
-        indices = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # (N, k), unordered
+        indices = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # (..., k), unordered
         scores = mx.take_along_axis(probs, indices, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
         return indices, scores
 
+    def shared_gate(self, x: mx.array) -> mx.array:
+        """``shared_expert_gate(x)`` (..., 1) in one Matmul node for one token. A dense gate
+        multiplies by its weight's transposed view, kept evaluated (nn.Linear's ``x @ w.T``
+        adds a Transpose node to every step); a single row (1, 1, D) by that view as (1, D, 1),
+        the same GEMM as (1, D) @ (D, 1) without the Flatten / Unflatten MLX puts around a 3-D
+        x times a 2-D weight."""
+        gate = self.shared_expert_gate
+        if type(gate) is not nn.Linear or "bias" in gate:
+            return gate(x)
+        weight = gate["weight"]  # (1, D)
+        cached = vars(self).get("_gate_t")
+        if cached is None or cached[0] is not weight:
+            # a plain attribute (nn.Module would put it in the parameter tree); a new weight
+            # fails the identity check and is transposed anew
+            cached = (weight, weight.T, weight.T[None])  # (D, 1), (1, D, 1): views
+            object.__setattr__(self, "_gate_t", cached)
+            with contextlib.suppress(ValueError):  # a traced weight (compile inputs): lazy
+                mx.eval(cached[1:])  # leaf views: the compiled step holds no Transpose
+        one_row = x.ndim == 3 and x.shape[0] * x.shape[1] == 1
+        return x @ cached[2 if one_row else 1]
+
     def __call__(self, x: mx.array) -> mx.array:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, D)
+        """x (..., D) -> (..., D). Every op takes any leading shape: no reshape nodes."""
         indices, scores = self.route(x)
-        y = self.experts(x, indices, scores)  # (N, D)
-        y = y + ops.sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))
-        return y.reshape(shape)
+        y = self.experts(x, indices, scores)
+        return y + ops.sigmoid_gate(self.shared_expert(x), self.shared_gate(x))
 
 
 class Model(qwen3_5.Model):

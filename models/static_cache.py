@@ -79,9 +79,10 @@ class StaticKVCache(_RowPositions):
         return memo[key]
 
     def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
-        # one kernel with the masks worked out from pos inside it (the mask above stays unbuilt)
+        # one kernel with the masks worked out from pos inside it (the mask above stays unbuilt);
+        # out (B, L, Hq * Dv): the heads merged as the output projection reads them
         return decode_attention(
-            queries, self.keys, self.values, self.pos, scale, self.read_span, self.window
+            queries, self.keys, self.values, self.pos, scale, self.read_span, self.window, True
         )
 
 

@@ -9,6 +9,9 @@ matrix, so there the check is a tolerance.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -18,8 +21,10 @@ from mlx.utils import tree_flatten
 
 from hf2q_mlx import custom_kernels
 from hf2q_mlx.cli.bench import decode_step_ops
+from hf2q_mlx.custom_kernels import rms_norm_rope
 from hf2q_mlx.io.random_weights import random_ggml_blocks
-from hf2q_mlx.models import gemma3, llama
+from hf2q_mlx.models import gemma3, gemma4, llama, ops
+from hf2q_mlx.models.fused_projections import FusedQKV
 from hf2q_mlx.models.quantized import (
     GGMLLinear,
     fuse_linears,
@@ -279,6 +284,90 @@ def test_half_precision_dense_runs():
     got = model(x)
     assert got.dtype == want.dtype == mx.bfloat16
     assert mx.array_equal(want, got).item()  # the CPU's bf16 matmuls are row-independent too
+
+
+@pytest.mark.parametrize("types", [None, {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q5_0}])
+def test_project_packed_is_project_heads_unsplit(types):
+    """``project_packed``'s Heads view each matmul output whole; split, they are exactly
+    ``project_heads``' q, k, v (one (qkv) or two (qk, v) outputs)."""
+    model = tiny_model("gemma3", types)
+    model.fuse_projections()
+    attn = model.layers[0].self_attn
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(8))
+    heads = attn.project_packed(x)
+    outputs = {id(h.data): h.data for h in heads}
+    assert len(outputs) == (1 if types is None else 2)
+    v_first = 6 if types is None else 0  # in the qkv output, or first of its own
+    assert [(h.first, h.count, h.width) for h in heads] == [
+        (0, 4, 32),
+        (4, 2, 32),
+        (v_first, 2, 32),
+    ]
+    assert all(h.data.ndim == 3 for h in heads)  # (B, L, N): not reshaped
+    for got, want in zip(rms_norm_rope.split_heads(heads), attn.project_heads(x, transpose=False)):
+        assert mx.array_equal(got, want).item()
+
+
+GEMMA4 = dict(
+    vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+    sliding_window=4, hidden_size_per_layer_input=0, final_logit_softcapping=15.0,
+    layer_types=["sliding_attention", "full_attention"], attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma3"])
+def test_norm_rope_kernel_reads_fused_qkv(monkeypatch, arch):
+    """The fused q/k/v output goes to the norm + RoPE kernel (CUDA rendering on the CPU
+    emulator) unsplit (Gemma 4's sliding layer; every Gemma 3 layer, v only laid out): logits
+    bit-identical to the reshape + split inputs. Gemma 4's k_eq_v global layer keeps its own
+    q/k projections, whose outputs the kernel reads unreshaped too."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
+    import kernel_emulator
+
+    if not kernel_emulator.available():
+        pytest.skip("g++ not found")
+    if arch == "gemma4":
+        mx.random.seed(3)
+        model = gemma4.Model(gemma4.ModelArgs.from_dict(GEMMA4))
+        params = dict(tree_flatten(model.parameters()))
+        model.load_weights([(k, 0.2 * mx.random.normal(v.shape)) for k, v in params.items()])
+        model.fuse_projections()
+        assert "qkv_proj" in model.layers[0].self_attn and "q_proj" in model.layers[1].self_attn
+        ndims = [[3, 3, 3], [3, 3, 3]]  # per layer: the q, k, v inputs' ndim
+    else:
+        model = tiny_model("gemma3", seed=3)
+        model.fuse_projections()
+        ndims = [[3, 3, 3]] * 3
+    seen = []  # per launch
+
+    class Recording(kernel_emulator.Emulated):
+        def __call__(self, inputs, **launch):
+            seen.append([x.ndim for x in inputs[:3]])
+            return super().__call__(inputs, **launch)
+
+    monkeypatch.setattr(rms_norm_rope, "_kernel", Recording(rms_norm_rope._kernel))
+    monkeypatch.setattr(rms_norm_rope, "backend", lambda: "cuda")
+    monkeypatch.setattr(ops, "use_kernels", lambda: True)
+    tokens = mx.random.randint(0, 80, (2, 7), key=mx.random.key(6)).astype(mx.int32)
+
+    def logits():
+        cache = model.make_cache()
+        outs = [model(tokens[:, :5], cache=cache)]
+        outs += [model(tokens[:, t : t + 1], cache=cache) for t in (5, 6)]
+        return mx.concatenate(outs, axis=1)
+
+    packed = logits()
+    assert seen == ndims * 3  # prefill and 2 decode steps
+    seen.clear()
+    monkeypatch.setattr(
+        FusedQKV, "project_packed", lambda self, x: self.project_heads(x, transpose=False)
+    )
+    assert mx.array_equal(packed, logits()).item()
+    # the reshape + split form: fused layers' inputs 4-D (Gemma 4's global layer as before)
+    split = [[4, 4, 4], [3, 3, 3]] if arch == "gemma4" else [[4, 4, 4]] * 3
+    assert seen == split * 3
 
 
 @requires_gpu

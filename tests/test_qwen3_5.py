@@ -3,7 +3,9 @@ GGUF files written the way llama.cpp's converter lays them out."""
 
 from __future__ import annotations
 
+import io
 import os
+import re
 
 import gguf
 import mlx.core as mx
@@ -13,10 +15,13 @@ import pytest
 import torch
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
+from mlx.utils import tree_flatten, tree_unflatten
 
 from hf2q_mlx.custom_kernels import gated_delta, reference_only
+from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import qwen3_5, qwen3_5_moe
 from hf2q_mlx.models.cache import trim_cache
+from hf2q_mlx.models.quantized import ggml_quantize_modules
 
 # fp32 on both sides; the implementations sum in different orders (and HF uses its chunked
 # delta rule), so allow 1e-4 of the largest logit
@@ -423,12 +428,153 @@ def test_gguf_matches_safetensors(name, fused, quantize, tmp_path):
     assert_close(got, np.array(ref(mx.array(ids))))
 
 
-@requires_gpu
+# ---- fused input projections (fuse_projections, as the loader calls it) ----
+
+# per weight kind: the projections' formats and the fused layers expected in a delta-net block
+# and in an MLP (the dense one, the MoE shared expert). GGML: Q8_0 qkv / z with dense b / a (as
+# in llama.cpp files); gate Q8_0 and up Q4_0 do not stack. Affine: 4-bit, b / a 8-bit.
+FUSIONS = {
+    "float": ({}, {"in_proj_qkvzba"}, {"gate_up_proj", "down_proj"}),
+    "ggml": (
+        {"in_proj_qkv": T.Q8_0, "in_proj_z": T.Q8_0, "gate_proj": T.Q8_0, "up_proj": T.Q4_0},
+        {"in_proj_qkvz", "in_proj_ba"},
+        {"gate_proj", "up_proj", "down_proj"},
+    ),
+    "affine": ({}, {"in_proj_qkvz", "in_proj_ba"}, {"gate_up_proj", "down_proj"}),
+}
+
+
+def random_model(name: str, kind: str, seed: int = 0) -> nn.Module:
+    """The tiny model with every parameter random, its projections in ``kind``'s formats."""
+    module = MODULES[name]
+    model = module.Model(module.ModelArgs.from_dict(TINY[name]))
+    params = []
+    for i, (k, v) in enumerate(tree_flatten(model.parameters())):
+        key = mx.random.key(seed + i)
+        if v.ndim == 1:
+            params.append((k, 0.75 + 0.5 * mx.random.uniform(shape=v.shape, key=key)))
+        else:
+            params.append((k, mx.random.normal(v.shape, key=key) / v.shape[-1] ** 0.5))
+    model.update(tree_unflatten(params))
+    types = FUSIONS[kind][0]
+    paths = {p: types[p.rsplit(".", 1)[-1]] for p, _ in model.named_modules()
+             if p.rsplit(".", 1)[-1] in types and ".experts." not in p}  # fmt: skip
+    ggml_quantize_modules(model, paths)
+    modules = dict(model.named_modules())
+    blocks = []
+    for j, (p, t) in enumerate(paths.items()):
+        lin = modules[p]
+        w = random_ggml_blocks(lin.out_features, lin.in_features, t, seed + j, 0.1)
+        blocks.append((f"{p}.weight", w))
+    model.load_weights(blocks, strict=False)
+    if kind == "affine":
+        gates = ("in_proj_b", "in_proj_a")
+
+        def predicate(path: str, m: nn.Module):
+            if not isinstance(m, nn.Linear) or path.endswith(("mlp.gate", "expert_gate")):
+                return False
+            return {"group_size": 32, "bits": 8} if path.endswith(gates) else True
+
+        nn.quantize(model, group_size=32, bits=4, class_predicate=predicate)
+    mx.eval(model.parameters())
+    return model
+
+
+def prefill_decode(model) -> list[np.ndarray]:
+    """Logits of a batch-2 prefill of 5 tokens and 3 decode steps."""
+    ids = mx.array(tokens(2, 8, seed=21))
+    cache = model.make_cache()
+    outs = [model(ids[:, :5], cache)] + [model(ids[:, t : t + 1], cache) for t in range(5, 8)]
+    return [np.array(o) for o in outs]
+
+
+@pytest.mark.parametrize("kind", FUSIONS)
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_gpu_decode_kernel_matches_reference_path(name):
-    """On the GPU: decode through the fused step kernel == the same model on the reference."""
+def test_fuse_projections_is_bit_exact(name, kind):
+    """fuse_projections stacks what stacks (per weight kind) and changes no bit of the logits,
+    with kernels (here the CPU's MLX ops) and on the reference path."""
+    model = random_model(name, kind, seed=40)
+    before = prefill_decode(model)
+    with reference_only():
+        before_ref = prefill_decode(model)
+    model.fuse_projections().fuse_projections()  # a second call changes nothing
+    _, delta_layers, mlp_layers = FUSIONS[kind]
+    for layer in model.layers:
+        mlp = layer.mlp.shared_expert if name == "moe" else layer.mlp
+        assert {k for k in mlp if k.endswith("proj")} == mlp_layers
+        if layer.is_linear:
+            net = layer.linear_attn
+            assert {k for k in net if k.startswith("in_proj")} == delta_layers
+    for want, got in zip(before, prefill_decode(model)):
+        np.testing.assert_array_equal(got, want)
+    with reference_only():
+        for want, got in zip(before_ref, prefill_decode(model)):
+            np.testing.assert_array_equal(got, want)
+
+
+# ---- decode graph shape: the MoE block adds no view nodes around its kernels ----
+
+
+def graph_labels(*arrays: mx.array) -> list[str]:
+    """The primitives of the (unevaluated) graph behind ``arrays``."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return re.findall(r'label ="([^"]+)"', buf.getvalue())
+
+
+def moe_block(seed: int, dtype: mx.Dtype = mx.float32) -> qwen3_5_moe.SparseMoeBlock:
+    """A SparseMoeBlock of the tiny MoE shape, every parameter random."""
+    block = qwen3_5_moe.SparseMoeBlock(qwen3_5_moe.ModelArgs.from_dict(TINY["moe"]))
+    params = [
+        (k, (0.3 * mx.random.normal(v.shape, key=mx.random.key(seed + i))).astype(dtype))
+        for i, (k, v) in enumerate(tree_flatten(block.parameters()))
+    ]
+    block.update(tree_unflatten(params))
+    mx.eval(block.parameters())
+    return block
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_shared_gate_is_one_matmul_and_exact(dtype):
+    """The dense shared-expert gate: bit for bit nn.Linear's ``x @ w.T`` for any rows; one
+    token's graph is a single Matmul (no Transpose, no Flatten / Unflatten); a new weight
+    takes effect at once."""
+    block = moe_block(seed=11, dtype=dtype)
+    linear = block.shared_expert_gate
+    D = linear.weight.shape[1]
+    for i, shape in enumerate([(1, 1, D), (3, 1, D), (2, 5, D), (4, D)]):
+        x = mx.random.normal(shape, key=mx.random.key(100 + i)).astype(dtype)
+        mx.eval(x)
+        got = block.shared_gate(x)
+        if shape[:-1] == (1, 1):
+            assert graph_labels(got) == ["Matmul"]
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(linear(x).astype(mx.float32)))  # fmt: skip
+    linear.weight = mx.random.normal(linear.weight.shape, key=mx.random.key(7)).astype(dtype)
+    np.testing.assert_array_equal(np.array(block.shared_gate(x).astype(mx.float32)),
+                                  np.array(linear(x).astype(mx.float32)))  # fmt: skip
+
+
+def test_moe_block_keeps_leading_shape_bit_exact():
+    """The block on (B, L, D), reshape-free, gives the very bits of the same rows as (N, D)."""
+    block = moe_block(seed=3)
+    x = mx.random.normal((2, 3, TINY["moe"]["hidden_size"]), key=mx.random.key(4))
+    got = block(x)
+    assert got.shape == x.shape
+    want = block(x.reshape(6, -1)).reshape(x.shape)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@requires_gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_gpu_decode_kernel_matches_reference_path(name, fused):
+    """On the GPU: decode through the fused step kernel == the same model on the reference;
+    ``fused``: after fuse_projections (the kernel reads the in_proj output in place)."""
     ids = tokens(2, 9, seed=9)
     model = ours(name)
+    if fused:
+        model.fuse_projections()
 
     def run():
         cache = model.make_cache()

@@ -82,6 +82,11 @@ def _check(case, dtype):
     B, Hq, Hk, L, D, Dv, C, pos, window, span = case
     q, k, v, p = _case(B, Hq, Hk, L, D, Dv, C, pos, 7, dtype)
     got = da.decode_attention(q, k, v, p, 0.25, span, window)
+    # heads merged as the output projection reads them (one token per row: the kernel writes
+    # that shape itself): the same values moved, bit for bit
+    merged = da.decode_attention(q, k, v, p, 0.25, span, window, merge_heads=True)
+    assert merged.shape == (B, L, Hq * Dv)
+    assert mx.array_equal(merged, got.transpose(0, 2, 1, 3).reshape(B, L, -1)).item()
     f32 = [a.astype(mx.float32) for a in (q, k, v)]
     ref32 = da.decode_attention_reference(*f32, p, 0.25, span, window)
     if dtype == mx.float32:
@@ -108,7 +113,8 @@ def test_emulated_kernel_matches_reference(monkeypatch, case, dtype, groups):
         da._plan.cache_clear()
     parts, _ = da.split(case[0] * case[1] * case[3], case[-1])
     assert parts > 1 or groups == 1 or case[-1] < 32  # case 0 runs split in two parts
-    assert (emu["_kernel"].launches, emu["_merge"].launches) == (1, int(parts > 1))
+    # two calls: heads apart, heads merged
+    assert (emu["_kernel"].launches, emu["_merge"].launches) == (2, 2 * int(parts > 1))
 
 
 @requires_gpu

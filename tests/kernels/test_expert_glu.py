@@ -229,6 +229,40 @@ def test_dispatcher_on_the_emulator(monkeypatch):
         G.expert_glu(x, mx.array(raw), ids, t, kk, "relu")
 
 
+def _dense_case(dtype, seed: int):
+    t, f, kk = T.Q4_K, 7, 256  # _EMU_CASES[2]'s instantiation (one expert here)
+    raw = _experts(t, 1, 2 * f, kk, seed=seed)
+    return t, f, kk, raw, _x((2, 3, kk), dtype, seed, raw, t)
+
+
+def _check_dense(y, x, raw, t, f, kk) -> None:
+    """dense_glu = the experts' contract over one expert (id 0 for every row), (..., F)."""
+    assert y.shape == (*x.shape[:-1], f)
+    ids = mx.zeros((x.size // kk, 1), dtype=mx.uint32)
+    _check(y.reshape(-1, 1, f), x.reshape(-1, kk), raw[:, :f], raw[:, f:], ids, t, kk, "silu")
+
+
+@needs_gxx
+def test_dense_glu_on_the_emulator(monkeypatch):
+    """A dense fused [gate | up] GGML layer (2F, row_bytes): one launch over one expert, the
+    output in x's leading shape; its plan cached; None off a GPU, past 32 rows, or for
+    blocks that are not the layer's."""
+    t, f, kk, raw, x = _dense_case(mx.float32, seed=21)
+    w = mx.array(raw[0])  # (2F, row_bytes)
+    assert G.dense_glu(x, w, t, kk) is None  # no GPU here: the caller's two-step path
+    emu = Emulated(G._KERNELS[t])
+    monkeypatch.setitem(G._KERNELS, t, emu)
+    monkeypatch.setattr(G, "backend", lambda: "cuda")
+    monkeypatch.setattr(G, "_DENSE", {})
+    y = G.dense_glu(x, w, t, kk)
+    assert emu.launches == 1
+    _check_dense(y, x, raw, t, f, kk)
+    assert mx.array_equal(G.dense_glu(x, w, t, kk), y) and len(G._DENSE) == 1
+    assert G.dense_glu(_x((33, kk), mx.float32, 3, raw, t), w, t, kk) is None
+    assert G.dense_glu(x, w[:, :-1], t, kk) is None
+    assert emu.launches == 2
+
+
 @needs_gxx
 @pytest.mark.parametrize("model", ["gemma4", "qwen3_5_moe"])
 def test_model_experts_use_the_kernel(model, monkeypatch):
@@ -311,3 +345,12 @@ def test_gpu_launch_configs_and_dispatcher(cfg):
     _check(out, x, raw[:, :f], raw[:, f:], ids, t, kk, "silu")
     _check(G.expert_glu(x, mx.array(raw), ids, t, kk, "silu"), x, raw[:, :f], raw[:, f:], ids,
            t, kk, "silu")  # fmt: skip
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gpu_dense_glu(dtype):
+    t, f, kk, raw, x = _dense_case(dtype, seed=22)
+    y = G.dense_glu(x, mx.array(raw[0]), t, kk)
+    assert y is not None and y.dtype == dtype
+    _check_dense(y, x, raw, t, f, kk)

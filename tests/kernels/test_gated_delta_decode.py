@@ -33,10 +33,12 @@ SHAPES = [
 ]
 
 
-def make_inputs(B, hk, hv, dk, dv, seed, dtype=mx.float32, masked=False):
+def make_inputs(B, hk, hv, dk, dv, seed, dtype=mx.float32, masked=False, module_conv=False):
     """Fresh random inputs for one token; ``masked``: a random mix of active rows (>= 1 off
-    when B > 1)."""
+    when B > 1); ``module_conv``: the conv weight (C, K, 1), as the model's Conv1d keeps it."""
     inp = tgd.make_inputs(B, 1, hk, hv, dk, dv, seed, dtype)
+    if module_conv:
+        inp["conv_weight"] = inp["conv_weight"][..., None]
     k = mx.random.split(mx.random.key(seed + 10_000), 2)
     inp["z"] = mx.random.normal((B, 1, hv * dv), key=k[0]).astype(dtype)
     inp["norm_weight"] = (0.75 + 0.5 * mx.random.uniform(shape=(dv,), key=k[1])).astype(dtype)
@@ -52,6 +54,7 @@ def oracle(inp: dict, tiled: bool):
     """float64: the step of test_gated_delta's oracle, the gated RMSNorm, the row mask."""
     inp = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
            for k, v in inp.items()}  # fmt: skip
+    inp["conv_weight"] = inp["conv_weight"].reshape(inp["conv_weight"].shape[:2])  # (C, K)
     y, conv, st = tgd.oracle(inp, tiled)  # y (B, 1, Hv, Dv)
     f = lambda name: np.array(inp[name].astype(mx.float32), dtype=np.float64)  # noqa: E731
     B = y.shape[0]
@@ -82,7 +85,7 @@ def exact_states(got, inp, want_conv):
 @pytest.mark.parametrize("shape", SHAPES[:3])
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
 def test_reference_matches_oracle(shape, tiled):
-    inp = make_inputs(*shape, seed=sum(shape), masked=True)
+    inp = make_inputs(*shape, seed=sum(shape), masked=True, module_conv=tiled)
     want = oracle(inp, tiled)
     with reference_only():
         got = gdd.gated_delta_decode(**inp, tiled=tiled)
@@ -97,11 +100,12 @@ def test_reference_matches_oracle(shape, tiled):
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
 def test_kernel_body_emulated(shape, tiled, monkeypatch):
     """``_BODY`` compiled as C++ and launched by the dispatcher: fp32 against the oracle, rows
-    masked when B > 1, outputs poisoned by the emulator."""
+    masked when B > 1, outputs poisoned by the emulator; the tiled runs take the conv weight
+    (C, K, 1) as the model passes it (read flat, no reshape)."""
     emu = kernel_emulator.Emulated(gdd._kernel)
     monkeypatch.setattr(gdd, "_kernel", emu)
     monkeypatch.setattr(gdd, "backend", lambda: "cuda")
-    inp = make_inputs(*shape, seed=3 * sum(shape) + tiled, masked=shape[0] > 1)
+    inp = make_inputs(*shape, seed=3 * sum(shape) + tiled, masked=shape[0] > 1, module_conv=tiled)
     got = gdd.gated_delta_decode(**inp, tiled=tiled)
     assert emu.launches == 1
     want = oracle(inp, tiled)
@@ -146,6 +150,86 @@ def test_dispatcher_falls_back_and_validates(monkeypatch):
     two = dict(inp, qkv=mx.concatenate([inp["qkv"]] * 2, axis=1))  # L = 2 is not a decode
     with pytest.raises(InvalidArgumentError, match="gated_delta_decode"):
         gdd.gated_delta_decode(**two)
+    w = inp["conv_weight"]  # (C, K): (C, K, 2) and (C - 1, K) are no conv weight of this qkv
+    for bad_w in (mx.stack([w, w], axis=-1), w[1:]):
+        with pytest.raises(InvalidArgumentError, match="conv weight"):
+            gdd.gated_delta_decode(**dict(inp, conv_weight=bad_w))
+
+
+# ---- fused in_proj outputs read in place (Channels) ----
+
+# (qkv, z, b, a) stacked into fused projection outputs, as GatedDeltaNet.fuse_projections makes
+# them (all four; Q4_K qkv + z with dense b + a) and orders it never makes; "pad" channels before
+# and after each fused group put every input at an offset of its own
+GROUPINGS = {
+    "qkvzba": (("qkv", "z", "b", "a"),),
+    "qkvz+ba": (("qkv", "z"), ("b", "a")),
+    "zqkv+a+b": (("z", "qkv"), ("a",), ("b",)),
+    "qkv+azb": (("qkv",), ("a", "z", "b")),
+}
+
+
+def fuse_inputs(inp: dict, grouping, seed: int) -> dict:
+    """``inp`` with each fused group's members as ``Channels`` of one (B, 1, N) array: random
+    pad channels, the members side by side, more pad."""
+    out = dict(inp)
+    for i, group in enumerate(grouping):
+        if len(group) == 1:
+            continue
+        B, dtype = inp["qkv"].shape[0], inp["qkv"].dtype
+        k = mx.random.split(mx.random.key(seed + i), 2)
+        pads = [mx.random.normal((B, 1, n), key=key).astype(dtype) for n, key in zip((3, 5), k)]
+        data = mx.concatenate([pads[0], *(inp[name] for name in group), pads[1]], axis=-1)
+        first = 3
+        for name in group:
+            out[name] = gdd.Channels(data, first, inp[name].shape[-1])
+            first += inp[name].shape[-1]
+    return out
+
+
+def assert_same(got, want) -> None:
+    for g, w, what in zip(got, want, ("out", "conv_state", "state")):
+        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+        assert np.array_equal(g, w, equal_nan=False), f"{what}: max diff {np.abs(g - w).max()}"
+
+
+@needs_gxx
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
+def test_kernel_body_fused_inputs_emulated(shape, grouping, monkeypatch):
+    """qkv, z, a, b as Channels of fused outputs (read in place at their offsets) give the bits
+    of the separate arrays, one launch each, on the emulated kernel; rows masked."""
+    emu = kernel_emulator.Emulated(gdd._kernel)
+    monkeypatch.setattr(gdd, "_kernel", emu)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    seed = 11 * sum(shape) + len(grouping)
+    inp = make_inputs(*shape, seed=seed, masked=True, module_conv=True)
+    fused = fuse_inputs(inp, GROUPINGS[grouping], seed)
+    want = gdd.gated_delta_decode(**inp, tiled=True)
+    got = gdd.gated_delta_decode(**fused, tiled=True)
+    assert emu.launches == 2
+    assert_same(got, want)
+    check(got[0], oracle(inp, True)[0], 1e-5, "out")  # and the right bits (fp32 vs float64)
+
+
+def test_fused_inputs_reference_and_validation(monkeypatch):
+    """The reference path slices Channels (bit-exact); Channels outside their array, or of the
+    wrong width for the block, are caller errors."""
+    inp = make_inputs(2, 2, 6, 64, 7, seed=4, masked=True)
+    fused = fuse_inputs(inp, GROUPINGS["qkvz+ba"], 4)
+    with reference_only():
+        assert_same(gdd.gated_delta_decode(**fused), gdd.gated_delta_decode(**inp))
+    data = fused["a"].data  # (2, 1, 3 + 12 + 5)
+    for first, count in ((-1, 6), (0, 0), (16, 6)):
+        with pytest.raises(InvalidArgumentError, match="channels"):
+            gdd.Channels(data, first, count)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdd, "_kernel", None)  # validation comes before any launch
+    for name in ("a", "b", "z"):
+        x = fused[name]  # one channel short
+        bad = dict(fused, **{name: gdd.Channels(x.data, x.first, x.count - 1)})
+        with pytest.raises(InvalidArgumentError, match="gated_delta_decode"):
+            gdd.gated_delta_decode(**bad)
 
 
 # ---- the Qwen 3.5 decode step (static caches, a paused row) through the emulated kernel ----
@@ -176,15 +260,20 @@ def tiny_qwen():
 
 
 @needs_gxx
-def test_decode_step_takes_one_launch_per_delta_net_layer(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_decode_step_takes_one_launch_per_delta_net_layer(fused, monkeypatch):
     """DecodeStep's step (run eagerly: the emulator is not traceable) over 3 rows, one paused:
     one launch per delta-net layer, logits of the active rows and every cache as the CPU
-    reference path gives them, the paused row's states untouched."""
+    reference path gives them, the paused row's states untouched. ``fused``: the in_proj
+    layers as one (``fuse_projections``, as the loader does), read in place by the kernel."""
     from hf2q_mlx.decode_step import DecodeStep
     from hf2q_mlx.models.static_cache import StaticRecurrentCache
 
     with mx.stream(mx.cpu):
         model = tiny_qwen()
+        if fused:
+            model.fuse_projections()
+            assert "in_proj_qkvzba" in model.layers[0].linear_attn
         step = DecodeStep(model, max_batch=3, max_len=16)
         for row, n in enumerate([3, 5, 2]):
             step.prefill(row, list(range(1, n + 1)))
@@ -255,15 +344,37 @@ def test_gpu_kernel_matches_reference(shape, tiled, dtype):
             assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
 
 
+@requires_gpu
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES[3:5], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_gpu_kernel_fused_inputs_bit_exact(shape, grouping, dtype):
+    """On the GPU: Channels of fused outputs, read in place, give the bits of the separate
+    arrays (same kernel, same math; only the addressing differs); outputs poisoned."""
+    seed = 13 * sum(shape) + len(grouping)
+    inp = make_inputs(*shape, seed=seed, dtype=dtype, masked=shape[0] > 1, module_conv=True)
+    fused = fuse_inputs(inp, GROUPINGS[grouping], seed)
+    with mx.stream(mx.gpu):
+        _, hk, hv, dk, dv = shape
+        assert gdd._covered(dtype, hk, dk, hv, dv, 4), "the kernel would not run"
+        want = gdd.gated_delta_decode(**inp, init_value=float("nan"))
+        got = gdd.gated_delta_decode(**fused, init_value=float("nan"))
+        mx.eval(want, got)
+    assert_same(got, want)
+    assert not np.isnan(np.array(want[0].astype(mx.float32))).any()  # every output written
+
+
 VIEWS = {"Reshape", "Broadcast", "Squeeze", "ExpandDims"}  # primitives that launch nothing here
 
 
 @requires_gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("B", [1, 4])
-def test_gpu_block_decode_is_one_launch(B):
+def test_gpu_block_decode_is_one_launch(B, fused):
     """The compiled delta-net decode between in_proj and out_proj (a 9B-shaped block, bf16,
     a static cache with a paused row) holds one launching primitive: the kernel. Before it:
-    the step kernel, two mx.where of the static cache, the RMSNorm and silu(z) * norm = 5."""
+    the step kernel, two mx.where of the static cache, the RMSNorm and silu(z) * norm = 5.
+    ``fused``: one in_proj_qkvzba output, read in place (no Slice node before the kernel)."""
     import io
     import re
 
@@ -283,14 +394,19 @@ def test_gpu_block_decode_is_one_launch(B):
         cache = StaticRecurrentCache(
             mx.zeros((B, 3, net.conv_dim), mx.bfloat16), mx.zeros((B, 32, 128, 128))
         )
+        if fused:
+            net.fuse_projections()
+            assert len(net._in_plan) == 1
         x = mx.random.normal((B, 1, 256)).astype(mx.bfloat16)
-        ins = [p(x) for p in (net.in_proj_qkv, net.in_proj_z, net.in_proj_a, net.in_proj_b)]
+        ins = [net[attr](x) for attr, _ in net._in_plan]  # the in_proj matmul outputs
         # the zero states too: unevaluated, their two Full ops showed in the graph on the H200
         mx.eval(ins, net.parameters(), cache.arrays)
 
-        def block(qkv, z, a, b, conv, state, active):
+        def block(*args):
+            *ys, conv, state, active = args
             cache.conv_state, cache.state, cache.active = conv, state, active
-            return ops.gated_delta_net(net, qkv, z, a, b, cache), cache.conv_state, cache.state
+            out = ops.gated_delta_net(net, *net.unpack(ys), cache)
+            return out, cache.conv_state, cache.state
 
         active = mx.array([i % 2 == 0 for i in range(B)])
         outs = mx.compile(block)(*ins, cache.conv_state, cache.state, active)

@@ -13,6 +13,7 @@ from conftest import requires_gpu
 from hf2q_mlx.custom_kernels import reference_only
 from hf2q_mlx.custom_kernels import residual_rms_norm as rrn
 from hf2q_mlx.custom_kernels import rms_norm_rope as nr
+from hf2q_mlx.errors import InvalidArgumentError
 
 # ---- CPU emulation --------------------------------------------------------------------------
 
@@ -261,6 +262,121 @@ def test_norm_rope_body_emulated_fp16(monkeypatch):
     _run_and_check(xs, ws, inv, pos, woff, 64, mx.float16)
 
 
+# ---- q/k/v read in place from fused projection outputs (``Heads``) -----------------------------
+
+PACKED_CASES = [
+    # (B, L, heads per projection output (q, k, v in order), D, R, pos kind, transpose, v normed)
+    (1, 1, ((4, 2, 2),), 64, 64, "int", False, True),  # Gemma 4 sliding decode: one qkv matmul
+    (2, 3, ((2, 1), (1,)), 32, 32, "batch", True, True),  # q+k fused, v apart (mixed GGML types)
+    (1, 2, ((3, 1, 1),), 128, 64, "tokens", False, True),  # prefill, partial rotary
+    (2, 1, ((4, 1, 1),), 64, 64, "batch", True, False),  # Gemma 3 decode: v only laid out
+]
+PACKED_IDS = ["decode-qkv", "qk+v", "prefill-partial", "gemma3-v-copy"]
+
+
+def _packed_inputs(case, dtype, seed):
+    """Fresh random fused outputs (B, L, heads * D) as q, k, v ``Heads``, weights, rope args."""
+    B, L, groups, D, R, pos_kind = case[:6]
+    rng = np.random.default_rng(seed)
+    heads = []
+    for counts in groups:
+        y = rng.standard_normal((B, L, sum(counts) * D)).astype(np.float32) * 2
+        data = mx.array(y).astype(dtype)
+        starts = np.cumsum((0, *counts))
+        heads += [nr.Heads(data, int(a), int(b - a), D) for a, b in zip(starts, starts[1:])]
+    ws = [mx.array(rng.standard_normal(D).astype(np.float32)) for _ in range(2)] + [None]
+    pos = {
+        "int": dict(offset=mx.array([int(rng.integers(0, 9000))], dtype=mx.int32)),
+        "batch": dict(offset=mx.array(rng.integers(0, 9000, (B,)).astype(np.int32))),
+        "tokens": dict(positions=mx.array(rng.integers(0, 9000, (B, L)).astype(np.int32))),
+    }[pos_kind]
+    return heads, ws, nr.rope_inv_freq(R, 1e4), pos
+
+
+def _check_packed(case, dtype, seed):
+    """The Heads form against the separate-input form (the same kernel arithmetic on the same
+    values, only the addressing differs: bit-exact) and against the reference."""
+    heads, ws, inv, pos = _packed_inputs(case, dtype, seed)
+    transpose, v_norm = case[6:]
+    kw = dict(eps=1e-6, weight_offset=1.0, transpose=transpose, **pos)
+    v_kw = dict(v_weight=ws[2], v_norm=v_norm)
+    packed = nr.qk_norm_rope(*heads[:2], *ws[:2], inv, v=heads[2], **v_kw, **kw)
+    xs = nr.split_heads(heads)  # reshape + split: what the decoders passed before
+    separate = nr.qk_norm_rope(*xs[:2], *ws[:2], inv, v=xs[2], **v_kw, **kw)
+    for i, (got, want, x, w) in enumerate(zip(packed, separate, xs, ws)):
+        assert got.shape == want.shape and got.dtype == dtype
+        assert mx.array_equal(got, want).item(), i
+        if i == 2 and not v_norm:  # a copy into the output layout: exact
+            assert mx.array_equal(got, x.transpose(0, 2, 1, 3) if transpose else x).item()
+            continue
+        with reference_only():
+            ref = nr.rms_norm_rope_reference(x, w, inv if i < 2 else None, **kw)
+        if dtype == mx.float32:
+            np.testing.assert_allclose(np.array(got), np.array(ref), rtol=0, atol=3e-5)
+        else:
+            assert_one_rounding(got, ref, dtype)
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", PACKED_CASES, ids=PACKED_IDS)
+def test_norm_rope_packed_emulated(monkeypatch, case):
+    emu = emulate(monkeypatch, nr, "_kernel")
+    _check_packed(case, mx.float32, seed=len(case[2]) + case[3])
+    assert emu["_kernel"].launches == 2
+
+
+@needs_gxx
+def test_norm_rope_packed_emulated_bf16(monkeypatch):
+    emulate(monkeypatch, nr, "_kernel")
+    _check_packed(PACKED_CASES[0], mx.bfloat16, seed=11)
+
+
+def test_packed_reference_path_and_launch_inputs(monkeypatch):
+    """Without kernels, Heads give the separate form's result bit for bit; with kernels, the
+    launch reads each fused output itself (no reshape or split of it in the graph)."""
+    heads, ws, inv, pos = _packed_inputs(PACKED_CASES[1], mx.float32, seed=4)
+    kw = dict(eps=1e-6, **pos)
+    xs = nr.split_heads(heads)
+    got = nr.qk_norm_rope(*heads[:2], *ws[:2], inv, v=heads[2], **kw)
+    want = nr.qk_norm_rope(*xs[:2], *ws[:2], inv, v=xs[2], **kw)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    seen = []
+
+    class Stub:
+        def launcher(self, input_dtypes, **launch):
+            shapes, dtypes = launch["output_shapes"], launch["output_dtypes"]
+            seen.append(shapes)
+            return lambda inputs: (
+                seen.append(inputs) or [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+            )
+
+    monkeypatch.setattr(nr, "backend", lambda: "cuda")
+    monkeypatch.setattr(nr, "_kernel", Stub())
+    out = nr.qk_norm_rope(*heads[:2], *ws[:2], inv, v=heads[2], **kw)
+    assert [o.shape for o in out] == [(2, 2, 3, 32), (2, 1, 3, 32), (2, 1, 3, 32)]
+    inputs = seen[-1]
+    assert inputs[0] is heads[0].data and inputs[1] is heads[0].data
+    assert inputs[2] is heads[2].data
+
+
+def test_split_heads_and_heads_errors():
+    data = mx.random.normal((2, 3, 7 * 16), key=mx.random.key(2))
+    y = data.reshape(2, 3, 7, 16)
+    q, k, v = nr.Heads(data, 0, 4, 16), nr.Heads(data, 4, 2, 16), nr.Heads(data, 6, 1, 16)
+    assert q.shape == (2, 3, 4, 16) and q.dtype == mx.float32
+    other = mx.zeros((1,))
+    out = nr.split_heads([v, other, q, k])  # any order; other values pass through
+    assert out[1] is other
+    for got, (a, b) in zip([out[2], out[3], out[0]], [(0, 4), (4, 6), (6, 7)]):
+        assert mx.array_equal(got, y[:, :, a:b]).item()
+    (alone,) = nr.split_heads([k])  # not a tiling of the output: a slice
+    assert mx.array_equal(alone, y[:, :, 4:6]).item()
+    for bad in [(data, 6, 2, 16), (data, 0, 0, 16), (data, -1, 2, 16), (data, 0, 1, 24),
+                (y, 0, 1, 16)]:  # fmt: skip
+        with pytest.raises(InvalidArgumentError):
+            nr.Heads(*bad)
+
+
 @needs_gxx
 @pytest.mark.parametrize("H,dtype", [(640, mx.float32), (96, mx.float16), (2816, mx.float32)])
 def test_residual_body_emulated(monkeypatch, H, dtype):
@@ -302,6 +418,14 @@ def test_norm_rope_gpu(shape, dtype, pos_kind):
     xs, ws, inv, pos, woff = _case_inputs(B, L, heads, P, D, R, pos_kind, weights,
                                           seed=D + B + L, dtype=dtype)  # fmt: skip
     _run_and_check(xs, ws, inv, pos, woff, D, dtype, transpose=pos_kind != "batch")
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", PACKED_CASES, ids=PACKED_IDS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+def test_norm_rope_packed_gpu(case, dtype):
+    """q/k/v read in place from fused outputs: bit-exact with the separate inputs on the GPU."""
+    _check_packed(case, dtype, seed=7)
 
 
 @requires_gpu
