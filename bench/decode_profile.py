@@ -23,6 +23,7 @@ import collections
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 
@@ -41,7 +42,7 @@ def _bench_module(name: str):
 
 def build(family: str, shape: str, fmt: str, dtype: mx.Dtype, layers: int | None = None):
     """-> (model, vocab size) with random weights in ``fmt`` (q4_k or mlx4); ``layers``: keep
-    only the first layers of a Gemma 4 shape (quicker runs that compare settings)."""
+    only the first layers of the shape (quicker runs that compare settings)."""
     if family == "gemma4":
         g = _bench_module("gemma4")
         config = {**g.SHAPES, **g.TINY}[shape]
@@ -55,12 +56,15 @@ def build(family: str, shape: str, fmt: str, dtype: mx.Dtype, layers: int | None
     if family == "qwen3_5":
         q = _bench_module("qwen3_5")
         config = {**q.SHAPES, **q.TINY_SHAPES}[shape]
+        if layers:
+            config = dict(config, num_hidden_layers=layers)
         model = q.build_ours(config, dtype)
         if fmt == "q4_k":
             q.randomize_q4k(model, dtype)
         else:
             q.randomize_mlx_quantized(model, dtype)
             q.cast_floats(model, dtype)
+            model.fuse_projections()  # as the loader does (randomize_q4k fuses too)
         return model, config["vocab_size"]
     raise SystemExit(f"unknown model family {family!r}: gemma4 or qwen3_5")
 
@@ -97,8 +101,24 @@ def compiled_step(model, vocab: int, prompt: int, steps: int, batch: int = 1):
     return y, lambda y: st.decode(y, greedy=True)
 
 
+def count_nodes(y: mx.array, path: str) -> dict[str, int]:
+    """One unevaluated step's graph written as DOT to ``path`` -> primitive name: count (every
+    node costs MLX host time at eval, kernel or not)."""
+    mx.export_to_dot(path, y)
+    with open(path) as f:
+        names = re.findall(r'label ="([^"]+)"', f.read())
+    return dict(collections.Counter(names).most_common())
+
+
 def profile_decode(
-    model, vocab: int, prompt: int, steps: int, use_cuda: bool, mode: str = "eager", batch: int = 1
+    model,
+    vocab: int,
+    prompt: int,
+    steps: int,
+    use_cuda: bool,
+    mode: str = "eager",
+    batch: int = 1,
+    nodes: str | None = None,
 ) -> dict:
     if mode == "eager":
         y, step = eager_step(model, vocab, prompt, steps)
@@ -133,6 +153,8 @@ def profile_decode(
         "graph_build_ms_per_token": build * 1e3 / steps,
         "eval_submit_ms_per_token": submit * 1e3 / steps,
     }
+    if nodes:
+        out["graph_nodes"] = count_nodes(step(y), nodes)
     if prof is None:
         return out
     prof.__exit__(None, None, None)
@@ -168,9 +190,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--step", choices=["eager", "compiled"], default="eager")
     ap.add_argument("--batch", type=int, default=1, help="rows of the compiled step")
-    ap.add_argument("--layers", type=int, default=None, help="Gemma 4: first N layers only")
+    ap.add_argument("--layers", type=int, default=None, help="first N layers only")
     ap.add_argument("--no-cupti", action="store_true", help="wall times only (no profiler)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--nodes", default=None, help="write one step's graph (DOT) here, count nodes")
     a = ap.parse_args()
     family, _, shape = a.model.partition(":")
     gpu = mx.default_device().type == mx.DeviceType.gpu
@@ -181,7 +204,7 @@ def main() -> None:
         use_cuda = torch.cuda.is_available()
     dtype = mx.bfloat16 if gpu else mx.float32
     model, vocab = build(family, shape, a.format, dtype, a.layers)
-    r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch)
+    r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch, a.nodes)
     r["layers"] = len(model.layers)
     r.update(model=a.model, format=a.format, step=a.step, batch=a.batch)
     r["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
@@ -200,6 +223,10 @@ def main() -> None:
                   f"{t['avg_us']:>8.2f}")  # fmt: skip
     else:
         print(" (no CUPTI: kernel columns need torch with CUDA)")
+    if "graph_nodes" in r:
+        g, n = r["graph_nodes"], sum(r["graph_nodes"].values())
+        print(f"graph nodes / step: {n} ({n / r['layers']:.1f} per layer):")
+        print("  " + ", ".join(f"{k} {v}" for k, v in g.items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

@@ -118,21 +118,27 @@ def run_shape(name: str, config: dict, a) -> dict:
     vocab = config["vocab_size"]
     prompt = mx.random.randint(0, vocab, (1, a.prompt), key=mx.random.key(0))
     max_len = a.prompt + (a.rounds + 1) * a.tokens + 8
-    variants, models = {}, {}
+    variants, models, twin = {}, {}, None
     for fmt in a.formats:
         tic = time.perf_counter()
         model = models[fmt] = build(name, config, fmt)
+        if fmt == "mlx4" and not a.no_mlx_lm:
+            twin = mlx_lm_twin(name, config, model)  # from the unfused parameter names
+        model.fuse_projections()  # as the loader does (a no-op where the builder fused)
         print(f"{name} {fmt}: built in {time.perf_counter() - tic:.1f} s", flush=True)
-        variants[f"{fmt} eager"] = Eager(model, prompt)
-        variants[f"{fmt} compiled B=1"] = Compiled(model, prompt, 1, max_len)
+        made = {  # each prefills the prompt when made: only the selected variants are
+            f"{fmt} eager": lambda m=model: Eager(m, prompt),
+            f"{fmt} compiled B=1": lambda m=model: Compiled(m, prompt, 1, max_len),
+        }
         if a.batch > 1 and fmt == a.formats[0]:
-            variants[f"{fmt} compiled B={a.batch}"] = Compiled(model, prompt, a.batch, max_len)
-    if a.variants:
-        variants = {k: v for k, v in variants.items() if any(w in k for w in a.variants)}
-    if "mlx4" in models and not a.no_mlx_lm:
-        twin = mlx_lm_twin(name, config, models["mlx4"])
-        if twin is not None:
-            variants["mlx-lm mlx4"] = Eager(twin, prompt)
+            made[f"{fmt} compiled B={a.batch}"] = lambda m=model: Compiled(
+                m, prompt, a.batch, max_len
+            )
+        for k, make in made.items():
+            if not a.variants or any(w in k for w in a.variants):
+                variants[k] = make()
+    if twin is not None:
+        variants["mlx-lm mlx4"] = Eager(twin, prompt)
     for v in variants.values():  # warm-up: kernels compiled, graphs traced
         v.run(3)
     rates = {k: [] for k in variants}

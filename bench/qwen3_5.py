@@ -120,6 +120,7 @@ def randomize_q4k(model: nn.Module, dtype: mx.Dtype) -> None:
         m.weight = random_ggml_blocks(rows, cols, T.Q4_K, seed=i).reshape(shape)
         mx.eval(m.weight)
     cast_floats(model, dtype)
+    model.fuse_projections()  # as the loader does
 
 
 def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
@@ -259,9 +260,10 @@ def run_shape(name: str, config: dict, args) -> list[dict]:
         ours = build_ours(config, dtype)
         randomize_mlx_quantized(ours, dtype)
         cast_floats(ours, dtype)
+        twin = None if args.no_mlx_lm else mlx_lm_twin(ours, config)  # from unfused names
+        ours.fuse_projections()  # as the loader does
         for mode in args.prefill_modes:
             record("mlx4", "hf2q_mlx", ours, mode)
-        twin = None if args.no_mlx_lm else mlx_lm_twin(ours, config)
         if twin is not None:
             # same weights, same math: the logits must agree (up to bf16 rounding order)
             a, b = ours(prompt[:, :16]), twin(prompt[:, :16])

@@ -1,0 +1,54 @@
+"""A compiled decode token's graph stays small. MLX pays host time for every node of a step's
+graph, kernel or view (about 7 us each on the H200 machine), so a new reshape on a decode path is
+a speed regression. bench/graph_nodes.py counts the nodes of one DecodeStep token as the GPU
+builds it, on the CPU, with stub kernel launches; here per layer, as the difference between
+the first 2L and the first L layers (the embedding and the head cancel out)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+VIEWS = ("Reshape", "Transpose", "Split", "Squeeze", "Slice", "Flatten", "Unflatten")
+
+
+def _count(model: str, fmt: str, layers: int, tmp_path) -> dict[str, int]:
+    """bench/graph_nodes.py in a process of its own: its stub launchers stay in the kernel
+    dispatchers' plan caches, which must not leak into the other tests."""
+    out = tmp_path / f"{layers}.json"
+    cmd = [sys.executable, str(BENCH / "graph_nodes.py"), model, fmt, "--layers", str(layers),
+           "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return json.loads(out.read_text())["nodes"]
+
+
+def _per_layer(model: str, fmt: str, layers: int, tmp_path) -> dict[str, float]:
+    a, b = (_count(model, fmt, n, tmp_path) for n in (layers, 2 * layers))
+    return {k: (b.get(k, 0) - a.get(k, 0)) / layers for k in set(a) | set(b)}
+
+
+# (model, format, layers per half: each half has both layer kinds, view nodes and kernel
+# launches allowed per layer). Qwen 3.5's attention layer (every second layer) still slices its
+# [query | gate] heads and reshapes them and v: 4 views there, 2 per layer.
+CASES = [
+    ("gemma4:tiny-moe", "q4_k", 3, 0, 13),
+    ("gemma4:tiny-moe", "mlx4", 3, 0, 13),
+    ("qwen3_5:tiny-moe", "q4_k", 2, 2, 12),
+    ("qwen3_5:tiny", "q4_k", 2, 2, 9),
+]
+
+
+@pytest.mark.parametrize("model, fmt, layers, views, kernels", CASES)
+def test_decode_layer_nodes(model, fmt, layers, views, kernels, tmp_path):
+    """At most ``views`` reshape / transpose / split / squeeze / slice nodes per decode layer
+    (kernels read and write flat memory in the layout their neighbours use) and at most
+    ``kernels`` launches."""
+    per = _per_layer(model, fmt, layers, tmp_path)
+    seen = {k: per[k] for k in VIEWS if per.get(k, 0)}
+    assert sum(seen.values()) <= views, f"view nodes per layer: {seen}"
+    assert per.get("CustomKernel", 0) <= kernels, per
