@@ -12,7 +12,11 @@ from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
-from hf2q_mlx.custom_kernels.expert_matmul import expert_matmul, expert_matmul_reference
+from hf2q_mlx.custom_kernels.expert_matmul import (
+    expert_matmul,
+    expert_matmul_reference,
+    uint32_ids,
+)
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.errors import WeightMismatchError
 
@@ -126,10 +130,10 @@ def _launch(h, w, expert_ids, ggml_type: int, K: int, config):
     return launch, [1, N, K, k, E]
 
 
-def _cast(expert_ids, weights):
-    """ids uint32, weights fp32, in their own shapes: the kernel reads flat memory (a reshape
-    would be one more graph node per call)."""
-    ids = expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
+def ids_and_weights(expert_ids: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
+    """ids uint32, gate weights fp32, in their own shapes, as the down kernels (GGML and
+    affine) read them: flat memory, no reshape node."""
+    ids = uint32_ids(expert_ids)
     return ids, weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
 
 
@@ -148,7 +152,7 @@ def expert_down_kernel(
     a token with an id >= E gives a NaN row. ``config`` overrides R, U, W; ``init_value``
     pre-fills the output (tests poison it with NaN)."""
     launch, edims = _launch(h, w, expert_ids, ggml_type, in_features, config)
-    ids, wts = _cast(expert_ids, weights)
+    ids, wts = ids_and_weights(expert_ids, weights)
     inputs = [h, w, ids, wts, mx.array(edims, dtype=mx.int32)]
     return _KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
 
@@ -209,5 +213,5 @@ def expert_down(
 
 def _run(plan, h, w, expert_ids, weights) -> mx.array:
     launch, edims = plan
-    ids, wts = _cast(expert_ids, weights)
+    ids, wts = ids_and_weights(expert_ids, weights)
     return launch(inputs=[h, w, ids, wts, edims])[0]

@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.expert_down import ids_and_weights
 from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
 from hf2q_mlx.custom_kernels.expert_glu_affine import Affine, affine_experts_covered
 from hf2q_mlx.custom_kernels.ggml_formats import COMMON
@@ -158,10 +159,7 @@ def _launch(h, down: Affine, expert_ids, group_size: int, bits: int):
 
 
 def _inputs(h, down: Affine, expert_ids, weights, edims) -> list[mx.array]:
-    # in their own shapes: the kernel reads flat memory (a reshape is one more graph node)
-    ids = expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
-    wts = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
-    return [h, *down, ids, wts, edims]
+    return [h, *down, *ids_and_weights(expert_ids, weights), edims]
 
 
 def expert_down_affine_kernel(

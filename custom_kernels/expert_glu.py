@@ -11,7 +11,11 @@ from hf2q_mlx.custom_kernels import activations, backend
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
-from hf2q_mlx.custom_kernels.expert_matmul import expert_matmul, expert_matmul_reference
+from hf2q_mlx.custom_kernels.expert_matmul import (
+    expert_matmul,
+    expert_matmul_reference,
+    uint32_ids,
+)
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
@@ -165,11 +169,6 @@ def _launch(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, con
     return launch, [1, F, K, 1 if per_slot else k, E, rows, up0]
 
 
-def _uint32_ids(expert_ids: mx.array) -> mx.array:
-    # the kernel reads flat memory: any shape will do (a reshape would be one more graph node)
-    return expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
-
-
 def expert_glu_kernel(
     x: mx.array,
     w: mx.array,
@@ -190,7 +189,7 @@ def expert_glu_kernel(
     """
     launch, edims = _launch(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
     wu = w if w_up is None else w_up
-    inputs = [x, w, wu, _uint32_ids(expert_ids)]
+    inputs = [x, w, wu, uint32_ids(expert_ids)]
     (out,) = _KERNELS[ggml_type](
         [*inputs, mx.array(edims, dtype=mx.int32)], init_value=init_value, **launch
     )
@@ -209,7 +208,7 @@ class _Plan:
         self.edims = mx.array(edims, dtype=mx.int32)
 
     def __call__(self, x, w, w_up, expert_ids) -> mx.array:
-        ids = _uint32_ids(expert_ids)
+        ids = uint32_ids(expert_ids)
         # x as it comes ((..., K) or (..., k, K)): the kernel reads rows of K from flat memory
         inputs = [x, w, w if w_up is None else w_up, ids, self.edims]
         return self.launch(inputs=inputs)[0]

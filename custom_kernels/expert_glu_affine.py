@@ -9,6 +9,7 @@ import mlx.core as mx
 from hf2q_mlx.custom_kernels import activations, backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.expert_glu import ACTIVATIONS, MAX_TOKENS
+from hf2q_mlx.custom_kernels.expert_matmul import uint32_ids
 from hf2q_mlx.custom_kernels.ggml_formats import COMMON
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
@@ -223,7 +224,7 @@ def expert_glu_affine_kernel(
     gives NaN rows; ``init_value`` pre-fills the output (tests poison it with NaN)."""
     launch, edims = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
     upa = gate_up if up is None else up
-    inputs = [x, *gate_up, *upa, _uint32(expert_ids), mx.array(edims, dtype=mx.int32)]
+    inputs = [x, *gate_up, *upa, uint32_ids(expert_ids), mx.array(edims, dtype=mx.int32)]
     return _kernel(inputs, init_value=init_value, **launch)[0]
 
 
@@ -268,9 +269,5 @@ def expert_glu_affine(
 def _run(plan, x, gate_up: Affine, up, expert_ids) -> mx.array:
     launch, edims = plan
     # x and the ids in their own shapes: the kernel reads flat memory (no reshape nodes)
-    inputs = [x, *gate_up, *(gate_up if up is None else up), _uint32(expert_ids), edims]
+    inputs = [x, *gate_up, *(gate_up if up is None else up), uint32_ids(expert_ids), edims]
     return launch(inputs=inputs)[0]
-
-
-def _uint32(ids: mx.array) -> mx.array:
-    return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)

@@ -152,9 +152,10 @@ def _launch(
     return launch, [1, N, K, 1 if per_slot else k, E]
 
 
-def _uint32_ids(expert_ids: mx.array) -> mx.array:
-    ids = expert_ids.reshape(expert_ids.size)
-    return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)  # negative ids: NaN rows
+def uint32_ids(expert_ids: mx.array) -> mx.array:
+    """The ids as every expert kernel reads them: uint32 (negative ids: NaN rows), in their own
+    shape (the kernels read flat memory; a reshape would be one more graph node per call)."""
+    return expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
 
 
 def expert_matmul_kernel(
@@ -176,7 +177,7 @@ def expert_matmul_kernel(
     """
     launch, edims = _launch(x, w, expert_ids, ggml_type, in_features, config)
     (out,) = _KERNELS[ggml_type](
-        [x.reshape(-1, in_features), w, _uint32_ids(expert_ids), mx.array(edims, dtype=mx.int32)],
+        [x.reshape(-1, in_features), w, uint32_ids(expert_ids), mx.array(edims, dtype=mx.int32)],
         init_value=init_value,
         **launch,
     )
@@ -198,7 +199,7 @@ class _Plan:
         self.K = K
 
     def __call__(self, x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:
-        inputs = [x.reshape(-1, self.K), w, _uint32_ids(expert_ids), self.edims]
+        inputs = [x.reshape(-1, self.K), w, uint32_ids(expert_ids), self.edims]
         return self.launch(inputs=inputs)[0].reshape(self.out_shape)
 
 
