@@ -255,12 +255,13 @@ def decode_attention(
             launch, merge, consts = plan
             out, pm, pl, po = launch(inputs=[q, keys, values, pos, *consts])
             out = out if merge is None else merge(inputs=[pm, pl, po])[0]
-            return out if flat or not merge_heads else _merged(out)
+            return out if flat or not merge_heads else heads_merged(out)
     out = decode_attention_reference(q, keys, values, pos, scale, span, window)
-    return _merged(out) if merge_heads else out
+    return heads_merged(out) if merge_heads else out
 
 
-def _merged(out: mx.array) -> mx.array:
+def heads_merged(out: mx.array) -> mx.array:
+    """Attention output (B, Hq, L, Dv) as the output projection reads it: (B, L, Hq * Dv)."""
     B, _, L, _ = out.shape
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, Hq, L, Dv) -> (B, L, Hq * Dv)
 

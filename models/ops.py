@@ -26,6 +26,7 @@ from hf2q_mlx.custom_kernels import post_norm_residual as post_norm_kernel
 from hf2q_mlx.custom_kernels import residual_rms_norm as residual_norm_kernel
 from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope_kernel
 from hf2q_mlx.custom_kernels import softcap as softcap_kernel
+from hf2q_mlx.custom_kernels.decode_attention import heads_merged
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, rope_inv_freq, split_heads
 from hf2q_mlx.models.attention import attend
 
@@ -429,8 +430,5 @@ def attention(
     q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask: mx.array | None
 ) -> mx.array:
     """q (B, Hq, L, Dk), keys/values as the cache returned them -> (B, L, Hq * Dv)."""
-    B, _, L, _ = q.shape
     out = attend(q, k, v, cache, scale, mask)
-    if out.ndim == 3:  # heads merged by the cache's kernel already
-        return out
-    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return out if out.ndim == 3 else heads_merged(out)  # 3-D: merged by the cache's kernel
