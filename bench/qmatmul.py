@@ -1,7 +1,7 @@
-"""Benchmark ggml_matmul's GPU kernel at M = 1 against the copy bandwidth and mx.quantized_matmul.
+"""Benchmark ggml_matmul's GPU kernel (M rows of x) against copy bandwidth and mx.quantized_matmul.
 
-    python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--sweep] [--profile]
-        [--budget SECONDS]
+    python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--rows M] [--sweep]
+        [--profile] [--budget SECONDS]
 
 --sweep times every SWEEP configuration (variant V: 0 fp32 math, 1 packed fp16, fp16 x only,
 2 packed fp16 on bf16 x; R rows per threadgroup, U steps per run, W SIMD groups) after the
@@ -11,6 +11,12 @@ mx.quantized_matmul 4-bit, plus the lines it suggests for the dtype's table (fp1
 qmatmul_tuning.TYPE_DEFAULTS, bf16: qmatmul_tuning.BF16_DEFAULTS, the models' activations on a
 GPU). --budget stops sweeping (defaults still run) once that many seconds have passed, so a
 capped device call still returns every shape.
+
+--rows M (default 1) times M rows of x (MT = M rounded up to 2, 4, 8, 16). At M > 1 the sweep
+varies R only (ROWS_SWEEP, at most qmatmul.MAX_ACC // MT): V, U and W stay the M = 1 default's,
+which a row's output bits depend on (row parity), and each (type, shape) also times its M = 1
+default ("m1", the baseline the M-row call is held against); the suggested lines are for
+qmatmul_tuning.MT_ROWS.
 
 Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
 262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
@@ -48,6 +54,7 @@ SWEEP = [  # (V, R, U, W) configurations tried with --sweep (MT = 1); V = 1 need
     (1, 8, 1, 8), (2, 8, 1, 4), (2, 4, 1, 8), (2, 4, 1, 4), (2, 2, 1, 8), (2, 4, 2, 4),
     (2, 2, 4, 8), (2, 8, 1, 8), (0, 4, 2, 4), (0, 2, 4, 8), (0, 2, 1, 8), (0, 4, 1, 4),
 ]  # fmt: skip
+ROWS_SWEEP = (1, 2, 4, 8, 16)  # R tried with --sweep at --rows M > 1 (V, U, W: the M = 1 default)
 
 
 class Profiler:
@@ -123,22 +130,36 @@ def bench_ggml(tname, n, k, dtype, cfgs, args, t_start) -> list[dict]:
     t = T[tname]
     w0 = random_ggml_blocks(n, k, t, seed=1)
     ws = [w0] + [random_ggml_blocks(n, k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)]
-    x = mx.random.normal((1, k)).astype(dtype)
-    mx.eval(ws, x)
-    rows = []
+    xs = {m: mx.random.normal((m, k)).astype(dtype) for m in {1, args.rows}}
+    mx.eval(ws, xs)
+    m_rows = args.rows
+    if m_rows > 1:  # at M > 1 the sweep varies R of the default only (row parity)
+        d = Q.launch_config(t, m_rows, n, k, dtype)
+        cfgs = [c for c in cfgs if c is None] + (
+            [dict(d, R=r) for r in ROWS_SWEEP if r * d["MT"] <= Q.MAX_ACC] if len(cfgs) > 1 else []
+        )
+        cfgs.append("m1")  # the M = 1 default: the baseline
+    rows, skipped = [], False
     for cfg in cfgs:
-        if cfg is not None and time.perf_counter() - t_start > args.budget:
-            print(f"budget: skipping the sweep for {tname} {n}x{k}", flush=True)
-            break
-        if cfg is not None and Q.VARIANT_DTYPES.get(cfg["V"], dtype) != dtype:
+        m = 1 if cfg == "m1" else m_rows
+        if cfg not in (None, "m1") and time.perf_counter() - t_start > args.budget:
+            if not skipped:
+                print(f"budget: skipping the sweep for {tname} {n}x{k}", flush=True)
+            skipped = True
+            continue  # the m1 baseline still runs
+        if cfg not in (None, "m1") and Q.VARIANT_DTYPES.get(cfg["V"], dtype) != dtype:
             continue  # a packed variant for another x dtype
-        c = Q.clamp_w(t, k, cfg) if cfg else Q.launch_config(t, 1, n, k, dtype)
-        if cfg is not None and any(r.get("config") == c for r in rows):
+        if cfg in (None, "m1"):
+            c = Q.launch_config(t, m, n, k, dtype)
+        else:
+            c = Q.clamp_w(t, k, cfg)
+        if cfg not in (None, "m1") and any(r.get("config") == c for r in rows):
             continue  # W clamped onto a configuration already timed
-        fns = [lambda w=w, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c) for w in ws]
+        x = xs[m]
+        fns = [lambda w=w, c=c, x=x: Q.ggml_matmul_kernel(x, w, t, k, config=c) for w in ws]
         batch = max(args.batch, len(ws))
         name = Q.kernel_name(t, c["V"])
-        row = {"type": tname, "N": n, "K": k, "bytes": w0.nbytes, "config": c,
+        row = {"type": tname, "N": n, "K": k, "M": m, "bytes": w0.nbytes, "config": c,
                "default": cfg is None, "copies": len(ws)}  # fmt: skip
         try:
             row["wall_us"], row["gpu_us"] = _time(fns, args.reps, batch, args.profile, name)
@@ -163,7 +184,7 @@ def bench_affine(bits, n, k, dtype, args) -> dict:
         mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=32, bits=bits)
         for _ in range(_copies(nbytes) - 1)
     ]
-    x = mx.random.normal((1, k)).astype(dtype)
+    x = mx.random.normal((args.rows, k)).astype(dtype)
     mx.eval(qs, x)
     fns = [
         lambda q=q: mx.quantized_matmul(x, *q, transpose=True, group_size=32, bits=bits) for q in qs
@@ -186,8 +207,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel times via torch.profiler")
     ap.add_argument("--no-affine", action="store_true")
     ap.add_argument("--budget", type=float, default=170, help="seconds of sweeping at most")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x, 1..16")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
+    if not 1 <= args.rows <= 16:
+        ap.error("--rows takes 1..16 (the mat-vec kernel's rows of x)")
     shapes = SHAPES
     if args.shapes != "all":
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -196,6 +220,7 @@ def main() -> None:
     res = {
         "date": datetime.now(timezone.utc).isoformat(),
         "dtype": args.dtype,
+        "rows_x": args.rows,
         "device": str(mx.default_device()),
         "copy": copy_bandwidth(args.profile),
         "rows": [],
@@ -247,7 +272,8 @@ def _print_row(row: dict, copy: dict) -> None:
         f"{row['type']:>16} {row['N']:>6}x{row['K']:<6} {row['wall_us']:8.1f} us "
         f"{wall:6.0f} GB/s  gpu {row.get('gpu_us') or float('nan'):8.1f} us "
         f"{gpu or float('nan'):6.0f} GB/s  {best / ref:5.1%} of copy  "
-        f"V{cfg.get('V', '-')} R{cfg.get('R', '-')} U{cfg.get('U', '-')} W{cfg.get('W', '-')}",
+        f"V{cfg.get('V', '-')} R{cfg.get('R', '-')} U{cfg.get('U', '-')} W{cfg.get('W', '-')}"
+        f" M{row.get('M', 1)}",
         flush=True,
     )
 
@@ -255,8 +281,11 @@ def _print_row(row: dict, copy: dict) -> None:
 def _best(res: dict) -> list[dict]:
     """Per (type, N, K): the fastest configuration, % of copy, x mx.quantized_matmul 4-bit."""
     ref = res["copy"]["GBps_gpu"] or res["copy"]["GBps_wall"]
+    m_rows = res.get("rows_x", 1)
     best: dict = {}
     for row in res["rows"]:
+        if row.get("M", m_rows) != m_rows:
+            continue  # the M = 1 baseline of an M-row run
         wall, gpu = _rates(row, res["copy"])
         key = (row["type"], row["N"], row["K"])
         if key not in best or (gpu or wall) > best[key]["GBps"]:
@@ -268,6 +297,11 @@ def _best(res: dict) -> list[dict]:
         if dflt:
             wall, gpu = _rates(dflt[0], res["copy"])
             b["default_pct_copy"] = 100 * (gpu or wall) / ref
+        m1 = [r for r in res["rows"] if (r["type"], r["N"], r["K"]) == key and r.get("M") == 1]
+        if m_rows > 1 and m1:  # time of the best M-row call / the M = 1 default's
+            b["x_m1"] = (m1[0]["bytes"] / b["GBps"] / 1e3) / (
+                m1[0].get("gpu_us") or m1[0]["wall_us"]
+            )
         aff = best.get(("mlx_affine4_g32", key[1], key[2]))
         if aff and not b["type"].startswith("mlx"):
             b["x_mx_affine4"] = b["GBps"] / aff["GBps"]
@@ -282,7 +316,20 @@ def _print_table(res: dict) -> None:
         cfg = " ".join(f"{k}{c[k]}" for k in ("V", "R", "U", "W") if k in c)
         print(f"{b['type']:>16} {b['N']:>6}x{b['K']:<6} {b['GBps']:6.0f} GB/s "
               f"{b['pct_copy']:5.1f} % (default {b.get('default_pct_copy') or 0:5.1f} %)  "
-              f"x{b.get('x_mx_affine4') or 0:4.2f} mx-affine4  {cfg}")  # fmt: skip
+              f"x{b.get('x_mx_affine4') or 0:4.2f} mx-affine4  {cfg}"
+              + (f"  time x{b['x_m1']:.2f} of M = 1" if "x_m1" in b else ""))  # fmt: skip
+    if res.get("rows_x", 1) > 1:
+        print(
+            f"\nsuggested qmatmul_tuning.MT_ROWS entries (MT, type, K >= 8192) -> R"
+            f" ({res['dtype']} x):"
+        )
+        for b in best:
+            c = b.get("config")
+            if c and "MT" in c and not b["type"].startswith("mlx"):
+                key = f"({c['MT']}, {b['type']!r}, {b['K'] >= 8192})"
+                pct, xm1 = b["pct_copy"], b.get("x_m1", 0)
+                print(f"    {key}: {c['R']},  # {b['N']}x{b['K']} {pct:.0f} %, x{xm1:.2f} of M = 1")
+        return
     table = {"f16": "TYPE_DEFAULTS", "bf16": "BF16_DEFAULTS"}.get(res["dtype"], "V0_DEFAULTS")
     print(f"\nsuggested qmatmul_tuning.{table} entries (type, K >= 8192) -> (V, R, U, W):")
     for b in best:

@@ -57,15 +57,18 @@ _EPILOGUE = r"""
   // Sum the lanes, then the SIMD groups (through shared memory), and write (M, N).
   SHARED float red[8 * R * MT];
   UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
+    if (uint(m) >= Mrt) continue;  // padding columns (MT > M): never written
     const float v = simd_sum(acc[r][m]);
     if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
   }
   BARRIER();
-  if (tid < uint(R * MT)) {
-    const uint r = tid / MT, m = tid % MT, row = row0 + r;
+  // R x MT (up to MAX_ACC = 64) sums may outnumber the threads (32 per SIMD group)
+  for (uint i = tid; i < uint(R * MT); i += 32 * n_simd) {
+    const uint r = i / MT, m = i % MT, row = row0 + r;
+    if (row >= N || m >= Mrt) continue;
     float v = 0.0f;
     for (uint s = 0; s < n_simd; ++s) v += red[(s * R + r) * MT + m];
-    if (row < N && m < Mrt) out[size_t(m) * N + row] = from_float<T>(v);
+    out[size_t(m) * N + row] = from_float<T>(v);
   }
 """
 
@@ -93,13 +96,11 @@ _BODY = r"""
         float bi[R];
         UNROLL for (int r = 0; r < R; ++r) dq_@suf@(raw[u][r], t, g, wv[r], &sc[r], &bi[r]);
         UNROLL for (int m = 0; m < MT; ++m) {
+          // padding columns (M rounded up to MT) cost nothing: a uniform branch, per call
+          if (uint(m) >= Mrt) continue;
           float xv[GS];
-          if (uint(m) < Mrt) {
-            UNROLL for (int p = 0; p < int(GS / 4); ++p)
-              load_x4(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 4 * p);
-          } else {
-            UNROLL for (int i = 0; i < int(GS); ++i) xv[i] = 0.0f;
-          }
+          UNROLL for (int p = 0; p < int(GS / 4); ++p)
+            load_x4(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 4 * p);
           float sx = 0.0f;
           if (@BIAS@) { UNROLL for (int i = 0; i < int(GS); ++i) sx += xv[i]; }
           // x * 2^-p for a field read at bit p (exact): the decoded weights carry 2^p
@@ -139,6 +140,7 @@ _RUN_H2 = r"""
           float bi[R];
           UNROLL for (int r = 0; r < R; ++r) dq_@suf@(raw[u][r], t, g, wv[r], &sc[r], &bi[r]);
           UNROLL for (int m = 0; m < MT; ++m) {
+            if (uint(m) >= Mrt) continue;  // padding columns (MT > M): no work
 @XLOAD@            float sx = 0.0f;
             if (@BIAS@) {  // the group's x sum: fp16 pair adds, the last one in fp32
               uint hs = xv[0];
@@ -178,23 +180,14 @@ _BODY_H2 = r"""
 # FMUL per group and row against V = 1).
 _H2_XLOAD = {
     1: r"""            uint xv[GP];
-            if (uint(m) < Mrt) {
-              UNROLL for (int p = 0; p < int(GS / 4); ++p)
-                load_xh(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 2 * p);
-            } else {
-              UNROLL for (int i = 0; i < int(GP); ++i) xv[i] = 0u;
-            }
+            UNROLL for (int p = 0; p < int(GS / 4); ++p)
+              load_xh(xb + size_t(m) * K + xoff_@suf@(t, g, p), xv + 2 * p);
 """,
     2: r"""            uint xv[GP];
-            float xs = 1.0f;  // 2^e: the group's x are x * 2^-e in xv
-            if (uint(m) < Mrt) {
-              float xf[GS];
-              UNROLL for (int p = 0; p < int(GS / 4); ++p)
-                load_x4(xb + size_t(m) * K + xoff_@suf@(t, g, p), xf + 4 * p);
-              xs = x_h2(xf, int(GS), xv);
-            } else {
-              UNROLL for (int i = 0; i < int(GP); ++i) xv[i] = 0u;
-            }
+            float xf[GS];
+            UNROLL for (int p = 0; p < int(GS / 4); ++p)
+              load_x4(xb + size_t(m) * K + xoff_@suf@(t, g, p), xf + 4 * p);
+            const float xs = x_h2(xf, int(GS), xv);  // 2^e: the group's x are x * 2^-e in xv
 """,
 }
 _H2_ACC = {
@@ -218,6 +211,7 @@ def _h2_body(variant: int) -> str:
 
 _MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups: threadgroups of at most 256 threads
 _M_BUCKETS = (1, 2, 4, 8, 16)  # MT template values; M is rounded up to one of these
+MAX_ACC = 64  # R x MT fp32 accumulators per lane at most (registers: 255 per CUDA thread)
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 X_DTYPES = _X_DTYPES  # x dtypes the mat-vec kernels take
 MAT_VEC_TYPES = tuple(BLOCK_FORMATS)  # GGML types with a mat-vec kernel
@@ -255,7 +249,7 @@ def _make_kernel(ggml_type: int, variant: int) -> Kernel:
             {"out": dt},
             {"T": dt, "MT": mt, "R": r, "U": u},
         )
-        for dt, mt, r, u in zip(dts, (1, 8, 16), (4, 2, 1), (2, 1, 1))
+        for dt, mt, r, u in zip(dts, (1, 8, 16), (4, 8, 4), (2, 1, 1))
     ]
     body, header = mat_vec_body(ggml_type, variant)
     suffix = "" if variant == 0 else VARIANTS[variant] + "_"
@@ -287,6 +281,10 @@ def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> d
     DEFAULTS / TYPE_DEFAULTS; other dtypes the fp32 decode with its own measured table
     (V0_DEFAULTS; bf16: BF16_DEFAULTS first).
     W never exceeds the runs a row has, so no SIMD group idles.
+
+    M > 1 keeps M = 1's V, U and W, so each row of x meets the same operations in the same
+    order as it does alone (its output bits do not depend on the batch: the batched lm_head's
+    row parity); only R changes, from MT_ROWS (more weight rows share each column's x work).
     """
     qk = BLOCK_FORMATS[ggml_type].block_size
     mt = next(b for b in _M_BUCKETS if b >= M)
@@ -297,7 +295,9 @@ def launch_config(ggml_type: int, M: int, N: int, K: int, dtype=mx.float16) -> d
     if dtype == mx.bfloat16:
         bf = tuning.BF16_DEFAULTS.get(by_type) or tuning.BF16_DEFAULTS.get(by_family)
         v, r, u, w_max = bf or (v, r, u, w_max)
-    r = max(1, min(r, 16 // mt))  # R x MT accumulators per lane
+    if mt > 1:
+        r = tuning.MT_ROWS.get((mt, *by_type)) or tuning.MT_ROWS.get((mt, *by_family)) or r
+    r = max(1, min(r, MAX_ACC // mt))  # R x MT accumulators per lane
     return clamp_w(ggml_type, K, {"V": v, "MT": mt, "R": r, "U": u, "W": w_max})
 
 

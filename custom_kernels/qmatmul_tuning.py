@@ -1,4 +1,5 @@
-"""Launch configurations of the GGML mat-vec kernels at M = 1: (V, R, U, W max) per shape.
+"""Launch configurations of the GGML mat-vec kernels: (V, R, U, W max) per shape at M = 1, and
+the rows per threadgroup R at MT = 2..16 rows of x (MT_ROWS).
 
 V: kernel variant (0 fp32 decode, 1 packed fp16 on fp16 x, 2 packed fp16 on bf16 x); R: rows
 per threadgroup; U: steps per run; W: SIMD groups (cut to the runs a row has). Keys: (block
@@ -47,4 +48,46 @@ BF16_DEFAULTS: dict[tuple[str, bool], LaunchLine] = {
     ("Q4_0", True): (2, 2, 4, 8),
     ("Q4_K", False): (2, 4, 1, 2),
     ("Q4_K", True): (2, 4, 1, 7),
+}
+
+# MT > 1 rows of x (decode batches, speculative verifies; M rounded up to MT = 2, 4, 8, 16):
+# R, rows per threadgroup, by (MT, type name or block family, K >= 8192). V, U and W stay the
+# M = 1 line's: they fix each column's order of operations, so a row's output bits stay those it
+# has alone (row parity). Each column's x work (load, convert, V = 2's per-group scale) is paid
+# once per threadgroup and shared by its R rows, so R grows with MT, up to qmatmul.MAX_ACC // MT
+# accumulators per lane. Unswept guesses from register counts (docs/kernel_notes.md, "Rows of x
+# at MT > 1"); `bench/qmatmul.py --rows M --sweep` prints lines to replace them.
+MT_ROWS: dict[tuple[int, str, bool], int] = {
+    (2, "32", False): 8,  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 2-3 words of raw block per row
+    (2, "32", True): 8,
+    (4, "32", False): 8,
+    (4, "32", True): 8,
+    (8, "32", False): 8,
+    (8, "32", True): 8,
+    (16, "32", False): 4,
+    (16, "32", True): 4,
+    (2, "256", False): 8,  # Q2_K, Q3_K, Q6_K: up to 8 words of raw block per row
+    (2, "256", True): 8,
+    (4, "256", False): 8,
+    (4, "256", True): 8,
+    (8, "256", False): 4,
+    (8, "256", True): 4,
+    (16, "256", False): 4,
+    (16, "256", True): 4,
+    (2, "Q4_K", False): 4,  # Q4_K, Q5_K: 12-14 words of raw block per row and step
+    (2, "Q4_K", True): 4,
+    (4, "Q4_K", False): 4,
+    (4, "Q4_K", True): 4,
+    (8, "Q4_K", False): 4,
+    (8, "Q4_K", True): 4,
+    (16, "Q4_K", False): 4,
+    (16, "Q4_K", True): 4,
+    (2, "Q5_K", False): 4,
+    (2, "Q5_K", True): 4,
+    (4, "Q5_K", False): 4,
+    (4, "Q5_K", True): 4,
+    (8, "Q5_K", False): 4,
+    (8, "Q5_K", True): 4,
+    (16, "Q5_K", False): 4,
+    (16, "Q5_K", True): 4,
 }

@@ -141,7 +141,10 @@ def test_launch_config():
         for m in (1, 2, 3, 5, 9, 16):
             cfg = Q.launch_config(t, m, 4096, 4096)
             assert cfg["MT"] >= m and cfg["MT"] in (1, 2, 4, 8, 16)
-            assert 1 <= cfg["W"] <= 8 and cfg["R"] * cfg["MT"] <= 16
+            assert 1 <= cfg["W"] <= 8 and cfg["R"] * cfg["MT"] <= Q.MAX_ACC
+            for dt in DTYPES:  # M > 1 changes R only: V, U, W fix a column's operations
+                one, many = (Q.launch_config(t, mm, 4096, 2816, dt) for mm in (1, m))
+                assert {k: many[k] for k in "VUW"} == {k: one[k] for k in "VUW"}, (t, m, dt)
             assert cfg["V"] in Q.VARIANTS
             # the packed fp16 variant is for fp16 x only; V = 2 (bf16 x) only where an H200
             # sweep put it in BF16_DEFAULTS (Q4_0, Q4_K)
@@ -606,3 +609,69 @@ def test_gpu_get_rows(ggml_type):
     w, wf = _weight(ggml_type, 300, 768)
     ids = mx.array([[299, 0, 17, 17]])
     _get_rows_check(D.ggml_get_rows(w, ids, ggml_type, 768), wf, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# MT > 1 rows of x (decode batches, speculative verifies): the launches the tables pick
+
+
+def _rows_cases() -> list[tuple[int, mx.Dtype, int]]:
+    """(type, dtype, M): every type in bf16 and fp16 x (the packed variants V = 2 / V = 1 where
+    the tables pick them, V = 0 elsewhere; fp32 x at M > 1 is _M_GRID's), M cycling over 2, 5,
+    8, 16 so that every type meets two of them; Q4_K fp16 (W = 1) at M = 16 has more sums
+    (R x MT = 64) than threads (32), so the epilogue's loop runs twice."""
+    ms = (2, 5, 8, 16)
+    cases = [(t, dt, ms[(2 * i + j) % 4]) for i, t in enumerate(TYPES)
+             for j, dt in enumerate((mx.bfloat16, mx.float16))]  # fmt: skip
+    assert (T.Q4_K, mx.float16, 16) in cases
+    return cases
+
+
+_ROWS_CASES = _rows_cases()
+
+
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+@pytest.mark.parametrize(
+    "case", _ROWS_CASES, ids=lambda c: f"{T(c[0]).name}-{str(c[1])[9:]}-M{c[2]}"
+)
+def test_rows_on_the_emulator_match_reference_and_rows_alone(case, monkeypatch):
+    """ggml_matmul at M rows through the dispatcher (launch_config's MT > 1 line: R from
+    MT_ROWS): within _check's bound of the fp32 reference (emulator outputs NaN-poisoned), and
+    each row bit-identical to that row run alone (M = 1 launch): the row-parity property the
+    batched lm_head rests on (tests/test_lm_head_rows.py). N = 13 leaves rows past N in the last
+    threadgroup, K a partial last step."""
+    t, dt, m = case
+    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
+    monkeypatch.setattr(Q, "_CALLS", {})
+    n, k = 13, 1280 if QK[t] == 256 else 416
+    cfg = Q.launch_config(t, m, n, k, dt)
+    assert cfg["MT"] > 1 and cfg["R"] == min(
+        qmatmul_tuning.MT_ROWS.get((cfg["MT"], t.name, False))
+        or qmatmul_tuning.MT_ROWS[(cfg["MT"], str(QK[t]), False)],
+        Q.MAX_ACC // cfg["MT"],
+    )
+    w, wf = _weight(t, n, k)
+    x = _x(m, k, dt, seed=100 + int(t) + m)
+    y = Q.ggml_matmul(x, w, t, k)
+    _check(y, x, wf, h2=cfg["V"] == 1)
+    alone = mx.concatenate([Q.ggml_matmul(x[i : i + 1], w, t, k) for i in range(m)])
+    same = np.array(y.view(mx.uint16) == alone.view(mx.uint16)).all(axis=1)
+    assert same.all(), f"rows {np.flatnonzero(~same).tolist()} differ from the row alone"
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+def test_gpu_rows_bit_identical_to_rows_alone(ggml_type, dtype):
+    """Row parity on real shapes (several steps per row, every SIMD group busy): at M = 2, 5,
+    8, 16 the tables' launch gives each row the bits it has alone, on K = 2816 and 14336 (long
+    rows take other tables); tests/test_lm_head_rows.py checks the heads at K = 256."""
+    for n, k in ((4099, 2816), (257, 14336)):
+        w, _ = _weight(ggml_type, n, k)
+        x = _x(16, k, dtype, seed=n + k)
+        alone = mx.concatenate([Q.ggml_matmul(x[i : i + 1], w, ggml_type, k) for i in range(16)])
+        for m in (2, 5, 8, 16):
+            y = Q.ggml_matmul_kernel(x[:m], w, ggml_type, k, init_value=float("nan"))
+            same = np.array(y.view(mx.uint16) == alone[:m].view(mx.uint16)).all(axis=1)
+            assert same.all(), f"{n}x{k} M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
