@@ -52,6 +52,7 @@ def build(family: str, shape: str, fmt: str, dtype: mx.Dtype, layers: int | None
             )
         args = g.gemma4.ModelArgs.from_dict(config)
         model = g.build_ggml(args, dtype) if fmt == "q4_k" else g.build_mlx4(args, dtype)
+        model.fuse_projections()  # as the loader does (build_ggml fused already: a no-op)
         return model, args.vocab_size
     if family == "qwen3_5":
         q = _bench_module("qwen3_5")
