@@ -88,6 +88,17 @@ _ROWS_NEW = r"""    wrow[r] = (r < R / 2 ? wg + g_row0 * row_bytes : wu + u_row0
               size_t(f0 + uint(r % (R / 2)) < N ? f0 + uint(r % (R / 2)) : N - 1) * row_bytes;
 """
 
+# a = act(g) for the epilogues (ACT: 0 SiLU, 1 GELU tanh), on the fp32 sums g, u
+_ACTIVATE = r"""    float a;
+    if (ACT == 0) {
+      a = g / (1.0f + exp_f(-g));
+    } else {
+      a = 0.5f * g * (1.0f + tanh_f(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    }
+"""
+
+_COLS_OLD = "  const uint Mrt = uint(dims[0]);\n"  # the prologue's columns of x
+
 _EPILOGUE = r"""
   // Sum the lanes, then the SIMD groups; thread f < R/2 holds feature f0 + f's gate and up.
   SHARED float red[8 * R];
@@ -102,25 +113,28 @@ _EPILOGUE = r"""
       g += red[s * R + tid];
       u += red[s * R + R / 2 + tid];
     }
-    float a;
-    if (ACT == 0) {
-      a = g / (1.0f + exp_f(-g));
-    } else {
-      a = 0.5f * g * (1.0f + tanh_f(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    }
-    out[f0 + tid] = from_float<T>(a * u);
+@ACTIVATE@    out[f0 + tid] = from_float<T>(a * u);
   }
 """
 
 
-def _loop() -> str:
-    """qmatmul's fp32 mat-vec loop with this kernel's row pointers and epilogue."""
-    if _ROWS_OLD not in Q._PROLOGUE or "@PROLOGUE@" not in Q._BODY or "@EPILOGUE@" not in Q._BODY:
+def _loop(epilogue: str = _EPILOGUE, columns: str | None = None) -> str:
+    """qmatmul's fp32 mat-vec loop with this kernel's row pointers and ``epilogue``;
+    ``columns``: the line that replaces the prologue's count of x columns."""
+    if (
+        _ROWS_OLD not in Q._PROLOGUE
+        or _COLS_OLD not in Q._PROLOGUE
+        or "@PROLOGUE@" not in Q._BODY
+        or "@EPILOGUE@" not in Q._BODY
+    ):
         # qmatmul's loop changed shape: this kernel must follow it (a loud import error, not a
         # kernel that silently reads the wrong rows)
         raise RuntimeError("expert_glu: qmatmul's mat-vec prologue no longer matches")
     prologue = Q._PROLOGUE.replace(_ROWS_OLD, _ROWS_NEW).lstrip("\n")
-    return Q._BODY.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", _EPILOGUE.lstrip("\n"))
+    if columns is not None:
+        prologue = prologue.replace(_COLS_OLD, columns)
+    epilogue = epilogue.replace("@ACTIVATE@", _ACTIVATE).lstrip("\n")
+    return Q._BODY.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", epilogue)
 
 
 def _make_kernel(ggml_type: int) -> Kernel:
@@ -215,6 +229,120 @@ class _Plan:
 
 
 _CALLS: dict[tuple, _Plan] = {}
+
+
+# --------------------------------------------------------------------------------------------
+# Dense layers: one fused [gate | up] weight (2F, row_bytes) and M <= 32 rows of x. The same
+# loop with the rows of x as its MT columns: a threadgroup decodes its gate and up rows once for
+# all of them. Each column meets the same operations in the same order whatever MT and R are (V,
+# U, W fixed: qmatmul.launch_config), so a row's output bits do not depend on the rows beside it.
+
+_DENSE_PREFIX = r"""
+  // Thread mapping: threadgroup (gid_x, gid_y) = (features f0 .. f0 + R/2 - 1, rows c0 ..
+  // c0 + MT - 1 of x); its SIMD groups run the mat-vec loop over those features' gate rows
+  // (r < R/2) and up rows (r >= R/2), each column of acc one row of x. ddims = (M, F, K).
+  const uint f0 = gid_x * uint(R / 2);
+  const uint c0 = gid_y * uint(MT);
+  CONSTANT_PTR(const int) dims = ddims;
+  DEVICE_PTR(const T) x = xs + size_t(c0) * uint(ddims[2]);
+  DEVICE_PTR(T) out = ys + size_t(c0) * uint(ddims[1]);
+  DEVICE_PTR(const uchar) wg = w;
+  DEVICE_PTR(const uchar) wu = w;
+  const size_t g_row0 = 0, u_row0 = uint(ddims[1]);
+"""
+# this threadgroup's rows of x: MT, fewer in the last group of rows
+_DENSE_COLS = "  const uint Mrt = uint(dims[0]) - c0 < uint(MT) ? uint(dims[0]) - c0 : uint(MT);\n"
+
+_DENSE_EPILOGUE = r"""
+  // Sum the lanes, then the SIMD groups (in _EPILOGUE's order); each (feature, row of x) pair
+  // then gets its gate and up sums and the activation.
+  SHARED float red[8 * R * MT];
+  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int m = 0; m < MT; ++m) {
+    if (uint(m) >= Mrt) continue;  // padding columns (MT > rows left): never written
+    const float v = simd_sum(acc[r][m]);
+    if (lane == 0) red[(simd_id * R + r) * MT + m] = v;
+  }
+  BARRIER();
+  for (uint i = tid; i < uint(R / 2 * MT); i += 32 * n_simd) {
+    const uint f = i / MT, m = i % MT;
+    if (f0 + f >= N || m >= Mrt) continue;
+    float g = 0.0f, u = 0.0f;
+    for (uint s = 0; s < n_simd; ++s) {
+      g += red[(s * R + f) * MT + m];
+      u += red[(s * R + R / 2 + f) * MT + m];
+    }
+@ACTIVATE@    out[size_t(m) * N + f0 + f] = from_float<T>(a * u);
+  }
+"""
+
+
+def _make_dense_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"xs": dt, "w": mx.uint8, "ddims": (mx.int32, 3)},
+            {"ys": dt},
+            {"T": dt, "MT": mt, "R": r, "U": u, "ACT": act},
+        )
+        for dt, mt, r, u, act in ((mx.float32, 1, 4, 2, 0), (mx.bfloat16, 32, 2, 1, 1))
+    ]
+    return Kernel(
+        f"ggml_dense_glu_{GGMLQuantizationType(ggml_type).name.lower()}",
+        inputs=["xs", "w", "ddims"],
+        outputs=["ys"],
+        body=fill_format(_DENSE_PREFIX + _loop(_DENSE_EPILOGUE, _DENSE_COLS), ggml_type),
+        header=kernel_header(ggml_type),
+        examples=examples,
+    )
+
+
+_DENSE_KERNELS: dict[int, Kernel] = {t: _make_dense_kernel(t) for t in Q.MAT_VEC_TYPES}
+# rows of x one threadgroup takes (MT, a power of two up to this); more rows take more groups
+# of rows (gid_y), each decoding the weight again. 2 x MT x R/2 <= qmatmul.MAX_ACC accumulators.
+DENSE_MT = 32
+
+
+def dense_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
+    """MT (rows of x per threadgroup), R (features per threadgroup), U, W of a dense call of M
+    rows: M = 1's U and W whatever M is (row parity), R from qmatmul's MT_ROWS."""
+    mt = min(1 << (M - 1).bit_length(), DENSE_MT)
+    cfg = Q.launch_config(ggml_type, min(mt, 16), 2 * F, K, mx.float32)
+    rh = max(1, min(cfg["R"] // 2, Q.MAX_ACC // (2 * mt)))
+    return {"MT": mt, "R": rh, "U": cfg["U"], "W": cfg["W"]}
+
+
+def _dense_launch(x, w, ggml_type: int, K: int, activation: str, config) -> tuple[dict, list]:
+    """Launch arguments and the ``ddims`` values of a dense call."""
+    M, F = math.prod(x.shape[:-1]), w.shape[0] // 2
+    cfg = config or dense_config(ggml_type, M, F, K)
+    launch = dict(
+        grid=(-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"])),
+        threadgroup=(32 * cfg["W"], 1),
+        output_shapes=[(*x.shape[:-1], F)],
+        output_dtypes=[x.dtype],
+        template={"T": x.dtype, "MT": cfg["MT"], "R": 2 * cfg["R"], "U": cfg["U"],
+                  "ACT": ACTIVATIONS.index(activation)},
+    )  # fmt: skip
+    return launch, [M, F, K]
+
+
+def dense_glu_kernel(
+    x: mx.array,
+    w: mx.array,
+    ggml_type: int,
+    in_features: int,
+    activation: str = "silu",
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """The dense GPU kernel alone: x (..., K), w (2F, row_bytes) [gate | up] -> (..., F), the
+    contract of :func:`expert_glu_reference` over one expert. ``config``: MT, R (features per
+    threadgroup), U, W (``dense_config``'s); ``init_value`` pre-fills the output."""
+    launch, ddims = _dense_launch(x, w, ggml_type, in_features, activation, config)
+    inputs = [x, w, mx.array(ddims, dtype=mx.int32)]
+    return _DENSE_KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
+
+
 _DENSE: dict[tuple, tuple] = {}
 
 
@@ -222,17 +350,18 @@ def dense_glu(
     x: mx.array, w: mx.array, ggml_type: int, in_features: int, activation: str = "silu"
 ) -> mx.array | None:
     """act(gate) * up of a dense layer of fused [gate | up] GGML rows ``w`` (2F, row_bytes):
-    x (..., K) -> (..., F), for 1..32 rows on a GPU in ONE launch (this kernel over a single
-    expert, every id 0), where a mat-vec and the activation kernel take two. None where it
-    does not apply (the caller runs the projection, then the activation). Its one rounding to
-    x.dtype is the experts' (expert_glu_reference), not the two-step path's two."""
+    x (..., K) -> (..., F), for 1..32 rows on a GPU in ONE launch that reads each weight row
+    once for all rows (dense_glu_kernel), where a mat-vec and the activation kernel take two.
+    Each row's bits are those it has alone. None where it does not apply (the caller runs the
+    projection, then the activation). Its one rounding to x.dtype is the experts'
+    (expert_glu_reference), not the two-step path's two."""
     key = (ggml_type, in_features, activation, x.shape, x.dtype, w.shape, w.dtype)
     plan = _DENSE.get(key) if backend() is not None else None
     if plan is None:
         rows = math.prod(x.shape[:-1])
         if not (
             backend() is not None
-            and ggml_type in _KERNELS
+            and ggml_type in _DENSE_KERNELS
             and activation in ACTIVATIONS
             and x.dtype in Q.X_DTYPES
             and 1 <= rows <= MAX_TOKENS
@@ -243,14 +372,12 @@ def dense_glu(
             and w.shape[1] == row_bytes(ggml_type, in_features)
         ):
             return None
-        ids = mx.array([[0]] * rows, dtype=mx.uint32)  # a leaf with data (safe in a trace)
-        launch, edims = _launch(x, w[None], None, ids, ggml_type, in_features, activation, None)
-        launch["output_shapes"] = [(*x.shape[:-1], w.shape[0] // 2)]
-        dtypes = [x.dtype, mx.uint8, mx.uint8, mx.uint32, mx.int32]
-        plan = (_KERNELS[ggml_type].launcher(dtypes, **launch), ids, mx.array(edims, mx.int32))
+        launch, ddims = _dense_launch(x, w, ggml_type, in_features, activation, None)
+        dtypes = [x.dtype, mx.uint8, mx.int32]
+        plan = (_DENSE_KERNELS[ggml_type].launcher(dtypes, **launch), mx.array(ddims, mx.int32))
         _DENSE[key] = plan
-    launch, ids, edims = plan
-    return launch(inputs=[x, w, w, ids, edims])[0]
+    launch, ddims = plan
+    return launch(inputs=[x, w, ddims])[0]
 
 
 def _kernel_covers(x, w, w_up, expert_ids, ggml_type) -> bool:

@@ -29,6 +29,7 @@ needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is n
 # fp32: kernel and reference sum the same exact products in different orders (~sqrt(K) ulps of
 # each projection, ~3e-6 relative at K <= 2816); the activation keeps that order of error.
 FP32_TOL = 1e-5
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 _W_CACHE: dict = {}
@@ -244,14 +245,14 @@ def _check_dense(y, x, raw, t, f, kk) -> None:
 
 @needs_gxx
 def test_dense_glu_on_the_emulator(monkeypatch):
-    """A dense fused [gate | up] GGML layer (2F, row_bytes): one launch over one expert, the
-    output in x's leading shape; its plan cached; None off a GPU, past 32 rows, or for
-    blocks that are not the layer's."""
+    """A dense fused [gate | up] GGML layer (2F, row_bytes): one launch, the output in x's
+    leading shape; its plan cached; None off a GPU, past 32 rows, or for blocks that are not
+    the layer's."""
     t, f, kk, raw, x = _dense_case(mx.float32, seed=21)
     w = mx.array(raw[0])  # (2F, row_bytes)
     assert G.dense_glu(x, w, t, kk) is None  # no GPU here: the caller's two-step path
-    emu = Emulated(G._KERNELS[t])
-    monkeypatch.setitem(G._KERNELS, t, emu)
+    emu = Emulated(G._DENSE_KERNELS[t])
+    monkeypatch.setitem(G._DENSE_KERNELS, t, emu)
     monkeypatch.setattr(G, "backend", lambda: "cuda")
     monkeypatch.setattr(G, "_DENSE", {})
     y = G.dense_glu(x, w, t, kk)
@@ -261,6 +262,110 @@ def test_dense_glu_on_the_emulator(monkeypatch):
     assert G.dense_glu(_x((33, kk), mx.float32, 3, raw, t), w, t, kk) is None
     assert G.dense_glu(x, w[:, :-1], t, kk) is None
     assert emu.launches == 2
+
+
+def test_dense_config_keeps_the_column_order():
+    """Every M keeps M = 1's U and W (each row's order of operations) and stays within
+    qmatmul.MAX_ACC accumulators; MT covers M in one group of rows up to DENSE_MT."""
+    for t in TYPES:
+        for f, kk in ((7, 256), (2112, 2816), (512, 8192)):
+            if kk % (256 if "_K" in t.name else 32):
+                continue
+            one = G.dense_config(t, 1, f, kk)
+            assert one["MT"] == 1
+            for m in range(2, 33):
+                cfg = G.dense_config(t, m, f, kk)
+                assert (cfg["U"], cfg["W"]) == (one["U"], one["W"])
+                assert m <= cfg["MT"] <= G.DENSE_MT and 2 * cfg["R"] * cfg["MT"] <= G.Q.MAX_ACC
+
+
+_DENSE_ROWS = (2, 5, 8, 16, 32)  # batch sizes checked against each row alone
+_DENSE_DTYPES = (mx.bfloat16, mx.float32, mx.float16)
+# the type whose batches all go through dense_glu's own configs (MT 2, 8, 16, 32); the others
+# run M < 32 on the M = 32 instantiation (padding columns), to keep g++ builds few
+_DISPATCHED = T.Q4_K
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32))
+
+
+def _dense_rows_case(i: int, t: int):
+    f, kk = 5, 256  # F odd: features past the last threadgroup's; K one super-block / 8 blocks
+    raw = _experts(t, 1, 2 * f, kk, seed=40 + i)
+    x = _x((32, kk), _DENSE_DTYPES[i % 3], 40 + i, raw, t)  # fresh rows per type
+    return f, kk, raw, x
+
+
+def _dense_cfg(t: int, m: int, f: int, kk: int) -> dict[str, int]:
+    return G.dense_config(t, m if t == _DISPATCHED or m == 1 else 32, f, kk)
+
+
+@pytest.fixture(scope="module")
+def dense_builds():
+    """The instantiations of test_dense_glu_rows_match_each_row_alone_on_the_emulator, built
+    two at a time (g++ dominates)."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    todo = {}
+    for i, t in enumerate(TYPES):
+        f, kk, _, x = _dense_rows_case(i, t)
+        for m in (1, *_DENSE_ROWS):
+            cfg = _dense_cfg(t, m, f, kk)
+            launch, _ = G._dense_launch(x[:m], mx.zeros((2 * f, 1), mx.uint8), t, kk, "silu", cfg)
+            ex = Example({"xs": x.dtype, "w": mx.uint8, "ddims": (mx.int32, 3)}, {"ys": x.dtype},
+                         launch["template"])  # fmt: skip
+            todo[(t, repr(ex))] = (G._DENSE_KERNELS[t], ex)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda ke: kernel_emulator.build(*ke), todo.values()))
+
+
+@pytest.mark.parametrize("i,t", list(enumerate(TYPES)), ids=[t.name for t in TYPES])
+def test_dense_glu_rows_match_each_row_alone_on_the_emulator(dense_builds, i, t, monkeypatch):
+    """Row parity: M = 2..32 rows in one launch (each weight row decoded once for all of them)
+    give every row the exact bits it has alone through dense_glu (M = 1), and those are within
+    _check's bounds of fp32 math; outputs NaN-poisoned by the emulator. M = 32 (and every M
+    for _DISPATCHED) through dense_glu; the others through the kernel at M = 32's config."""
+    f, kk, raw, x = _dense_rows_case(i, t)
+    w = mx.array(raw[0])
+    emu = Emulated(G._DENSE_KERNELS[t])
+    monkeypatch.setitem(G._DENSE_KERNELS, t, emu)
+    monkeypatch.setattr(G, "backend", lambda: "cuda")
+    monkeypatch.setattr(G, "_DENSE", {})
+    # every row alone in one run: M = 1's instantiation, one row per group of rows (gid_y)
+    alone = G.dense_glu_kernel(x, w, t, kk, config=G.dense_config(t, 1, f, kk))
+    _check_dense(alone, x, raw, t, f, kk)
+    for r in (0, 31):  # ... the bits dense_glu gives that row alone
+        assert np.array_equal(_bits(G.dense_glu(x[r : r + 1], w, t, kk)), _bits(alone[r : r + 1]))
+    perm = np.random.default_rng(i).permutation(32)
+    for m in _DENSE_ROWS:
+        rows = mx.array(perm[:m])
+        before = emu.launches
+        if t == _DISPATCHED or m == 32:
+            y = G.dense_glu(x[rows], w, t, kk)
+        else:
+            y = G.dense_glu_kernel(x[rows], w, t, kk, config=_dense_cfg(t, m, f, kk))
+        assert emu.launches == before + 1
+        assert np.array_equal(_bits(y), _bits(alone[rows])), f"M = {m}: a row's bits changed"
+
+
+@needs_gxx
+def test_dense_glu_groups_of_rows_on_the_emulator():
+    """A config with fewer columns than rows (MT = 8 at M = 20: groups of rows on gid_y, the
+    last one partial), 3 features per threadgroup (F = 7: the last group past F), several runs
+    per SIMD group: each row's bits as alone, and the reference's values."""
+    t, f, kk = T.Q6_K, 7, 2304
+    raw = _experts(t, 1, 2 * f, kk, seed=50)
+    x = _x((20, kk), mx.bfloat16, 50, raw, t)
+    w = mx.array(raw[0])
+    cfg = {"MT": 8, "R": 3, "U": 2, "W": 3}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+        y = G.dense_glu_kernel(x, w, t, kk, "gelu_tanh", config=cfg)
+        alone = G.dense_glu_kernel(x, w, t, kk, "gelu_tanh", config=dict(cfg, MT=1, R=2))
+    assert np.array_equal(_bits(y), _bits(alone))
+    ids = mx.zeros((20, 1), dtype=mx.uint32)
+    _check(y[:, None], x, raw[:, :f], raw[:, f:], ids, t, kk, "gelu_tanh")
 
 
 @needs_gxx
@@ -301,7 +406,6 @@ def test_model_experts_use_the_kernel(model, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # GPU: every type x dtype, the bench models' shapes, outputs and unselected experts poisoned
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 # (E, F, K): odd tiny; Gemma-4-26B-A4B's (F 704, K 2816) and Qwen3.5-35B-A3B's (F 512,
 # K 2048) experts, fewer of them (the kernel reads only the selected ones)
 SHAPES = [(5, 7, 256), (16, 704, 2816), (12, 512, 2048)]
@@ -348,9 +452,25 @@ def test_gpu_launch_configs_and_dispatcher(cfg):
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_gpu_dense_glu(dtype):
-    t, f, kk, raw, x = _dense_case(dtype, seed=22)
-    y = G.dense_glu(x, mx.array(raw[0]), t, kk)
-    assert y is not None and y.dtype == dtype
-    _check_dense(y, x, raw, t, f, kk)
+@pytest.mark.parametrize("f,kk", [(7, 256), (2112, 2816)], ids=["tiny", "gemma4-26b"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+def test_gpu_dense_glu(dtype, t, f, kk):
+    """On the GPU: every row of M = 2..32 with the bits it has alone, the kernel's outputs
+    NaN-poisoned first, values within _check's bounds of fp32 math."""
+    if kk % (256 if "_K" in t.name else 32):
+        pytest.skip("K not a multiple of the block")
+    raw = _experts(t, 1, 2 * f, kk, seed=f + 60)
+    x = _x((32, kk), dtype, f + 61, raw, t)
+    w = mx.array(raw[0])
+    alone = mx.concatenate([G.dense_glu(x[r : r + 1], w, t, kk) for r in range(32)])
+    _check_dense(alone, x, raw, t, f, kk)
+    perm = np.random.default_rng(f).permutation(32)
+    for m in (2, 3, 5, 8, 13, 16, 17, 32):
+        rows = mx.array(perm[:m])
+        y = G.dense_glu(x[rows], w, t, kk)
+        assert y is not None and y.dtype == dtype
+        assert np.array_equal(_bits(y), _bits(alone[rows])), f"M = {m}: a row's bits changed"
+        cfg = G.dense_config(t, m, f, kk)
+        poisoned = G.dense_glu_kernel(x[rows], w, t, kk, config=cfg, init_value=float("nan"))
+        assert np.array_equal(_bits(poisoned), _bits(y))
