@@ -1,7 +1,7 @@
 """Qwen 3.5 gated delta-net decode in one launch: conv, gates, recurrence and gated output norm.
 
-For L = 1 token per row, from the block's projections (``qkv`` (B, 1, C) with
-C = 2 Hk Dk + Hv Dv, ``z`` (B, 1, Hv Dv), ``a``, ``b`` (B, 1, Hv)), the conv state (B, K-1, C),
+For L >= 1 tokens per row, from the block's projections (``qkv`` (B, L, C) with
+C = 2 Hk Dk + Hv Dv, ``z`` (B, L, Hv Dv), ``a``, ``b`` (B, L, Hv)), the conv state (B, K-1, C),
 the depthwise conv weight (C, K) or (C, K, 1), A_log, dt_bias (Hv,), the recurrent state
 (B, Hv, Dv, Dk) and the gated norm's weight (Dv,): the short causal conv update with SiLU, the
 split into q/k/v, the q/k l2 norms (q scaled by Dk**-0.5), the gates (decay =
@@ -9,8 +9,11 @@ exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b)), the delta-rule updat
 y = S q, then out = rms_norm(y) * w * silu(z) per value head: the input of ``out_proj``.
 ``active`` (B,) bool (a static cache's rows that advance): rows not active keep their conv state
 and state (their output is meaningless).
+L > 1 is a speculative verify on a static cache: the kernel runs the row's tokens one after
+the other (the same math as L single-token calls) and, when asked, also writes each token's
+starting states (the history an exact rollback gathers from).
 
-Each of qkv, z, a, b may be ``Channels`` of a fused in_proj's output (B, 1, N), read in place at
+Each of qkv, z, a, b may be ``Channels`` of a fused in_proj's output (B, L, N), read in place at
 its offset (template constants: each input's values per token and first channel), so a decode
 graph holds no slice between the fused mat-vec and this kernel.
 
@@ -81,6 +84,24 @@ def _layout(x: mx.array | Channels) -> tuple[int, int]:
     return x.shape[-1], 0
 
 
+def _decode_one(
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, norm_eps,
+    num_k_heads, head_k_dim, tiled, active,
+):  # fmt: skip
+    """One token (B, 1, .) in MLX ops -> (out, conv state, state)."""
+    y, conv, s = gated_delta_update_reference(
+        qkv, conv_state, conv_weight, a, b, A_log, dt_bias, state, num_k_heads, head_k_dim, tiled
+    )
+    B, L, hv, dv = y.shape
+    gate = z.reshape(B, L, hv, dv).astype(mx.float32)
+    normed = mx.fast.rms_norm(y.astype(mx.float32), norm_weight.astype(mx.float32), norm_eps)
+    out = (normed * gate * mx.sigmoid(gate)).reshape(B, L, hv * dv).astype(qkv.dtype)
+    if active is not None:
+        conv = mx.where(active[:, None, None], conv, conv_state.astype(conv.dtype))
+        s = mx.where(active[:, None, None, None], s, state.astype(s.dtype))
+    return out, conv, s
+
+
 def gated_delta_decode_reference(
     qkv: mx.array,
     z: mx.array,
@@ -97,29 +118,37 @@ def gated_delta_decode_reference(
     head_k_dim: int,
     tiled: bool = False,
     active: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """The same in MLX ops -> (out (B, L, Hv Dv) in qkv.dtype, conv state, state fp32)."""
+    history: bool = False,
+) -> tuple[mx.array, ...]:
+    """The same in MLX ops, one token at a time -> (out (B, L, Hv Dv) in qkv.dtype, conv state,
+    state fp32), and with ``history`` the states before each token: (conv (B, L, K-1, C) in
+    qkv.dtype, state (B, L, Hv, Dv, Dk) fp32), entry j = after j of the call's tokens."""
     conv_weight = conv_weight.reshape(conv_weight.shape[:2])  # (C, K, 1) -> (C, K)
-    y, conv, s = gated_delta_update_reference(
-        qkv, conv_state, conv_weight, a, b, A_log, dt_bias, state, num_k_heads, head_k_dim, tiled
-    )
-    B, L, hv, dv = y.shape
-    gate = z.reshape(B, L, hv, dv).astype(mx.float32)
-    normed = mx.fast.rms_norm(y.astype(mx.float32), norm_weight.astype(mx.float32), norm_eps)
-    out = (normed * gate * mx.sigmoid(gate)).reshape(B, L, hv * dv).astype(qkv.dtype)
-    if active is not None:
-        conv = mx.where(active[:, None, None], conv, conv_state.astype(conv.dtype))
-        s = mx.where(active[:, None, None, None], s, state.astype(s.dtype))
-    return out, conv, s
+    rest = (A_log, dt_bias)
+    norm = (norm_weight, norm_eps, num_k_heads, head_k_dim, tiled, active)
+    outs, convs, states = [], [], []
+    conv, s = conv_state, state.astype(mx.float32)
+    L = qkv.shape[1]
+    for t in range(L):
+        convs.append(conv.astype(qkv.dtype))
+        states.append(s)
+        one = [x if L == 1 else x[:, t : t + 1] for x in (qkv, z, a, b)]
+        out, conv, s = _decode_one(*one, conv, conv_weight, *rest, s, *norm)
+        outs.append(out)
+    out = outs[0] if L == 1 else mx.concatenate(outs, axis=1)
+    if not history:
+        return out, conv, s
+    return out, conv, s, mx.stack(convs, axis=1), mx.stack(states, axis=1)
 
 
 _BODY = """
-  // One threadgroup per (batch row bi, value head h). SIMD group w owns the value rows
-  // dv = w + NW * r (r < R); lane owns key channels lane + 32 i (i < NK, Dk = 32 NK), so a state
-  // row is one coalesced sweep and each reduction over Dk is one simd_sum. Every SIMD group
-  // redoes the conv, l2 norms and gates of its key head (a few dozen FMAs, no barrier); the one
-  // barrier sums y^2 over the head for the gated RMSNorm. All threads then copy the new conv state.
-  // Every load comes before the first store (nothing to order them behind), so all are in flight.
+  // One threadgroup per (batch row bi, value head h), looping over the row's NT tokens with the
+  // state in registers. SIMD group w owns the value rows dv = w + NW * r (r < R); lane owns key
+  // channels lane + 32 i (i < NK, Dk = 32 NK), so a state row is one coalesced sweep and each
+  // reduction over Dk is one simd_sum. Every SIMD group redoes the conv, l2 norms and gates of
+  // its key head (a few dozen FMAs, no barrier); one barrier per token sums y^2 over the head for
+  // the gated RMSNorm (``part`` double-buffered, so a token's writes never meet the previous
+  // token's reads). All threads then copy the new conv state (and, with HIST, the per-token ones).
   constexpr int NK = Dk / SIMD_SIZE;
   constexpr int KD = Hk * Dk;
   constexpr int C = 2 * KD + Hv * Dv;
@@ -128,68 +157,99 @@ _BODY = """
   const uint h = n % Hv;
   const uint hk = TILED ? h % Hk : h / (Hv / Hk);
   const bool act = MASKED ? bool(active[bi]) : true;
-  const uint xrow = bi * QS + QO;         // this row's qkv (one token)
-  const uint zrow = bi * ZS + ZO + h * Dv;  // this head's z
-  const uint arow = bi * AS + AO + h, brow = bi * BS + BO + h;  // this head's a and b
   const uint crow = bi * (KC - 1) * C;    // this row's conv state
-  SHARED float part[NW];
+  SHARED float part[2 * NW];
+  // the conv's input p of this row: the K-1 conv state slots, then the call's tokens
+#define GDD_SEQ(p, c) ((p) < KC - 1 ? to_float(conv_state[crow + (p) * C + (c)]) \
+                                    : to_float(qkv[(bi * NT + (p) - (KC - 1)) * QS + QO + (c)]))
 
-  // per owned row: its state row, conv + SiLU of its v channel, its z and norm weight
-  float s[R * NK], vv[R], zr[R], wr[R];
+  // per owned row: its state row and norm weight
+  float s[R * NK], wr[R];
   UNROLL for (int r = 0; r < R; ++r) {
     const uint dv = simd_id + NW * r < uint(Dv) ? simd_id + NW * r : uint(Dv - 1);  // past Dv:
     // a copy of the last row, computed and never stored
     UNROLL for (int i = 0; i < NK; ++i)
       s[r * NK + i] = to_float(state_in[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i]);
-    const uint cv = 2 * KD + h * Dv + dv;
-    float v = to_float(conv_w[cv * KC + KC - 1]) * to_float(qkv[xrow + cv]);
-    for (int j = 0; j < KC - 1; ++j)
-      v += to_float(conv_w[cv * KC + j]) * to_float(conv_state[crow + j * C + cv]);
-    vv[r] = v / (1.0f + exp_f(-v));
-    zr[r] = to_float(z[zrow + dv]);
     wr[r] = to_float(norm_w[dv]);
   }
 
-  // conv + SiLU of this lane's q and k channels, then l2 norms (eps 1e-6 on the sum of squares)
-  float qv[NK], kv[NK];
-  float qq = 0.0f, kk = 0.0f;
-  UNROLL for (int i = 0; i < NK; ++i) {
-    const uint c = hk * Dk + lane + SIMD_SIZE * i;
-    float aq = to_float(conv_w[c * KC + KC - 1]) * to_float(qkv[xrow + c]);
-    float ak = to_float(conv_w[(KD + c) * KC + KC - 1]) * to_float(qkv[xrow + KD + c]);
-    for (int j = 0; j < KC - 1; ++j) {
-      aq += to_float(conv_w[c * KC + j]) * to_float(conv_state[crow + j * C + c]);
-      ak += to_float(conv_w[(KD + c) * KC + j]) * to_float(conv_state[crow + j * C + KD + c]);
+  for (int t = 0; t < NT; ++t) {
+    const uint tok = bi * NT + t;
+    if (HIST) {  // the state before token t: entry t of the history
+      UNROLL for (int r = 0; r < R; ++r) {
+        const uint dv = simd_id + NW * r;
+        if (dv < uint(Dv)) {
+          UNROLL for (int i = 0; i < NK; ++i)
+            state_hist[((tok * Hv + h) * Dv + dv) * Dk + lane + SIMD_SIZE * i] = s[r * NK + i];
+        }
+      }
     }
-    qv[i] = aq / (1.0f + exp_f(-aq));
-    kv[i] = ak / (1.0f + exp_f(-ak));
-    qq += qv[i] * qv[i];
-    kk += kv[i] * kv[i];
-  }
-  const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));  // + the readout scale
-  const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
-  UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
+    // conv + SiLU of the owned rows' v channels, their z
+    float vv[R], zr[R];
+    UNROLL for (int r = 0; r < R; ++r) {
+      const uint dv = simd_id + NW * r < uint(Dv) ? simd_id + NW * r : uint(Dv - 1);
+      const uint cv = 2 * KD + h * Dv + dv;
+      float v = 0.0f;
+      for (int j = 0; j < KC; ++j) v += to_float(conv_w[cv * KC + j]) * GDD_SEQ(t + j, cv);
+      vv[r] = v / (1.0f + exp_f(-v));
+      zr[r] = to_float(z[tok * ZS + ZO + h * Dv + dv]);
+    }
 
-  const float x = to_float(a[arow]) + to_float(dt_bias[h]);
-  const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
-  const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
-  const float beta = 1.0f / (1.0f + exp_f(-to_float(b[brow])));
-
-  // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
-  float ys[R];
-  float ss = 0.0f;
-  UNROLL for (int r = 0; r < R; ++r) {
-    float mem = 0.0f;
-    UNROLL for (int i = 0; i < NK; ++i) mem += s[r * NK + i] * kv[i];
-    const float delta = (vv[r] - decay * simd_sum(mem)) * beta;
-    float o = 0.0f;
+    // conv + SiLU of this lane's q and k channels, then l2 norms (eps 1e-6 on the sum of squares)
+    float qv[NK], kv[NK];
+    float qq = 0.0f, kk = 0.0f;
     UNROLL for (int i = 0; i < NK; ++i) {
-      const float sn = fma_f(s[r * NK + i], decay, kv[i] * delta);
-      o += sn * qv[i];
-      if (act) s[r * NK + i] = sn;
+      const uint c = hk * Dk + lane + SIMD_SIZE * i;
+      float aq = 0.0f, ak = 0.0f;
+      for (int j = 0; j < KC; ++j) {
+        aq += to_float(conv_w[c * KC + j]) * GDD_SEQ(t + j, c);
+        ak += to_float(conv_w[(KD + c) * KC + j]) * GDD_SEQ(t + j, KD + c);
+      }
+      qv[i] = aq / (1.0f + exp_f(-aq));
+      kv[i] = ak / (1.0f + exp_f(-ak));
+      qq += qv[i] * qv[i];
+      kk += kv[i] * kv[i];
     }
-    ys[r] = simd_sum(o) * qs;
-    if (simd_id + NW * r < uint(Dv)) ss += ys[r] * ys[r];
+    const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));  // + the readout scale
+    const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
+    UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
+
+    const float x = to_float(a[tok * AS + AO + h]) + to_float(dt_bias[h]);
+    const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
+    const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
+    const float beta = 1.0f / (1.0f + exp_f(-to_float(b[tok * BS + BO + h])));
+
+    // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
+    float ys[R];
+    float ss = 0.0f;
+    UNROLL for (int r = 0; r < R; ++r) {
+      float mem = 0.0f;
+      UNROLL for (int i = 0; i < NK; ++i) mem += s[r * NK + i] * kv[i];
+      const float delta = (vv[r] - decay * simd_sum(mem)) * beta;
+      float o = 0.0f;
+      UNROLL for (int i = 0; i < NK; ++i) {
+        const float sn = fma_f(s[r * NK + i], decay, kv[i] * delta);
+        o += sn * qv[i];
+        if (act) s[r * NK + i] = sn;
+      }
+      ys[r] = simd_sum(o) * qs;
+      if (simd_id + NW * r < uint(Dv)) ss += ys[r] * ys[r];
+    }
+
+    // gated RMSNorm over the head's Dv outputs: out = y rsqrt(mean(y^2) + eps) w silu(z)
+    SHARED_PTR(float) pt = part + (t & 1) * NW;
+    if (lane == 0) pt[simd_id] = ss;
+    BARRIER();
+    float tot = 0.0f;
+    UNROLL for (int w = 0; w < NW; ++w) tot += pt[w];
+    const float rstd = rsqrt_f(tot / float(Dv) + eps[0]);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const uint dv = simd_id + NW * r;
+      if (dv < uint(Dv) && lane == uint(r % SIMD_SIZE)) {
+        const float o = ys[r] * rstd * wr[r] * (zr[r] / (1.0f + exp_f(-zr[r])));
+        out[(tok * Hv + h) * Dv + dv] = from_float<OutT>(o);
+      }
+    }
   }
   UNROLL for (int r = 0; r < R; ++r) {
     const uint dv = simd_id + NW * r;
@@ -199,46 +259,35 @@ _BODY = """
     }
   }
 
-  // gated RMSNorm over the head's Dv outputs: out = y rsqrt(mean(y^2) + eps) w silu(z)
-  if (lane == 0) part[simd_id] = ss;
-  BARRIER();
-  float tot = 0.0f;
-  UNROLL for (int w = 0; w < NW; ++w) tot += part[w];
-  const float rstd = rsqrt_f(tot / float(Dv) + eps[0]);
-  UNROLL for (int r = 0; r < R; ++r) {
-    const uint dv = simd_id + NW * r;
-    if (dv < uint(Dv) && lane == uint(r % SIMD_SIZE)) {
-      const float o = ys[r] * rstd * wr[r] * (zr[r] / (1.0f + exp_f(-zr[r])));
-      out[n * Dv + dv] = from_float<OutT>(o);
-    }
-  }
-
-  // new conv state: rows 1..K-2 of the old one, then this token (inactive rows: the old one).
-  // The head's v channels here; q and k channels from the first value head of each key head.
+  // conv state after j tokens = inputs j .. j + K-2 (inactive rows: the old one, inputs 0..K-2);
+  // j = NT is the new conv state, j < NT (HIST) entry j of the history. The head's v channels
+  // here; q and k channels from the first value head of each key head.
   const bool qk_writer = TILED ? h < uint(Hk) : h % uint(Hv / Hk) == 0;
   const uint nqk = qk_writer ? uint(2 * Dk) : 0u;
-  for (int j = 0; j < KC - 1; ++j) {
-    for (uint e = tid; e < nqk + uint(Dv); e += tg_size) {
-      const uint c = e < nqk ? (e < uint(Dk) ? hk * Dk + e : KD + hk * Dk + e - Dk)
-                             : 2 * KD + h * Dv + (e - nqk);
-      float v;
-      if (!act) v = to_float(conv_state[crow + j * C + c]);
-      else if (j + 1 < KC - 1) v = to_float(conv_state[crow + (j + 1) * C + c]);
-      else v = to_float(qkv[xrow + c]);
-      conv_out[crow + j * C + c] = from_float<OutT>(v);
+  for (int j = HIST ? 0 : NT; j <= NT; ++j) {
+    const int shift = act ? j : 0;
+    for (int i = 0; i < KC - 1; ++i) {
+      for (uint e = tid; e < nqk + uint(Dv); e += tg_size) {
+        const uint c = e < nqk ? (e < uint(Dk) ? hk * Dk + e : KD + hk * Dk + e - Dk)
+                               : 2 * KD + h * Dv + (e - nqk);
+        const float v = GDD_SEQ(shift + i, c);
+        if (j == NT) conv_out[crow + i * C + c] = from_float<OutT>(v);
+        else conv_hist[((bi * NT + j) * (KC - 1) + i) * C + c] = from_float<OutT>(v);
+      }
     }
   }
+#undef GDD_SEQ
 """
 
 _INPUTS = [
     "qkv", "z", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state_in", "norm_w",
     "eps", "active",
 ]  # fmt: skip
-_OUTPUTS = ["out", "state_out", "conv_out"]
+_OUTPUTS = ["out", "state_out", "conv_out", "state_hist", "conv_hist"]
 
 
 def _example(
-    dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int, layout: tuple
+    dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int, layout: tuple, nt: int = 1
 ) -> Example:
     nw = min(MAX_WARPS, dv)
     return Example(
@@ -248,10 +297,14 @@ def _example(
             "state_in": mx.float32, "norm_w": dtype, "eps": (mx.float32, 1),
             "active": (mx.bool_, 4),
         },
-        outputs={"out": dtype, "state_out": mx.float32, "conv_out": dtype},
+        outputs={
+            "out": dtype, "state_out": mx.float32, "conv_out": dtype,
+            "state_hist": mx.float32, "conv_hist": dtype,
+        },
         template={
             "Dk": dk, "Dv": dv, "Hk": 16, "Hv": 32, "KC": 4, "NW": nw, "R": -(-dv // nw),
-            "TILED": tiled, "MASKED": masked, "OutT": dtype, **_layout_template(layout),
+            "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": nt, "HIST": nt > 1,
+            **_layout_template(layout),
         },
     )  # fmt: skip
 
@@ -270,6 +323,8 @@ _kernel = Kernel(
         # Qwen 3.5 9B / 35B-A3B: in_proj qkv + z fused, b + a fused
         _example(mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0)),
         _example(mx.float32, True, False, 64, 7, (2272, 0, 224, 0, 32, 0, 32, 0)),  # unfused
+        # a verify of 5 tokens on a static cache: the per-token history too
+        _example(mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 5),
     ],
 )
 
@@ -287,19 +342,24 @@ def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int) -> boo
 
 
 @lru_cache(maxsize=64)
-def _plan(kernel, be, B, C, K, hk, dk, hv, dv, tiled, masked, eps, dtypes, layout, init_value):
+def _plan(
+    kernel, be, B, L, C, K, hk, dk, hv, dv, tiled, masked, hist, eps, dtypes, layout, init_value
+):
     """(launcher, eps array, placeholder mask) for one call shape."""
     nw = min(MAX_WARPS, dv)
     dtype = dtypes[0]
+    # without history its two outputs are one element each, never written
+    hist_shapes = [(B, L, hv, dv, dk), (B, L, K - 1, C)] if hist else [(1,), (1,)]
     launch = kernel.launcher(
         list(dtypes),
         grid=(B * hv * SIMD_WIDTH * nw,),
         threadgroup=(SIMD_WIDTH * nw,),
-        output_shapes=[(B, 1, hv * dv), (B, hv, dv, dk), (B, K - 1, C)],
-        output_dtypes=[dtype, mx.float32, dtype],
+        output_shapes=[(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes],
+        output_dtypes=[dtype, mx.float32, dtype, mx.float32, dtype],
         template={
             "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
-            "TILED": tiled, "MASKED": masked, "OutT": dtype, **_layout_template(layout),
+            "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
+            **_layout_template(layout),
         },
         init_value=init_value,
         backend=be,
@@ -324,22 +384,26 @@ def gated_delta_decode(
     tiled: bool = False,
     active: mx.array | None = None,
     init_value: float | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Dispatcher -> (out (B, 1, Hv Dv) in qkv.dtype, new conv state, new state fp32): one
-    kernel where it applies, else the reference. ``conv_weight`` (C, K), or (C, K, 1) as the
-    model keeps it (the kernel reads it flat: no reshape node). ``conv_state`` / ``state``
-    None: zeros (a first token). ``init_value`` fills the outputs before the launch (tests
-    poison them). Every array goes in and comes out in its own shape: a reshape would be one
-    more node in each decode step's graph. Any of qkv, z, a, b may be ``Channels`` of a fused
-    projection's output (several may share one), which the kernel reads in place."""
+    history: bool = False,
+) -> tuple[mx.array, ...]:
+    """Dispatcher -> (out (B, L, Hv Dv) in qkv.dtype, new conv state, new state fp32) for L >= 1
+    tokens per row (a speculative verify: L > 1), and with ``history`` the states before each
+    token (conv (B, L, K-1, C), state (B, L, Hv, Dv, Dk) fp32; entry j = after j tokens, so a
+    rollback is one gather): one kernel where it applies, else the reference. ``conv_weight``
+    (C, K), or (C, K, 1) as the model keeps it (the kernel reads it flat: no reshape node).
+    ``conv_state`` / ``state`` None: zeros (a first token). ``init_value`` fills the outputs
+    before the launch (tests poison them). Every array goes in and comes out in its own shape:
+    a reshape would be one more node in each decode step's graph. Any of qkv, z, a, b may be
+    ``Channels`` of a fused projection's output (several may share one), which the kernel
+    reads in place."""
     B, L, C = qkv.shape
     hv = a.shape[-1]
     dv, rem = divmod(C - 2 * num_k_heads * head_k_dim, hv)
     gates = a.shape == b.shape == (B, L, hv)
-    if L != 1 or rem or dv <= 0 or hv % num_k_heads or z.shape != (B, L, hv * dv) or not gates:
+    if L < 1 or rem or dv <= 0 or hv % num_k_heads or z.shape != (B, L, hv * dv) or not gates:
         raise InvalidArgumentError(
             f"gated_delta_decode: qkv {qkv.shape}, z {z.shape}, a {a.shape} and b {b.shape} do not "
-            f"match one token of {num_k_heads} key heads of {head_k_dim}"
+            f"match {num_k_heads} key heads of {head_k_dim}"
         )
     w_shape = conv_weight.shape
     if len(w_shape) < 2 or w_shape[0] != C or w_shape[2:] not in ((), (1,)):
@@ -356,7 +420,7 @@ def gated_delta_decode(
     if be is None or not _covered(qkv.dtype, num_k_heads, head_k_dim, hv, dv, K):
         return gated_delta_decode_reference(
             *(dense(x) for x in (qkv, z, a, b)), conv_state, conv_weight, A_log, dt_bias,
-            state, norm_weight, norm_eps, num_k_heads, head_k_dim, tiled, active,
+            state, norm_weight, norm_eps, num_k_heads, head_k_dim, tiled, active, history,
         )  # fmt: skip
     masked = active is not None
     if masked and active.dtype != mx.bool_:
@@ -367,9 +431,9 @@ def gated_delta_decode(
     inputs = [*data, conv_state, conv_weight, A_log, dt_bias, state, norm_weight]
     dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_)
     launch, eps, unmasked = _plan(
-        _kernel, be, B, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
-        float(norm_eps), dtypes, layout, init_value,
+        _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
+        bool(history), float(norm_eps), dtypes, layout, init_value,
     )  # fmt: skip
     inputs += [eps, active if masked else unmasked]
-    out, state, conv = launch(inputs=inputs)
-    return out, conv, state
+    out, state, conv, state_hist, conv_hist = launch(inputs=inputs)
+    return (out, conv, state, conv_hist, state_hist) if history else (out, conv, state)

@@ -151,28 +151,33 @@ def gated_delta_net(net, qkv, z, a, b, cache) -> mx.array:
     norm -> (B, L, Hv Dv) for out_proj; reads and advances ``cache`` (None: zero states).
     Decode (L == 1) with kernels is one kernel (custom_kernels/gated_delta_decode.py), which
     reads fused projections in place and also keeps a static cache's inactive rows
-    (``cache.active``), so those states are stored without the cache's own masking."""
+    (``cache.active``), so those states are stored without the cache's own masking. A static
+    cache's L > 1 call (a speculative verify, decode_step.py) is that kernel over the L tokens
+    (or its token-by-token reference), which also leaves each token's states in
+    ``cache.history`` for an exact rollback; plain prefill keeps the chunked path."""
     B, L, _ = qkv.shape
     conv, state = (None, None) if cache is None else (cache.conv_state, cache.state)
     gate_args = (net.A_log, net.dt_bias)
     heads = (net.num_k_heads, net.head_k_dim)
-    if L == 1 and use_kernels():
+    active = getattr(cache, "active", None)
+    verify = L > 1 and active is not None
+    if verify or (L == 1 and use_kernels()):
         # the kernel reads the (C, K, 1) weight flat: a reshape would be a node in every step
-        weight, active = net.conv1d.weight, getattr(cache, "active", None)
-        out, conv, state = delta_decode_kernel.gated_delta_decode(
-            qkv, z, a, b, conv, weight, *gate_args, state, net.norm.weight, net.norm.eps,
-            *heads, net.tiled, active,
+        out, conv, state, *history = delta_decode_kernel.gated_delta_decode(
+            qkv, z, a, b, conv, net.conv1d.weight, *gate_args, state, net.norm.weight,
+            net.norm.eps, *heads, net.tiled, active, history=verify,
         )  # fmt: skip
         if active is not None:
             cache.conv_state, cache.state = conv, state
+            cache.history = history or None
         elif cache is not None:
             cache.update(conv, state, L)
         return out
     qkv, z, a, b = (delta_decode_kernel.dense(x) for x in (qkv, z, a, b))  # fused: slices
-    # a static cache's multi-token verify (decode_step.py) keeps each token's state for rollback
-    update = getattr(cache, "delta_update", gated_delta.gated_delta_update)
     weight = net.conv1d.weight.reshape(net.conv_dim, net.kernel_size)  # (C, K, 1) -> (C, K)
-    y, conv, state = update(qkv, conv, weight, a, b, *gate_args, state, *heads, tiled=net.tiled)
+    y, conv, state = gated_delta.gated_delta_update(
+        qkv, conv, weight, a, b, *gate_args, state, *heads, tiled=net.tiled
+    )
     if cache is not None:
         cache.update(conv, state, L)
     return gated_rms_norm(y, z.reshape(y.shape), net.norm).reshape(B, L, -1)

@@ -78,11 +78,11 @@ class SparseMoeBlock(nn.Module):
         return indices, scores
 
     def shared_gate(self, x: mx.array) -> mx.array:
-        """``shared_expert_gate(x)`` (..., 1) in one Matmul node for one token. A dense gate
+        """``shared_expert_gate(x)`` (..., 1) in one Matmul node for one row. A dense gate
         multiplies by its weight's transposed view, kept evaluated (nn.Linear's ``x @ w.T``
-        adds a Transpose node to every step); a single row (1, 1, D) by that view as (1, D, 1),
-        the same GEMM as (1, D) @ (D, 1) without the Flatten / Unflatten MLX puts around a 3-D
-        x times a 2-D weight."""
+        adds a Transpose node to every step); a single row's L tokens (1, L, D) (a decode or a
+        verify) by that view as (1, D, 1), the same GEMM as (L, D) @ (D, 1) without the
+        Flatten / Unflatten MLX puts around a 3-D x times a 2-D weight."""
         gate = self.shared_expert_gate
         if type(gate) is not nn.Linear or "bias" in gate:
             return gate(x)
@@ -95,7 +95,7 @@ class SparseMoeBlock(nn.Module):
             object.__setattr__(self, "_gate_t", cached)
             with contextlib.suppress(ValueError):  # a traced weight (compile inputs): lazy
                 mx.eval(cached[1:])  # leaf views: the compiled step holds no Transpose
-        one_row = x.ndim == 3 and x.shape[0] * x.shape[1] == 1
+        one_row = x.ndim == 3 and x.shape[0] == 1
         return x @ cached[2 if one_row else 1]
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -10,8 +10,9 @@ token: nothing here reads a value back from the device.
 - ``StaticKVCache(window=W)``: sliding-window ring, slot = position % capacity, with
   ``capacity - W`` reserve slots so that L > 1 tokens (a verify step) can be written at once.
 - ``StaticRecurrentCache``: Qwen 3.5's conv and delta-net state; inactive rows keep theirs. An
-  L > 1 call (a speculative verify) runs the recurrence token by token and keeps every token's
-  state (``history``), so that a rollback picks the state after the accepted tokens exactly.
+  L > 1 call (a speculative verify) runs the recurrence over the L tokens in one decode kernel
+  (``models.ops.gated_delta_net``), which also leaves every token's starting states
+  (``history``), so that a rollback picks the state after the accepted tokens exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
-from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update
 from hf2q_mlx.errors import Hf2qError
 
 
@@ -98,8 +98,8 @@ class StaticRecurrentCache(_RowPositions):
 
     def __init__(self, conv_state: mx.array, state: mx.array):
         self.conv_state, self.state = conv_state, state
-        # after an L > 1 call: [conv (B, L+1, K-1, C), state (B, L+1, Hv, Dv, Dk)], index j =
-        # the row's state after j of the call's tokens (0: before the call)
+        # after an L > 1 call: [conv (B, L, K-1, C), state (B, L, Hv, Dv, Dk)], index j = the
+        # row's state after j of the call's tokens (0: before the call; after all L: the state)
         self.history: list[mx.array] | None = None
 
     @property
@@ -110,36 +110,19 @@ class StaticRecurrentCache(_RowPositions):
     def arrays(self, arrays: list[mx.array]) -> None:
         self.conv_state, self.state = arrays
 
-    def delta_update(self, qkv, conv_state, conv_weight, a, b, *rest, **kw):
-        """``gated_delta_update`` (the model's delta-net layer calls it through the cache); more
-        than one token: one token at a time (the decode kernel, as plain decoding runs it),
-        keeping each token's states in ``history``."""
-        L = qkv.shape[1]
-        if L == 1:
-            self.history = None
-            return gated_delta_update(qkv, conv_state, conv_weight, a, b, *rest, **kw)
-        (A_log, dt_bias, state, *heads) = rest
-        convs, states, ys = [conv_state], [state], []
-        for j in range(L):
-            y, conv_state, state = gated_delta_update(
-                qkv[:, j : j + 1], conv_state, conv_weight, a[:, j : j + 1], b[:, j : j + 1],
-                A_log, dt_bias, state, *heads, **kw,
-            )  # fmt: skip
-            ys.append(y)
-            convs.append(conv_state)
-            states.append(state)
-        self.history = [mx.stack(convs, axis=1), mx.stack(states, axis=1)]
-        return mx.concatenate(ys, axis=1), conv_state, state
-
     def update(self, conv_state: mx.array, state: mx.array, length: int) -> None:
+        """One token's new states (the path without kernels), inactive rows masked."""
+        self.history = None  # an L > 1 call leaves its history through the decode kernel
         keep = self.active
         self.conv_state = mx.where(keep[:, None, None], conv_state, self.conv_state)
         self.state = mx.where(keep[:, None, None, None], state, self.state)
 
     def rollback(self, history: list[mx.array], kept: mx.array, rows: mx.array) -> None:
         """Rows ``rows`` (B,) bool take their state after ``kept`` (B,) int32 tokens of the call
-        that left ``history``; the others keep theirs."""
+        that left ``history`` (kept < L for those rows); the others keep theirs."""
         out = []
+        last = history[0].shape[1] - 1  # a row kept whole (kept = L) gathers in bounds, unused
+        kept = mx.minimum(kept, last)
         for cur, hist in zip(self.arrays, history):
             idx = kept.reshape((-1,) + (1,) * (hist.ndim - 1))
             picked = mx.take_along_axis(hist, idx, axis=1)[:, 0]

@@ -294,6 +294,28 @@ def test_write_slots_are_computed_once_per_step():
 VERIFY_RTOL = {"gemma4-moe": 5e-4}
 
 
+def test_recurrent_rollback_gathers_history_entries_exactly():
+    """``StaticRecurrentCache.rollback`` on a verify's history (entry j = the state after j of
+    its L tokens; all L kept = the cache's state): rolled-back rows take entry ``kept`` bit for
+    bit, the others (kept = L, out of the history's range) keep their state."""
+    from hf2q_mlx.models.static_cache import StaticRecurrentCache
+
+    B, L = 4, 5
+    key = iter(mx.random.split(mx.random.key(31), 4))
+    conv = mx.random.normal((B, 3, 10), key=next(key))  # (B, K-1, C)
+    state = mx.random.normal((B, 2, 3, 4), key=next(key))  # (B, Hv, Dv, Dk)
+    history = [
+        mx.random.normal((B, L, 3, 10), key=next(key)),
+        mx.random.normal((B, L, 2, 3, 4), key=next(key)),
+    ]
+    kept, rows = [2, 5, 0, 4], [True, False, True, True]
+    cache = StaticRecurrentCache(conv, state)
+    cache.rollback(history, mx.array(kept, dtype=mx.int32), mx.array(rows))
+    for got, cur, hist in zip(cache.arrays, (conv, state), history):
+        want = [np.array(hist[b, k] if r else cur[b]) for b, (k, r) in enumerate(zip(kept, rows))]
+        np.testing.assert_array_equal(np.array(got), np.stack(want))
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_verify_and_rollback_match_eager(name):
     """Three rows (prompts of 3, 9, 1) verify 4 tokens per round for 6 rounds, one row idle

@@ -537,16 +537,16 @@ def moe_block(seed: int, dtype: mx.Dtype = mx.float32) -> qwen3_5_moe.SparseMoeB
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
 def test_shared_gate_is_one_matmul_and_exact(dtype):
     """The dense shared-expert gate: bit for bit nn.Linear's ``x @ w.T`` for any rows; one
-    token's graph is a single Matmul (no Transpose, no Flatten / Unflatten); a new weight
-    takes effect at once."""
+    row's graph (one token, or a verify's L) is a single Matmul (no Transpose, no Flatten /
+    Unflatten); a new weight takes effect at once."""
     block = moe_block(seed=11, dtype=dtype)
     linear = block.shared_expert_gate
     D = linear.weight.shape[1]
-    for i, shape in enumerate([(1, 1, D), (3, 1, D), (2, 5, D), (4, D)]):
+    for i, shape in enumerate([(1, 1, D), (3, 1, D), (2, 5, D), (1, 5, D), (4, D)]):
         x = mx.random.normal(shape, key=mx.random.key(100 + i)).astype(dtype)
         mx.eval(x)
         got = block.shared_gate(x)
-        if shape[:-1] == (1, 1):
+        if len(shape) == 3 and shape[0] == 1:
             assert graph_labels(got) == ["Matmul"]
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
                                       np.array(linear(x).astype(mx.float32)))  # fmt: skip

@@ -33,14 +33,14 @@ SHAPES = [
 ]
 
 
-def make_inputs(B, hk, hv, dk, dv, seed, dtype=mx.float32, masked=False, module_conv=False):
-    """Fresh random inputs for one token; ``masked``: a random mix of active rows (>= 1 off
-    when B > 1); ``module_conv``: the conv weight (C, K, 1), as the model's Conv1d keeps it."""
-    inp = tgd.make_inputs(B, 1, hk, hv, dk, dv, seed, dtype)
+def make_inputs(B, hk, hv, dk, dv, seed, dtype=mx.float32, masked=False, module_conv=False, L=1):
+    """Fresh random inputs for L tokens per row; ``masked``: a random mix of active rows (>= 1
+    off when B > 1); ``module_conv``: the conv weight (C, K, 1), as the model's Conv1d keeps it."""
+    inp = tgd.make_inputs(B, L, hk, hv, dk, dv, seed, dtype)
     if module_conv:
         inp["conv_weight"] = inp["conv_weight"][..., None]
     k = mx.random.split(mx.random.key(seed + 10_000), 2)
-    inp["z"] = mx.random.normal((B, 1, hv * dv), key=k[0]).astype(dtype)
+    inp["z"] = mx.random.normal((B, L, hv * dv), key=k[0]).astype(dtype)
     inp["norm_weight"] = (0.75 + 0.5 * mx.random.uniform(shape=(dv,), key=k[1])).astype(dtype)
     inp["norm_eps"] = EPS
     if masked:
@@ -147,7 +147,7 @@ def test_dispatcher_falls_back_and_validates(monkeypatch):
     bad = dict(inp, num_k_heads=3)  # 2 * 3 * 48 + 2 * dv != C
     with pytest.raises(InvalidArgumentError, match="gated_delta_decode"):
         gdd.gated_delta_decode(**bad)
-    two = dict(inp, qkv=mx.concatenate([inp["qkv"]] * 2, axis=1))  # L = 2 is not a decode
+    two = dict(inp, qkv=mx.concatenate([inp["qkv"]] * 2, axis=1))  # 2 tokens of qkv, 1 of z
     with pytest.raises(InvalidArgumentError, match="gated_delta_decode"):
         gdd.gated_delta_decode(**two)
     w = inp["conv_weight"]  # (C, K): (C, K, 2) and (C - 1, K) are no conv weight of this qkv
@@ -170,15 +170,15 @@ GROUPINGS = {
 
 
 def fuse_inputs(inp: dict, grouping, seed: int) -> dict:
-    """``inp`` with each fused group's members as ``Channels`` of one (B, 1, N) array: random
+    """``inp`` with each fused group's members as ``Channels`` of one (B, L, N) array: random
     pad channels, the members side by side, more pad."""
     out = dict(inp)
     for i, group in enumerate(grouping):
         if len(group) == 1:
             continue
-        B, dtype = inp["qkv"].shape[0], inp["qkv"].dtype
+        (B, L, _), dtype = inp["qkv"].shape, inp["qkv"].dtype
         k = mx.random.split(mx.random.key(seed + i), 2)
-        pads = [mx.random.normal((B, 1, n), key=key).astype(dtype) for n, key in zip((3, 5), k)]
+        pads = [mx.random.normal((B, L, n), key=key).astype(dtype) for n, key in zip((3, 5), k)]
         data = mx.concatenate([pads[0], *(inp[name] for name in group), pads[1]], axis=-1)
         first = 3
         for name in group:
@@ -232,6 +232,106 @@ def test_fused_inputs_reference_and_validation(monkeypatch):
             gdd.gated_delta_decode(**bad)
 
 
+# ---- L > 1 tokens per row (a speculative verify): one launch, the per-token history ----
+
+HIST = ("out", "conv_state", "state", "conv_history", "state_history")
+
+
+def oracle_tokens(inp: dict, tiled: bool):
+    """The one-token oracle token after token (fp32 states between tokens) -> (out, conv,
+    state, conv history, state history), entry j of a history = the states before token j."""
+    cur = dict(inp)
+    outs, convs, states = [], [], []
+    for t in range(inp["qkv"].shape[1]):
+        for name in ("qkv", "z", "a", "b"):
+            cur[name] = inp[name][:, t : t + 1]
+        convs.append(np.array(cur["conv_state"].astype(mx.float32), dtype=np.float64))
+        states.append(np.array(cur["state"], dtype=np.float64))
+        out, conv, st = oracle(cur, tiled)
+        outs.append(out)
+        cur["conv_state"] = mx.array(conv.astype(np.float32)).astype(inp["conv_state"].dtype)
+        cur["state"] = mx.array(st.astype(np.float32))
+    return (
+        np.concatenate(outs, axis=1),
+        conv,
+        st,
+        np.stack(convs, axis=1),
+        np.stack(states, axis=1),
+    )
+
+
+@pytest.mark.parametrize("L", [2, 3, 5])
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
+def test_reference_tokens_are_single_token_calls(shape, L):
+    """The CPU path of an L-token call: the bits of L one-token calls (the contract a verify
+    and its rollback rest on), histories = the states before each call, rows masked; and the
+    float64 oracle (fp32 over L steps and norms: 1e-5 relative)."""
+    tiled = L == 3
+    inp = make_inputs(*shape, seed=17 * sum(shape) + L, masked=True, module_conv=True, L=L)
+    with reference_only():
+        got = gdd.gated_delta_decode(**inp, tiled=tiled, history=True)
+        cur, outs, convs, states = dict(inp), [], [], []
+        for t in range(L):
+            one = {n: inp[n][:, t : t + 1] for n in ("qkv", "z", "a", "b")}
+            convs.append(cur["conv_state"])
+            states.append(cur["state"])
+            out, cur["conv_state"], cur["state"] = gdd.gated_delta_decode(
+                **dict(cur, **one), tiled=tiled
+            )
+            outs.append(out)
+    want = (mx.concatenate(outs, 1), cur["conv_state"], cur["state"])
+    want += (mx.stack(convs, 1), mx.stack(states, 1))
+    assert len(got) == 5
+    for g, w, what in zip(got, want, HIST):
+        np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=what)
+    for g, w, what in zip(got, oracle_tokens(inp, tiled), HIST):
+        check(g, w, 1e-5, what)
+    off = ~np.array(inp["active"])  # paused rows: every history entry is their old state
+    np.testing.assert_array_equal(np.array(got[4])[off][:, -1], np.array(inp["state"])[off])
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "shape,L,fused,history",
+    [
+        (SHAPES[1], 1, None, True),
+        (SHAPES[1], 2, None, True),
+        (SHAPES[1], 3, "qkvz+ba", True),
+        (SHAPES[2], 4, None, False),
+        (SHAPES[2], 5, "qkvzba", True),
+        (SHAPES[0], 6, None, True),
+    ],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_kernel_body_tokens_emulated(shape, L, fused, history, monkeypatch):
+    """L tokens per row in ONE launch (emulated, outputs poisoned): out, states and histories
+    against the token-by-token oracle (fp32 vs float64: 1e-5), conv states and conv history
+    exact (copies of inputs), paused rows untouched; ``fused``: Channels read in place."""
+    emu = kernel_emulator.Emulated(gdd._kernel)
+    monkeypatch.setattr(gdd, "_kernel", emu)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    tiled = L % 2 == 0
+    seed = 19 * sum(shape) + L
+    inp = make_inputs(*shape, seed=seed, masked=shape[0] > 1, module_conv=tiled, L=L)
+    args = fuse_inputs(inp, GROUPINGS[fused], seed) if fused else inp
+    got = gdd.gated_delta_decode(**args, tiled=tiled, history=history)
+    assert emu.launches == 1 and len(got) == (5 if history else 3)
+    want = oracle_tokens(inp, tiled)
+    on = np.array(inp["active"]) if "active" in inp else np.ones(shape[0], bool)
+    check(mx.array(np.array(got[0])[on]), want[0][on], 1e-5, "out")  # paused rows: meaningless
+    for g, w, what in zip(got[1:], want[1:], HIST[1:]):
+        check(g, w, 1e-5, what)
+    exact_states(got, inp, want[1].astype(np.float32))
+    if history:
+        np.testing.assert_array_equal(np.array(got[3]), want[3].astype(np.float32))
+        assert np.array(got[3].astype(mx.float32)).shape[1] == L
+    if "active" in inp:  # paused rows: their state in every entry
+        off = ~np.array(inp["active"])
+        if history:
+            for j in range(L):
+                np.testing.assert_array_equal(np.array(got[4])[off, j], np.array(inp["state"])[off])
+
+
 # ---- the Qwen 3.5 decode step (static caches, a paused row) through the emulated kernel ----
 
 QWEN = dict(
@@ -260,12 +360,14 @@ def tiny_qwen():
 
 
 @needs_gxx
+@pytest.mark.parametrize("L", [1, 3], ids=["decode", "verify3"])
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-def test_decode_step_takes_one_launch_per_delta_net_layer(fused, monkeypatch):
-    """DecodeStep's step (run eagerly: the emulator is not traceable) over 3 rows, one paused:
-    one launch per delta-net layer, logits of the active rows and every cache as the CPU
-    reference path gives them, the paused row's states untouched. ``fused``: the in_proj
-    layers as one (``fuse_projections``, as the loader does), read in place by the kernel."""
+def test_decode_step_takes_one_launch_per_delta_net_layer(fused, L, monkeypatch):
+    """DecodeStep's step (run eagerly: the emulator is not traceable) over 3 rows, one paused,
+    L tokens each (L = 3: a verify): one launch per delta-net layer, logits of the active rows,
+    every cache and the verify's histories as the CPU reference path gives them, the paused
+    row's states untouched. ``fused``: the in_proj layers as one (``fuse_projections``, as the
+    loader does), read in place by the kernel."""
     from hf2q_mlx.decode_step import DecodeStep
     from hf2q_mlx.models.static_cache import StaticRecurrentCache
 
@@ -274,16 +376,17 @@ def test_decode_step_takes_one_launch_per_delta_net_layer(fused, monkeypatch):
         if fused:
             model.fuse_projections()
             assert "in_proj_qkvzba" in model.layers[0].linear_attn
-        step = DecodeStep(model, max_batch=3, max_len=16)
+        step = DecodeStep(model, max_batch=3, max_len=16, reserve=L - 1)
         for row, n in enumerate([3, 5, 2]):
             step.prefill(row, list(range(1, n + 1)))
         before = [list(s.arrays) for s in step.caches]
+        tokens = mx.array([[7 + r + 5 * t for t in range(L)] for r in range(3)])
         call = (
-            mx.array([[7], [8], [9]]), mx.array(step.positions), mx.array([True, False, True]),
+            tokens, mx.array(step.positions), mx.array([True, False, True]),
             before, step.max_len, False,
         )  # fmt: skip
-        want, want_arrays = step._step(*call)[:2]  # the CPU: today's graph
-        mx.eval(want, want_arrays)
+        want, want_arrays, want_hist = step._step(*call)  # the CPU: the reference path
+        mx.eval(want, want_arrays, want_hist)
         # kernels on: this CPU plays the GPU; only the decode kernel runs (on the emulator)
         monkeypatch.setattr(ck, "_gpu", ("cuda", mx.default_device(), mx.default_device))
         emu = kernel_emulator.Emulated(gdd._kernel)
@@ -294,17 +397,25 @@ def test_decode_step_takes_one_launch_per_delta_net_layer(fused, monkeypatch):
                 mod = importlib.import_module(f"{ck.__name__}.{info.name}")
                 if mod is not gdd and hasattr(mod, "backend"):
                     m.setattr(mod, "backend", lambda: None)
-            got, got_arrays = step._step(*call)[:2]
-            mx.eval(got, got_arrays)
+            got, got_arrays, got_hist = step._step(*call)
+            mx.eval(got, got_arrays, got_hist)
     linear = [isinstance(s, StaticRecurrentCache) for s in step.caches]
     assert emu.launches == sum(linear) == 3
+    assert len(got_hist) == len(want_hist) == (3 if L > 1 else 0)
+    for g, w in zip(got_hist, want_hist):  # [conv (B, L, K-1, C), state (B, L, Hv, Dv, Dk)]
+        # later layers' inputs went through kernels and references: fp32, two summation orders
+        for gi, wi in zip(g, w):
+            assert gi.shape[1] == L
+            wi = np.array(wi)
+            assert np.abs(np.array(gi) - wi).max() <= 1e-4 * np.abs(wi).max()
     on = np.array([True, False, True])
     g, w = np.array(got)[on], np.array(want)[on]
     assert np.abs(g - w).max() <= 1e-4 * np.abs(w).max()  # fp32, two summation orders
     for is_linear, old, new, ref in zip(linear, before, got_arrays, want_arrays):
         for o, n, r in zip(old, new, ref):
+            # the paused row's KV slots past its end: written, meaningless (L > 1)
             n, r = np.array(n), np.array(r)
-            assert np.abs(n - r).max() <= 1e-4 * max(np.abs(r).max(), 1e-30)
+            assert np.abs(n[on] - r[on]).max() <= 1e-4 * max(np.abs(r).max(), 1e-30)
             if is_linear:
                 np.testing.assert_array_equal(n[1], np.array(o)[1])  # the paused row
 
@@ -364,17 +475,55 @@ def test_gpu_kernel_fused_inputs_bit_exact(shape, grouping, dtype):
     assert not np.isnan(np.array(want[0].astype(mx.float32))).any()  # every output written
 
 
+@requires_gpu
+@pytest.mark.parametrize("L", [2, 5])
+@pytest.mark.parametrize("shape", GPU_SHAPES[2:6], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_gpu_kernel_tokens_match_reference(shape, L, dtype):
+    """A verify of L tokens per row in one launch on the GPU (fused qkvz + ba inputs, rows
+    masked, outputs poisoned) against the CPU's token-by-token reference: conv state and conv
+    history exact (copies), out (active rows), state and state history as the L = 1 test."""
+    seed = 23 * sum(shape) + L
+    inp = make_inputs(*shape, seed=seed, dtype=dtype, masked=shape[0] > 1, module_conv=True, L=L)
+    fused = fuse_inputs(inp, GROUPINGS["qkvz+ba"], seed)
+    with mx.stream(mx.gpu):
+        _, hk, hv, dk, dv = shape
+        assert gdd._covered(dtype, hk, dk, hv, dv, 4), "the kernel would not run"
+        got = gdd.gated_delta_decode(**fused, init_value=float("nan"), history=True)
+        mx.eval(got)
+    with mx.stream(mx.cpu), reference_only():
+        ref = gdd.gated_delta_decode(**inp, history=True)
+        f32 = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
+               for k, v in inp.items()}  # fmt: skip
+        exact = gdd.gated_delta_decode(**f32, history=True)
+        mx.eval(ref, exact)
+    for i in (1, 3):  # conv state, conv history: data movement
+        g, r = (np.array(x[i].astype(mx.float32)) for x in (got, ref))
+        np.testing.assert_array_equal(g, r)
+    on = np.array(inp["active"]) if "active" in inp else np.ones(shape[0], bool)
+    for i, what in ((0, "out"), (2, "state"), (4, "state history")):
+        e = np.array(exact[i])[on]
+        k_err = np.abs(np.array(got[i].astype(mx.float32))[on] - e).max()
+        if dtype == mx.float32:  # as the one-token test: 1e-4 of the largest output
+            assert k_err <= 1e-4 * np.abs(e).max(), f"{what}: {k_err}"
+        else:  # within 2x the bf16 reference's own error against fp32
+            r_err = np.abs(np.array(ref[i].astype(mx.float32))[on] - e).max()
+            assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
+
+
 VIEWS = {"Reshape", "Broadcast", "Squeeze", "ExpandDims"}  # primitives that launch nothing here
 
 
 @requires_gpu
+@pytest.mark.parametrize("L", [1, 5], ids=["decode", "verify5"])
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("B", [1, 4])
-def test_gpu_block_decode_is_one_launch(B, fused):
+def test_gpu_block_decode_is_one_launch(B, fused, L):
     """The compiled delta-net decode between in_proj and out_proj (a 9B-shaped block, bf16,
     a static cache with a paused row) holds one launching primitive: the kernel. Before it:
     the step kernel, two mx.where of the static cache, the RMSNorm and silu(z) * norm = 5.
-    ``fused``: one in_proj_qkvzba output, read in place (no Slice node before the kernel)."""
+    ``fused``: one in_proj_qkvzba output, read in place (no Slice node before the kernel).
+    L = 5: a verify, its rollback history included (before: L step kernels, slices, stacks)."""
     import io
     import re
 
@@ -397,7 +546,7 @@ def test_gpu_block_decode_is_one_launch(B, fused):
         if fused:
             net.fuse_projections()
             assert len(net._in_plan) == 1
-        x = mx.random.normal((B, 1, 256)).astype(mx.bfloat16)
+        x = mx.random.normal((B, L, 256)).astype(mx.bfloat16)
         ins = [net[attr](x) for attr, _ in net._in_plan]  # the in_proj matmul outputs
         # the zero states too: unevaluated, their two Full ops showed in the graph on the H200
         mx.eval(ins, net.parameters(), cache.arrays)
@@ -406,10 +555,11 @@ def test_gpu_block_decode_is_one_launch(B, fused):
             *ys, conv, state, active = args
             cache.conv_state, cache.state, cache.active = conv, state, active
             out = ops.gated_delta_net(net, *net.unpack(ys), cache)
-            return out, cache.conv_state, cache.state
+            return out, cache.conv_state, cache.state, *(cache.history or [])
 
         active = mx.array([i % 2 == 0 for i in range(B)])
         outs = mx.compile(block)(*ins, cache.conv_state, cache.state, active)
+        assert len(outs) == (3 if L == 1 else 5)
         buf = io.StringIO()
         mx.export_to_dot(buf, *outs)
         mx.eval(outs)
