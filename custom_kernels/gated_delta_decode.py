@@ -286,10 +286,17 @@ _INPUTS = [
 _OUTPUTS = ["out", "state_out", "conv_out", "state_hist", "conv_hist"]
 
 
+def _warps(dv: int, L: int) -> int:
+    """SIMD groups per threadgroup. More than one token: at most 256 threads, so the compiler may
+    give each up to 255 registers (it does not know the group size; at 512 threads an L-token
+    loop's registers failed to launch on the H200: "too many resources requested")."""
+    return min(MAX_WARPS if L == 1 else MAX_WARPS // 2, dv)
+
+
 def _example(
     dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int, layout: tuple, nt: int = 1
 ) -> Example:
-    nw = min(MAX_WARPS, dv)
+    nw = _warps(dv, nt)
     return Example(
         inputs={
             "qkv": dtype, "z": dtype, "a": dtype, "b": dtype, "conv_state": dtype,
@@ -329,10 +336,10 @@ _kernel = Kernel(
 )
 
 
-def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int) -> bool:
+def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int, L: int = 1) -> bool:
     """Shapes the kernel takes (else the reference): Dk a multiple of 32 and the state of a
     SIMD group's rows within MAX_STATE_REGS floats per lane."""
-    nw = min(MAX_WARPS, dv)
+    nw = _warps(dv, L)
     return (
         dtype in _FLOATS
         and dk % SIMD_WIDTH == 0
@@ -346,7 +353,7 @@ def _plan(
     kernel, be, B, L, C, K, hk, dk, hv, dv, tiled, masked, hist, eps, dtypes, layout, init_value
 ):
     """(launcher, eps array, placeholder mask) for one call shape."""
-    nw = min(MAX_WARPS, dv)
+    nw = _warps(dv, L)
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
     hist_shapes = [(B, L, hv, dv, dk), (B, L, K - 1, C)] if hist else [(1,), (1,)]
@@ -417,7 +424,7 @@ def gated_delta_decode(
     if state is None:
         state = mx.zeros((B, hv, dv, head_k_dim), dtype=mx.float32)
     be = backend()
-    if be is None or not _covered(qkv.dtype, num_k_heads, head_k_dim, hv, dv, K):
+    if be is None or not _covered(qkv.dtype, num_k_heads, head_k_dim, hv, dv, K, L):
         return gated_delta_decode_reference(
             *(dense(x) for x in (qkv, z, a, b)), conv_state, conv_weight, A_log, dt_bias,
             state, norm_weight, norm_eps, num_k_heads, head_k_dim, tiled, active, history,

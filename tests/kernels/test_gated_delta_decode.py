@@ -488,7 +488,7 @@ def test_gpu_kernel_tokens_match_reference(shape, L, dtype):
     fused = fuse_inputs(inp, GROUPINGS["qkvz+ba"], seed)
     with mx.stream(mx.gpu):
         _, hk, hv, dk, dv = shape
-        assert gdd._covered(dtype, hk, dk, hv, dv, 4), "the kernel would not run"
+        assert gdd._covered(dtype, hk, dk, hv, dv, 4, L), "the kernel would not run"
         got = gdd.gated_delta_decode(**fused, init_value=float("nan"), history=True)
         mx.eval(got)
     with mx.stream(mx.cpu), reference_only():
