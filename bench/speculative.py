@@ -7,8 +7,11 @@ on code-completion prompts, and prompt lookup on an edit-this-file prompt (both 
 with each draft token wrong with probability 1 - a (a = 0.5 / 0.7 / 0.9), so the numbers are the
 verify cost alone (the draft is free). Plain decoding is the compiled step (B = 1, as
 ``stream_generate`` runs it); the verify runs on the same compiled step (``--eager`` adds the
-eager verify for comparison). Every configuration runs in interleaved rounds in one process;
-the tables give medians. Prints a table and writes JSON.
+eager verify for comparison), with K drafts every round (``replay a=.. K=..``) and with the
+cost-aware draft length (``adaptive a=.. K<=..``: ``hf2q_mlx.draft_length.DraftLength`` picks
+k in 0..K each round from the acceptance and verify times it measured). Every configuration
+runs in interleaved rounds in one process; the tables give medians. Prints a table and writes
+JSON.
 
     python3 bench/speculative.py real --json bench/results/speculative_real.json
     python3 bench/speculative.py replay --json bench/results/speculative_replay.json
@@ -29,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.decode_step import shared_step
+from hf2q_mlx.draft_length import DraftLength
 from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
 from hf2q_mlx.speculative import verify_rows, verify_step_rows
 
@@ -147,11 +151,14 @@ def load_qwen_bench():
 
 
 def replay_run(
-    model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int, eager: bool = False
+    model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int, kind: str = "fixed"
 ) -> dict:
     """Decode ``len(ref)`` tokens with drafts copied from ``ref`` (the target's greedy output),
-    each wrong with probability 1 - acc, verified on the compiled step (``eager``: through
-    per-sequence caches). Stops where the target leaves ``ref`` (rounding)."""
+    each wrong with probability 1 - acc, verified on the compiled step (``kind`` "fixed": K
+    drafts a round; "adaptive": ``DraftLength`` picks k <= K, the verify takes k + 1 tokens;
+    "eager": K drafts through per-sequence caches). Stops where the target leaves ``ref``."""
+    eager, adaptive = kind == "eager", kind == "adaptive"
+    control = DraftLength(k, adaptive)
     rng = np.random.default_rng(seed)
     V = model.args.vocab_size
     if eager:
@@ -166,19 +173,21 @@ def replay_run(
         logits = step.prefill(0, prompt)
 
         def verify(todo, drafts):
-            return verify_step_rows(step, [0], [todo], [drafts], length=k + 1)[0]
+            length = len(drafts) + 1 if adaptive else k + 1
+            return verify_step_rows(step, [0], [todo], [drafts], length=length)[0]
 
     out = [int(mx.argmax(logits, axis=-1).item())]
     todo, drafted, accepted, diverged = [out[0]], 0, 0, None
     rounds = []
     t0 = time.perf_counter()
     while len(out) < len(ref):
-        n = min(k, len(ref) - len(out) - 1)
+        n = min(control.choose(), len(ref) - len(out) - 1)
         want = ref[len(out) : len(out) + n]
         drafts = [t if rng.random() < acc else int((t + rng.integers(1, V)) % V) for t in want]
         t1 = time.perf_counter()
         res = verify(todo, drafts)
         rounds.append(time.perf_counter() - t1)
+        control.observe(n, res.accepted, rounds[-1])
         drafted, accepted = drafted + n, accepted + res.accepted
         if res.tokens != ref[len(out) : len(out) + len(res.tokens)]:
             diverged = len(out)
@@ -192,6 +201,7 @@ def replay_run(
         "accepted": accepted,
         "tokens_per_round": (len(out) - 1) / max(len(rounds), 1),
         "verify_ms": 1e3 * statistics.median(rounds) if rounds else 0.0,
+        "drafts_per_round": drafted / max(len(rounds), 1),
         "diverged_at": diverged,
     }
 
@@ -208,34 +218,37 @@ def bench_replay(args) -> list[dict]:
         qb.randomize_q4k(model, dtype)
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, config["vocab_size"], args.prompt_tokens).tolist()
-        modes = [(a, False) for a in args.acceptance]
-        modes += [(a, True) for a in args.acceptance] if args.eager else []
+        kinds = ["fixed", "adaptive"] + (["eager"] if args.eager else [])
+        modes = [(a, kind) for kind in kinds for a in args.acceptance]
         plain, spec = [], {m: [] for m in modes}
         # warm-up: the compiled traces (decode, verify of K + 1, rollback), kernels
         replay_run(model, prompt, [0] * (args.k + 3), args.k, 0.5, seed=99)
         warm = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
-        for a, eager in modes:
-            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, eager=eager)
+        for a, kind in modes:  # the adaptive runs compile the verify lengths they pick
+            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, kind=kind)
         for r in range(args.rounds):
             p = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
             plain.append(p)
-            for a, eager in modes:
-                spec[a, eager].append(
-                    replay_run(model, prompt, p["tokens"], args.k, a, seed=r, eager=eager)
+            for a, kind in modes:
+                spec[a, kind].append(
+                    replay_run(model, prompt, p["tokens"], args.k, a, seed=r, kind=kind)
                 )
         base = statistics.median(p["tps"] for p in plain)
         rows.append({"shape": name, "config": "plain compiled", "tps": base, "step_ms": 1e3 / base})
         print(row_text(rows[-1]), flush=True)
-        for (a, eager), runs in spec.items():
+        label = {"fixed": "replay", "adaptive": "adaptive", "eager": "eager replay"}
+        for (a, kind), runs in spec.items():
             drafted = max(sum(x["drafted"] for x in runs), 1)
+            K = f"K<={args.k}" if kind == "adaptive" else f"K={args.k}"
             row = {
                 "shape": name,
-                "config": f"{'eager ' if eager else ''}replay a={a} K={args.k}",
+                "config": f"{label[kind]} a={a} {K}",
                 "tps": statistics.median(x["tps"] for x in runs),
                 "speedup": statistics.median(x["tps"] for x in runs) / base,
                 "acceptance": sum(x["accepted"] for x in runs) / drafted,
                 "tokens_per_round": statistics.median(x["tokens_per_round"] for x in runs),
                 "verify_ms": statistics.median(x["verify_ms"] for x in runs),
+                "drafts_per_round": statistics.median(x["drafts_per_round"] for x in runs),
                 "diverged_at": [x["diverged_at"] for x in runs],
             }  # fmt: skip
             rows.append(row)
@@ -253,6 +266,8 @@ def row_text(r: dict) -> str:
         head += f"  acceptance {r['acceptance']:.2f}"
     if "verify_ms" in r:
         head += f"  verify {r['verify_ms']:.1f} ms, {r['tokens_per_round']:.2f} tok/round"
+    if "drafts_per_round" in r:
+        head += f", {r['drafts_per_round']:.2f} drafts/round"
     if r.get("identical") is False or any(d is not None for d in r.get("diverged_at", [])):
         head += "  (output differs from plain decoding)"
     return head

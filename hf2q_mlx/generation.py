@@ -300,6 +300,7 @@ def stream_generate(
     num_draft_tokens: int = 4,
     prompt_lookup: int | None = None,
     tree_width: int = 1,
+    adaptive_drafts: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per generated token.
 
@@ -315,7 +316,10 @@ def stream_generate(
     tokenizer) or ``prompt_lookup`` = n (n-gram drafts from the prompt and output) proposes up
     to ``num_draft_tokens`` tokens that the model verifies in one forward; greedy output is the
     same tokens, sampled output the same distribution. ``tree_width`` > 1 (greedy, with a draft
-    model) verifies a token tree with that many candidates per depth.
+    model) verifies a token tree with that many candidates per depth. ``adaptive_drafts``
+    (default): each round drafts the k <= ``num_draft_tokens`` with the most expected tokens per
+    second, from the acceptance so far and the measured verify times (k = 0: a plain step);
+    False: always ``num_draft_tokens`` (a token tree always is).
     Arguments are checked here, before the first token: SamplingOptionsError for a bad option,
     InvalidArgumentError for a bad prompt (token ids must lie in the model's vocabulary),
     ContextLengthError for a prompt longer than the model's context.
@@ -339,7 +343,9 @@ def stream_generate(
     stops = _normalize_stop(stop)
     speculative = draft_model is not None or prompt_lookup is not None
     if speculative:
-        spec.check_speculative_arguments(draft_model, num_draft_tokens, prompt_lookup, tree_width)
+        spec.check_speculative_arguments(
+            draft_model, num_draft_tokens, prompt_lookup, tree_width, adaptive_drafts
+        )
         if draft_model is not None:
             spec.check_draft_model(model, draft_model, tokenizer)
         if tree_width > 1 and temperature != 0:
@@ -388,7 +394,7 @@ def stream_generate(
         speculative=dict(
             draft_model=draft_model, prompt_lookup=prompt_lookup,
             num_draft_tokens=num_draft_tokens, tree_width=tree_width,
-            warp=spec.Warp(temperature, top_k, top_p, min_p),
+            adaptive_drafts=adaptive_drafts, warp=spec.Warp(temperature, top_k, top_p, min_p),
         ) if speculative else None,
     )  # fmt: skip
 

@@ -17,7 +17,9 @@ and re-feeds the accepted tokens at the front of the next round (``todo``). A to
 On the compiled step (``decode_step.DecodeStep``, what ``stream_generate`` uses when it made the
 caches itself), ``verify_step_rows`` verifies each row at its own position in one compiled call
 and rolls every cache kind back exactly (recurrent layers keep each token's state), so ``todo``
-is always the last emitted token and the verify has one shape: one trace.
+is always the last emitted token. Each round's draft count comes from ``draft_length.DraftLength``
+(the k with the most expected tokens per second; fixed K with ``adaptive_drafts=False``, which
+pads every verify to K + 1: one trace); each verify length L is its own trace, compiled once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.decode_step import DecodeStep, shared_step
+from hf2q_mlx.draft_length import DraftLength
 from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
 from hf2q_mlx.models.cache import TokenTree
 from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
@@ -68,9 +71,17 @@ class Warp:
 
 
 def check_speculative_arguments(
-    draft_model: Any, num_draft_tokens: Any, prompt_lookup: Any, tree_width: Any = 1
+    draft_model: Any,
+    num_draft_tokens: Any,
+    prompt_lookup: Any,
+    tree_width: Any = 1,
+    adaptive_drafts: Any = True,
 ) -> None:
     """SamplingOptionsError for a K or n-gram size out of range, or for both drafters at once."""
+    if not isinstance(adaptive_drafts, bool):
+        raise SamplingOptionsError(
+            f"adaptive_drafts must be True or False, got {adaptive_drafts!r}"
+        )
     if draft_model is not None and prompt_lookup is not None:
         raise SamplingOptionsError("give draft_model or prompt_lookup, not both")
     if not is_int(num_draft_tokens) or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -540,6 +551,7 @@ def speculative_tokens(
     prompt_lookup: int | None = None,
     num_draft_tokens: int = 4,
     tree_width: int = 1,
+    adaptive_drafts: bool = True,
     prefill_fn: Callable,
     prefill_step: int = 512,
     compiled: bool = False,
@@ -549,6 +561,8 @@ def speculative_tokens(
     The first token comes from the prompt's prefill as in plain decoding; then each round
     drafts up to ``num_draft_tokens`` tokens and verifies them in one target forward
     (``verify_rows``, or ``verify_tree`` when ``tree_width`` > 1 and the caches are KV caches).
+    ``adaptive_drafts``: each round drafts the k in 0..K that ``DraftLength`` expects to give
+    the most tokens per second (a token tree, ``tree_width`` > 1, keeps K); False: always K.
     ``compiled`` (the caller made ``cache`` and it has a static form): chain verifies run on
     the model's compiled step (``verify_step_rows``), which takes over ``cache`` after the prefill.
     """
@@ -576,6 +590,7 @@ def speculative_tokens(
             model, tokens, cache, logits, step, drafter, budget=budget, warp=warp,
             processors=processors, history_size=history_size, key=key,
             num_draft_tokens=num_draft_tokens, tree_width=tree_width,
+            control=DraftLength(num_draft_tokens, adaptive_drafts and tree_width == 1),
         )  # fmt: skip
     finally:
         if step is not None:
@@ -586,7 +601,7 @@ def speculative_tokens(
 
 def _rounds(
     model, tokens, cache, logits, step, drafter, *, budget, warp, processors, history_size, key,
-    num_draft_tokens, tree_width,
+    num_draft_tokens, tree_width, control,
 ) -> Iterator[tuple[int, float, int, int]]:  # fmt: skip
     tree = tree_width > 1 and not has_recurrent(cache)
 
@@ -621,7 +636,9 @@ def _rounds(
     if isinstance(drafter, DraftModel):
         drafter.todo = [t0]
     while emitted < budget:
-        k = min(num_draft_tokens, budget - emitted - 1)
+        # k depends on past rounds only (never this round's draws): sampling stays exact
+        k = min(control.choose(), budget - emitted - 1)
+        t_round = control.clock()
         sub = None
         if key is not None:
             key, sub, k_draft = mx.random.split(key, 3)
@@ -636,17 +653,18 @@ def _rounds(
             )
         if tree and alts is not None:
             res = verify_tree(model, cache, todo, drafts, alts, process_one if processors else None)
-        elif step is not None:  # todo is one token; drafts padded to K: one compiled trace
+        elif step is not None:  # todo is one token; fixed K pads drafts to K: one trace
             res = verify_step_rows(
                 step, [0], [todo], [drafts], warp=warp, key=sub, draft_probs=[q],
                 process=process if processors else None,
-                length=1 + num_draft_tokens if drafts.shape[0] else 1,
+                length=1 + num_draft_tokens if drafts.shape[0] and not control.adaptive else 1,
             )[0]  # fmt: skip
         else:
             res = verify_rows(
                 model, cache, [todo], [drafts], warp=warp, key=sub,
                 draft_probs=[q], process=process if processors else None,
             )[0]  # fmt: skip
+        control.observe(drafts.shape[0], res.accepted, control.clock() - t_round)
         drafted += drafts.shape[0]
         accepted += res.accepted
         if isinstance(drafter, DraftModel):

@@ -105,7 +105,8 @@ FAMILIES = [
 def tokens_of(model, **kwargs) -> tuple[list[int], object]:
     # random models repeat one token greedily; a repetition penalty keeps the output varied
     # (and runs the logits processors through the verify)
-    kwargs = {"repetition_penalty": PENALTY, **kwargs}
+    # fixed K (today's rounds, checked by their verify lengths); adaptive: test_draft_length.py
+    kwargs = {"repetition_penalty": PENALTY, "adaptive_drafts": False, **kwargs}
     rs = list(stream_generate(model, Tok(), PROMPT, max_tokens=N_TOKENS, ignore_eos=True, **kwargs))
     LAST_LOGPROBS[:] = [r.logprob for r in rs]
     return [r.token for r in rs], rs[-1]

@@ -51,8 +51,11 @@ def _common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]
     g.add_argument("--system", default=None, help="system prompt for the chat template")
     g = sampling.add_argument_group("speculative decoding (docs/speculative.md)")
     g.add_argument("--draft-model", metavar="PATH", help="draft model sharing the tokenizer")
-    g.add_argument("--num-draft", type=int, default=4, help="tokens drafted per verify (4)")
+    g.add_argument("--num-draft", type=int, default=4, help="most tokens drafted per verify (4)")
     g.add_argument("--prompt-lookup", type=int, metavar="N", help="draft from n-gram lookup")
+    g.add_argument(
+        "--fixed-draft", action="store_true", help="always draft --num-draft tokens (no adapting)"
+    )
     return model, sampling
 
 
@@ -152,7 +155,11 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     validate_sampling_options(**opts)
     extra = dict(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
     check_generation_arguments(**extra, kv_bits=args.kv_bits)
-    spec = dict(num_draft_tokens=args.num_draft, prompt_lookup=args.prompt_lookup)
+    spec = dict(
+        num_draft_tokens=args.num_draft,
+        prompt_lookup=args.prompt_lookup,
+        adaptive_drafts=not args.fixed_draft,
+    )
     if args.draft_model is not None or args.prompt_lookup is not None:
         from hf2q_mlx.speculative import check_speculative_arguments
 

@@ -1,0 +1,205 @@
+"""The cost-aware draft length (hf2q_mlx/draft_length.py): its choice on synthetic costs and
+acceptances, re-exploration, and greedy identity through stream_generate while fake verify
+costs make it change k (never wall time)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from hf2q_mlx import speculative as spec
+from hf2q_mlx.decode_step import DecodeStep
+from hf2q_mlx.draft_length import DraftLength, expected_tokens
+from hf2q_mlx.errors import SamplingOptionsError
+from hf2q_mlx.generation import stream_generate
+
+K = 4
+
+
+def simulate(control: DraftLength, p: float, cost, rounds: int, seed: int = 0) -> list[int]:
+    """Rounds of drafts each accepted with probability p; ``cost(L, round)`` seconds per round.
+    -> the k chosen each round."""
+    rng = np.random.default_rng(seed)
+    ks = []
+    for r in range(rounds):
+        k = control.choose()
+        ok = rng.random(k) < p
+        accepted = int(np.argmin(ok)) if not ok.all() else k
+        control.observe(k, accepted, cost(k + 1, r))
+        ks.append(k)
+    return ks
+
+
+def steady(ks: list[int]) -> int:
+    """The most frequent k of the last half (explorations aside)."""
+    tail = ks[len(ks) // 2 :]
+    return max(set(tail), key=tail.count)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    for p in (0.0, 0.3, 0.9):
+        for k in range(6):
+            assert expected_tokens(p, k) == pytest.approx(sum(p**i for i in range(k + 1)))
+    assert expected_tokens(1.0, 3) == 4
+
+
+@pytest.mark.parametrize(
+    "p, cost, want",
+    [
+        (0.5, lambda L, r: float(L), 0),  # a verify costs L plain steps: drafting never pays
+        (0.9, lambda L, r: 1.0 + 0.02 * (L - 1), K),  # nearly free verifies: draft all K
+        (0.9, lambda L, r: float(L), 0),  # L steps: even at 0.9, E(k) < k + 1
+        (0.1, lambda L, r: 1.0 + 0.2 * (L - 1), 0),  # 1.1 tokens for 1.2 steps: not worth it
+        (0.1, lambda L, r: 1.0 + 0.02 * (L - 1), 1),  # 1.1 tokens for 1.02 steps: one draft
+    ],
+)
+def test_choice_on_synthetic_costs(p, cost, want):
+    control = DraftLength(K)
+    ks = simulate(control, p, cost, 200)
+    assert ks[:2] == [K, K]  # optimistic start: full rounds first (the first sample dropped)
+    assert 0 in ks[2:4]  # then the plain step is measured
+    assert steady(ks) == want
+    assert control.p == pytest.approx(p, abs=0.2)
+
+
+def test_interior_optimum_is_found_by_exploration():
+    # p ~ 1 and t(L) = 1 + 0.1 (L - 1)^2: (k + 1) / t(k + 1) peaks at k = 2 (3 / 1.4), while
+    # the line between t(1) and t(5) alone would favour k = 4
+    control = DraftLength(K)
+    ks = simulate(control, 1.0, lambda L, r: 1.0 + 0.1 * (L - 1) ** 2, 300)
+    assert steady(ks) == 2
+
+
+def test_reexplores_when_costs_change():
+    # verifies expensive for 100 rounds (k = 0 chosen), then nearly free: exploring the
+    # runner-up every 16 rounds climbs back to K
+    control = DraftLength(K)
+    ks = simulate(control, 0.9, lambda L, r: float(L) if r < 100 else 1.0 + 0.02 * (L - 1), 400)
+    assert steady(ks[:100]) == 0
+    assert any(k > 0 for k in ks[50:100])  # explorations while k = 0 wins
+    assert steady(ks[300:]) == K
+    # and the other way: K while cheap, then 0 once the moving averages see the load
+    control = DraftLength(K)
+    ks = simulate(control, 0.9, lambda L, r: 1.0 + 0.02 * (L - 1) if r < 100 else float(L), 300)
+    assert steady(ks[:100]) == K and steady(ks[200:]) == 0
+
+
+def test_acceptance_follows_the_text():
+    control = DraftLength(K)
+    simulate(control, 0.95, lambda L, r: 1.0 + 0.02 * (L - 1), 100)
+    assert control.p > 0.85
+    simulate(control, 0.2, lambda L, r: 1.0 + 0.02 * (L - 1), 100, seed=1)
+    assert control.p < 0.4
+
+
+def test_fixed_never_adapts():
+    control = DraftLength(K, adaptive=False)
+    assert set(simulate(control, 0.1, lambda L, r: float(L), 50)) == {K}
+
+
+# ---- through stream_generate: fake verify costs, greedy identity ----------------------------
+
+N = 48
+
+
+@pytest.fixture
+def fake_costs(monkeypatch):
+    """The target's compiled verify of L tokens advances a fake clock by ``costs[0](L, n)`` (n:
+    the verify's index); returns (costs, lengths): set ``costs[0]``, read the L of each call."""
+    now, lengths, costs = [0.0], [], [lambda L, n: 1.0]
+    verify = DecodeStep.verify
+
+    def timed_verify(self, tokens, *args, **kwargs):
+        if self.model is TARGET[0]:
+            L = tokens.shape[1]
+            now[0] += costs[0](L, len(lengths))
+            lengths.append(L)
+        return verify(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStep, "verify", timed_verify)
+    monkeypatch.setattr(DraftLength, "clock", staticmethod(lambda: now[0]))
+    # explore often (a short run sees several k), rarely enough that k = 0 runs for 7 rounds
+    monkeypatch.setattr(spec, "DraftLength", functools.partial(DraftLength, explore_every=8))
+    return costs, lengths
+
+
+TARGET: list = [None]
+
+
+def run(m, prompt, **kwargs):
+    import test_speculative as ts
+
+    kwargs = {"repetition_penalty": ts.PENALTY, **kwargs}
+    rs = list(stream_generate(m, ts.Tok(), prompt, max_tokens=N, ignore_eos=True, **kwargs))
+    return [r.token for r in rs], rs[-1]
+
+
+def shifting(L: int, n: int) -> float:
+    """Cheap verifies, then a verify costs L^2 steps (k = 0 even at p = 1), then cheap again."""
+    return float(L * L) if 4 <= n < 20 else 1.0 + 0.05 * (L - 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5-dense"])
+def test_greedy_identical_while_the_draft_length_changes(name, fake_costs):
+    import test_speculative as ts
+
+    costs, lengths = fake_costs
+    m = TARGET[0] = ts.target(name)
+    prompts = [ts.PROMPT, [3, 8, 3, 8, 21, 3, 8, 50, 7]]
+    for prompt in prompts:
+        want, _ = run(m, prompt)
+        for kwargs in (
+            dict(draft_model=m),  # every draft accepted
+            # the same weights as another model: its own compiled step (not Qwen 3.5), which
+            # catches up in one call on the tokens of the rounds that drafted nothing
+            dict(draft_model=ts.noisy_draft(name, 0.0)),
+            dict(draft_model=ts.noisy_draft(name)),  # some rejected
+            dict(prompt_lookup=2),
+        ):
+            costs[0] = shifting
+            lengths.clear()
+            got, last = run(m, prompt, num_draft_tokens=K, **kwargs)
+            assert got == want, kwargs
+            # several draft lengths, each verify exactly its drafts (no padding to K + 1)
+            assert len(set(lengths)) >= 3 and 1 in lengths, (kwargs, lengths)
+            assert last.drafted_tokens == sum(L - 1 for L in lengths)
+            if any(kwargs.get("draft_model") is d for d in (m, ts.noisy_draft(name, 0.0))):
+                assert last.accepted_tokens == last.drafted_tokens > 0, kwargs
+
+
+def test_fixed_option_keeps_k(fake_costs):
+    import test_speculative as ts
+
+    costs, lengths = fake_costs
+    m = TARGET[0] = ts.target("llama")
+    want, _ = run(m, ts.PROMPT)
+    costs[0] = lambda L, n: float(L)  # drafting never pays: adaptive would stop drafting
+    got, last = run(m, ts.PROMPT, draft_model=m, num_draft_tokens=K, adaptive_drafts=False)
+    assert got == want
+    assert set(lengths) <= {1, K + 1} and K + 1 in lengths
+    full = lengths.count(K + 1)  # the last round may draft fewer (the budget), still padded
+    assert K * (full - 1) < last.drafted_tokens <= K * full
+    lengths.clear()
+    got, last = run(m, ts.PROMPT, draft_model=m, num_draft_tokens=K)
+    assert got == want
+    assert lengths.count(1) > len(lengths) // 2  # adaptive: mostly plain steps
+
+
+def test_adaptive_option_is_checked():
+    import test_speculative as ts
+
+    m = ts.target("llama")
+    with pytest.raises(SamplingOptionsError, match="adaptive_drafts"):
+        run(m, ts.PROMPT, prompt_lookup=2, adaptive_drafts="yes")
+
+
+def test_cli_fixed_draft_flag():
+    from hf2q_mlx.cli import commands as cli
+
+    argv = ["generate", "hi", "--model", "m.gguf", "--prompt-lookup", "2"]
+    opts = cli._generation_options(cli.build_parser().parse_args(argv))
+    assert opts["adaptive_drafts"] is True
+    opts = cli._generation_options(cli.build_parser().parse_args([*argv, "--fixed-draft"]))
+    assert opts["adaptive_drafts"] is False
