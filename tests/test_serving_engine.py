@@ -4,7 +4,9 @@ strings, option checks (fast, CPU)."""
 from __future__ import annotations
 
 import math
+import platform
 import threading
+import time
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -15,6 +17,7 @@ from conftest import requires_gpu
 
 from hf2q_mlx.decode_step import RowSlots
 from hf2q_mlx.errors import SamplingOptionsError
+from hf2q_mlx.serving import engine as engine_module
 from hf2q_mlx.serving.batch_generator import sampling_params
 from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
 from hf2q_mlx.serving.engine import Engine
@@ -318,3 +321,31 @@ def test_overlapped_steps_drop_an_ended_row_one_step_late_without_emitting():
     # row 0: a fed 3, 4, 5, 6 (the step after EOS ran, its token 7 was dropped), then c's
     # prompt end 30 and 31; row 1: b's three steps, never a fourth
     assert fed == {0: [3, 4, 5, 6, 30, 31], 1: [10, 11, 12]}
+
+
+def test_an_engine_falling_idle_releases_memory(monkeypatch):
+    """After its last request the engine hands freed memory back (MLX's buffer cache and, on
+    glibc, the C heap's free pages: a server's RSS returns toward its baseline after load)."""
+    calls = []
+    monkeypatch.setattr(engine_module, "release_memory", lambda: calls.append(1))
+    engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_queue=4, max_len=64,
+                    prefix_cache_bytes=0, step=_CountStep(2, 50))  # fmt: skip
+    done = threading.Semaphore(0)
+
+    def sink(e) -> None:
+        if e.finish_reason is not None:
+            done.release()
+
+    engine.submit([1, 2], SamplingParams(max_tokens=2), sink)
+    engine.start()
+    try:
+        assert done.acquire(timeout=30)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        engine.shutdown()
+    assert calls, "the engine never released memory after its work"
+    if platform.libc_ver()[0] == "glibc":
+        assert engine_module._TRIM is not None  # malloc_trim found
+    engine_module.release_memory()  # the real one runs
