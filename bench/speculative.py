@@ -34,7 +34,7 @@ import numpy as np
 from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.draft_length import DraftLength
 from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
-from hf2q_mlx.speculative import verify_rows, verify_step_rows
+from hf2q_mlx.speculative import PLAIN_RUN, Warp, plain_run, verify_rows, verify_step_rows
 
 CODE_PROMPTS = [
     "def is_prime(n: int) -> bool:\n    ",
@@ -155,8 +155,9 @@ def replay_run(
 ) -> dict:
     """Decode ``len(ref)`` tokens with drafts copied from ``ref`` (the target's greedy output),
     each wrong with probability 1 - acc, verified on the compiled step (``kind`` "fixed": K
-    drafts a round; "adaptive": ``DraftLength`` picks k <= K, the verify takes k + 1 tokens;
-    "eager": K drafts through per-sequence caches). Stops where the target leaves ``ref``."""
+    drafts a round; "adaptive": ``DraftLength`` picks k <= K, the verify takes k + 1 tokens, and
+    k = 0 decodes PLAIN_RUN plain tokens, pipelined, as ``stream_generate`` does; "eager": K
+    drafts through per-sequence caches). Stops where the target leaves ``ref``."""
     eager, adaptive = kind == "eager", kind == "adaptive"
     control = DraftLength(k, adaptive)
     rng = np.random.default_rng(seed)
@@ -178,10 +179,21 @@ def replay_run(
 
     out = [int(mx.argmax(logits, axis=-1).item())]
     todo, drafted, accepted, diverged = [out[0]], 0, 0, None
-    rounds = []
+    rounds, runs = [], 0  # verify times; plain runs (adaptive k = 0)
     t0 = time.perf_counter()
     while len(out) < len(ref):
         n = min(control.choose(), len(ref) - len(out) - 1)
+        if adaptive and n == 0:  # no drafts: a run of pipelined plain decoding (as _rounds)
+            m = min(PLAIN_RUN, len(ref) - len(out))
+            t1 = time.perf_counter()
+            got = [tok for tok, _ in plain_run(step, todo[0], m, Warp(), None, None)]
+            control.observe(0, 0, (time.perf_counter() - t1) / m)
+            if got != ref[len(out) : len(out) + m]:
+                diverged = len(out)
+                break
+            out += got
+            todo, runs = [got[-1]], runs + 1
+            continue
         want = ref[len(out) : len(out) + n]
         drafts = [t if rng.random() < acc else int((t + rng.integers(1, V)) % V) for t in want]
         t1 = time.perf_counter()
@@ -199,9 +211,10 @@ def replay_run(
         "tps": (len(out) - 1) / elapsed,
         "drafted": drafted,
         "accepted": accepted,
-        "tokens_per_round": (len(out) - 1) / max(len(rounds), 1),
+        "tokens_per_round": (len(out) - 1) / max(len(rounds) + runs, 1),
+        "plain_runs": runs,
         "verify_ms": 1e3 * statistics.median(rounds) if rounds else 0.0,
-        "drafts_per_round": drafted / max(len(rounds), 1),
+        "drafts_per_round": drafted / max(len(rounds) + runs, 1),
         "diverged_at": diverged,
     }
 

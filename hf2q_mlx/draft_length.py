@@ -92,7 +92,10 @@ class DraftLength:
     def rates(self) -> list[float]:
         """Expected tokens per second of k = 0..K drafts (needs one measured length)."""
         p = self.p
-        return [expected_tokens(p, k) / self.seconds(k + 1) for k in range(self.max_drafts + 1)]
+        return [
+            expected_tokens(p, k) / max(self.seconds(k + 1), 1e-9)  # a coarse clock may read 0
+            for k in range(self.max_drafts + 1)
+        ]
 
     def choose(self) -> int:
         """This round's number of drafts, from the rounds so far only."""

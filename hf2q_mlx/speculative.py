@@ -599,6 +599,42 @@ def speculative_tokens(
             drafter.close()
 
 
+PLAIN_RUN = 8  # tokens of pipelined plain decoding when the draft-length controller picks k = 0
+
+
+def plain_run(
+    step: DecodeStep, last: int, n: int, warp: Warp, key: mx.array | None, process: Any
+) -> Iterator[tuple[int, float]]:
+    """Yield (token, logprob) for ``n`` tokens after ``last`` (row 0 of ``step`` holds every
+    token before it) by plain decoding: token i + 1's step is launched before token i is read.
+    Each token is drawn from the target as a k = 0 verify draws it (greedy: the argmax of the
+    log-probabilities; sampled: from ``warp``'s probabilities); ``process(logits, pending)``
+    applies logits processors with the tokens not yet read back (``pending``) after the host's."""
+    keys = list(mx.random.split(key, n)) if key is not None else [None] * n
+
+    def next_token(y: mx.array, i: int) -> tuple[mx.array, mx.array]:
+        lg = step.decode(y).astype(mx.float32)  # (1, V)
+        if process is not None:  # the first y is the host's last token, the others pending
+            lg = process(lg, y if i > 0 else y[:0])
+        logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        if warp.greedy:
+            tok = sampling_kernels.argmax(logprobs)
+        else:
+            tok = mx.random.categorical(mx.log(warp.probs(lg)), axis=-1, key=keys[i])
+        tok = tok.astype(mx.int32).reshape(1)
+        return tok, mx.take_along_axis(logprobs, tok[:, None], axis=-1)[0, 0]
+
+    y, lp = next_token(mx.array([last], dtype=mx.int32), 0)
+    mx.async_eval(y, lp)
+    for i in range(n):
+        if i + 1 < n:  # build and launch the next step before reading this token back
+            nxt = next_token(y, i + 1)
+            mx.async_eval(*nxt)
+        yield int(y.item()), float(lp.item())
+        if i + 1 < n:
+            y, lp = nxt
+
+
 def _rounds(
     model, tokens, cache, logits, step, drafter, *, budget, warp, processors, history_size, key,
     num_draft_tokens, tree_width, control,
@@ -639,6 +675,26 @@ def _rounds(
         # k depends on past rounds only (never this round's draws): sampling stays exact
         k = min(control.choose(), budget - emitted - 1)
         t_round = control.clock()
+        if k == 0 and step is not None and control.adaptive and not tree:
+            # no drafts: a run of plain decoding, pipelined as plain decoding is (a one-token
+            # verify reads its token back before the next step is built, so it costs more)
+            n = min(PLAIN_RUN, budget - emitted)
+            run_key = None
+            if key is not None:
+                key, run_key = mx.random.split(key)
+            run = plain_run(step, todo[0], n, warp, run_key, process_one if processors else None)
+            for i, (tok, lp) in enumerate(run):
+                tokens.append(tok)
+                emitted += 1
+                yield tok, lp, drafted, accepted
+                if i == 0:
+                    t_first = control.clock()  # the run's first token waited for no pipeline
+            seconds = (control.clock() - t_first) / (n - 1) if n > 1 else control.clock() - t_round
+            control.observe(0, 0, seconds)
+            if isinstance(drafter, DraftModel):
+                drafter.commit(tokens[-n:], [])
+            todo = [tokens[-1]]
+            continue
         sub = None
         if key is not None:
             key, sub, k_draft = mx.random.split(key, 3)

@@ -106,8 +106,9 @@ N = 48
 
 @pytest.fixture
 def fake_costs(monkeypatch):
-    """The target's compiled verify of L tokens advances a fake clock by ``costs[0](L, n)`` (n:
-    the verify's index); returns (costs, lengths): set ``costs[0]``, read the L of each call."""
+    """The target's compiled verify of L tokens (and each plain decode, L = 1) advances a fake
+    clock by ``costs[0](L, n)`` (n: the call's index); returns (costs, lengths): set
+    ``costs[0]``, read the L of each call."""
     now, lengths, costs = [0.0], [], [lambda L, n: 1.0]
     verify = DecodeStep.verify
 
@@ -118,10 +119,21 @@ def fake_costs(monkeypatch):
             lengths.append(L)
         return verify(self, tokens, *args, **kwargs)
 
+    decode = DecodeStep.decode
+
+    def timed_decode(self, tokens, *args, **kwargs):  # a k = 0 round's plain decoding
+        if self.model is TARGET[0]:
+            now[0] += costs[0](1, len(lengths))
+            lengths.append(1)
+        return decode(self, tokens, *args, **kwargs)
+
     monkeypatch.setattr(DecodeStep, "verify", timed_verify)
+    monkeypatch.setattr(DecodeStep, "decode", timed_decode)
     monkeypatch.setattr(DraftLength, "clock", staticmethod(lambda: now[0]))
-    # explore often (a short run sees several k), rarely enough that k = 0 runs for 7 rounds
+    # explore often (a short run sees several k), rarely enough that k = 0 runs for 7 rounds;
+    # a k = 0 round decodes 2 tokens (not PLAIN_RUN): as many rounds in a short run as before
     monkeypatch.setattr(spec, "DraftLength", functools.partial(DraftLength, explore_every=8))
+    monkeypatch.setattr(spec, "PLAIN_RUN", 2)
     return costs, lengths
 
 
@@ -203,3 +215,23 @@ def test_cli_fixed_draft_flag():
     assert opts["adaptive_drafts"] is True
     opts = cli._generation_options(cli.build_parser().parse_args([*argv, "--fixed-draft"]))
     assert opts["adaptive_drafts"] is False
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5-dense"])
+def test_rounds_without_drafts_decode_runs_of_plain_tokens(name, fake_costs, monkeypatch):
+    """When drafting never pays (a verify of L tokens costs L steps), k = 0 rounds decode
+    PLAIN_RUN tokens each, pipelined, with the same greedy tokens (logits processors on: the
+    tokens not yet read back count in their history) and the draft caught up afterwards."""
+    import test_speculative as ts
+
+    monkeypatch.setattr(spec, "PLAIN_RUN", 8)
+    costs, lengths = fake_costs
+    m = TARGET[0] = ts.target(name)
+    want, _ = run(m, ts.PROMPT)
+    costs[0] = lambda L, n: float(L)
+    for kwargs in (dict(draft_model=ts.noisy_draft(name)), dict(prompt_lookup=2)):
+        lengths.clear()
+        got, last = run(m, ts.PROMPT, num_draft_tokens=K, **kwargs)
+        assert got == want, kwargs
+        assert lengths.count(1) >= N // 2, lengths  # most tokens from plain runs
+        assert last.drafted_tokens == sum(L - 1 for L in lengths)
