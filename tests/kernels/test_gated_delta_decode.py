@@ -425,6 +425,32 @@ def test_decode_step_takes_one_launch_per_delta_net_layer(fused, L, monkeypatch)
 GPU_SHAPES = SHAPES + [(32, 16, 32, 128, 128), (5, 4, 4, 96, 33), (2, 2, 4, 256, 64)]
 
 
+def cpu_references(inp: dict, **kw) -> tuple:
+    """The reference on the CPU in the inputs' dtype, and in fp32 (the oracle of the GPU tests)."""
+    with mx.stream(mx.cpu), reference_only():
+        ref = gdd.gated_delta_decode(**inp, **kw)
+        f32 = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
+               for k, v in inp.items()}  # fmt: skip
+        exact = gdd.gated_delta_decode(**f32, **kw)
+        mx.eval(ref, exact)
+    return ref, exact
+
+
+def assert_near_exact(got, ref, exact, checks, dtype, rows=slice(None)) -> None:
+    """Outputs ``checks`` ((index, name), ...) of a GPU call against the fp32 reference, over
+    ``rows`` (a row mask: active rows only)."""
+    for i, what in checks:
+        e = np.array(exact[i])[rows]
+        k_err = np.abs(np.array(got[i].astype(mx.float32))[rows] - e).max()
+        if dtype == mx.float32:
+            # same math, other reduction orders (~1e-6); the per-head norm scales a small head's
+            # error up to the largest output's: 1e-4
+            assert k_err <= 1e-4 * np.abs(e).max(), f"{what}: {k_err}"
+        else:  # within 2x the bf16 reference's own error against fp32
+            r_err = np.abs(np.array(ref[i].astype(mx.float32))[rows] - e).max()
+            assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
+
+
 @requires_gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
@@ -436,23 +462,9 @@ def test_gpu_kernel_matches_reference(shape, tiled, dtype):
         assert gdd._covered(dtype, hk, dk, hv, dv, 4), "the kernel would not run"
         got = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=float("nan"))  # poisoned
         mx.eval(got)
-    with mx.stream(mx.cpu), reference_only():
-        ref = gdd.gated_delta_decode(**inp, tiled=tiled)
-        f32 = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
-               for k, v in inp.items()}  # fmt: skip
-        exact = gdd.gated_delta_decode(**f32, tiled=tiled)
-        mx.eval(ref, exact)
+    ref, exact = cpu_references(inp, tiled=tiled)
     exact_states(got, inp, np.array(ref[1].astype(mx.float32)))
-    for i, what in ((0, "out"), (2, "state")):
-        e = np.array(exact[i])
-        k_err = np.abs(np.array(got[i].astype(mx.float32)) - e).max()
-        if dtype == mx.float32:
-            # same math, other reduction orders (~1e-6); the per-head norm scales a small head's
-            # error up to the largest output's: 1e-4
-            assert k_err <= 1e-4 * np.abs(e).max(), f"{what}: {k_err}"
-        else:  # within 2x the bf16 reference's own error against fp32
-            r_err = np.abs(np.array(ref[i].astype(mx.float32)) - e).max()
-            assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
+    assert_near_exact(got, ref, exact, ((0, "out"), (2, "state")), dtype)
 
 
 @requires_gpu
@@ -491,24 +503,13 @@ def test_gpu_kernel_tokens_match_reference(shape, L, dtype):
         assert gdd._covered(dtype, hk, dk, hv, dv, 4, L), "the kernel would not run"
         got = gdd.gated_delta_decode(**fused, init_value=float("nan"), history=True)
         mx.eval(got)
-    with mx.stream(mx.cpu), reference_only():
-        ref = gdd.gated_delta_decode(**inp, history=True)
-        f32 = {k: v.astype(mx.float32) if isinstance(v, mx.array) and k != "active" else v
-               for k, v in inp.items()}  # fmt: skip
-        exact = gdd.gated_delta_decode(**f32, history=True)
-        mx.eval(ref, exact)
+    ref, exact = cpu_references(inp, history=True)
     for i in (1, 3):  # conv state, conv history: data movement
         g, r = (np.array(x[i].astype(mx.float32)) for x in (got, ref))
         np.testing.assert_array_equal(g, r)
     on = np.array(inp["active"]) if "active" in inp else np.ones(shape[0], bool)
-    for i, what in ((0, "out"), (2, "state"), (4, "state history")):
-        e = np.array(exact[i])[on]
-        k_err = np.abs(np.array(got[i].astype(mx.float32))[on] - e).max()
-        if dtype == mx.float32:  # as the one-token test: 1e-4 of the largest output
-            assert k_err <= 1e-4 * np.abs(e).max(), f"{what}: {k_err}"
-        else:  # within 2x the bf16 reference's own error against fp32
-            r_err = np.abs(np.array(ref[i].astype(mx.float32))[on] - e).max()
-            assert k_err <= 2 * r_err + 1e-6 * np.abs(e).max(), f"{what}: {k_err} vs {r_err}"
+    checks = ((0, "out"), (2, "state"), (4, "state history"))
+    assert_near_exact(got, ref, exact, checks, dtype, rows=on)
 
 
 VIEWS = {"Reshape", "Broadcast", "Squeeze", "ExpandDims"}  # primitives that launch nothing here
