@@ -296,7 +296,6 @@ def _warps(dv: int, L: int) -> int:
 def _example(
     dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int, layout: tuple, nt: int = 1
 ) -> Example:
-    nw = _warps(dv, nt)
     return Example(
         inputs={
             "qkv": dtype, "z": dtype, "a": dtype, "b": dtype, "conv_state": dtype,
@@ -308,17 +307,19 @@ def _example(
             "out": dtype, "state_out": mx.float32, "conv_out": dtype,
             "state_hist": mx.float32, "conv_hist": dtype,
         },
-        template={
-            "Dk": dk, "Dv": dv, "Hk": 16, "Hv": 32, "KC": 4, "NW": nw, "R": -(-dv // nw),
-            "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": nt, "HIST": nt > 1,
-            **_layout_template(layout),
-        },
+        template=_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout),
     )  # fmt: skip
 
 
-def _layout_template(layout: tuple) -> dict:
-    """QS, QO, ZS, ZO, AS, AO, BS, BO: values per token and first channel of qkv, z, a, b."""
-    return dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout))
+def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -> dict:
+    """The kernel's template constants for one call shape; ``layout``: QS, QO, ZS, ZO, AS, AO,
+    BS, BO, the values per token and first channel of qkv, z, a, b."""
+    nw = _warps(dv, L)
+    return {
+        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
+        "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
+        **dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout)),
+    }  # fmt: skip
 
 
 _kernel = Kernel(
@@ -363,11 +364,7 @@ def _plan(
         threadgroup=(SIMD_WIDTH * nw,),
         output_shapes=[(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes],
         output_dtypes=[dtype, mx.float32, dtype, mx.float32, dtype],
-        template={
-            "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
-            "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
-            **_layout_template(layout),
-        },
+        template=_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
         init_value=init_value,
         backend=be,
     )  # fmt: skip
