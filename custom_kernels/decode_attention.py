@@ -266,16 +266,20 @@ def heads_merged(out: mx.array) -> mx.array:
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, Hq, L, Dv) -> (B, L, Hq * Dv)
 
 
-# Threadgroups to aim at: about two per streaming multiprocessor of a large GPU; a batch with
-# fewer (row, head, token) rows splits each row's span into parts (one more launch to merge).
+# Threadgroups to aim at: about two per streaming multiprocessor of a large GPU; a model with
+# fewer query heads splits each row's span into parts (one more launch to merge).
 TARGET_GROUPS = 256
 
 
-def split(rows: int, span: int, head_dim: int = 128) -> tuple[int, int]:
-    """-> (parts, SIMD groups per part) for ``rows`` query rows over ``span`` slots. Wide heads
-    take fewer groups: each lane holds 3 head_dim / 32 floats, and a threadgroup of 32 groups
-    (1024 threads) leaves 64 registers per thread, past which the launch fails."""
-    parts = max(1, min(32, TARGET_GROUPS // max(rows, 1), span // 16))
+def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
+    """-> (parts, SIMD groups per part) for one token of a row with ``heads`` query heads over
+    ``span`` slots. The split (which fixes each output's order of additions) depends on the
+    model's shape only, never on the batch or the tokens per row: a query gets the same bits
+    alone, in a batch or in a speculative verify (row parity; greedy tokens cannot flip on a
+    near tie). Wide heads take fewer groups: each lane holds 3 head_dim / 32 floats, and a
+    threadgroup of 32 groups (1024 threads) leaves 64 registers per thread, past which the
+    launch fails."""
+    parts = max(1, min(32, TARGET_GROUPS // max(heads, 1), span // 16))
     chunk = -(-span // parts)
     most = 32 if head_dim <= 128 else 16 if head_dim <= 256 else 8
     # two slots per SIMD group or more: each slot is a dependent round trip to memory, so the
@@ -295,7 +299,7 @@ def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig, flat
         return None
     rows = B * Hq * L
     out_shape = (B, 1, Hq * Dv) if flat else (B, Hq, L, Dv)
-    parts, warps = split(rows, span, max(D, Dv))
+    parts, warps = split(Hq, span, max(D, Dv))  # never B or L: row parity
     one = parts == 1
     launch = kernel.launcher(
         list(sig) + [mx.float32, mx.int32],

@@ -146,8 +146,8 @@ _BODY = """
   // state in registers. SIMD group w owns the value rows dv = w + NW * r (r < R); lane owns key
   // channels lane + 32 i (i < NK, Dk = 32 NK), so a state row is one coalesced sweep and each
   // reduction over Dk is one simd_sum. Every SIMD group redoes the conv, l2 norms and gates of
-  // its key head (a few dozen FMAs, no barrier); one barrier per token sums y^2 over the head for
-  // the gated RMSNorm (``part`` double-buffered, so a token's writes never meet the previous
+  // its key head (a few dozen FMAs, no barrier); one barrier per token shares y^2 over the head
+  // for the gated RMSNorm (``part`` double-buffered, so a token's writes never meet the previous
   // token's reads). All threads then copy the new conv state (and, with HIST, the per-token ones).
   constexpr int NK = Dk / SIMD_SIZE;
   constexpr int KD = Hk * Dk;
@@ -158,7 +158,8 @@ _BODY = """
   const uint hk = TILED ? h % Hk : h / (Hv / Hk);
   const bool act = MASKED ? bool(active[bi]) : true;
   const uint crow = bi * (KC - 1) * C;    // this row's conv state
-  SHARED float part[2 * NW];
+  constexpr int DVP = (Dv + SIMD_SIZE - 1) / SIMD_SIZE * SIMD_SIZE;
+  SHARED float part[2 * DVP];
   // the conv's input p of this row: the K-1 conv state slots, then the call's tokens
 #define GDD_SEQ(p, c) ((p) < KC - 1 ? to_float(conv_state[crow + (p) * C + (c)]) \
                                     : to_float(qkv[(bi * NT + (p) - (KC - 1)) * QS + QO + (c)]))
@@ -221,7 +222,6 @@ _BODY = """
 
     // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
     float ys[R];
-    float ss = 0.0f;
     UNROLL for (int r = 0; r < R; ++r) {
       float mem = 0.0f;
       UNROLL for (int i = 0; i < NK; ++i) mem += s[r * NK + i] * kv[i];
@@ -233,15 +233,19 @@ _BODY = """
         if (act) s[r * NK + i] = sn;
       }
       ys[r] = simd_sum(o) * qs;
-      if (simd_id + NW * r < uint(Dv)) ss += ys[r] * ys[r];
     }
 
     // gated RMSNorm over the head's Dv outputs: out = y rsqrt(mean(y^2) + eps) w silu(z)
-    SHARED_PTR(float) pt = part + (t & 1) * NW;
-    if (lane == 0) pt[simd_id] = ss;
+    // The sum of y^2 runs in an order fixed by Dv alone, never by NW (an L-token launch has
+    // fewer SIMD groups than a one-token launch and must give the same bits: row parity).
+    SHARED_PTR(float) pt = part + (t & 1) * DVP;
+    UNROLL for (int r = 0; r < R; ++r) {
+      if (lane == 0 && simd_id + NW * r < uint(Dv)) pt[simd_id + NW * r] = ys[r] * ys[r];
+    }
     BARRIER();
-    float tot = 0.0f;
-    UNROLL for (int w = 0; w < NW; ++w) tot += pt[w];
+    float sq = 0.0f;
+    for (int i = int(lane); i < Dv; i += SIMD_SIZE) sq += pt[i];
+    const float tot = simd_sum(sq);
     const float rstd = rsqrt_f(tot / float(Dv) + eps[0]);
     UNROLL for (int r = 0; r < R; ++r) {
       const uint dv = simd_id + NW * r;

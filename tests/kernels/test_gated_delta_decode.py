@@ -567,3 +567,36 @@ def test_gpu_block_decode_is_one_launch(B, fused, L):
     prims = [p for p in re.findall(r'label ="([^"]+)"', buf.getvalue()) if p not in VIEWS]
     print(f"B={B}: {len(prims)} launching primitive(s): {prims}")
     assert len(prims) == 1, prims
+
+
+@pytest.mark.parametrize("L", [2, 5])
+@pytest.mark.parametrize(
+    "shape", [SHAPES[2], (2, 1, 2, 64, 20)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_kernel_tokens_are_single_token_launches_emulated(shape, L, dtype, monkeypatch):
+    """Row parity of a verify: one L-token launch (fewer SIMD groups) gives the bits of L
+    one-token launches, states threaded through (the gated RMSNorm's sum of squares runs in an
+    order fixed by Dv, not by the SIMD group count). Paused rows' out is meaningless."""
+    emu = kernel_emulator.Emulated(gdd._kernel)
+    monkeypatch.setattr(gdd, "_kernel", emu)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    assert gdd._warps(shape[-1], L) != gdd._warps(shape[-1], 1)  # the case this guards
+    tiled = L == 2
+    seed = 29 * sum(shape) + L
+    inp = make_inputs(*shape, seed=seed, masked=True, module_conv=True, L=L, dtype=dtype)
+    got = gdd.gated_delta_decode(**inp, tiled=tiled)
+    cur, outs = dict(inp), []
+    for t in range(L):
+        one = {n: inp[n][:, t : t + 1] for n in ("qkv", "z", "a", "b")}
+        out, cur["conv_state"], cur["state"] = gdd.gated_delta_decode(
+            **dict(cur, **one), tiled=tiled
+        )
+        outs.append(out)
+    want = (mx.concatenate(outs, 1), cur["conv_state"], cur["state"])
+    on = np.array(inp["active"])
+    for i, (g, w, what) in enumerate(zip(got, want, HIST)):
+        g, w = (np.array(a.astype(mx.float32)) for a in (g, w))
+        if i == 0:
+            g, w = g[on], w[on]
+        np.testing.assert_array_equal(g, w, err_msg=what)
