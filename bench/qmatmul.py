@@ -2,6 +2,7 @@
 
     python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--rows M] [--sweep]
         [--profile] [--budget SECONDS]
+    python3 bench/qmatmul.py OUT.json --mma [--types Q4_K] [--shapes 4096x2816] [--profile]
 
 --sweep times every SWEEP configuration (variant V: 0 fp32 math, 1 packed fp16, fp16 x only,
 2 packed fp16 on bf16 x; R rows per threadgroup, U steps per run, W SIMD groups) after the
@@ -17,6 +18,12 @@ varies R only (ROWS_SWEEP, at most qmatmul.MAX_ACC // MT): V, U and W stay the M
 which a row's output bits depend on (row parity), and each (type, shape) also times its M = 1
 default ("m1", the baseline the M-row call is held against); the suggested lines are for
 qmatmul_tuning.MT_ROWS.
+
+--mma times the tensor-core kernel (custom_kernels/qmatmul_mma.py) against the scalar one (the
+launch_config default) on bf16 x, in one process and interleaved (ROUNDS alternations, medians
+kept), at M = 1, 2, 5, 8, 16 for Q4_K, Q6_K, Q5_0, Q8_0 (or --types) on MMA_SHAPES, printing
+mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: about 1).
+--mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel.
 
 Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
 262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
@@ -42,6 +49,7 @@ import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (262144, 2816)]
@@ -55,6 +63,11 @@ SWEEP = [  # (V, R, U, W) configurations tried with --sweep (MT = 1); V = 1 need
     (2, 2, 4, 8), (2, 8, 1, 8), (0, 4, 2, 4), (0, 2, 4, 8), (0, 2, 1, 8), (0, 4, 1, 4),
 ]  # fmt: skip
 ROWS_SWEEP = (1, 2, 4, 8, 16)  # R tried with --sweep at --rows M > 1 (V, U, W: the M = 1 default)
+# --mma: the models' projection shapes (Gemma-like 2816 / 2112 features) and an lm_head
+MMA_SHAPES = [(4096, 2816), (2816, 4096), (2112, 2816), (2816, 2112), (262144, 2816)]
+MMA_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
+MMA_ROWS = (1, 2, 5, 8, 16)
+ROUNDS = 3  # scalar / mma alternations per (type, shape, M)
 
 
 class Profiler:
@@ -172,6 +185,96 @@ def bench_ggml(tname, n, k, dtype, cfgs, args, t_start) -> list[dict]:
     return rows
 
 
+def bench_mma(tname, n, k, args) -> list[dict]:
+    """The mma kernel against the scalar one on the same weights and bf16 x, interleaved."""
+    t = T[tname]
+    w0 = random_ggml_blocks(n, k, t, seed=1)
+    ws = [w0] + [random_ggml_blocks(n, k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)]
+    xs = {m: mx.random.normal((m, k)).astype(mx.bfloat16) for m in MMA_ROWS}
+    mx.eval(ws, xs)
+    batch = max(args.batch, len(ws))
+    reps = max(1, args.reps // ROUNDS)
+    rows = []
+    for m in MMA_ROWS:
+        x = xs[m]
+        c = Q.launch_config(t, m, n, k, mx.bfloat16)
+        kinds = {
+            "scalar": ([lambda w=w, x=x, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c)
+                        for w in ws],
+                       Q.kernel_name(t, c["V"])),
+            "mma": ([lambda w=w, x=x: MM.mma_matmul_kernel(x, w, t, k) for w in ws],
+                    MM.kernel_name(t)),
+        }  # fmt: skip
+        for u, wm in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
+            mc = dict(MM.launch_config(t, m, n, k), U=u)
+            mc["W"] = max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u)))
+            kinds[f"mma_U{u}_W{mc['W']}"] = (
+                [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
+                MM.kernel_name(t),
+            )
+        got: dict[str, list] = {kind: [] for kind in kinds}
+        for _ in range(ROUNDS):
+            for kind, (fns, name) in kinds.items():
+                got[kind].append(_time(fns, reps, batch, args.profile, name))
+        row = {"type": tname, "N": n, "K": k, "M": m, "bytes": w0.nbytes, "copies": len(ws),
+               "scalar_config": c, "mma_config": MM.launch_config(t, m, n, k)}  # fmt: skip
+        for kind, vals in got.items():
+            row[f"{kind}_wall_us"] = statistics.median(v[0] for v in vals)
+            gpu = [v[1] for v in vals if v[1] is not None]
+            row[f"{kind}_gpu_us"] = statistics.median(gpu) if gpu else None
+            if kind.startswith("mma_U"):
+                wall, gpu = row[kind + "_wall_us"], row[kind + "_gpu_us"] or float("nan")
+                print(f"{tname:>5} {n:>6}x{k:<5} M{m:<2}  {kind}: wall {wall:.1f} us, "
+                      f"gpu {gpu:.1f} us", flush=True)  # fmt: skip
+        rows.append(row)
+    base = rows[0]  # M = 1
+    for row in rows:
+        for kind in ("scalar", "mma"):
+            for what in ("wall", "gpu"):
+                v, b = row[f"{kind}_{what}_us"], base[f"{kind}_{what}_us"]
+                row[f"{kind}_{what}_x_m1"] = v / b if v and b else None
+        for what in ("wall", "gpu"):
+            v, b = row[f"mma_{what}_us"], row[f"scalar_{what}_us"]
+            row[f"mma_over_scalar_{what}"] = v / b if v and b else None
+        _print_mma_row(row)
+    del ws
+    return rows
+
+
+def _print_mma_row(row: dict) -> None:
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    print(
+        f"{row['type']:>5} {row['N']:>6}x{row['K']:<5} M{row['M']:<2}  wall scalar "
+        f"{row['scalar_wall_us']:7.1f} mma {row['mma_wall_us']:7.1f} us "
+        f"(mma/scalar {row['mma_over_scalar_wall']:.2f})  gpu scalar "
+        f"{f(row['scalar_gpu_us'], '7.1f')} mma {f(row['mma_gpu_us'], '7.1f')} us "
+        f"(mma/scalar {f(row['mma_over_scalar_gpu'], '.2f')})  x M=1: scalar "
+        f"{f(row['scalar_gpu_x_m1'] or row['scalar_wall_x_m1'], '.2f')} "
+        f"mma {f(row['mma_gpu_x_m1'] or row['mma_wall_x_m1'], '.2f')}",
+        flush=True,
+    )
+
+
+def main_mma(args, types: list[str], shapes) -> None:
+    res = {"date": datetime.now(timezone.utc).isoformat(), "mode": "mma", "dtype": "bf16",
+           "device": str(mx.default_device()), "rows": [], "skipped": []}  # fmt: skip
+    t_start = time.perf_counter()
+    for n, k in shapes:
+        for tname in types:
+            try:
+                if k % Q.BLOCK_FORMATS[T[tname]].block_size:
+                    raise ValueError("K is not a multiple of the block")
+                res["rows"] += bench_mma(tname, n, k, args)
+            except Exception as e:  # noqa: BLE001 (report and go on: partial results are useful)
+                print(f"skipped {tname} {n}x{k}: {type(e).__name__}: {e}", flush=True)
+                res["skipped"].append(f"{tname} {n}x{k}: {type(e).__name__}: {e}")
+            with open(args.out, "w") as fh:  # partial results survive
+                json.dump(res, fh, indent=1)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
 def bench_affine(bits, n, k, dtype, args) -> dict:
     # scales and biases in x's dtype: with fp16 ones and bf16 x, session 3's bf16 sweep read
     # 113-202 % of copy bandwidth here, most likely because a per-call dtype conversion kernel
@@ -208,7 +311,18 @@ def main() -> None:
     ap.add_argument("--no-affine", action="store_true")
     ap.add_argument("--budget", type=float, default=170, help="seconds of sweeping at most")
     ap.add_argument("--rows", type=int, default=1, help="rows of x, 1..16")
+    ap.add_argument("--mma", action="store_true", help="mma vs scalar kernel, bf16 x, M 1..16")
+    ap.add_argument("--mma-configs", default="", help="--mma: also time these UxW, e.g. 2x4,4x8")
     args = ap.parse_args()
+    args.mma_configs = [
+        tuple(int(v) for v in c.split("x")) for c in args.mma_configs.split(",") if c
+    ]
+    if args.mma:
+        types = MMA_TYPES if args.types == ",".join(ALL_TYPES) else args.types.split(",")
+        shapes = MMA_SHAPES
+        if args.shapes != "all":
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        return main_mma(args, [s for s in types if s], shapes)
     dtype = DTYPES[args.dtype]
     if not 1 <= args.rows <= 16:
         ap.error("--rows takes 1..16 (the mat-vec kernel's rows of x)")

@@ -30,6 +30,9 @@ SIMD / warp (every lane of the SIMD group must call; int, uint, float, half type
     simd_sum, simd_max, simd_min, simd_prefix_inclusive_sum, simd_prefix_exclusive_sum,
     simd_shuffle(x, src_lane), simd_broadcast(x, src_lane), simd_shuffle_xor(x, mask),
     simd_shuffle_down(x, delta), simd_shuffle_up(x, delta), simd_any(b), simd_all(b)
+    mma_bf16_m16n8k16(c, a, b)  c (4 floats) += A (16x16 bf16) B (16x8 bf16) in the standard
+                                PTX fragments (docs/kernels.md); a tensor-core mma on CUDA, a
+                                slow portable version from shuffles on Metal and the emulator
 Types and conversions:
     half_t, bfloat_t, uint, ushort, uchar; uint2/uint4/float2/float4 (member access .x.y.z.w only)
     to_float(x)  from_float<T>(f)  bitcast<To>(x)  f16_bits_to_float(u16)  bf16_bits_to_float(u16)
@@ -57,6 +60,34 @@ TemplateValue = Union[int, bool, mx.Dtype]
 
 # --------------------------------------------------------------------------------------------
 # Per-backend headers: the vocabulary. Metal maps onto built-ins; CUDA implements them.
+
+
+# The warp mma's portable version (Metal, and the CPU emulator through the CUDA header): each
+# lane gathers the A rows and B columns its C fragment needs with simd_shuffle and sums in fp32
+# (k ascending). Slow; it exists so the body compiles and runs everywhere. The lane index comes
+# from a prefix sum (helpers cannot read Metal's thread attributes); every lane must call.
+MMA_PORTABLE = r"""
+FN float mma_lo(uint v) { return bitcast<float>(v << 16); }
+FN float mma_hi(uint v) { return bitcast<float>(v & 0xFFFF0000u); }
+FN void mma_bf16_m16n8k16(THREAD_PTR(float) c, const THREAD_PTR(uint) a,
+                          const THREAD_PTR(uint) b) {
+  const uint l = simd_prefix_exclusive_sum(1u), g = l >> 2, t = l & 3u;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (uint h = 0; h < 2; ++h) {  // k 0..7 (a[0], a[1], b[0]), then 8..15 (a[2], a[3], b[1])
+    for (uint q = 0; q < 4; ++q) {  // k = 8h + 2q, 8h + 2q + 1: held by lane t = q
+      const uint r0 = simd_shuffle(a[2 * h], 4 * g + q);  // A[g][k, k+1]
+      const uint r1 = simd_shuffle(a[2 * h + 1], 4 * g + q);  // A[g + 8][k, k+1]
+      const uint c0 = simd_shuffle(b[h], 8 * t + q);  // B[k, k+1][2t]
+      const uint c1 = simd_shuffle(b[h], 8 * t + 4 + q);  // B[k, k+1][2t + 1]
+      s[0] = fma_f(mma_hi(r0), mma_hi(c0), fma_f(mma_lo(r0), mma_lo(c0), s[0]));
+      s[1] = fma_f(mma_hi(r0), mma_hi(c1), fma_f(mma_lo(r0), mma_lo(c1), s[1]));
+      s[2] = fma_f(mma_hi(r1), mma_hi(c0), fma_f(mma_lo(r1), mma_lo(c0), s[2]));
+      s[3] = fma_f(mma_hi(r1), mma_hi(c1), fma_f(mma_lo(r1), mma_lo(c1), s[3]));
+    }
+  }
+  for (int i = 0; i < 4; ++i) c[i] += s[i];
+}
+"""
 
 METAL_HEADER = r"""
 #include <metal_stdlib>
@@ -95,6 +126,7 @@ inline bool isnan_f(float x) { return metal::isnan(x); }
 inline bool isinf_f(float x) { return metal::isinf(x); }
 inline uint popcount_u(uint x) { return metal::popcount(x); }
 """
+METAL_HEADER += MMA_PORTABLE
 
 CUDA_HEADER = r"""
 #define SHARED __shared__
@@ -186,6 +218,22 @@ template <typename T> FN T simd_prefix_exclusive_sum(T x) {
 FN bool simd_any(bool b) { return __any_sync(HQ_FULL, b) != 0; }
 FN bool simd_all(bool b) { return __all_sync(HQ_FULL, b) != 0; }
 """
+# The warp mma: one tensor-core instruction on the GPU (sm_80+); the portable version where the
+# CUDA rendering runs on the CPU emulator (g++ defines neither macro).
+CUDA_HEADER += (
+    r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+FN void mma_bf16_m16n8k16(float* c, const uint* a, const uint* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#else"""
+    + MMA_PORTABLE
+    + "#endif\n"
+)
 
 # The attribute names MLX's metal_kernel looks for in the source and turns into parameters.
 _METAL_ATTRIBUTES = (

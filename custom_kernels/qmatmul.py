@@ -8,6 +8,7 @@ import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import qmatmul_mma as mma
 from hf2q_mlx.custom_kernels import qmatmul_tuning as tuning
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import (
@@ -415,14 +416,17 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     """x (..., K) @ dequant(w_raw).T -> (..., N) in x.dtype, fp32 accumulation.
 
     Dispatcher, for the ten block types and x in fp32/fp16/bf16 on a GPU: the mat-vec kernel
-    for 1..16 rows of x, over 16-row slices up to 64 rows (each row's bits as alone) and for
-    fp32 x at any size (fp32 math whatever MLX_ENABLE_TF32 says); fp16/bf16 x past 64 rows
-    take the GPU dequantizer by row chunks and mx.matmul. The reference elsewhere (CPU,
-    HF2Q_KERNELS=reference, dense GGML types, other dtypes).
+    for 1..16 rows of x (on CUDA, bf16 x of Q4_K / Q6_K / Q5_0 / Q8_0 takes the tensor-core
+    one, qmatmul_mma, unless ``qmatmul_mma.ENABLED`` is off), over 16-row slices up to 64
+    rows (each row's bits as alone) and for fp32 x at any size (fp32 math whatever
+    MLX_ENABLE_TF32 says); fp16/bf16 x past 64 rows take the GPU dequantizer by row chunks and
+    mx.matmul. The reference elsewhere (CPU, HF2Q_KERNELS=reference, dense GGML types, other
+    dtypes).
     """
     be = backend()
     if be is not None:
-        p = _CALLS.get((ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype))
+        key = (ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype, mma.ENABLED)
+        p = _CALLS.get(key)
         if p is not None:
             return p.launch(inputs=[x, w_raw, p.dims])[0]
     if x.shape[-1] != in_features:
@@ -445,19 +449,25 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         return ggml_matmul_reference(x, w_raw, ggml_type, in_features)
     if M <= _M_BUCKETS[-1]:
         N = w_raw.shape[0]
-        plan = _Plan(ggml_type, M, N, in_features, x.dtype,
-                     launch_config(ggml_type, M, N, in_features, x.dtype))  # fmt: skip
-        plan.out_shapes = [(*x.shape[:-1], N)]
-        # resolved once: a template dict is unhashable, so Kernel.__call__ would redo it per call
-        plan.launch = plan.kernel.launcher(
-            [x.dtype, mx.uint8, mx.int32],
-            grid=plan.grid,
-            threadgroup=plan.threadgroup,
-            output_shapes=plan.out_shapes,
-            output_dtypes=plan.out_dtypes,
-            template=plan.template,
-        )
-        _CALLS[(ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype)] = plan
+        if be == "cuda" and mma.ENABLED and mma.supports(ggml_type, x.dtype):
+            # the tensor-core kernel for every M in 1..16 (M = 1 too): one math for a row alone
+            # and in a batch (row parity); Metal keeps the scalar kernels at every M
+            plan = mma.dispatch_plan(ggml_type, x.shape, N, in_features)
+        else:
+            plan = _Plan(ggml_type, M, N, in_features, x.dtype,
+                         launch_config(ggml_type, M, N, in_features, x.dtype))  # fmt: skip
+            plan.out_shapes = [(*x.shape[:-1], N)]
+            # resolved once: a template dict is unhashable, so Kernel.__call__ would redo it
+            plan.launch = plan.kernel.launcher(
+                [x.dtype, mx.uint8, mx.int32],
+                grid=plan.grid,
+                threadgroup=plan.threadgroup,
+                output_shapes=plan.out_shapes,
+                output_dtypes=plan.out_dtypes,
+                template=plan.template,
+            )
+        key = (ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype, mma.ENABLED)
+        _CALLS[key] = plan
         return ggml_matmul(x, w_raw, ggml_type, in_features)
     x2 = x.reshape(M, in_features)
     if x.dtype == mx.float32 or M <= ROW_SLICE_MAX:

@@ -644,6 +644,7 @@ def test_rows_on_the_emulator_match_reference_and_rows_alone(case, monkeypatch):
     monkeypatch.setattr(Q, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
+    monkeypatch.setattr(Q.mma, "ENABLED", False)  # the scalar kernels (test_qmatmul_mma: mma)
     n, k = 13, 1280 if QK[t] == 256 else 416
     cfg = Q.launch_config(t, m, n, k, dt)
     assert cfg["MT"] > 1 and cfg["R"] == min(
@@ -670,7 +671,10 @@ def test_gpu_rows_bit_identical_to_rows_alone(ggml_type, dtype):
     for n, k in ((4099, 2816), (257, 14336)):
         w, _ = _weight(ggml_type, n, k)
         x = _x(16, k, dtype, seed=n + k)
-        alone = mx.concatenate([Q.ggml_matmul(x[i : i + 1], w, ggml_type, k) for i in range(16)])
+        # the scalar kernel alone (ggml_matmul takes qmatmul_mma for bf16 x of its types)
+        alone = mx.concatenate(
+            [Q.ggml_matmul_kernel(x[i : i + 1], w, ggml_type, k) for i in range(16)]
+        )
         for m in (2, 5, 8, 16):
             y = Q.ggml_matmul_kernel(x[:m], w, ggml_type, k, init_value=float("nan"))
             same = np.array(y.view(mx.uint16) == alone[:m].view(mx.uint16)).all(axis=1)

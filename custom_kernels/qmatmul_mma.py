@@ -1,0 +1,412 @@
+"""Tensor-core mat-vec against GGML blocks for 1..16 rows of bf16 x: x @ W.T through warp mmas."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+from gguf import GGMLQuantizationType as T
+
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
+
+# The reference is qmatmul.ggml_matmul_reference (fp32 dequantize, fp32 matmul): the same op.
+
+# --------------------------------------------------------------------------------------------
+# Decoders. Per type: MRaw<TYPE> (a lane's bytes of one block of one row), load_m_<type>,
+# dq_m_<type> (group gi of the block as A fragments of rows g and g + 8, with each row's scale
+# and min), xoff_m_<type> (where the lane's x values of group gi sit in the block) and the
+# constants NGR (scale groups per block) and MMG (mmas per group: its k / 16), _GROUPS.
+#
+# k permutation: inside an mma the sum over k is order-free, so lane t takes 4 CONSECUTIVE
+# physical k (4t..4t+3 of a 16-k group, or 8t..8t+3 / 8t+4..8t+7 of a 32-k group) as the
+# fragment's logical k {2t, 2t+1, 2t+8, 2t+9}; A and B use the same map, so a lane's weight
+# bytes and its x values are contiguous loads.
+
+_MMA_COMMON = r"""
+// bf16 pair a - b (lo half first), for exact results only (small integers): one HSUB2 on the
+// GPU; elsewhere in fp32, truncated back to bf16 (exact for a representable result).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+FN uint bf2_sub(uint a, uint b) {
+  return bitcast<uint>(__hsub2(bitcast<__nv_bfloat162>(a), bitcast<__nv_bfloat162>(b)));
+}
+#else
+FN uint bf2_sub(uint a, uint b) {
+  const float lo = bitcast<float>(a << 16) - bitcast<float>(b << 16);
+  const float hi = bitcast<float>(a & 0xFFFF0000u) - bitcast<float>(b & 0xFFFF0000u);
+  return (bitcast<uint>(lo) >> 16) | (bitcast<uint>(hi) & 0xFFFF0000u);
+}
+#endif
+// bf16 bits of 128 + zero in both halves (128 + zero < 256: exact in bf16's 8 bits).
+FN uint bf2_zero(float zero) { return (bitcast<uint>(128.0f + zero) >> 16) * 0x00010001u; }
+// Four fields (< 128) in the bytes of v -> bf16 pairs (byte 0, 1), (2, 3) of field - zero,
+// exact: a byte under 0x43 (the high byte of 128.0 in bf16) reads as 128 + field, and one
+// packed subtract of 128 + zero leaves field - zero (|field - zero| <= 128: exact in bf16).
+FN void bf_quad(uint v, uint zb, THREAD_PTR(uint) out) {
+  out[0] = bf2_sub(byte_perm(v, 0x43434343u, 0x4140u), zb);
+  out[1] = bf2_sub(byte_perm(v, 0x43434343u, 0x4342u), zb);
+}
+// Four signed bytes (Q8_0) -> bf16 pairs, exact: the fp32 float trick (2^23 + byte + 128,
+// minus 2^23 + 128), then the high halves of two floats as one pair (|q| <= 128: exact).
+FN void bf_quad_s8(uint v, THREAD_PTR(uint) out) {
+  const uint u = v ^ 0x80808080u;
+  float f[4];
+  UNROLL for (int i = 0; i < 4; ++i)
+    f[i] = bitcast<float>(0x4B000000u | ((u >> (8 * i)) & 0xFFu)) - 8388736.0f;
+  out[0] = byte_perm(bitcast<uint>(f[0]), bitcast<uint>(f[1]), 0x7632u);
+  out[1] = byte_perm(bitcast<uint>(f[2]), bitcast<uint>(f[3]), 0x7632u);
+}
+// The A fragment of one mma from the pairs of rows g (p0) and g + 8 (p1): a[0] = A[g][k0, k1],
+// a[1] = A[g + 8][k0, k1], a[2] = A[g][k2, k3], a[3] = A[g + 8][k2, k3].
+FN void frag(THREAD_PTR(uint) p0, THREAD_PTR(uint) p1, THREAD_PTR(uint) a) {
+  a[0] = p0[0]; a[1] = p1[0]; a[2] = p0[1]; a[3] = p1[1];
+}
+"""
+
+_DECODERS = {
+    T.Q4_K: r"""
+// Sub-block gi (32 k, 2 mmas): qs bytes 32j + 8t..8t+7 (j = gi / 2), nibble gi % 2; lane t's k
+// are 8t..8t+7 of the sub-block. Scales and mins: k4_value (6-bit, get_scale_min_k4).
+struct MRawQ4_K { uint dd; uint s0; uint s1; uint s2; uint q[8]; };
+FN MRawQ4_K load_m_q4_k(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ4_K r; r.dd = ld32(p, 0); r.s0 = ld32(p, 1); r.s1 = ld32(p, 2); r.s2 = ld32(p, 3);
+  UNROLL for (int j = 0; j < 4; ++j) {
+    const uint2 v = DEVICE_CAST(const uint2, p + 16 + 32 * j + 8 * t)[0];
+    r.q[2 * j] = v.x; r.q[2 * j + 1] = v.y;
+  }
+  return r;
+}
+FN uint xoff_m_q4_k(uint t, int gi) { return uint(32 * gi) + 8 * t; }
+FN void dq_m_q4_k(MRawQ4_K r0, MRawQ4_K r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const int j = gi >> 1, sh = 4 * (gi & 1);
+  const uint zb = bf2_zero(0.0f);
+  UNROLL for (int h = 0; h < 2; ++h) {
+    uint p0[2], p1[2];
+    bf_quad((r0.q[2 * j + h] >> sh) & 0x0F0F0F0Fu, zb, p0);
+    bf_quad((r1.q[2 * j + h] >> sh) & 0x0F0F0F0Fu, zb, p1);
+    frag(p0, p1, a + 4 * h);
+  }
+  sc[0] = k4_value(r0.s0, r0.s1, r0.s2, 0, gi, f16lo(r0.dd));
+  sc[1] = k4_value(r1.s0, r1.s1, r1.s2, 0, gi, f16lo(r1.dd));
+  mn[0] = k4_value(r0.s0, r0.s1, r0.s2, 1, gi, f16hi(r0.dd));
+  mn[1] = k4_value(r1.s0, r1.s1, r1.s2, 1, gi, f16hi(r1.dd));
+}
+""",
+    T.Q6_K: r"""
+// Group gi (16 k, 1 mma, its own int8 scale): half n = gi / 8, quarter c = (gi / 2) % 4, is =
+// gi % 2; weight 16 gi + 4t + i is the nibble c / 2 of ql[64n + 32(c%2) + 16is + 4t + i] with
+// bits 2c, 2c+1 of qh[32n + 16is + 4t + i] on top, minus 32. Blocks are 2-byte aligned.
+struct MRawQ6_K { uint ql[8]; uint qh[4]; uint s[4]; uint d; };
+FN MRawQ6_K load_m_q6_k(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ6_K r;
+  UNROLL for (int i = 0; i < 8; ++i)  // i = 4n + 2h + is: bytes 64n + 32h + 16is + 4t
+    r.ql[i] = ld32u(p, 32 * (i >> 2) + 16 * ((i >> 1) & 1) + 8 * (i & 1) + 2 * t);
+  UNROLL for (int i = 0; i < 4; ++i)  // i = 2n + is: bytes 128 + 32n + 16is + 4t
+    r.qh[i] = ld32u(p, 64 + 16 * (i >> 1) + 8 * (i & 1) + 2 * t);
+  UNROLL for (int i = 0; i < 4; ++i) r.s[i] = ld32u(p, 96 + 2 * i);  // the 16 int8 scales
+  r.d = ld16(p, 104);
+  return r;
+}
+FN uint xoff_m_q6_k(uint t, int gi) { return uint(16 * gi) + 4 * t; }
+FN float q6_scale(MRawQ6_K r, int gi) {
+  const uint b = (r.s[gi >> 2] >> (8 * (gi & 3))) & 0xFFu;
+  return f16lo(r.d) * float(int(b ^ 0x80u) - 128);
+}
+FN void dq_m_q6_k(MRawQ6_K r0, MRawQ6_K r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const int n = gi >> 3, c = (gi >> 1) & 3, is = gi & 1;
+  const int iql = 4 * n + 2 * (c & 1) + is, iqh = 2 * n + is;
+  const uint zb = bf2_zero(32.0f);
+  uint p0[2], p1[2];
+  bf_quad(((r0.ql[iql] >> (4 * (c >> 1))) & 0x0F0F0F0Fu)
+          | (((r0.qh[iqh] >> (2 * c)) & 0x03030303u) << 4), zb, p0);
+  bf_quad(((r1.ql[iql] >> (4 * (c >> 1))) & 0x0F0F0F0Fu)
+          | (((r1.qh[iqh] >> (2 * c)) & 0x03030303u) << 4), zb, p1);
+  frag(p0, p1, a);
+  sc[0] = q6_scale(r0, gi); sc[1] = q6_scale(r1, gi);
+  mn[0] = 0.0f; mn[1] = 0.0f;
+}
+""",
+    T.Q5_0: r"""
+// One group (32 k, 2 mmas); lane t's k are 8t..8t+7: qs bytes 8(t%2)..+7, low (t < 2) or high
+// nibbles, fifth bits 8t..8t+7 of qh, minus 16. Blocks are 2-byte aligned.
+struct MRawQ5_0 { uint d; uint qh; uint q0; uint q1; };
+FN MRawQ5_0 load_m_q5_0(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ5_0 r; r.d = ld16(p, 0); r.qh = ld32u(p, 1);
+  r.q0 = ld32u(p, 3 + 4 * (t & 1)); r.q1 = ld32u(p, 5 + 4 * (t & 1));
+  return r;
+}
+FN uint xoff_m_q5_0(uint t, int gi) { return 8 * t; }
+FN uint q5_word(uint q, uint qh, uint t, int h) {
+  return ((q >> (4 * (t >> 1))) & 0x0F0F0F0Fu) | spread4((qh >> (8 * t + 4 * h)) & 0xFu);
+}
+FN void dq_m_q5_0(MRawQ5_0 r0, MRawQ5_0 r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const uint zb = bf2_zero(16.0f);
+  uint p0[2], p1[2];
+  bf_quad(q5_word(r0.q0, r0.qh, t, 0), zb, p0); bf_quad(q5_word(r1.q0, r1.qh, t, 0), zb, p1);
+  frag(p0, p1, a);
+  bf_quad(q5_word(r0.q1, r0.qh, t, 1), zb, p0); bf_quad(q5_word(r1.q1, r1.qh, t, 1), zb, p1);
+  frag(p0, p1, a + 4);
+  sc[0] = f16lo(r0.d); sc[1] = f16lo(r1.d);
+  mn[0] = 0.0f; mn[1] = 0.0f;
+}
+""",
+    T.Q8_0: r"""
+// One group (32 k, 2 mmas); lane t's k are 8t..8t+7: qs bytes 8t..8t+7. 2-byte aligned.
+struct MRawQ8_0 { uint d; uint q0; uint q1; };
+FN MRawQ8_0 load_m_q8_0(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ8_0 r; r.d = ld16(p, 0); r.q0 = ld32u(p, 1 + 4 * t); r.q1 = ld32u(p, 3 + 4 * t);
+  return r;
+}
+FN uint xoff_m_q8_0(uint t, int gi) { return 8 * t; }
+FN void dq_m_q8_0(MRawQ8_0 r0, MRawQ8_0 r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  uint p0[2], p1[2];
+  bf_quad_s8(r0.q0, p0); bf_quad_s8(r1.q0, p1); frag(p0, p1, a);
+  bf_quad_s8(r0.q1, p0); bf_quad_s8(r1.q1, p1); frag(p0, p1, a + 4);
+  sc[0] = f16lo(r0.d); sc[1] = f16lo(r1.d);
+  mn[0] = 0.0f; mn[1] = 0.0f;
+}
+""",
+}
+
+# (NGR scale groups per block, MMG mmas per group): the group's k / 16
+_GROUPS = {T.Q4_K: (8, 2), T.Q6_K: (16, 1), T.Q5_0: (1, 2), T.Q8_0: (1, 2)}
+MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel
+MAX_ROWS = 16  # rows of x one launch takes (two n-tiles of 8)
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+
+_BODY = r"""
+  // Thread mapping: a threadgroup owns 16 weight rows (row0 + 0..15) and every column of x (M
+  // <= 16: NT n-tiles of 8); each of its n_simd SIMD groups takes interleaved runs of U blocks
+  // of those rows. Lane = 4g + t decodes rows g and g + 8 (its A fragments) and loads x column
+  // 8 nt + g (its B fragments); a scale group's mmas sum into a zeroed c, which the group's
+  // scale (and, with a min, the column's x sum) folds into fp32 accumulators. The SIMD groups'
+  // sums meet in shared memory, added in SIMD-group order. Each output column depends on its
+  // own x column only, in an order fixed by (N, K): a row's bits are the same at any M.
+  constexpr uint QK = @QK@, BB = @BB@;
+  constexpr int NGR = @NGR@, MMG = @MMG@;  // scale groups per block, mmas per group
+  const uint M = uint(dims[0]);
+  const uint N = uint(dims[1]);
+  const uint K = uint(dims[2]);
+  const uint nb = K / QK;
+  const size_t row_bytes = size_t(nb) * BB;
+  const uint g = lane >> 2, t = lane & 3u;
+  const uint row0 = gid_x * 16;
+  // rows past N re-read row N - 1; their sums are dropped
+  DEVICE_PTR(const uchar) w0 = w + size_t(row0 + g < N ? row0 + g : N - 1) * row_bytes;
+  DEVICE_PTR(const uchar) w1 = w + size_t(row0 + g + 8 < N ? row0 + g + 8 : N - 1) * row_bytes;
+  float acc[NT][4];
+  UNROLL for (int n = 0; n < NT; ++n) UNROLL for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+  for (uint b0 = simd_id * U; b0 < nb; b0 += n_simd * U) {
+    // all loads of the run first: U blocks x 2 rows in flight per lane
+    MRaw@SUF@ raw[U][2];
+    UNROLL for (int u = 0; u < U; ++u) {
+      const uint blk = b0 + uint(u);
+      const size_t off = size_t(blk < nb ? blk : 0) * BB;  // past the end: block 0, no math
+      raw[u][0] = load_m_@suf@(w0 + off, t);
+      raw[u][1] = load_m_@suf@(w1 + off, t);
+    }
+    UNROLL for (int u = 0; u < U; ++u) {
+      const uint blk = b0 + uint(u);
+      if (blk >= nb) continue;  // uniform over the SIMD group: its shuffles stay together
+      DEVICE_PTR(const T) xb = x + size_t(blk) * QK;
+      UNROLL for (int gi = 0; gi < NGR; ++gi) {
+        uint a[4 * MMG];
+        float sc[2], mn[2];
+        dq_m_@suf@(raw[u][0], raw[u][1], t, gi, a, sc, mn);
+        UNROLL for (int n = 0; n < NT; ++n) {
+          const uint col = 8 * uint(n) + g;
+          // x of column col at the lane's k; padding columns are zeros. Branch-free (column
+          // 0 re-read, then selected away), so the warp stays converged for the mma.sync.
+          const bool live = col < M;
+          uint bx[2 * MMG];
+          load_xb(xb + size_t(live ? col : 0u) * K + xoff_m_@suf@(t, gi), MMG, bx);
+          UNROLL for (int i = 0; i < 2 * MMG; ++i) bx[i] = live ? bx[i] : 0u;
+          float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          UNROLL for (int mm = 0; mm < MMG; ++mm) mma_bf16_m16n8k16(c, a + 4 * mm, bx + 2 * mm);
+          acc[n][0] = fma_f(sc[0], c[0], acc[n][0]);  // C[g][2t], C[g][2t + 1]
+          acc[n][1] = fma_f(sc[0], c[1], acc[n][1]);
+          acc[n][2] = fma_f(sc[1], c[2], acc[n][2]);  // C[g + 8][2t], C[g + 8][2t + 1]
+          acc[n][3] = fma_f(sc[1], c[3], acc[n][3]);
+          if (@BIAS@) {
+            // the group's x sum per column, by the tensor core: A = all ones puts the sum of
+            // column 2t (2t + 1) in cs[0] and cs[2] (cs[1], cs[3]), already in the C layout;
+            // each column's sum depends on that column only (row parity)
+            const uint ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+            float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            UNROLL for (int mm = 0; mm < MMG; ++mm) mma_bf16_m16n8k16(cs, ones, bx + 2 * mm);
+            acc[n][0] = fma_f(-mn[0], cs[0], acc[n][0]);
+            acc[n][1] = fma_f(-mn[0], cs[1], acc[n][1]);
+            acc[n][2] = fma_f(-mn[1], cs[2], acc[n][2]);
+            acc[n][3] = fma_f(-mn[1], cs[3], acc[n][3]);
+          }
+        }
+      }
+    }
+  }
+  // The SIMD groups' sums, through shared memory in a fixed order; write (M, N).
+  SHARED float red[8 * 256];  // [SIMD group][row 0..15][column 0..15]
+  UNROLL for (int n = 0; n < NT; ++n) UNROLL for (int i = 0; i < 4; ++i)
+    red[(simd_id * 16 + g + 8 * uint(i >> 1)) * 16 + 8 * uint(n) + 2 * t + uint(i & 1)] =
+        acc[n][i];
+  BARRIER();
+  for (uint i = tid; i < 256; i += tg_size) {
+    const uint r = i >> 4, col = i & 15u;
+    if (row0 + r >= N || col >= M) continue;
+    float v = red[r * 16 + col];
+    for (uint s = 1; s < n_simd; ++s) v += red[(s * 16 + r) * 16 + col];
+    out[size_t(col) * N + row0 + r] = from_float<T>(v);
+  }
+"""
+
+_LOAD_XB = r"""
+// n * 4 consecutive bf16 x (8 * n bytes, aligned) as n * 2 pairs, lower k in the low half.
+FN void load_xb(DEVICE_PTR(const bfloat_t) p, int n, THREAD_PTR(uint) b) {
+  if (n == 2) {
+    const uint4 v = DEVICE_CAST(const uint4, p)[0];
+    b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
+  } else {
+    const uint2 v = DEVICE_CAST(const uint2, p)[0];
+    b[0] = v.x; b[1] = v.y;
+  }
+}
+"""
+
+_MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups
+# (U, W max) per block size, not yet measured on the GPU: enough blocks in flight per SM for
+# the small projection shapes (docs/kernel_notes.md, "tensor-core mat-vec")
+_DEFAULTS = {256: (2, 8), 32: (8, 8)}
+
+
+def _make_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
+            {"out": mx.bfloat16},
+            {"T": mx.bfloat16, "NT": nt, "U": u},
+        )
+        for nt, u in ((1, 2), (2, 1))
+    ]
+    header = kernel_header(ggml_type) + _MMA_COMMON + _LOAD_XB + _DECODERS[ggml_type]
+    return Kernel(
+        f"ggml_qmv_mma_{T(ggml_type).name.lower()}",
+        inputs=["x", "w", "dims"],
+        outputs=["out"],
+        body=fill_format(_BODY, ggml_type)
+        .replace("@NGR@", str(_GROUPS[ggml_type][0]))
+        .replace("@MMG@", str(_GROUPS[ggml_type][1])),
+        header=header,
+        examples=examples,
+    )
+
+
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in MMA_TYPES}
+
+# Module switch for A/B runs (bench/qmatmul.py --mma): False sends every call to the scalar
+# kernels. HF2Q_MMA=0 turns it off at import.
+ENABLED = os.environ.get("HF2Q_MMA", "1").strip() != "0"
+
+
+def supports(ggml_type: int, dtype: mx.Dtype) -> bool:
+    """Whether this kernel takes (type, x dtype) at all (M in 1..MAX_ROWS, CUDA)."""
+    return dtype == mx.bfloat16 and ggml_type in _KERNELS
+
+
+def kernel_name(ggml_type: int) -> str:
+    """The registered name of a type's kernel (benchmarks match profiler events on it)."""
+    return _KERNELS[ggml_type].name
+
+
+def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
+    """NT (n-tiles of 8 columns), U (blocks per run), W (SIMD groups per 16 rows).
+
+    Only NT depends on M: U and W fix which SIMD group sums which blocks, and so the order of
+    a column's additions, from (type, K) alone (row parity). W never exceeds the runs a row has.
+    """
+    qk = BLOCK_FORMATS[ggml_type].block_size
+    u, w_max = _DEFAULTS[qk]
+    runs = -(-(K // qk) // u)
+    return {"NT": 1 if M <= 8 else 2, "U": u, "W": max(1, min(w_max, runs))}
+
+
+class _Plan:
+    """Everything a launch needs for one (type, M, N, K, config), built once."""
+
+    __slots__ = ("kernel", "grid", "threadgroup", "out_shapes", "out_dtypes", "template", "dims",
+                 "launch")  # fmt: skip
+
+    def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
+        if not 1 <= M <= 8 * cfg["NT"] or not 1 <= cfg["W"] <= _MAX_SIMD:
+            raise ValueError(f"config {cfg} cannot run {M} rows of x")
+        self.kernel = _KERNELS[ggml_type]
+        self.grid = (-(-N // 16) * 32 * cfg["W"],)
+        self.threadgroup = (32 * cfg["W"],)
+        self.out_shapes = [(M, N)]
+        self.out_dtypes = [mx.bfloat16]
+        self.template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"]}
+        self.dims = mx.array([M, N, K], dtype=mx.int32)
+        self.launch = None  # the resolved launch (Kernel.launcher), set by dispatch_plan
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(ggml_type: int, M: int, N: int, K: int, config: dict | None) -> _Plan:
+    key = (ggml_type, M, N, K, None if config is None else tuple(sorted(config.items())))
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = config or launch_config(ggml_type, M, N, K)
+        plan = _PLANS[key] = _Plan(ggml_type, M, N, K, cfg)
+    return plan
+
+
+def mma_matmul_kernel(
+    x: mx.array,
+    w_raw: mx.array,
+    ggml_type: int,
+    in_features: int,
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """The GPU kernel alone: bf16 x (M, K) with 1 <= M <= 16, w_raw (N, row_bytes) -> (M, N).
+
+    ``config`` overrides ``launch_config`` (benchmarks); ``init_value`` pre-fills the output.
+    """
+    M, K = x.shape
+    if not supports(ggml_type, x.dtype) or K != in_features:
+        raise ValueError(f"no mma kernel for {T(ggml_type).name} with {x.dtype} x of {x.shape}")
+    p = _plan(ggml_type, M, w_raw.shape[0], K, config)
+    return p.kernel(
+        [x, w_raw, p.dims],
+        grid=p.grid,
+        threadgroup=p.threadgroup,
+        output_shapes=p.out_shapes,
+        output_dtypes=p.out_dtypes,
+        template=p.template,
+        init_value=init_value,
+    )[0]
+
+
+def dispatch_plan(ggml_type: int, x_shape: tuple[int, ...], N: int, K: int) -> _Plan:
+    """A fresh plan for qmatmul.ggml_matmul's call cache: x (..., K) with 1..16 rows in all,
+    the output created in (..., N), the launch resolved once."""
+    M = 1
+    for d in x_shape[:-1]:
+        M *= d
+    plan = _Plan(ggml_type, M, N, K, launch_config(ggml_type, M, N, K))
+    plan.out_shapes = [(*x_shape[:-1], N)]
+    plan.launch = plan.kernel.launcher(
+        [mx.bfloat16, mx.uint8, mx.int32],
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=plan.out_shapes,
+        output_dtypes=plan.out_dtypes,
+        template=plan.template,
+    )
+    return plan

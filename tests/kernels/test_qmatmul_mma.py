@@ -1,0 +1,277 @@
+"""The tensor-core GGML mat-vec (qmatmul_mma): its logic on the CPU emulator (the portable warp
+mma), row parity (each row's bits the same at any M and whatever the other rows hold), the
+dispatcher's choice, and the same checks on the GPU on real shapes."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import kernel_emulator
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from gguf import GGMLQuantizationType as T
+from test_qmatmul import _check, _weight, _x
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.custom_kernels import qmatmul_mma as MM
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
+
+TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]
+QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
+MS = (1, 3, 8, 13, 16)  # one and two n-tiles, padding columns in each
+N_EMU = 40  # not a multiple of 16: the last threadgroup has rows past N
+# Tolerance (_check, bf16 x): the relative error at most twice that of the fp32 reference
+# rounded to bf16. The kernel's own rounding sits far below the output's bf16 rounding (2^-9):
+# exact weights and x, exact products, fp32 sums of 16 products, fp32 scale and accumulation.
+
+needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+
+
+def _k(t: int) -> int:
+    """K for the emulator: 2 super-blocks (K-quants) or 3 blocks: short rows, fast fibers."""
+    return 2 * QK[t] if QK[t] == 256 else 3 * QK[t]
+
+
+# (type, M, K, config or None): every type at every M of MS with the default launch, then
+# configurations with several SIMD groups, several runs each and a partial last run.
+_CASES = [(t, m, _k(t), None) for t in TYPES for m in MS] + [
+    (T.Q4_K, 5, 3 * 256, {"NT": 1, "U": 1, "W": 2}),
+    (T.Q6_K, 11, 3 * 256, {"NT": 2, "U": 2, "W": 2}),
+    (T.Q8_0, 2, 13 * 32, {"NT": 1, "U": 2, "W": 3}),
+    (T.Q5_0, 16, 13 * 32, {"NT": 2, "U": 3, "W": 2}),
+]
+
+
+def _example(t: int, m: int, k: int, cfg: dict | None) -> tuple[Kernel, Example]:
+    cfg = cfg or MM.launch_config(t, m, N_EMU, k)
+    rb = Q.row_bytes(t, k)
+    ex = Example(
+        {"x": (mx.bfloat16, m * k), "w": (mx.uint8, N_EMU * rb), "dims": (mx.int32, 3)},
+        {"out": mx.bfloat16},
+        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"]},
+    )
+    return MM._KERNELS[t], ex
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """Build the binaries two at a time (g++ dominates), run every case once."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: kernel_emulator.build(*_example(*c)), _CASES))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    try:
+        outs = {}
+        for i, (t, m, k, cfg) in enumerate(_CASES):
+            w, _ = _weight(t, N_EMU, k)
+            outs[i] = MM.mma_matmul_kernel(_x(m, k, mx.bfloat16, 500 + i), w, t, k, config=cfg)
+    finally:
+        mp.undo()
+    return outs
+
+
+@pytest.mark.parametrize(
+    "i", range(len(_CASES)), ids=[f"{T(c[0]).name}-M{c[1]}-K{c[2]}" for c in _CASES]
+)
+def test_emulator_matches_reference(emulated, i):
+    """Within the bf16 bound of the fp32 reference; every output written (NaN-poisoned)."""
+    t, m, k, _ = _CASES[i]
+    _check(emulated[i], _x(m, k, mx.bfloat16, 500 + i), _weight(t, N_EMU, k)[1])
+
+
+def _wild_rows(x: mx.array) -> mx.array:
+    """x with every row but the first replaced by values that would poison a shared sum:
+    inf, -inf, NaN, 1e38 and bf16 subnormals."""
+    rng = np.random.default_rng(7)
+    xn = np.array(x.astype(mx.float32))
+    pool = np.array([np.inf, -np.inf, np.nan, 1e38, -1e38, 1e-39, 0.0], dtype=np.float32)
+    xn[1:] = rng.choice(pool, size=xn[1:].shape)
+    return mx.array(xn).astype(mx.bfloat16)
+
+
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_emulator_rows_bit_identical_to_rows_alone(ggml_type, monkeypatch):
+    """Row parity: at M = 2..16 each row has the bits it has alone (M = 1), and the first row
+    keeps them at M = 16 when the other rows hold inf, NaN and huge values."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, _k(ggml_type)
+    w, _ = _weight(t, N_EMU, k)
+    x = _x(16, k, mx.bfloat16, seed=int(t) + 40)
+    alone = mx.concatenate([MM.mma_matmul_kernel(x[i : i + 1], w, t, k) for i in range(16)])
+    assert not bool(mx.isnan(alone).any())
+    for m in range(2, 17):
+        y = MM.mma_matmul_kernel(x[:m], w, t, k)
+        same = np.array(y.view(mx.uint16) == alone[:m].view(mx.uint16)).all(axis=1)
+        assert same.all(), f"M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
+    y = MM.mma_matmul_kernel(_wild_rows(x), w, t, k)
+    assert bool(mx.array_equal(y[0].view(mx.uint16), alone[0].view(mx.uint16)))
+
+
+@needs_gxx
+def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
+    """CUDA + bf16 x + a covered type: the mma kernel at M = 1 and M > 1 (batch dims kept);
+    ENABLED = False, fp16 x, an uncovered type or Metal: the scalar kernels."""
+    launched = []
+
+    def launcher(self, input_dtypes, **launch):
+        run = kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
+        return lambda inputs: launched.append(self.name) or run(inputs)
+
+    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    monkeypatch.setattr(Q, "_CALLS", {})
+    t, k = T.Q8_0, _k(T.Q8_0)
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(3, k, mx.bfloat16, seed=9)
+    y1 = Q.ggml_matmul(x[:1], w, t, k)
+    y3 = Q.ggml_matmul(x.reshape(1, 3, k), w, t, k)
+    assert launched == [MM.kernel_name(t)] * 2 and y3.shape == (1, 3, N_EMU)
+    _check(y3.reshape(3, N_EMU), x, wf)
+    assert bool(mx.array_equal(y1[0], y3[0, 0]))
+    launched.clear()
+    monkeypatch.setattr(MM, "ENABLED", False)
+    Q.ggml_matmul(x, w, t, k)
+    monkeypatch.setattr(MM, "ENABLED", True)
+    Q.ggml_matmul(x.astype(mx.float16), w, t, k)
+    w4, _ = _weight(T.Q4_0, N_EMU, 96)
+    Q.ggml_matmul(_x(3, 96, mx.bfloat16, seed=10), w4, T.Q4_0, 96)
+    monkeypatch.setattr(Q, "backend", lambda: "metal")
+    Q.ggml_matmul(x[:2], w, t, k)
+    assert not any(n.startswith("ggml_qmv_mma") for n in launched) and len(launched) == 4
+
+
+def test_launch_config_fixes_the_order_whatever_m():
+    """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M."""
+    for t in TYPES:
+        for n, k in ((4096, 2816), (257, 14336), (40, _k(t))):
+            cfgs = [MM.launch_config(t, m, n, k) for m in range(1, 17)]
+            assert len({(c["U"], c["W"]) for c in cfgs}) == 1
+            assert all(8 * c["NT"] >= m for m, c in zip(range(1, 17), cfgs))
+            c = cfgs[0]
+            assert 1 <= c["W"] <= -(-(k // QK[t]) // c["U"])  # no idle SIMD group
+    with pytest.raises(ValueError):  # one n-tile cannot hold 9 rows
+        MM._Plan(T.Q4_K, 9, 16, 256, {"NT": 1, "U": 1, "W": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# The warp mma's fragment layout (docs/kernels.md), pinned on both implementations: the
+# emulator's portable one here, the tensor core's in the GPU test. Small integers: every sum is
+# exact in fp32, whatever order either implementation adds in, so the check is bit-exact.
+
+_MMA_BODY = r"""
+  // One SIMD group; lane = 4g + t loads its fragments as documented, from A (16, 16), B^T
+  // (8, 16) (bf16, row-major) and C (16, 8) fp32, and writes D = C + A B in C's layout.
+  const uint g = lane >> 2, t = lane & 3u;
+  DEVICE_PTR(const uint) A = DEVICE_CAST(const uint, a);
+  DEVICE_PTR(const uint) BT = DEVICE_CAST(const uint, bt);
+  uint af[4], bf[2];
+  af[0] = A[(g * 16 + 2 * t) / 2];
+  af[1] = A[((g + 8) * 16 + 2 * t) / 2];
+  af[2] = A[(g * 16 + 2 * t + 8) / 2];
+  af[3] = A[((g + 8) * 16 + 2 * t + 8) / 2];
+  bf[0] = BT[(g * 16 + 2 * t) / 2];
+  bf[1] = BT[(g * 16 + 2 * t + 8) / 2];
+  float cf[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                 c[(g + 8) * 8 + 2 * t + 1]};
+  mma_bf16_m16n8k16(cf, af, bf);
+  d[g * 8 + 2 * t] = cf[0];
+  d[g * 8 + 2 * t + 1] = cf[1];
+  d[(g + 8) * 8 + 2 * t] = cf[2];
+  d[(g + 8) * 8 + 2 * t + 1] = cf[3];
+"""
+_MMA_PROBE = Kernel(
+    "mma_layout_probe",
+    ["a", "bt", "c"],
+    ["d"],
+    _MMA_BODY,
+    examples=[Example({"a": mx.bfloat16, "bt": mx.bfloat16, "c": mx.float32}, {"d": mx.float32})],
+    register=False,
+)
+
+
+def _mma_probe(run) -> None:
+    rng = np.random.default_rng()
+    a = rng.integers(-128, 129, size=(16, 16)).astype(np.float32)
+    b = rng.integers(-64, 65, size=(16, 8)).astype(np.float32)
+    c = rng.integers(-1000, 1001, size=(16, 8)).astype(np.float32)
+    launch = dict(grid=(32,), threadgroup=(32,), output_shapes=[(16, 8)],
+                  output_dtypes=[mx.float32])  # fmt: skip
+    inputs = [mx.array(a).astype(mx.bfloat16), mx.array(b.T.copy()).astype(mx.bfloat16)]
+    (d,) = run(_MMA_PROBE, [*inputs, mx.array(c)], **launch)
+    np.testing.assert_array_equal(np.array(d), c + a @ b)
+
+
+@needs_gxx
+def test_mma_fragment_layout_on_the_emulator():
+    _mma_probe(kernel_emulator.emulate)
+
+
+@requires_gpu
+def test_gpu_mma_fragment_layout():
+    """The tensor core reads and writes the fragments as documented (and as the emulator's
+    portable version does): what every emulator test of the mma kernel rests on."""
+    if backend() != "cuda":
+        pytest.skip("the tensor-core mma is CUDA only")
+    _mma_probe(lambda k, inputs, **launch: k(inputs, **launch))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real shapes
+
+_GPU_SHAPES = ((4099, 2816), (257, 14336))
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_gpu_matches_reference_and_rows_alone(ggml_type):
+    """On CUDA: within the bf16 bound at M = 1..16, and each row's bits those it has alone;
+    the first row's too when the other rows hold inf, NaN and huge values."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t = ggml_type
+    for n, k in _GPU_SHAPES:
+        w, wf = _weight(t, n, k)
+        x = _x(16, k, mx.bfloat16, seed=n + k)
+        alone = mx.concatenate(
+            [
+                MM.mma_matmul_kernel(x[i : i + 1], w, t, k, init_value=float("nan"))
+                for i in range(16)
+            ]
+        )
+        for m in range(1, 17):
+            y = MM.mma_matmul_kernel(x[:m], w, t, k, init_value=float("nan"))
+            if m in MS:
+                _check(y, x[:m], wf)
+            same = np.array(y.view(mx.uint16) == alone[:m].view(mx.uint16)).all(axis=1)
+            assert same.all(), f"{n}x{k} M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
+        y = MM.mma_matmul_kernel(_wild_rows(x), w, t, k)
+        assert bool(mx.array_equal(y[0].view(mx.uint16), alone[0].view(mx.uint16)))
+
+
+@requires_gpu
+def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
+    """ggml_matmul on CUDA with bf16 x picks the mma plan at M = 1 and M = 5 (equal to the
+    kernel called directly); with ENABLED off, the scalar kernel's plan."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    monkeypatch.setattr(Q, "_CALLS", {})
+    t, n, k = T.Q4_K, 257, 2816
+    w, wf = _weight(t, n, k)
+    for m in (1, 5):
+        x = _x(m, k, mx.bfloat16, seed=m)
+        y = Q.ggml_matmul(x, w, t, k)
+        plan = Q._CALLS[(t, k, x.shape, x.dtype, w.shape, w.dtype, True)]
+        assert plan.kernel is MM._KERNELS[t]
+        assert bool(mx.array_equal(y, MM.mma_matmul_kernel(x, w, t, k)))
+        _check(y, x, wf)
+    monkeypatch.setattr(MM, "ENABLED", False)
+    Q.ggml_matmul(x, w, t, k)
+    plan = Q._CALLS[(t, k, x.shape, x.dtype, w.shape, w.dtype, False)]
+    assert plan.kernel is not MM._KERNELS[t] and plan.kernel in Q._KERNELS.values()
