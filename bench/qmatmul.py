@@ -3,6 +3,7 @@
     python3 bench/qmatmul.py OUT.json [--dtype f16] [--types Q4_0,Q4_K] [--rows M] [--sweep]
         [--profile] [--budget SECONDS]
     python3 bench/qmatmul.py OUT.json --mma [--types Q4_K] [--shapes 4096x2816] [--profile]
+    python3 bench/qmatmul.py OUT.json --glu [--types Q4_K] [--shapes 12288x4096] [--profile]
 
 --sweep times every SWEEP configuration (variant V: 0 fp32 math, 1 packed fp16, fp16 x only,
 2 packed fp16 on bf16 x; R rows per threadgroup, U steps per run, W SIMD groups) after the
@@ -24,6 +25,11 @@ launch_config default) on bf16 x, in one process and interleaved (ROUNDS alterna
 kept), at M = 1, 2, 5, 8, 16 for Q4_K, Q6_K, Q5_0, Q8_0 (or --types) on MMA_SHAPES, printing
 mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: about 1).
 --mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel.
+
+--glu does the same for the dense gate/up + activation kernel (expert_glu.dense_glu): its
+tensor-core version (dense_glu_mma_kernel) against the scalar one (dense_config's launch) at
+M = 1, 5, 8, 16, 32 on GLU_SHAPES, given as F x K (the weight holds 2F rows: gate, then up);
+--mma-configs applies to its mma kernel likewise.
 
 Shapes are (N out, K in): 4096x4096, 4096x14336 (down-proj-like), 14336x4096 (up-proj-like) and
 262144x2816 (an lm_head: 262144 outputs from 2816 features). Weights rotate over enough copies to
@@ -48,6 +54,7 @@ from functools import partial
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
+from hf2q_mlx.custom_kernels import expert_glu as G
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.io.random_weights import random_ggml_blocks
@@ -68,6 +75,9 @@ MMA_SHAPES = [(4096, 2816), (2816, 4096), (2112, 2816), (2816, 2112), (262144, 2
 MMA_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
 MMA_ROWS = (1, 2, 5, 8, 16)
 ROUNDS = 3  # scalar / mma alternations per (type, shape, M)
+# --glu: dense MLPs as F x K (gate and up rows of F each): Qwen3.5-9B's, a 2816-feature one
+GLU_SHAPES = [(12288, 4096), (2816, 2816)]
+GLU_ROWS = (1, 5, 8, 16, 32)
 
 
 class Profiler:
@@ -185,39 +195,68 @@ def bench_ggml(tname, n, k, dtype, cfgs, args, t_start) -> list[dict]:
     return rows
 
 
-def bench_mma(tname, n, k, args) -> list[dict]:
-    """The mma kernel against the scalar one on the same weights and bf16 x, interleaved."""
+def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
+    """--mma: {kind: (callables, kernel name)}, the scalar and the mma configs at M = m."""
+    c = Q.launch_config(t, m, n, k, mx.bfloat16)
+    kinds = {
+        "scalar": ([lambda w=w, x=x, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c) for w in ws],
+                   Q.kernel_name(t, c["V"])),
+        "mma": ([lambda w=w, x=x: MM.mma_matmul_kernel(x, w, t, k) for w in ws],
+                MM.kernel_name(t)),
+    }  # fmt: skip
+    mcfg = MM.launch_config(t, m, n, k)
+    for u, wm in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
+        mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
+        kinds[f"mma_U{u}_W{mc['W']}"] = (
+            [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
+            MM.kernel_name(t),
+        )
+    return kinds, c, mcfg
+
+
+def _glu_kinds(t, f, k, m, x, ws, args) -> tuple[dict, dict, dict]:
+    """--glu: likewise for expert_glu's dense kernels (F = f features of 2F weight rows)."""
+    c = G.dense_config(t, m, f, k)
+    kinds = {
+        "scalar": ([lambda w=w, x=x, c=c: G.dense_glu_kernel(x, w, t, k, config=c) for w in ws],
+                   G.dense_kernel_name(t, mma=False)),
+        "mma": ([lambda w=w, x=x: G.dense_glu_mma_kernel(x, w, t, k) for w in ws],
+                G.dense_kernel_name(t, mma=True)),
+    }  # fmt: skip
+    mcfg = MM.glu_launch_config(t, m, f, k)
+    for u, wm in args.mma_configs:
+        mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
+        kinds[f"mma_U{u}_W{mc['W']}"] = (
+            [lambda w=w, x=x, mc=mc: G.dense_glu_mma_kernel(x, w, t, k, config=mc) for w in ws],
+            G.dense_kernel_name(t, mma=True),
+        )
+    return kinds, c, mcfg
+
+
+def bench_mma(tname, n, k, args, glu: bool = False) -> list[dict]:
+    """The mma kernel against the scalar one on the same weights and bf16 x, interleaved.
+    ``glu``: expert_glu's dense kernels, n = F features (2F weight rows)."""
     t = T[tname]
-    w0 = random_ggml_blocks(n, k, t, seed=1)
-    ws = [w0] + [random_ggml_blocks(n, k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)]
-    xs = {m: mx.random.normal((m, k)).astype(mx.bfloat16) for m in MMA_ROWS}
+    w0 = random_ggml_blocks(2 * n if glu else n, k, t, seed=1)
+    ws = [w0] + [
+        random_ggml_blocks(w0.shape[0], k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)
+    ]
+    ms = GLU_ROWS if glu else MMA_ROWS
+    # small x for the GLU: moderate gate sums, no inf in the activation
+    xs = {m: (0.05 * mx.random.normal((m, k))).astype(mx.bfloat16) for m in ms}
     mx.eval(ws, xs)
     batch = max(args.batch, len(ws))
     reps = max(1, args.reps // ROUNDS)
     rows = []
-    for m in MMA_ROWS:
+    for m in ms:
         x = xs[m]
-        c = Q.launch_config(t, m, n, k, mx.bfloat16)
-        kinds = {
-            "scalar": ([lambda w=w, x=x, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c)
-                        for w in ws],
-                       Q.kernel_name(t, c["V"])),
-            "mma": ([lambda w=w, x=x: MM.mma_matmul_kernel(x, w, t, k) for w in ws],
-                    MM.kernel_name(t)),
-        }  # fmt: skip
-        for u, wm in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
-            mc = dict(MM.launch_config(t, m, n, k), U=u)
-            mc["W"] = max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u)))
-            kinds[f"mma_U{u}_W{mc['W']}"] = (
-                [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
-                MM.kernel_name(t),
-            )
+        kinds, c, mcfg = (_glu_kinds if glu else _mma_kinds)(t, n, k, m, x, ws, args)
         got: dict[str, list] = {kind: [] for kind in kinds}
         for _ in range(ROUNDS):
             for kind, (fns, name) in kinds.items():
                 got[kind].append(_time(fns, reps, batch, args.profile, name))
         row = {"type": tname, "N": n, "K": k, "M": m, "bytes": w0.nbytes, "copies": len(ws),
-               "scalar_config": c, "mma_config": MM.launch_config(t, m, n, k)}  # fmt: skip
+               "scalar_config": c, "mma_config": mcfg, "glu": glu}  # fmt: skip
         for kind, vals in got.items():
             row[f"{kind}_wall_us"] = statistics.median(v[0] for v in vals)
             gpu = [v[1] for v in vals if v[1] is not None]
@@ -246,8 +285,9 @@ def _print_mma_row(row: dict) -> None:
         return format(v, fmt) if v is not None else "-"
 
     print(
-        f"{row['type']:>5} {row['N']:>6}x{row['K']:<5} M{row['M']:<2}  wall scalar "
-        f"{row['scalar_wall_us']:7.1f} mma {row['mma_wall_us']:7.1f} us "
+        f"{'glu ' if row.get('glu') else ''}{row['type']:>5} {row['N']:>6}x{row['K']:<5} "
+        f"M{row['M']:<2}  wall scalar {row['scalar_wall_us']:7.1f} "
+        f"mma {row['mma_wall_us']:7.1f} us "
         f"(mma/scalar {row['mma_over_scalar_wall']:.2f})  gpu scalar "
         f"{f(row['scalar_gpu_us'], '7.1f')} mma {f(row['mma_gpu_us'], '7.1f')} us "
         f"(mma/scalar {f(row['mma_over_scalar_gpu'], '.2f')})  x M=1: scalar "
@@ -257,16 +297,17 @@ def _print_mma_row(row: dict) -> None:
     )
 
 
-def main_mma(args, types: list[str], shapes) -> None:
-    res = {"date": datetime.now(timezone.utc).isoformat(), "mode": "mma", "dtype": "bf16",
-           "device": str(mx.default_device()), "rows": [], "skipped": []}  # fmt: skip
+def main_mma(args, types: list[str], shapes, glu: bool = False) -> None:
+    res = {"date": datetime.now(timezone.utc).isoformat(), "mode": "glu" if glu else "mma",
+           "dtype": "bf16", "device": str(mx.default_device()), "rows": [],
+           "skipped": []}  # fmt: skip
     t_start = time.perf_counter()
     for n, k in shapes:
         for tname in types:
             try:
                 if k % Q.BLOCK_FORMATS[T[tname]].block_size:
                     raise ValueError("K is not a multiple of the block")
-                res["rows"] += bench_mma(tname, n, k, args)
+                res["rows"] += bench_mma(tname, n, k, args, glu)
             except Exception as e:  # noqa: BLE001 (report and go on: partial results are useful)
                 print(f"skipped {tname} {n}x{k}: {type(e).__name__}: {e}", flush=True)
                 res["skipped"].append(f"{tname} {n}x{k}: {type(e).__name__}: {e}")
@@ -312,17 +353,20 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=170, help="seconds of sweeping at most")
     ap.add_argument("--rows", type=int, default=1, help="rows of x, 1..16")
     ap.add_argument("--mma", action="store_true", help="mma vs scalar kernel, bf16 x, M 1..16")
-    ap.add_argument("--mma-configs", default="", help="--mma: also time these UxW, e.g. 2x4,4x8")
+    ap.add_argument("--glu", action="store_true", help="dense GLU: mma vs scalar, bf16 x, M 1..32")
+    ap.add_argument(
+        "--mma-configs", default="", help="--mma, --glu: also time these UxW, e.g. 2x4,4x8"
+    )
     args = ap.parse_args()
     args.mma_configs = [
         tuple(int(v) for v in c.split("x")) for c in args.mma_configs.split(",") if c
     ]
-    if args.mma:
+    if args.mma or args.glu:
         types = MMA_TYPES if args.types == ",".join(ALL_TYPES) else args.types.split(",")
-        shapes = MMA_SHAPES
+        shapes = GLU_SHAPES if args.glu else MMA_SHAPES
         if args.shapes != "all":
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        return main_mma(args, [s for s in types if s], shapes)
+        return main_mma(args, [s for s in types if s], shapes, glu=args.glu)
     dtype = DTYPES[args.dtype]
     if not 1 <= args.rows <= 16:
         ap.error("--rows takes 1..16 (the mat-vec kernel's rows of x)")

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType
 
 from hf2q_mlx.custom_kernels import activations, backend
 from hf2q_mlx.custom_kernels import qmatmul as Q
+from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import (
@@ -343,6 +344,90 @@ def dense_glu_kernel(
     return _DENSE_KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
 
 
+# The tensor-core version (CUDA, bf16 x, qmatmul_mma.MMA_TYPES): qmatmul_mma's loop over two
+# row sets, the gate rows f .. f + 15 and the up rows F + f .., sharing each B fragment of x
+# (two mmas per n-tile and k16 step, each set with its own scales and mins); after the SIMD
+# groups' fixed-order sum the epilogue applies the scalar kernel's activation (_ACTIVATE) to the
+# fp32 sums and rounds once. Each row of x is one mma column: its bits do not depend on M.
+_DENSE_MMA_EPILOGUE = r"""    {
+      const float g = v[0], u = v[1];  // feature row0 + r's gate and up sums, row col of x
+@ACTIVATE@      out[size_t(col) * N + row0 + r] = from_float<T>(a * u);
+    }
+"""
+
+
+def _make_dense_mma_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
+            {"out": mx.bfloat16},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act},
+        )
+        for nt, u, act in ((1, 1, 0), (4, 1, 1))
+    ]
+    return MM.make_kernel(
+        f"ggml_dense_glu_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
+        ggml_type,
+        examples,
+        halves=2,
+        epilogue=_DENSE_MMA_EPILOGUE.replace("@ACTIVATE@", _ACTIVATE),
+    )
+
+
+_DENSE_MMA_KERNELS: dict[int, Kernel] = {t: _make_dense_mma_kernel(t) for t in MM.MMA_TYPES}
+if MAX_TOKENS > MM.GLU_MAX_ROWS:  # every M dense_glu takes must fit one tensor-core launch
+    raise RuntimeError("expert_glu: MAX_TOKENS exceeds qmatmul_mma.GLU_MAX_ROWS")
+
+
+def dense_mma_covers(ggml_type: int, dtype: mx.Dtype) -> bool:
+    """Whether dense_glu takes the tensor-core kernel for (type, x dtype) on CUDA (every M in
+    1..MAX_TOKENS, M = 1 included: one math per row whatever the batch)."""
+    return MM.ENABLED and MM.supports(ggml_type, dtype) and ggml_type in _DENSE_MMA_KERNELS
+
+
+def _dense_mma_launch(x, w, ggml_type: int, K: int, activation: str, config) -> tuple[dict, list]:
+    """Launch arguments and the ``dims`` values of a tensor-core dense call."""
+    M, F = math.prod(x.shape[:-1]), w.shape[0] // 2
+    cfg = config or MM.glu_launch_config(ggml_type, M, F, K)
+    nt_max = MM.GLU_MAX_ROWS // 8  # the `red` buffer's size (32 KB of shared memory at 4)
+    if not 1 <= M <= 8 * cfg["NT"] <= 8 * nt_max or not 1 <= cfg["W"] <= MM.MAX_SIMD:
+        raise ValueError(f"config {cfg} cannot run {M} rows of x")
+    launch = dict(
+        grid=(-(-F // 16) * 32 * cfg["W"],),
+        threadgroup=(32 * cfg["W"],),
+        output_shapes=[(*x.shape[:-1], F)],
+        output_dtypes=[x.dtype],
+        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"],
+                  "ACT": ACTIVATIONS.index(activation)},
+    )  # fmt: skip
+    return launch, [M, F, K]
+
+
+def dense_glu_mma_kernel(
+    x: mx.array,
+    w: mx.array,
+    ggml_type: int,
+    in_features: int,
+    activation: str = "silu",
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """The tensor-core dense kernel alone: bf16 x (..., K) of 1..32 rows, w (2F, row_bytes)
+    [gate | up] of a qmatmul_mma type -> (..., F). ``config``: NT, U, W
+    (``qmatmul_mma.glu_launch_config``'s); ``init_value`` pre-fills the output."""
+    if not MM.supports(ggml_type, x.dtype) or x.shape[-1] != in_features:
+        raise ValueError(f"no mma kernel for {ggml_type} with {x.dtype} x of {x.shape}")
+    launch, dims = _dense_mma_launch(x, w, ggml_type, in_features, activation, config)
+    inputs = [x, w, mx.array(dims, dtype=mx.int32)]
+    return _DENSE_MMA_KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
+
+
+def dense_kernel_name(ggml_type: int, mma: bool) -> str:
+    """The registered name of a dense kernel (benchmarks match profiler events on it)."""
+    return (_DENSE_MMA_KERNELS if mma else _DENSE_KERNELS)[ggml_type].name
+
+
 _DENSE: dict[tuple, tuple] = {}
 
 
@@ -351,16 +436,18 @@ def dense_glu(
 ) -> mx.array | None:
     """act(gate) * up of a dense layer of fused [gate | up] GGML rows ``w`` (2F, row_bytes):
     x (..., K) -> (..., F), for 1..32 rows on a GPU in ONE launch that reads each weight row
-    once for all rows (dense_glu_kernel), where a mat-vec and the activation kernel take two.
-    Each row's bits are those it has alone. None where it does not apply (the caller runs the
-    projection, then the activation). Its one rounding to x.dtype is the experts'
-    (expert_glu_reference), not the two-step path's two."""
-    key = (ggml_type, in_features, activation, x.shape, x.dtype, w.shape, w.dtype)
-    plan = _DENSE.get(key) if backend() is not None else None
+    once for all rows (dense_glu_kernel; on CUDA, bf16 x of a qmatmul_mma type unless
+    ``qmatmul_mma.ENABLED`` is off, the tensor-core dense_glu_mma_kernel at every M), where a
+    mat-vec and the activation kernel take two. Each row's bits are those it has alone. None
+    where it does not apply (the caller runs the projection, then the activation). Its one
+    rounding to x.dtype is the experts' (expert_glu_reference), not the two-step path's two."""
+    be = backend()
+    key = (ggml_type, in_features, activation, x.shape, x.dtype, w.shape, w.dtype, MM.ENABLED)
+    plan = _DENSE.get(key) if be is not None else None
     if plan is None:
         rows = math.prod(x.shape[:-1])
         if not (
-            backend() is not None
+            be is not None
             and ggml_type in _DENSE_KERNELS
             and activation in ACTIVATIONS
             and x.dtype in Q.X_DTYPES
@@ -372,9 +459,13 @@ def dense_glu(
             and w.shape[1] == row_bytes(ggml_type, in_features)
         ):
             return None
-        launch, ddims = _dense_launch(x, w, ggml_type, in_features, activation, None)
+        if be == "cuda" and dense_mma_covers(ggml_type, x.dtype):
+            kernel, make = _DENSE_MMA_KERNELS[ggml_type], _dense_mma_launch
+        else:
+            kernel, make = _DENSE_KERNELS[ggml_type], _dense_launch
+        launch, ddims = make(x, w, ggml_type, in_features, activation, None)
         dtypes = [x.dtype, mx.uint8, mx.int32]
-        plan = (_DENSE_KERNELS[ggml_type].launcher(dtypes, **launch), mx.array(ddims, mx.int32))
+        plan = (kernel.launcher(dtypes, **launch), mx.array(ddims, mx.int32))
         _DENSE[key] = plan
     launch, ddims = plan
     return launch(inputs=[x, w, ddims])[0]

@@ -1,4 +1,7 @@
-"""Tensor-core mat-vec against GGML blocks for 1..16 rows of bf16 x: x @ W.T through warp mmas."""
+"""Tensor-core mat-vec against GGML blocks for 1..16 rows of bf16 x: x @ W.T through warp mmas.
+
+Its loop (``make_kernel``) also serves the dense GLU (expert_glu.dense_glu_mma_kernel: gate and
+up rows as two row sets, up to 32 rows of x)."""
 
 from __future__ import annotations
 
@@ -181,44 +184,51 @@ MAX_ROWS = 16  # rows of x one launch takes (two n-tiles of 8)
 # Kernel
 
 _BODY = r"""
-  // Thread mapping: a threadgroup owns 16 weight rows (row0 + 0..15) and every column of x (M
-  // <= 16: NT n-tiles of 8); each of its n_simd SIMD groups takes interleaved runs of U blocks
-  // of those rows. Lane = 4g + t decodes rows g and g + 8 (its A fragments) and loads x column
-  // 8 nt + g (its B fragments); a scale group's mmas sum into a zeroed c, which the group's
-  // scale (and, with a min, the column's x sum) folds into fp32 accumulators. The SIMD groups'
-  // sums meet in shared memory, added in SIMD-group order. Each output column depends on its
-  // own x column only, in an order fixed by (N, K): a row's bits are the same at any M.
+  // Thread mapping: a threadgroup owns 16 rows (row0 + 0..15) of each of its H row sets (H = 1:
+  // the weight's rows; H = 2: a GLU's gate rows and, N rows further, its up rows) and every
+  // column of x (M <= 8 NT: NT n-tiles of 8); each of its n_simd SIMD groups takes interleaved
+  // runs of U blocks of those rows. Lane = 4g + t decodes rows g and g + 8 of each set (its A
+  // fragments) and loads x column 8 nt + g (its B fragments, shared by the sets); a scale
+  // group's mmas sum into a zeroed c, which the group's scale (and, with a min, the column's x
+  // sum) folds into fp32 accumulators. The SIMD groups' sums meet in shared memory, added in
+  // SIMD-group order. Each output column depends on its own x column only, in an order fixed
+  // by (N, K): a row's bits are the same at any M.
   constexpr uint QK = @QK@, BB = @BB@;
   constexpr int NGR = @NGR@, MMG = @MMG@;  // scale groups per block, mmas per group
+  constexpr int H = @H@;  // row sets
   const uint M = uint(dims[0]);
-  const uint N = uint(dims[1]);
+  const uint N = uint(dims[1]);  // rows per set
   const uint K = uint(dims[2]);
   const uint nb = K / QK;
   const size_t row_bytes = size_t(nb) * BB;
   const uint g = lane >> 2, t = lane & 3u;
   const uint row0 = gid_x * 16;
-  // rows past N re-read row N - 1; their sums are dropped
-  DEVICE_PTR(const uchar) w0 = w + size_t(row0 + g < N ? row0 + g : N - 1) * row_bytes;
-  DEVICE_PTR(const uchar) w1 = w + size_t(row0 + g + 8 < N ? row0 + g + 8 : N - 1) * row_bytes;
-  float acc[NT][4];
-  UNROLL for (int n = 0; n < NT; ++n) UNROLL for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+  // rows g, g + 8 of set h: wr[2h], wr[2h + 1]; rows past N re-read row N - 1, sums dropped
+  DEVICE_PTR(const uchar) wr[2 * H];
+  UNROLL for (int h = 0; h < H; ++h) {
+    wr[2 * h] = w + (size_t(h) * N + (row0 + g < N ? row0 + g : N - 1)) * row_bytes;
+    wr[2 * h + 1] = w + (size_t(h) * N + (row0 + g + 8 < N ? row0 + g + 8 : N - 1)) * row_bytes;
+  }
+  float acc[H][NT][4];
+  UNROLL for (int h = 0; h < H; ++h) UNROLL for (int n = 0; n < NT; ++n)
+    UNROLL for (int i = 0; i < 4; ++i) acc[h][n][i] = 0.0f;
   for (uint b0 = simd_id * U; b0 < nb; b0 += n_simd * U) {
-    // all loads of the run first: U blocks x 2 rows in flight per lane
-    MRaw@SUF@ raw[U][2];
+    // all loads of the run first: U blocks x 2H rows in flight per lane
+    MRaw@SUF@ raw[U][2 * H];
     UNROLL for (int u = 0; u < U; ++u) {
       const uint blk = b0 + uint(u);
       const size_t off = size_t(blk < nb ? blk : 0) * BB;  // past the end: block 0, no math
-      raw[u][0] = load_m_@suf@(w0 + off, t);
-      raw[u][1] = load_m_@suf@(w1 + off, t);
+      UNROLL for (int r = 0; r < 2 * H; ++r) raw[u][r] = load_m_@suf@(wr[r] + off, t);
     }
     UNROLL for (int u = 0; u < U; ++u) {
       const uint blk = b0 + uint(u);
       if (blk >= nb) continue;  // uniform over the SIMD group: its shuffles stay together
       DEVICE_PTR(const T) xb = x + size_t(blk) * QK;
       UNROLL for (int gi = 0; gi < NGR; ++gi) {
-        uint a[4 * MMG];
-        float sc[2], mn[2];
-        dq_m_@suf@(raw[u][0], raw[u][1], t, gi, a, sc, mn);
+        uint a[H][4 * MMG];
+        float sc[H][2], mn[H][2];
+        UNROLL for (int h = 0; h < H; ++h)
+          dq_m_@suf@(raw[u][2 * h], raw[u][2 * h + 1], t, gi, a[h], sc[h], mn[h]);
         UNROLL for (int n = 0; n < NT; ++n) {
           const uint col = 8 * uint(n) + g;
           // x of column col at the lane's k; padding columns are zeros. Branch-free (column
@@ -227,42 +237,54 @@ _BODY = r"""
           uint bx[2 * MMG];
           load_xb(xb + size_t(live ? col : 0u) * K + xoff_m_@suf@(t, gi), MMG, bx);
           UNROLL for (int i = 0; i < 2 * MMG; ++i) bx[i] = live ? bx[i] : 0u;
-          float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          UNROLL for (int mm = 0; mm < MMG; ++mm) mma_bf16_m16n8k16(c, a + 4 * mm, bx + 2 * mm);
-          acc[n][0] = fma_f(sc[0], c[0], acc[n][0]);  // C[g][2t], C[g][2t + 1]
-          acc[n][1] = fma_f(sc[0], c[1], acc[n][1]);
-          acc[n][2] = fma_f(sc[1], c[2], acc[n][2]);  // C[g + 8][2t], C[g + 8][2t + 1]
-          acc[n][3] = fma_f(sc[1], c[3], acc[n][3]);
+          UNROLL for (int h = 0; h < H; ++h) {
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            UNROLL for (int mm = 0; mm < MMG; ++mm)
+              mma_bf16_m16n8k16(c, a[h] + 4 * mm, bx + 2 * mm);
+            acc[h][n][0] = fma_f(sc[h][0], c[0], acc[h][n][0]);  // C[g][2t], C[g][2t + 1]
+            acc[h][n][1] = fma_f(sc[h][0], c[1], acc[h][n][1]);
+            acc[h][n][2] = fma_f(sc[h][1], c[2], acc[h][n][2]);  // C[g + 8][2t], [2t + 1]
+            acc[h][n][3] = fma_f(sc[h][1], c[3], acc[h][n][3]);
+          }
           if (@BIAS@) {
-            // the group's x sum per column, by the tensor core: A = all ones puts the sum of
-            // column 2t (2t + 1) in cs[0] and cs[2] (cs[1], cs[3]), already in the C layout;
-            // each column's sum depends on that column only (row parity)
+            // the group's x sum per column, by the tensor core (once for all sets): A = all
+            // ones puts the sum of column 2t (2t + 1) in cs[0] and cs[2] (cs[1], cs[3]),
+            // already in the C layout; each column's sum depends on that column only
             const uint ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
             float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             UNROLL for (int mm = 0; mm < MMG; ++mm) mma_bf16_m16n8k16(cs, ones, bx + 2 * mm);
-            acc[n][0] = fma_f(-mn[0], cs[0], acc[n][0]);
-            acc[n][1] = fma_f(-mn[0], cs[1], acc[n][1]);
-            acc[n][2] = fma_f(-mn[1], cs[2], acc[n][2]);
-            acc[n][3] = fma_f(-mn[1], cs[3], acc[n][3]);
+            UNROLL for (int h = 0; h < H; ++h) {
+              acc[h][n][0] = fma_f(-mn[h][0], cs[0], acc[h][n][0]);
+              acc[h][n][1] = fma_f(-mn[h][0], cs[1], acc[h][n][1]);
+              acc[h][n][2] = fma_f(-mn[h][1], cs[2], acc[h][n][2]);
+              acc[h][n][3] = fma_f(-mn[h][1], cs[3], acc[h][n][3]);
+            }
           }
         }
       }
     }
   }
-  // The SIMD groups' sums, through shared memory in a fixed order; write (M, N).
-  SHARED float red[8 * 256];  // [SIMD group][row 0..15][column 0..15]
-  UNROLL for (int n = 0; n < NT; ++n) UNROLL for (int i = 0; i < 4; ++i)
-    red[(simd_id * 16 + g + 8 * uint(i >> 1)) * 16 + 8 * uint(n) + 2 * t + uint(i & 1)] =
-        acc[n][i];
+  // The SIMD groups' sums, through shared memory in a fixed order; the epilogue writes (M, N).
+  constexpr uint CW = 8 * NT;  // columns of x
+  SHARED float red[H * 8 * 16 * CW];  // [set][SIMD group][row 0..15][column 0..CW - 1]
+  UNROLL for (int h = 0; h < H; ++h) UNROLL for (int n = 0; n < NT; ++n)
+    UNROLL for (int i = 0; i < 4; ++i)
+      red[((uint(h) * 8 + simd_id) * 16 + g + 8 * uint(i >> 1)) * CW + 8 * uint(n) + 2 * t +
+          uint(i & 1)] = acc[h][n][i];
   BARRIER();
-  for (uint i = tid; i < 256; i += tg_size) {
-    const uint r = i >> 4, col = i & 15u;
+  for (uint i = tid; i < 16 * CW; i += tg_size) {
+    const uint r = i / CW, col = i % CW;
     if (row0 + r >= N || col >= M) continue;
-    float v = red[r * 16 + col];
-    for (uint s = 1; s < n_simd; ++s) v += red[(s * 16 + r) * 16 + col];
-    out[size_t(col) * N + row0 + r] = from_float<T>(v);
-  }
+    float v[H];
+    UNROLL for (int h = 0; h < H; ++h) {
+      v[h] = red[(uint(h) * 8 * 16 + r) * CW + col];
+      for (uint s = 1; s < n_simd; ++s) v[h] += red[((uint(h) * 8 + s) * 16 + r) * CW + col];
+    }
+@EPILOGUE@  }
 """
+
+# the mat-vec's epilogue: row0 + r of W, column col of x
+_MATMUL_EPILOGUE = "    out[size_t(col) * N + row0 + r] = from_float<T>(v[0]);\n"
 
 _LOAD_XB = r"""
 // n * 4 consecutive bf16 x (8 * n bytes, aligned) as n * 2 pairs, lower k in the low half.
@@ -277,10 +299,41 @@ FN void load_xb(DEVICE_PTR(const bfloat_t) p, int n, THREAD_PTR(uint) b) {
 }
 """
 
-_MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups
+MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups
 # (U, W max) per block size, not yet measured on the GPU: enough blocks in flight per SM for
 # the small projection shapes (docs/kernel_notes.md, "tensor-core mat-vec")
 _DEFAULTS = {256: (2, 8), 32: (8, 8)}
+
+
+def make_kernel(
+    name: str,
+    ggml_type: int,
+    examples: list[Example],
+    *,
+    halves: int = 1,
+    epilogue: str = _MATMUL_EPILOGUE,
+    header: str = "",
+) -> Kernel:
+    """The mma loop over ``halves`` row sets of ``ggml_type`` weights (inputs x, w, dims; output
+    out) with ``epilogue``: the lines that write output row0 + r, column col from the sets'
+    fp32 sums v[0..halves - 1]. Template T, NT, U, plus whatever ``header`` and ``epilogue``
+    use. The tensor-core GLU (expert_glu.dense_glu) is ``halves`` = 2 with an activation."""
+    ngr, mmg = _GROUPS[ggml_type]
+    body = (
+        fill_format(_BODY, ggml_type)
+        .replace("@NGR@", str(ngr))
+        .replace("@MMG@", str(mmg))
+        .replace("@H@", str(halves))
+        .replace("@EPILOGUE@", epilogue)
+    )
+    return Kernel(
+        name,
+        inputs=["x", "w", "dims"],
+        outputs=["out"],
+        body=body,
+        header=kernel_header(ggml_type) + _MMA_COMMON + _LOAD_XB + _DECODERS[ggml_type] + header,
+        examples=examples,
+    )
 
 
 def _make_kernel(ggml_type: int) -> Kernel:
@@ -292,17 +345,7 @@ def _make_kernel(ggml_type: int) -> Kernel:
         )
         for nt, u in ((1, 2), (2, 1))
     ]
-    header = kernel_header(ggml_type) + _MMA_COMMON + _LOAD_XB + _DECODERS[ggml_type]
-    return Kernel(
-        f"ggml_qmv_mma_{T(ggml_type).name.lower()}",
-        inputs=["x", "w", "dims"],
-        outputs=["out"],
-        body=fill_format(_BODY, ggml_type)
-        .replace("@NGR@", str(_GROUPS[ggml_type][0]))
-        .replace("@MMG@", str(_GROUPS[ggml_type][1])),
-        header=header,
-        examples=examples,
-    )
+    return make_kernel(f"ggml_qmv_mma_{T(ggml_type).name.lower()}", ggml_type, examples)
 
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in MMA_TYPES}
@@ -334,6 +377,21 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     return {"NT": 1 if M <= 8 else 2, "U": u, "W": max(1, min(w_max, runs))}
 
 
+GLU_MAX_ROWS = 32  # rows of x one GLU launch takes (NT up to 4 n-tiles)
+# (U, W max) of the GLU kernel (two row sets) per block size: half the mat-vec's U, the same
+# weight bytes in flight per lane (each run loads gate and up rows); not yet measured
+_GLU_DEFAULTS = {256: (1, 8), 32: (4, 8)}
+
+
+def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
+    """NT, U, W of the GLU kernel (expert_glu.dense_glu) for M <= GLU_MAX_ROWS rows: as
+    ``launch_config``, U and W from (type, K) alone (row parity); NT 1, 2 or 4 n-tiles."""
+    qk = BLOCK_FORMATS[ggml_type].block_size
+    u, w_max = _GLU_DEFAULTS[qk]
+    runs = -(-(K // qk) // u)
+    return {"NT": 1 if M <= 8 else 2 if M <= 16 else 4, "U": u, "W": max(1, min(w_max, runs))}
+
+
 class _Plan:
     """Everything a launch needs for one (type, M, N, K, config), built once."""
 
@@ -341,7 +399,7 @@ class _Plan:
                  "launch")  # fmt: skip
 
     def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
-        if not 1 <= M <= 8 * cfg["NT"] or not 1 <= cfg["W"] <= _MAX_SIMD:
+        if not 1 <= M <= 8 * cfg["NT"] or not 1 <= cfg["W"] <= MAX_SIMD:
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
         self.kernel = _KERNELS[ggml_type]
         self.grid = (-(-N // 16) * 32 * cfg["W"],)

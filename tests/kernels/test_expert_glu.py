@@ -332,6 +332,7 @@ def test_dense_glu_rows_match_each_row_alone_on_the_emulator(dense_builds, i, t,
     monkeypatch.setitem(G._DENSE_KERNELS, t, emu)
     monkeypatch.setattr(G, "backend", lambda: "cuda")
     monkeypatch.setattr(G, "_DENSE", {})
+    monkeypatch.setattr(G.MM, "ENABLED", False)  # the scalar kernel (bf16 Q6_K would take mma)
     # every row alone in one run: M = 1's instantiation, one row per group of rows (gid_y)
     alone = G.dense_glu_kernel(x, w, t, kk, config=G.dense_config(t, 1, f, kk))
     _check_dense(alone, x, raw, t, f, kk)
@@ -455,9 +456,11 @@ def test_gpu_launch_configs_and_dispatcher(cfg):
 @pytest.mark.parametrize("f,kk", [(7, 256), (2112, 2816)], ids=["tiny", "gemma4-26b"])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
-def test_gpu_dense_glu(dtype, t, f, kk):
+def test_gpu_dense_glu(dtype, t, f, kk, monkeypatch):
     """On the GPU: every row of M = 2..32 with the bits it has alone, the kernel's outputs
-    NaN-poisoned first, values within _check's bounds of fp32 math."""
+    NaN-poisoned first, values within _check's bounds of fp32 math. The scalar kernel: the
+    tensor-core one (bf16 on CUDA) is test_dense_glu_mma.py's."""
+    monkeypatch.setattr(G.MM, "ENABLED", False)
     if kk % (256 if "_K" in t.name else 32):
         pytest.skip("K not a multiple of the block")
     raw = _experts(t, 1, 2 * f, kk, seed=f + 60)

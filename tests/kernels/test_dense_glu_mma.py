@@ -1,0 +1,247 @@
+"""The tensor-core dense GLU (expert_glu.dense_glu_mma_kernel: qmatmul_mma's loop over the gate
+and up rows, the activation in its epilogue): accuracy on the CPU emulator against fp32 math,
+row parity (each row's bits the same at any M and whatever the other rows hold), the
+dispatcher's choice, and the same on the GPU on Qwen3.5-9B's MLP shapes."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import kernel_emulator
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from gguf import GGMLQuantizationType as T
+from test_expert_glu import _bits, _check, _experts, _x
+from test_qmatmul_mma import _wild_rows
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import expert_glu as G
+from hf2q_mlx.custom_kernels import qmatmul_mma as MM
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.dequant import row_bytes
+from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
+
+TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]
+QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
+F_EMU = 20  # features: two threadgroups of 16, the second with features past F
+# Tolerance (test_expert_glu._check, bf16 x): per row, the relative error at most twice that
+# of the fp32 result rounded to bf16. Weights and x enter the mma exactly, its products are
+# exact, its sums and the scales, the activation and the product fp32: the one bf16 rounding
+# of the output (2^-9) dominates.
+
+needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+
+
+def _k(t: int) -> int:
+    """K for the emulator: 2 super-blocks (K-quants) or 3 blocks: short rows, fast fibers."""
+    return 2 * QK[t] if QK[t] == 256 else 3 * QK[t]
+
+
+def _case(t: int, m: int, k: int, seed: int):
+    """(raw (1, 2F, row_bytes) numpy, w (2F, row_bytes), bf16 x (m, k)): O(1) projections."""
+    raw = _experts(t, 1, 2 * F_EMU, k, seed=int(t) + k)
+    return raw, mx.array(raw[0]), _x((m, k), mx.bfloat16, seed, raw, t)
+
+
+def _check_glu(y: mx.array, x: mx.array, raw: np.ndarray, t: int, k: int, act: str) -> None:
+    """dense GLU = the experts' contract over one expert (id 0 for every row)."""
+    f = raw.shape[1] // 2
+    assert y.shape == (*x.shape[:-1], f) and y.dtype == x.dtype
+    ids = mx.zeros((x.shape[0], 1), dtype=mx.uint32)
+    _check(y[:, None], x, raw[:, :f], raw[:, f:], ids, t, k, act)
+
+
+# (type, M, K, activation, config or None): every type at M = 1, 5 (NT 1), 16 (NT 2), 20 and 32
+# (NT 4) with the default launch, then several SIMD groups, several runs each, a partial last
+# run and NT = 3.
+_CASES = [
+    (t, m, _k(t), "gelu_tanh" if m == 20 else "silu", None)
+    for t in TYPES
+    for m in (1, 5, 16, 20, 32)
+] + [
+    (T.Q4_K, 5, 3 * 256, "silu", {"NT": 1, "U": 1, "W": 2}),
+    (T.Q6_K, 11, 3 * 256, "gelu_tanh", {"NT": 2, "U": 2, "W": 2}),
+    (T.Q8_0, 2, 13 * 32, "silu", {"NT": 1, "U": 2, "W": 3}),
+    (T.Q5_0, 24, 13 * 32, "silu", {"NT": 3, "U": 3, "W": 2}),
+]
+
+
+def _example(t: int, m: int, k: int, act: str, cfg: dict | None) -> tuple[Kernel, Example]:
+    cfg = cfg or MM.glu_launch_config(t, m, F_EMU, k)
+    ex = Example(
+        {
+            "x": (mx.bfloat16, m * k),
+            "w": (mx.uint8, 2 * F_EMU * row_bytes(t, k)),
+            "dims": (mx.int32, 3),
+        },
+        {"out": mx.bfloat16},
+        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "ACT": G.ACTIVATIONS.index(act)},
+    )
+    return G._DENSE_MMA_KERNELS[t], ex
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """Build the binaries two at a time (g++ dominates), run every case once."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: kernel_emulator.build(*_example(*c)), _CASES))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    try:
+        outs = {}
+        for i, (t, m, k, act, cfg) in enumerate(_CASES):
+            _, w, x = _case(t, m, k, 700 + i)
+            outs[i] = G.dense_glu_mma_kernel(x, w, t, k, act, config=cfg)
+    finally:
+        mp.undo()
+    return outs
+
+
+@pytest.mark.parametrize(
+    "i", range(len(_CASES)), ids=[f"{T(c[0]).name}-M{c[1]}-K{c[2]}-{c[3]}" for c in _CASES]
+)
+def test_emulator_matches_reference(emulated, i):
+    """Within the bf16 bound of fp32 math, row by row; every output written (NaN-poisoned)."""
+    t, m, k, act, _ = _CASES[i]
+    raw, _, x = _case(t, m, k, 700 + i)
+    _check_glu(emulated[i], x, raw, t, k, act)
+
+
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_emulator_rows_bit_identical_to_rows_alone(ggml_type, monkeypatch):
+    """Row parity: at M = 2..32 (NT 1, 2, 4) each row has the bits it has alone (M = 1), and
+    the first row keeps them at M = 16 and 32 when the other rows hold inf, NaN, huge values."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, _k(ggml_type)
+    raw, w, x = _case(t, 32, k, seed=int(t) + 70)
+    alone = mx.concatenate([G.dense_glu_mma_kernel(x[i : i + 1], w, t, k) for i in range(32)])
+    _check_glu(alone, x, raw, t, k, "silu")
+    perm = np.random.default_rng(int(t)).permutation(32)
+    for m in (2, 5, 8, 9, 16, 17, 32):
+        rows = mx.array(perm[:m])  # rows in another order than alone's
+        y = G.dense_glu_mma_kernel(x[rows], w, t, k)
+        same = (_bits(y) == _bits(alone[rows])).all(axis=1)
+        assert same.all(), f"M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
+    for m in (16, 32):
+        y = G.dense_glu_mma_kernel(_wild_rows(x[:m]), w, t, k)
+        assert np.array_equal(_bits(y[0]), _bits(alone[0])), f"M = {m}: row 0 changed"
+
+
+@needs_gxx
+def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
+    """dense_glu on CUDA with bf16 x of a covered type: the mma kernel at M = 1, 3 (batch dims
+    kept) and 20 (one launch); ENABLED = False, fp16 x, an uncovered type or Metal: the scalar
+    dense kernel (stubbed here: only the choice is checked)."""
+    launched = []
+
+    def launcher(self, input_dtypes, **launch):
+        launched.append(self.name)
+        if not self.name.startswith("ggml_dense_glu_mma"):
+            shapes, dtypes = launch["output_shapes"], launch["output_dtypes"]
+            return lambda inputs: [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+        return kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
+
+    monkeypatch.setattr(G, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    monkeypatch.setattr(G, "_DENSE", {})
+    t, k = T.Q8_0, _k(T.Q8_0)
+    raw, w, x = _case(t, 20, k, seed=9)
+    y1 = G.dense_glu(x[:1], w, t, k)
+    y3 = G.dense_glu(x[:3].reshape(1, 3, k), w, t, k)
+    y20 = G.dense_glu(x, w, t, k, "gelu_tanh")
+    assert launched == [G.dense_kernel_name(t, mma=True)] * 3
+    assert y3.shape == (1, 3, F_EMU) and y20.shape == (20, F_EMU)
+    _check_glu(y3.reshape(3, F_EMU), x[:3], raw, t, k, "silu")
+    _check_glu(y20, x, raw, t, k, "gelu_tanh")
+    assert np.array_equal(_bits(y1[0]), _bits(y3[0, 0]))
+    assert G.dense_glu(x, w, t, k, "gelu_tanh") is not None and len(launched) == 3  # cached
+    launched.clear()
+    monkeypatch.setattr(MM, "ENABLED", False)
+    G.dense_glu(x, w, t, k)
+    monkeypatch.setattr(MM, "ENABLED", True)
+    G.dense_glu(x.astype(mx.float16), w, t, k)
+    raw4 = _experts(T.Q4_0, 1, 2 * F_EMU, 96, seed=4)
+    G.dense_glu(_x((3, 96), mx.bfloat16, 10, raw4, T.Q4_0), mx.array(raw4[0]), T.Q4_0, 96)
+    monkeypatch.setattr(G, "backend", lambda: "metal")
+    G.dense_glu(x[:2], w, t, k)
+    assert launched == [G.dense_kernel_name(tt, mma=False) for tt in (t, t, T.Q4_0, t)]
+    assert G.dense_glu(mx.concatenate([x, x]), w, t, k) is None  # 40 rows: past MAX_TOKENS
+
+
+def test_glu_launch_config_fixes_the_order_whatever_m():
+    """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M."""
+    for t in TYPES:
+        for f, k in ((12288, 4096), (2816, 2816), (F_EMU, _k(t))):
+            cfgs = [MM.glu_launch_config(t, m, f, k) for m in range(1, G.MAX_TOKENS + 1)]
+            assert len({(c["U"], c["W"]) for c in cfgs}) == 1
+            assert all(m <= 8 * c["NT"] <= 32 for m, c in zip(range(1, 33), cfgs))
+            c = cfgs[0]
+            assert 1 <= c["W"] <= min(MM.MAX_SIMD, -(-(k // QK[t]) // c["U"]))
+    x, w = mx.zeros((9, 256), mx.bfloat16), mx.zeros((32, 144), mx.uint8)
+    with pytest.raises(ValueError):  # one n-tile cannot hold 9 rows
+        G.dense_glu_mma_kernel(x, w, T.Q4_K, 256, config={"NT": 1, "U": 1, "W": 1})
+    with pytest.raises(ValueError):  # past the shared `red` buffer's 4 n-tiles
+        G.dense_glu_mma_kernel(x, w, T.Q4_K, 256, config={"NT": 5, "U": 1, "W": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: Qwen3.5-9B's MLP (F 12288 of K 4096) and a 2816-feature one (F 2816 of K 2816)
+
+_GPU_SHAPES = ((2816, 2816), (12288, 4096))
+
+
+@requires_gpu
+@pytest.mark.parametrize("f,k", _GPU_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_gpu_matches_reference_and_rows_alone(ggml_type, f, k):
+    """On CUDA: within the bf16 bound at M = 1, 5, 16, 20, 32 (outputs NaN-poisoned first),
+    each row's bits at M = 2..32 those it has alone, the first row's too when the other rows
+    hold inf, NaN and huge values."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t = ggml_type
+    raw = _experts(t, 1, 2 * f, k, seed=f + k)
+    w = mx.array(raw[0])
+    x = _x((32, k), mx.bfloat16, f + 1, raw, t)
+    nan = float("nan")
+    alone = mx.concatenate(
+        [G.dense_glu_mma_kernel(x[i : i + 1], w, t, k, init_value=nan) for i in range(32)]
+    )
+    _check_glu(alone, x, raw, t, k, "silu")
+    perm = np.random.default_rng(f).permutation(32)
+    for m in range(2, 33):
+        rows = mx.array(perm[:m])
+        y = G.dense_glu_mma_kernel(x[rows], w, t, k, init_value=nan)
+        same = (_bits(y) == _bits(alone[rows])).all(axis=1)
+        assert same.all(), f"{f}x{k} M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
+    for m in (5, 20):
+        y = G.dense_glu_mma_kernel(x[:m], w, t, k, "gelu_tanh", init_value=nan)
+        _check_glu(y, x[:m], raw, t, k, "gelu_tanh")
+    y = G.dense_glu_mma_kernel(_wild_rows(x), w, t, k)
+    assert np.array_equal(_bits(y[0]), _bits(alone[0]))
+
+
+@requires_gpu
+def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
+    """dense_glu on CUDA with bf16 x picks the mma kernel at M = 1, 5 and 32 (equal to the kernel
+    called directly, near the scalar kernel); with ENABLED off, the scalar kernel."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    monkeypatch.setattr(G, "_DENSE", {})
+    t, f, k = T.Q4_K, 2816, 2816
+    raw = _experts(t, 1, 2 * f, k, seed=3)
+    w = mx.array(raw[0])
+    for m in (1, 5, 32):
+        x = _x((m, k), mx.bfloat16, m, raw, t)
+        y = G.dense_glu(x, w, t, k)
+        assert np.array_equal(_bits(y), _bits(G.dense_glu_mma_kernel(x, w, t, k)))
+        scalar = G.dense_glu_kernel(x, w, t, k, config=G.dense_config(t, m, f, k))
+        _check_glu(y, x, raw, t, k, "silu")
+        _check_glu(scalar, x, raw, t, k, "silu")
+    monkeypatch.setattr(MM, "ENABLED", False)
+    assert np.array_equal(_bits(G.dense_glu(x, w, t, k)), _bits(scalar))
