@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.decode_step import shared_step
-from hf2q_mlx.draft_length import DraftLength
+from hf2q_mlx.draft_length import DraftLength, RoundCosts
 from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
 from hf2q_mlx.speculative import PLAIN_RUN, Warp, plain_run, verify_rows, verify_step_rows
 
@@ -151,15 +151,24 @@ def load_qwen_bench():
 
 
 def replay_run(
-    model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int, kind: str = "fixed"
+    model,
+    prompt: list[int],
+    ref: list[int],
+    k: int,
+    acc: float,
+    seed: int,
+    kind: str = "fixed",
+    memory: RoundCosts | None = None,
 ) -> dict:
     """Decode ``len(ref)`` tokens with drafts copied from ``ref`` (the target's greedy output),
     each wrong with probability 1 - acc, verified on the compiled step (``kind`` "fixed": K
     drafts a round; "adaptive": ``DraftLength`` picks k <= K, the verify takes k + 1 tokens, and
     k = 0 decodes PLAIN_RUN plain tokens, pipelined, as ``stream_generate`` does; "eager": K
-    drafts through per-sequence caches). Stops where the target leaves ``ref``."""
+    drafts through per-sequence caches). ``memory``: round costs shared across the adaptive runs
+    of one model, as ``stream_generate`` keeps them on its step. Stops where the target leaves
+    ``ref``."""
     eager, adaptive = kind == "eager", kind == "adaptive"
-    control = DraftLength(k, adaptive)
+    control = DraftLength(k, adaptive, memory=memory)
     rng = np.random.default_rng(seed)
     V = model.args.vocab_size
     if eager:
@@ -237,14 +246,17 @@ def bench_replay(args) -> list[dict]:
         # warm-up: the compiled traces (decode, verify of K + 1, rollback), kernels
         replay_run(model, prompt, [0] * (args.k + 3), args.k, 0.5, seed=99)
         warm = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
+        costs = RoundCosts()  # the adaptive runs' round times, learned once per model
         for a, kind in modes:  # the adaptive runs compile the verify lengths they pick
-            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, kind=kind)
+            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, kind=kind, memory=costs)
         for r in range(args.rounds):
             p = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
             plain.append(p)
             for a, kind in modes:
                 spec[a, kind].append(
-                    replay_run(model, prompt, p["tokens"], args.k, a, seed=r, kind=kind)
+                    replay_run(
+                        model, prompt, p["tokens"], args.k, a, seed=r, kind=kind, memory=costs
+                    )
                 )
         base = statistics.median(p["tps"] for p in plain)
         rows.append({"shape": name, "config": "plain compiled", "tps": base, "step_ms": 1e3 / base})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 def expected_tokens(p: float, k: int) -> float:
@@ -13,6 +14,18 @@ def expected_tokens(p: float, k: int) -> float:
     if p >= 1.0 - 1e-12:
         return k + 1.0
     return (1.0 - p ** (k + 1)) / (1.0 - p)
+
+
+@dataclass
+class RoundCosts:
+    """What a controller learned about round times, kept for the next generation on the same
+    compiled step and drafter: the moving average per verify length L, and the lengths whose
+    first (possibly compiling) sample came in. A round's cost depends on the model, the step
+    and the drafter, not on the text, so a later request starts from it instead of measuring K
+    drafts and plain steps again and dropping each length's first sample."""
+
+    cost: dict[int, float] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)
 
 
 class DraftLength:
@@ -45,6 +58,8 @@ class DraftLength:
     The choice reads only past rounds, never the current round's drafts or random draws: so
     speculative sampling keeps the target's distribution, and greedy output its tokens.
     ``clock`` (seconds) is a class attribute so tests can drive the controller with fake costs.
+    ``memory``: a ``RoundCosts`` shared with earlier controllers of the same step and drafter
+    (``speculative.round_costs``); their costs seed this one and it updates them in place.
     """
 
     clock: Callable[[], float] = staticmethod(time.perf_counter)
@@ -59,15 +74,17 @@ class DraftLength:
         decay: float = 0.95,
         alpha: float = 0.2,
         explore_every: int = 16,
+        memory: RoundCosts | None = None,
     ):
         self.max_drafts, self.adaptive = max_drafts, adaptive
         self.accepted = prior * prior_weight  # S: decayed accepted drafts
         self.rejected = (1.0 - prior) * prior_weight  # F: decayed first rejections
         self.decay, self.alpha, self.explore_every = decay, alpha, explore_every
-        self.cost: dict[int, float] = {}  # L -> moving average of the round's seconds
-        self.seen: set[int] = set()  # lengths whose first (dropped) sample came in
+        memory = memory if memory is not None else RoundCosts()
+        self.cost = memory.cost  # L -> moving average of the round's seconds (shared)
+        self.seen = memory.seen  # lengths whose first (dropped) sample came in (shared)
         self.rounds = 0  # rounds chosen after the start-up measurements
-        self.measured_at: dict[int, int] = {}  # L -> the round of its latest sample
+        self.measured_at = dict.fromkeys(self.cost, 0)  # L -> the round of its latest sample
         self.pending: int | None = None  # an exploration to repeat (its sample was dropped)
         self.exploring = False
 

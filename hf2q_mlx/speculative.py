@@ -34,7 +34,7 @@ import numpy as np
 
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.decode_step import DecodeStep, shared_step
-from hf2q_mlx.draft_length import DraftLength
+from hf2q_mlx.draft_length import DraftLength, RoundCosts
 from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
 from hf2q_mlx.models.cache import TokenTree
 from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
@@ -590,7 +590,11 @@ def speculative_tokens(
             model, tokens, cache, logits, step, drafter, budget=budget, warp=warp,
             processors=processors, history_size=history_size, key=key,
             num_draft_tokens=num_draft_tokens, tree_width=tree_width,
-            control=DraftLength(num_draft_tokens, adaptive_drafts and tree_width == 1),
+            control=DraftLength(
+                num_draft_tokens,
+                adaptive_drafts and tree_width == 1,
+                memory=round_costs(step, draft_model, num_draft_tokens),
+            ),
         )  # fmt: skip
     finally:
         if step is not None:
@@ -600,6 +604,17 @@ def speculative_tokens(
 
 
 PLAIN_RUN = 8  # tokens of pipelined plain decoding when the draft-length controller picks k = 0
+
+
+def round_costs(step: DecodeStep | None, draft_model: Any, k: int) -> RoundCosts | None:
+    """The round times learned on ``step`` for this drafter (a draft model, or prompt lookup
+    when None) and K, kept on the step so the next request starts from them (None: no step,
+    each generation measures its own)."""
+    if step is None:
+        return None
+    memory = step.__dict__.setdefault("round_costs", {})
+    key = (None if draft_model is None else id(draft_model), k)
+    return memory.setdefault(key, RoundCosts())
 
 
 def plain_run(

@@ -11,7 +11,7 @@ import pytest
 
 from hf2q_mlx import speculative as spec
 from hf2q_mlx.decode_step import DecodeStep
-from hf2q_mlx.draft_length import DraftLength, expected_tokens
+from hf2q_mlx.draft_length import DraftLength, RoundCosts, expected_tokens
 from hf2q_mlx.errors import SamplingOptionsError
 from hf2q_mlx.generation import stream_generate
 
@@ -94,6 +94,24 @@ def test_acceptance_follows_the_text():
     assert control.p < 0.4
 
 
+def test_seeded_controller_skips_the_start_up_and_shares_its_costs():
+    """A controller given the RoundCosts of an earlier one (same step and drafter) picks the
+    best k from its first round, with no K-then-plain measurements and no dropped samples, and
+    its samples update the shared table."""
+    cost = lambda L, r: float(L)  # noqa: E731  (drafting never pays)
+    first = DraftLength(K)
+    ks = simulate(first, 0.9, cost, 40)
+    assert ks[:2] == [K, K] and steady(ks) == 0
+    memory = RoundCosts(first.cost, first.seen)
+    second = DraftLength(K, memory=memory)
+    ks = simulate(second, 0.9, cost, 10)
+    assert ks[0] == 0 and K not in ks  # no start-up round of K drafts
+    before = dict(memory.cost)
+    simulate(second, 0.9, lambda L, r: 3.0 * L, 5)
+    assert memory.cost[1] > before[1]  # its samples went into the shared table
+    assert DraftLength(K).cost == {}  # without memory: a fresh table
+
+
 def test_fixed_never_adapts():
     control = DraftLength(K, adaptive=False)
     assert set(simulate(control, 0.1, lambda L, r: float(L), 50)) == {K}
@@ -134,6 +152,8 @@ def fake_costs(monkeypatch):
     # a k = 0 round decodes 2 tokens (not PLAIN_RUN): as many rounds in a short run as before
     monkeypatch.setattr(spec, "DraftLength", functools.partial(DraftLength, explore_every=8))
     monkeypatch.setattr(spec, "PLAIN_RUN", 2)
+    # each generation learns its costs afresh (test_costs_carry_to_the_next_request: shared)
+    monkeypatch.setattr(spec, "round_costs", lambda *args: None)
     return costs, lengths
 
 
@@ -235,3 +255,36 @@ def test_rounds_without_drafts_decode_runs_of_plain_tokens(name, fake_costs, mon
         assert got == want, kwargs
         assert lengths.count(1) >= N // 2, lengths  # most tokens from plain runs
         assert last.drafted_tokens == sum(L - 1 for L in lengths)
+
+
+def test_costs_carry_to_the_next_request(fake_costs, monkeypatch):
+    """stream_generate keeps the learned round costs on the target's compiled step, per drafter:
+    a second request with the same draft model starts from them (no K-draft start-up round when
+    drafting never pays), prompt lookup gets a table of its own; the tokens stay the plain
+    greedy ones."""
+    import test_speculative as ts
+
+    tables = []
+
+    def recorded(step, draft_model, k):
+        tables.append(ROUND_COSTS(step, draft_model, k))
+        return tables[-1]
+
+    monkeypatch.setattr(spec, "round_costs", recorded)
+    costs, lengths = fake_costs
+    m = TARGET[0] = ts.target.__wrapped__("llama")  # a new model: no step, no costs yet
+    want, _ = run(m, ts.PROMPT)
+    costs[0] = lambda L, n: float(L)  # drafting never pays
+    lengths.clear()
+    got, _ = run(m, ts.PROMPT, draft_model=m, num_draft_tokens=K)
+    assert got == want and lengths[:2] == [K + 1, K + 1]  # the first request measures
+    lengths.clear()
+    got, last = run(m, ts.PROMPT, draft_model=m, num_draft_tokens=K)
+    assert got == want and K + 1 not in lengths[:4]  # the second starts from what it learned
+    got, _ = run(m, ts.PROMPT, prompt_lookup=2, num_draft_tokens=K)
+    assert got == want
+    assert tables[0] is tables[1] and tables[2] is not tables[0]  # one table per drafter
+    assert 1 in tables[0].cost and tables[0].cost[1] < tables[0].cost[K + 1]
+
+
+ROUND_COSTS = spec.round_costs

@@ -513,6 +513,9 @@ def test_cli_generate_with_a_draft_model_reports_acceptance(monkeypatch, capsys)
 
     monkeypatch.setattr(cli, "_load", fake_load)
     argv = ["generate", "hi", "--raw", "--max-tokens", "12", "--model", "t.gguf"]
-    assert cli.main([*argv, "--draft-model", "draft.gguf", "--num-draft", "3"]) == 0
+    # fixed K: drafts every round (adaptive, the step's learned costs may say k = 0 on a CPU)
+    assert (
+        cli.main([*argv, "--draft-model", "draft.gguf", "--num-draft", "3", "--fixed-draft"]) == 0
+    )
     assert loaded == ["t.gguf", "draft.gguf"]
     assert "drafts accepted" in capsys.readouterr().err
