@@ -381,7 +381,8 @@ if MAX_TOKENS > MM.GLU_MAX_ROWS:  # every M dense_glu takes must fit one tensor-
 
 def dense_mma_covers(ggml_type: int, dtype: mx.Dtype) -> bool:
     """Whether dense_glu takes the tensor-core kernel for (type, x dtype) on CUDA (every M in
-    1..MAX_TOKENS, M = 1 included: one math per row whatever the batch)."""
+    1..MAX_TOKENS, M = 1 included: one math per row whatever the batch): qmatmul_mma.supports,
+    the GPU-verified types unless qmatmul_mma.ALL_TYPES."""
     return MM.ENABLED and MM.supports(ggml_type, dtype) and ggml_type in _DENSE_MMA_KERNELS
 
 
@@ -416,7 +417,7 @@ def dense_glu_mma_kernel(
     """The tensor-core dense kernel alone: bf16 x (..., K) of 1..32 rows, w (2F, row_bytes)
     [gate | up] of a qmatmul_mma type -> (..., F). ``config``: NT, U, W
     (``qmatmul_mma.glu_launch_config``'s); ``init_value`` pre-fills the output."""
-    if not MM.supports(ggml_type, x.dtype) or x.shape[-1] != in_features:
+    if not MM.has_kernel(ggml_type, x.dtype) or x.shape[-1] != in_features:
         raise ValueError(f"no mma kernel for {ggml_type} with {x.dtype} x of {x.shape}")
     launch, dims = _dense_mma_launch(x, w, ggml_type, in_features, activation, config)
     inputs = [x, w, mx.array(dims, dtype=mx.int32)]

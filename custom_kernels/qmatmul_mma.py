@@ -66,6 +66,13 @@ FN void frag(THREAD_PTR(uint) p0, THREAD_PTR(uint) p1, THREAD_PTR(uint) a) {
 }
 """
 
+# The 32-blocks with fifth bits (Q5_0, Q5_1): lane t's word h (k 8t + 4h..+3 of the block) as
+# four 5-bit bytes: nibbles of qs word q (low for t < 2, high above) with bits 8t + 4h..+3 of qh.
+_Q5_WORD = r"""FN uint q5_word(uint q, uint qh, uint t, int h) {
+  return ((q >> (4 * (t >> 1))) & 0x0F0F0F0Fu) | spread4((qh >> (8 * t + 4 * h)) & 0xFu);
+}
+"""
+
 _DECODERS = {
     T.Q4_K: r"""
 // Sub-block gi (32 k, 2 mmas): qs bytes 32j + 8t..8t+7 (j = gi / 2), nibble gi % 2; lane t's k
@@ -141,10 +148,9 @@ FN MRawQ5_0 load_m_q5_0(DEVICE_PTR(const uchar) p, uint t) {
   return r;
 }
 FN uint xoff_m_q5_0(uint t, int gi) { return 8 * t; }
-FN uint q5_word(uint q, uint qh, uint t, int h) {
-  return ((q >> (4 * (t >> 1))) & 0x0F0F0F0Fu) | spread4((qh >> (8 * t + 4 * h)) & 0xFu);
-}
-FN void dq_m_q5_0(MRawQ5_0 r0, MRawQ5_0 r1, uint t, int gi, THREAD_PTR(uint) a,
+"""
+    + _Q5_WORD
+    + r"""FN void dq_m_q5_0(MRawQ5_0 r0, MRawQ5_0 r1, uint t, int gi, THREAD_PTR(uint) a,
                   THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
   const uint zb = bf2_zero(16.0f);
   uint p0[2], p1[2];
@@ -173,11 +179,186 @@ FN void dq_m_q8_0(MRawQ8_0 r0, MRawQ8_0 r1, uint t, int gi, THREAD_PTR(uint) a,
   mn[0] = 0.0f; mn[1] = 0.0f;
 }
 """,
+    # Below: not yet run on a GPU (emulator only; GPU_VERIFIED keeps the dispatchers off them).
+    T.Q4_0: r"""
+// As Q5_0 without fifth bits: lane t's k are 8t..8t+7, qs bytes 8(t%2)..+7, low (t < 2) or
+// high nibbles, minus 8. Blocks are 2-byte aligned.
+struct MRawQ4_0 { uint d; uint q0; uint q1; };
+FN MRawQ4_0 load_m_q4_0(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ4_0 r; r.d = ld16(p, 0);
+  r.q0 = ld32u(p, 1 + 4 * (t & 1)); r.q1 = ld32u(p, 3 + 4 * (t & 1));
+  return r;
+}
+FN uint xoff_m_q4_0(uint t, int gi) { return 8 * t; }
+FN void dq_m_q4_0(MRawQ4_0 r0, MRawQ4_0 r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const uint zb = bf2_zero(8.0f), sh = 4 * (t >> 1);
+  uint p0[2], p1[2];
+  bf_quad((r0.q0 >> sh) & 0x0F0F0F0Fu, zb, p0); bf_quad((r1.q0 >> sh) & 0x0F0F0F0Fu, zb, p1);
+  frag(p0, p1, a);
+  bf_quad((r0.q1 >> sh) & 0x0F0F0F0Fu, zb, p0); bf_quad((r1.q1 >> sh) & 0x0F0F0F0Fu, zb, p1);
+  frag(p0, p1, a + 4);
+  sc[0] = f16lo(r0.d); sc[1] = f16lo(r1.d);
+  mn[0] = 0.0f; mn[1] = 0.0f;
+}
+""",
+    T.Q4_1: r"""
+// As Q4_0, fields unbiased, with a min: weight d q + m, so the x-sum term's mn is -m. Blocks
+// are 4-byte aligned.
+struct MRawQ4_1 { uint dm; uint q0; uint q1; };
+FN MRawQ4_1 load_m_q4_1(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ4_1 r; r.dm = ld32(p, 0);
+  r.q0 = ld32(p, 1 + 2 * (t & 1)); r.q1 = ld32(p, 2 + 2 * (t & 1));
+  return r;
+}
+FN uint xoff_m_q4_1(uint t, int gi) { return 8 * t; }
+FN void dq_m_q4_1(MRawQ4_1 r0, MRawQ4_1 r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const uint zb = bf2_zero(0.0f), sh = 4 * (t >> 1);
+  uint p0[2], p1[2];
+  bf_quad((r0.q0 >> sh) & 0x0F0F0F0Fu, zb, p0); bf_quad((r1.q0 >> sh) & 0x0F0F0F0Fu, zb, p1);
+  frag(p0, p1, a);
+  bf_quad((r0.q1 >> sh) & 0x0F0F0F0Fu, zb, p0); bf_quad((r1.q1 >> sh) & 0x0F0F0F0Fu, zb, p1);
+  frag(p0, p1, a + 4);
+  sc[0] = f16lo(r0.dm); sc[1] = f16lo(r1.dm);
+  mn[0] = -f16hi(r0.dm); mn[1] = -f16hi(r1.dm);
+}
+""",
+    T.Q5_1: r"""
+// As Q5_0, fields unbiased, with a min (as Q4_1: mn = -m). Blocks are 4-byte aligned.
+struct MRawQ5_1 { uint dm; uint qh; uint q0; uint q1; };
+FN MRawQ5_1 load_m_q5_1(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ5_1 r; r.dm = ld32(p, 0); r.qh = ld32(p, 1);
+  r.q0 = ld32(p, 2 + 2 * (t & 1)); r.q1 = ld32(p, 3 + 2 * (t & 1));
+  return r;
+}
+FN uint xoff_m_q5_1(uint t, int gi) { return 8 * t; }
+"""
+    + _Q5_WORD
+    + r"""FN void dq_m_q5_1(MRawQ5_1 r0, MRawQ5_1 r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const uint zb = bf2_zero(0.0f);
+  uint p0[2], p1[2];
+  bf_quad(q5_word(r0.q0, r0.qh, t, 0), zb, p0); bf_quad(q5_word(r1.q0, r1.qh, t, 0), zb, p1);
+  frag(p0, p1, a);
+  bf_quad(q5_word(r0.q1, r0.qh, t, 1), zb, p0); bf_quad(q5_word(r1.q1, r1.qh, t, 1), zb, p1);
+  frag(p0, p1, a + 4);
+  sc[0] = f16lo(r0.dm); sc[1] = f16lo(r1.dm);
+  mn[0] = -f16hi(r0.dm); mn[1] = -f16hi(r1.dm);
+}
+""",
+    T.Q5_K: r"""
+// As Q4_K (qs at byte 48); the fifth bit of weight 32 gi + l is bit gi of qh[l]: lane t holds
+// qh bytes 8t..8t+7, the bits of its k 8t..8t+7 in every sub-block.
+struct MRawQ5_K { uint dd; uint s0; uint s1; uint s2; uint h0; uint h1; uint q[8]; };
+FN MRawQ5_K load_m_q5_k(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ5_K r; r.dd = ld32(p, 0); r.s0 = ld32(p, 1); r.s1 = ld32(p, 2); r.s2 = ld32(p, 3);
+  const uint2 h = DEVICE_CAST(const uint2, p + 16 + 8 * t)[0];
+  r.h0 = h.x; r.h1 = h.y;
+  UNROLL for (int j = 0; j < 4; ++j) {
+    const uint2 v = DEVICE_CAST(const uint2, p + 48 + 32 * j + 8 * t)[0];
+    r.q[2 * j] = v.x; r.q[2 * j + 1] = v.y;
+  }
+  return r;
+}
+FN uint xoff_m_q5_k(uint t, int gi) { return uint(32 * gi) + 8 * t; }
+FN uint q5k_word(uint q, uint h, int gi) {
+  return ((q >> (4 * (gi & 1))) & 0x0F0F0F0Fu) | (((h >> gi) & 0x01010101u) << 4);
+}
+FN void dq_m_q5_k(MRawQ5_K r0, MRawQ5_K r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const int j = gi >> 1;
+  const uint zb = bf2_zero(0.0f);
+  uint p0[2], p1[2];
+  bf_quad(q5k_word(r0.q[2 * j], r0.h0, gi), zb, p0);
+  bf_quad(q5k_word(r1.q[2 * j], r1.h0, gi), zb, p1);
+  frag(p0, p1, a);
+  bf_quad(q5k_word(r0.q[2 * j + 1], r0.h1, gi), zb, p0);
+  bf_quad(q5k_word(r1.q[2 * j + 1], r1.h1, gi), zb, p1);
+  frag(p0, p1, a + 4);
+  sc[0] = k4_value(r0.s0, r0.s1, r0.s2, 0, gi, f16lo(r0.dd));
+  sc[1] = k4_value(r1.s0, r1.s1, r1.s2, 0, gi, f16lo(r1.dd));
+  mn[0] = k4_value(r0.s0, r0.s1, r0.s2, 1, gi, f16hi(r0.dd));
+  mn[1] = k4_value(r1.s0, r1.s1, r1.s2, 1, gi, f16hi(r1.dd));
+}
+""",
+    T.Q3_K: r"""
+// Groups as Q6_K (16 k, 1 mma, own scale): n = gi / 8, j = (gi / 2) % 4, is = gi % 2; weight
+// 16 gi + 4t + i is bits 2j, 2j+1 of qs[32n + 16is + 4t + i] with bit 4n + j of
+// hmask[16is + 4t + i] as bit 2, minus 4 (a cleared mask bit subtracts 4). Scale s (6 bits,
+// minus 32): nibble s / 8 of byte s % 8, bits 2 (s / 4) of byte 8 + s % 4. 2-byte aligned.
+struct MRawQ3_K { uint q[4]; uint hm[2]; uint s[3]; uint d; };
+FN MRawQ3_K load_m_q3_k(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ3_K r;
+  UNROLL for (int i = 0; i < 4; ++i)  // i = 2n + is: bytes 32 + 32n + 16is + 4t
+    r.q[i] = ld32u(p, 16 + 16 * (i >> 1) + 8 * (i & 1) + 2 * t);
+  UNROLL for (int i = 0; i < 2; ++i) r.hm[i] = ld32u(p, 8 * i + 2 * t);  // bytes 16is + 4t
+  UNROLL for (int i = 0; i < 3; ++i) r.s[i] = ld32u(p, 48 + 2 * i);  // the 12 scale bytes
+  r.d = ld16(p, 54);
+  return r;
+}
+FN uint xoff_m_q3_k(uint t, int gi) { return uint(16 * gi) + 4 * t; }
+FN float q3_scale(MRawQ3_K r, int gi) {
+  const uint lo = (r.s[(gi & 7) >> 2] >> (8 * (gi & 3) + 4 * (gi >> 3))) & 0xFu;
+  const uint hi = (r.s[2] >> (8 * (gi & 3) + 2 * (gi >> 2))) & 0x3u;
+  return f16lo(r.d) * float(int(lo | (hi << 4)) - 32);
+}
+FN uint q3_word(MRawQ3_K r, int gi) {
+  const int n = gi >> 3, j = (gi >> 1) & 3, is = gi & 1;
+  return ((r.q[2 * n + is] >> (2 * j)) & 0x03030303u)
+         | (((r.hm[is] >> (4 * n + j)) & 0x01010101u) << 2);
+}
+FN void dq_m_q3_k(MRawQ3_K r0, MRawQ3_K r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const uint zb = bf2_zero(4.0f);
+  uint p0[2], p1[2];
+  bf_quad(q3_word(r0, gi), zb, p0); bf_quad(q3_word(r1, gi), zb, p1);
+  frag(p0, p1, a);
+  sc[0] = q3_scale(r0, gi); sc[1] = q3_scale(r1, gi);
+  mn[0] = 0.0f; mn[1] = 0.0f;
+}
+""",
+    T.Q2_K: r"""
+// Groups as Q6_K (16 k, 1 mma): n = gi / 8, j = (gi / 2) % 4, is = gi % 2; weight
+// 16 gi + 4t + i is bits 2j, 2j+1 of qs[32n + 16is + 4t + i]; scale byte gi holds the group's
+// scale (low nibble) and min (high): weight d sc q - dmin m. Blocks are 4-byte aligned.
+struct MRawQ2_K { uint q[4]; uint s[4]; uint dd; };
+FN MRawQ2_K load_m_q2_k(DEVICE_PTR(const uchar) p, uint t) {
+  MRawQ2_K r;
+  UNROLL for (int i = 0; i < 4; ++i)  // i = 2n + is: bytes 16 + 32n + 16is + 4t
+    r.q[i] = ld32(p, 4 + 8 * (i >> 1) + 4 * (i & 1) + t);
+  UNROLL for (int i = 0; i < 4; ++i) r.s[i] = ld32(p, i);  // the 16 scale bytes
+  r.dd = ld32(p, 20);
+  return r;
+}
+FN uint xoff_m_q2_k(uint t, int gi) { return uint(16 * gi) + 4 * t; }
+FN void dq_m_q2_k(MRawQ2_K r0, MRawQ2_K r1, uint t, int gi, THREAD_PTR(uint) a,
+                  THREAD_PTR(float) sc, THREAD_PTR(float) mn) {
+  const int n = gi >> 3, j = (gi >> 1) & 3, is = gi & 1;
+  const uint zb = bf2_zero(0.0f);
+  uint p0[2], p1[2];
+  bf_quad((r0.q[2 * n + is] >> (2 * j)) & 0x03030303u, zb, p0);
+  bf_quad((r1.q[2 * n + is] >> (2 * j)) & 0x03030303u, zb, p1);
+  frag(p0, p1, a);
+  const uint b0 = (r0.s[gi >> 2] >> (8 * (gi & 3))) & 0xFFu;
+  const uint b1 = (r1.s[gi >> 2] >> (8 * (gi & 3))) & 0xFFu;
+  sc[0] = f16lo(r0.dd) * float(b0 & 0xFu); sc[1] = f16lo(r1.dd) * float(b1 & 0xFu);
+  mn[0] = f16hi(r0.dd) * float(b0 >> 4); mn[1] = f16hi(r1.dd) * float(b1 >> 4);
+}
+""",
 }
 
 # (NGR scale groups per block, MMG mmas per group): the group's k / 16
-_GROUPS = {T.Q4_K: (8, 2), T.Q6_K: (16, 1), T.Q5_0: (1, 2), T.Q8_0: (1, 2)}
-MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel
+_GROUPS = {
+    T.Q4_K: (8, 2), T.Q6_K: (16, 1), T.Q5_0: (1, 2), T.Q8_0: (1, 2),
+    T.Q4_0: (1, 2), T.Q4_1: (1, 2), T.Q5_1: (1, 2), T.Q5_K: (8, 2),
+    T.Q3_K: (16, 1), T.Q2_K: (16, 1),
+}  # fmt: skip
+MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel (a decoder)
+# The types whose kernels passed the GPU tests (H200, 2026-12-02: fragment layout, the bf16
+# bound, row parity); the dispatchers take only these unless ALL_TYPES (below). The others
+# have run on the CPU emulator only: docs/kernel_notes.md says how to verify them.
+GPU_VERIFIED = frozenset({T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0})
 MAX_ROWS = 16  # rows of x one launch takes (two n-tiles of 8)
 
 # --------------------------------------------------------------------------------------------
@@ -350,14 +531,32 @@ def _make_kernel(ggml_type: int) -> Kernel:
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in MMA_TYPES}
 
-# Module switch for A/B runs (bench/qmatmul.py --mma): False sends every call to the scalar
-# kernels. HF2Q_MMA=0 turns it off at import.
-ENABLED = os.environ.get("HF2Q_MMA", "1").strip() != "0"
+
+def switches(value: str) -> tuple[bool, bool]:
+    """(ENABLED, ALL_TYPES) from an HF2Q_MMA value: "0" off, "all" every type, else the
+    GPU-verified types (case and spaces ignored)."""
+    mode = value.strip().lower()
+    return mode != "0", mode == "all"
+
+
+# Module switches, read from HF2Q_MMA at import. ENABLED (A/B runs, bench/qmatmul.py --mma):
+# False (HF2Q_MMA=0) sends every call to the scalar kernels. ALL_TYPES (HF2Q_MMA=all): the
+# dispatchers take every type with a decoder, not only GPU_VERIFIED (to verify the others on
+# a GPU). The dispatchers cache their plans per call shape keyed on ENABLED only: set
+# ALL_TYPES before the first call, or clear qmatmul._CALLS and expert_glu._DENSE.
+ENABLED, ALL_TYPES = switches(os.environ.get("HF2Q_MMA", "1"))
+
+
+def has_kernel(ggml_type: int, dtype: mx.Dtype) -> bool:
+    """Whether a kernel exists for (type, x dtype) (M in 1..MAX_ROWS, CUDA): what the kernel
+    functions called directly accept, verified on a GPU or not."""
+    return dtype == mx.bfloat16 and ggml_type in _KERNELS
 
 
 def supports(ggml_type: int, dtype: mx.Dtype) -> bool:
-    """Whether this kernel takes (type, x dtype) at all (M in 1..MAX_ROWS, CUDA)."""
-    return dtype == mx.bfloat16 and ggml_type in _KERNELS
+    """Whether the dispatchers may take this kernel for (type, x dtype): has_kernel, and the
+    type in GPU_VERIFIED unless ALL_TYPES. (ENABLED is the dispatchers' own check.)"""
+    return has_kernel(ggml_type, dtype) and (ALL_TYPES or ggml_type in GPU_VERIFIED)
 
 
 def kernel_name(ggml_type: int) -> str:
@@ -437,7 +636,7 @@ def mma_matmul_kernel(
     ``config`` overrides ``launch_config`` (benchmarks); ``init_value`` pre-fills the output.
     """
     M, K = x.shape
-    if not supports(ggml_type, x.dtype) or K != in_features:
+    if not has_kernel(ggml_type, x.dtype) or K != in_features:
         raise ValueError(f"no mma kernel for {T(ggml_type).name} with {x.dtype} x of {x.shape}")
     p = _plan(ggml_type, M, w_raw.shape[0], K, config)
     return p.kernel(

@@ -14,7 +14,7 @@ import pytest
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
 from test_expert_glu import _bits, _check, _experts, _x
-from test_qmatmul_mma import _wild_rows
+from test_qmatmul_mma import NEW, VERIFIED, _wild_rows
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels import expert_glu as G
@@ -23,7 +23,7 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 
-TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]
+TYPES = VERIFIED + NEW  # the GPU-verified types, then those run on the emulator only
 QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
 F_EMU = 20  # features: two threadgroups of 16, the second with features past F
 # Tolerance (test_expert_glu._check, bf16 x): per row, the relative error at most twice that
@@ -54,12 +54,15 @@ def _check_glu(y: mx.array, x: mx.array, raw: np.ndarray, t: int, k: int, act: s
 
 
 # (type, M, K, activation, config or None): every type at M = 1, 5 (NT 1), 16 (NT 2), 20 and 32
-# (NT 4) with the default launch, then several SIMD groups, several runs each, a partial last
-# run and NT = 3.
+# (type, M, K, activation, config or None): every GPU-verified type at M = 1, 5 (NT 1), 16
+# (NT 2), 20 and 32 (NT 4) with the default launch, the others at 1 and 20 with silu (NT 1
+# and 4: fewer emulator builds; the n-tiles and activations are the loop's and the epilogue's,
+# the mat-vec tests take each decoder at NT 1 and 2), then several SIMD groups, several runs
+# each, a partial last run and NT = 3.
 _CASES = [
-    (t, m, _k(t), "gelu_tanh" if m == 20 else "silu", None)
+    (t, m, _k(t), "gelu_tanh" if m == 20 and t not in NEW else "silu", None)
     for t in TYPES
-    for m in (1, 5, 16, 20, 32)
+    for m in ((1, 20) if t in NEW else (1, 5, 16, 20, 32))
 ] + [
     (T.Q4_K, 5, 3 * 256, "silu", {"NT": 1, "U": 1, "W": 2}),
     (T.Q6_K, 11, 3 * 256, "gelu_tanh", {"NT": 2, "U": 2, "W": 2}),
@@ -119,17 +122,30 @@ def test_emulator_rows_bit_identical_to_rows_alone(ggml_type, monkeypatch):
     monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
     t, k = ggml_type, _k(ggml_type)
     raw, w, x = _case(t, 32, k, seed=int(t) + 70)
-    alone = mx.concatenate([G.dense_glu_mma_kernel(x[i : i + 1], w, t, k) for i in range(32)])
-    _check_glu(alone, x, raw, t, k, "silu")
     perm = np.random.default_rng(int(t)).permutation(32)
-    for m in (2, 5, 8, 9, 16, 17, 32):
-        rows = mx.array(perm[:m])  # rows in another order than alone's
-        y = G.dense_glu_mma_kernel(x[rows], w, t, k)
-        same = (_bits(y) == _bits(alone[rows])).all(axis=1)
-        assert same.all(), f"M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
-    for m in (16, 32):
+    # Parity is the loop's, shared by every type: the types not yet run on a GPU check fewer
+    # M (NT 1 and 4, partial and full: the builds of their accuracy cases) and rows alone (row
+    # 0 and those that land at columns 0, 1, 7, 8, 16 and 31: every n-tile), to keep the
+    # emulator time down.
+    if t in NEW:
+        ms, wild_ms, ids = (2, 8, 17, 32), (32,), {0, *perm[[0, 1, 7, 8, 16, 31]].tolist()}
+    else:
+        ms, wild_ms, ids = (2, 5, 8, 9, 16, 17, 32), (16, 32), set(range(32))
+    alone = {i: G.dense_glu_mma_kernel(x[i : i + 1], w, t, k)[0] for i in sorted(ids)}
+    order = sorted(ids)
+    _check_glu(mx.stack([alone[i] for i in order]), x[mx.array(order)], raw, t, k, "silu")
+    for m in ms:
+        rows = perm[:m]  # rows in another order than alone's
+        y = G.dense_glu_mma_kernel(x[mx.array(rows)], w, t, k)
+        differ = [int(r) for j, r in enumerate(rows) if r in ids and not _same(y[j], alone[r])]
+        assert not differ, f"M = {m}: rows {differ} differ"
+    for m in wild_ms:
         y = G.dense_glu_mma_kernel(_wild_rows(x[:m]), w, t, k)
-        assert np.array_equal(_bits(y[0]), _bits(alone[0])), f"M = {m}: row 0 changed"
+        assert _same(y[0], alone[0]), f"M = {m}: row 0 changed"
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    return np.array_equal(_bits(a), _bits(b))
 
 
 @needs_gxx
@@ -171,6 +187,47 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
     G.dense_glu(x[:2], w, t, k)
     assert launched == [G.dense_kernel_name(tt, mma=False) for tt in (t, t, T.Q4_0, t)]
     assert G.dense_glu(mx.concatenate([x, x]), w, t, k) is None  # 40 rows: past MAX_TOKENS
+
+
+def test_dense_mma_covers_the_gpu_verified_types_unless_opted_in(monkeypatch):
+    """dense_glu's choice: the GPU-verified types by default, every type with ALL_TYPES, none
+    with ENABLED off or for fp16 x."""
+    monkeypatch.setattr(MM, "ALL_TYPES", False)
+    assert [t for t in TYPES if G.dense_mma_covers(t, mx.bfloat16)] == sorted(
+        MM.GPU_VERIFIED, key=TYPES.index
+    )
+    monkeypatch.setattr(MM, "ALL_TYPES", True)
+    assert all(G.dense_mma_covers(t, mx.bfloat16) for t in TYPES)
+    assert not any(G.dense_mma_covers(t, mx.float16) for t in TYPES)
+    monkeypatch.setattr(MM, "ENABLED", False)
+    assert not any(G.dense_mma_covers(t, mx.bfloat16) for t in TYPES)
+
+
+@needs_gxx
+def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
+    """dense_glu on CUDA, bf16 x of a type with a decoder but not GPU-verified (Q4_1): the
+    scalar dense kernel by default (stubbed: only the choice is checked), the mma kernel with
+    ALL_TYPES (within the bf16 bound)."""
+    launched = []
+
+    def launcher(self, input_dtypes, **launch):
+        launched.append(self.name)
+        if not self.name.startswith("ggml_dense_glu_mma"):
+            shapes, dtypes = launch["output_shapes"], launch["output_dtypes"]
+            return lambda inputs: [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+        return kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
+
+    monkeypatch.setattr(G, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    monkeypatch.setattr(G, "_DENSE", {})
+    monkeypatch.setattr(MM, "ALL_TYPES", False)
+    t, k = T.Q4_1, _k(T.Q4_1)
+    raw, w, x = _case(t, 3, k, seed=12)
+    G.dense_glu(x, w, t, k)
+    monkeypatch.setattr(MM, "ALL_TYPES", True)
+    monkeypatch.setattr(G, "_DENSE", {})  # plans are cached per call shape, not per ALL_TYPES
+    _check_glu(G.dense_glu(x, w, t, k), x, raw, t, k, "silu")
+    assert launched == [G.dense_kernel_name(t, mma=False), G.dense_kernel_name(t, mma=True)]
 
 
 def test_glu_launch_config_fixes_the_order_whatever_m():
@@ -229,7 +286,8 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type, f, k):
 @requires_gpu
 def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
     """dense_glu on CUDA with bf16 x picks the mma kernel at M = 1, 5 and 32 (equal to the kernel
-    called directly, near the scalar kernel); with ENABLED off, the scalar kernel."""
+    called directly, near the scalar kernel); with ENABLED off, the scalar kernel; for a type
+    not GPU-verified (Q5_K), the mma kernel only with ALL_TYPES."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     monkeypatch.setattr(G, "_DENSE", {})
@@ -245,3 +303,15 @@ def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
         _check_glu(scalar, x, raw, t, k, "silu")
     monkeypatch.setattr(MM, "ENABLED", False)
     assert np.array_equal(_bits(G.dense_glu(x, w, t, k)), _bits(scalar))
+    # a type not GPU-verified (Q5_K): the scalar kernel unless ALL_TYPES
+    monkeypatch.setattr(MM, "ENABLED", True)
+    t = T.Q5_K
+    raw = _experts(t, 1, 2 * f, k, seed=4)
+    w = mx.array(raw[0])
+    x = _x((5, k), mx.bfloat16, 5, raw, t)
+    mma = G.dense_glu_mma_kernel(x, w, t, k)
+    scalar = G.dense_glu_kernel(x, w, t, k, config=G.dense_config(t, 5, f, k))
+    for all_types, expected in ((False, scalar), (True, mma)):
+        monkeypatch.setattr(MM, "ALL_TYPES", all_types)
+        monkeypatch.setattr(G, "_DENSE", {})
+        assert np.array_equal(_bits(G.dense_glu(x, w, t, k)), _bits(expected))

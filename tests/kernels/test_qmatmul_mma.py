@@ -20,7 +20,9 @@ from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 
-TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]
+VERIFIED = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]  # qmatmul_mma.GPU_VERIFIED
+NEW = [T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q3_K, T.Q2_K]  # emulator only so far: GPU tests below
+TYPES = VERIFIED + NEW
 QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
 MS = (1, 3, 8, 13, 16)  # one and two n-tiles, padding columns in each
 N_EMU = 40  # not a multiple of 16: the last threadgroup has rows past N
@@ -36,9 +38,11 @@ def _k(t: int) -> int:
     return 2 * QK[t] if QK[t] == 256 else 3 * QK[t]
 
 
-# (type, M, K, config or None): every type at every M of MS with the default launch, then
-# configurations with several SIMD groups, several runs each and a partial last run.
-_CASES = [(t, m, _k(t), None) for t in TYPES for m in MS] + [
+# (type, M, K, config or None): every GPU-verified type at every M of MS with the default
+# launch, the others at M = 1 and 13 (one and two n-tiles, padding columns in each: fewer
+# emulator runs), then configurations with several SIMD groups, several runs each and a
+# partial last run.
+_CASES = [(t, m, _k(t), None) for t in TYPES for m in ((1, 13) if t in NEW else MS)] + [
     (T.Q4_K, 5, 3 * 256, {"NT": 1, "U": 1, "W": 2}),
     (T.Q6_K, 11, 3 * 256, {"NT": 2, "U": 2, "W": 2}),
     (T.Q8_0, 2, 13 * 32, {"NT": 1, "U": 2, "W": 3}),
@@ -104,14 +108,22 @@ def test_emulator_rows_bit_identical_to_rows_alone(ggml_type, monkeypatch):
     t, k = ggml_type, _k(ggml_type)
     w, _ = _weight(t, N_EMU, k)
     x = _x(16, k, mx.bfloat16, seed=int(t) + 40)
-    alone = mx.concatenate([MM.mma_matmul_kernel(x[i : i + 1], w, t, k) for i in range(16)])
-    assert not bool(mx.isnan(alone).any())
-    for m in range(2, 17):
+    # Parity is the loop's, shared by every type: the types not yet run on a GPU check fewer
+    # M (each n-tile count, full and partial) and rows (both halves of each n-tile's columns),
+    # to keep the emulator time down.
+    ms, rows = (range(2, 17), range(16)) if t in VERIFIED else ((2, 8, 9, 16), (0, 1, 7, 8, 15))
+    alone = {i: MM.mma_matmul_kernel(x[i : i + 1], w, t, k)[0] for i in rows}
+    assert not any(bool(mx.isnan(a).any()) for a in alone.values())
+    for m in ms:
         y = MM.mma_matmul_kernel(x[:m], w, t, k)
-        same = np.array(y.view(mx.uint16) == alone[:m].view(mx.uint16)).all(axis=1)
-        assert same.all(), f"M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
+        differ = [i for i in rows if i < m and not _same_bits(y[i], alone[i])]
+        assert not differ, f"M = {m}: rows {differ} differ"
     y = MM.mma_matmul_kernel(_wild_rows(x), w, t, k)
-    assert bool(mx.array_equal(y[0].view(mx.uint16), alone[0].view(mx.uint16)))
+    assert _same_bits(y[0], alone[0])
+
+
+def _same_bits(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
 @needs_gxx
@@ -145,6 +157,46 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
     monkeypatch.setattr(Q, "backend", lambda: "metal")
     Q.ggml_matmul(x[:2], w, t, k)
     assert not any(n.startswith("ggml_qmv_mma") for n in launched) and len(launched) == 4
+
+
+def test_dispatch_gate_defaults_to_the_gpu_verified_types(monkeypatch):
+    """supports() (what the dispatchers ask) holds for GPU_VERIFIED only unless ALL_TYPES
+    (HF2Q_MMA=all); has_kernel (what the kernel functions accept) for every decoder's type."""
+    assert set(MM.GPU_VERIFIED) == set(VERIFIED) and set(MM.MMA_TYPES) == set(TYPES)
+    assert MM.switches("1") == (True, False) and MM.switches("0") == (False, False)
+    assert MM.switches(" All ") == (True, True)
+    monkeypatch.setattr(MM, "ALL_TYPES", False)
+    for t in TYPES:
+        assert MM.has_kernel(t, mx.bfloat16) and not MM.has_kernel(t, mx.float16)
+        assert MM.supports(t, mx.bfloat16) == (t in VERIFIED), T(t).name
+    monkeypatch.setattr(MM, "ALL_TYPES", True)
+    assert all(MM.supports(t, mx.bfloat16) for t in TYPES)
+    assert not MM.supports(T.Q4_K, mx.float16) and not MM.supports(T.F16, mx.bfloat16)
+
+
+@needs_gxx
+def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
+    """CUDA, bf16 x of a type with a decoder but not GPU-verified (Q4_0): the scalar kernel by
+    default, the mma kernel with ALL_TYPES; both within the bf16 bound."""
+    launched = []
+
+    def launcher(self, input_dtypes, **launch):
+        run = kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
+        return lambda inputs: launched.append(self.name) or run(inputs)
+
+    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    monkeypatch.setattr(Q, "_CALLS", {})
+    monkeypatch.setattr(MM, "ALL_TYPES", False)
+    t, k = T.Q4_0, _k(T.Q4_0)
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(3, k, mx.bfloat16, seed=11)
+    _check(Q.ggml_matmul(x, w, t, k), x, wf)
+    monkeypatch.setattr(MM, "ALL_TYPES", True)
+    monkeypatch.setattr(Q, "_CALLS", {})  # plans are cached per call shape, not per ALL_TYPES
+    _check(Q.ggml_matmul(x, w, t, k), x, wf)
+    assert len(launched) == 2 and not launched[0].startswith("ggml_qmv_mma")
+    assert launched[1] == MM.kernel_name(t)
 
 
 def test_launch_config_fixes_the_order_whatever_m():
@@ -258,7 +310,8 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type):
 @requires_gpu
 def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
     """ggml_matmul on CUDA with bf16 x picks the mma plan at M = 1 and M = 5 (equal to the
-    kernel called directly); with ENABLED off, the scalar kernel's plan."""
+    kernel called directly); with ENABLED off, the scalar kernel's plan; for a type not
+    GPU-verified (Q5_K), the mma plan only with ALL_TYPES."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     monkeypatch.setattr(Q, "_CALLS", {})
@@ -275,3 +328,13 @@ def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
     Q.ggml_matmul(x, w, t, k)
     plan = Q._CALLS[(t, k, x.shape, x.dtype, w.shape, w.dtype, False)]
     assert plan.kernel is not MM._KERNELS[t] and plan.kernel in Q._KERNELS.values()
+    # a type not GPU-verified: the scalar kernel unless ALL_TYPES
+    monkeypatch.setattr(MM, "ENABLED", True)
+    t, x = T.Q5_K, _x(5, k, mx.bfloat16, seed=6)
+    w, wf = _weight(t, n, k)
+    for all_types in (False, True):
+        monkeypatch.setattr(MM, "ALL_TYPES", all_types)
+        monkeypatch.setattr(Q, "_CALLS", {})
+        _check(Q.ggml_matmul(x, w, t, k), x, wf)
+        plan = Q._CALLS[(t, k, x.shape, x.dtype, w.shape, w.dtype, True)]
+        assert (plan.kernel is MM._KERNELS[t]) == all_types
