@@ -34,7 +34,14 @@ import numpy as np
 from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.draft_length import DraftLength, RoundCosts
 from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
-from hf2q_mlx.speculative import PLAIN_RUN, Warp, plain_run, verify_rows, verify_step_rows
+from hf2q_mlx.speculative import (
+    PLAIN_RUN,
+    PLAIN_RUN_MAX,
+    Warp,
+    plain_run,
+    verify_rows,
+    verify_step_rows,
+)
 
 CODE_PROMPTS = [
     "def is_prime(n: int) -> bool:\n    ",
@@ -163,8 +170,8 @@ def replay_run(
     """Decode ``len(ref)`` tokens with drafts copied from ``ref`` (the target's greedy output),
     each wrong with probability 1 - acc, verified on the compiled step (``kind`` "fixed": K
     drafts a round; "adaptive": ``DraftLength`` picks k <= K, the verify takes k + 1 tokens, and
-    k = 0 decodes PLAIN_RUN plain tokens, pipelined, as ``stream_generate`` does; "eager": K
-    drafts through per-sequence caches). ``memory``: round costs shared across the adaptive runs
+    k = 0 decodes a run of plain tokens (PLAIN_RUN, doubling while k = 0 wins), pipelined, as
+    ``stream_generate`` does; "eager": K drafts through per-sequence caches). ``memory``: round costs shared across the adaptive runs
     of one model, as ``stream_generate`` keeps them on its step. Stops where the target leaves
     ``ref``."""
     eager, adaptive = kind == "eager", kind == "adaptive"
@@ -189,11 +196,13 @@ def replay_run(
     out = [int(mx.argmax(logits, axis=-1).item())]
     todo, drafted, accepted, diverged = [out[0]], 0, 0, None
     rounds, runs = [], 0  # verify times; plain runs (adaptive k = 0)
+    run_length = PLAIN_RUN  # doubles while k = 0 keeps winning, as in _rounds
     t0 = time.perf_counter()
     while len(out) < len(ref):
         n = min(control.choose(), len(ref) - len(out) - 1)
         if adaptive and n == 0:  # no drafts: a run of pipelined plain decoding (as _rounds)
-            m = min(PLAIN_RUN, len(ref) - len(out))
+            m = min(run_length, len(ref) - len(out))
+            run_length = min(2 * run_length, PLAIN_RUN_MAX)
             t1 = time.perf_counter()
             got = [tok for tok, _ in plain_run(step, todo[0], m, Warp(), None, None)]
             control.observe(0, 0, (time.perf_counter() - t1) / m)
@@ -203,6 +212,7 @@ def replay_run(
             out += got
             todo, runs = [got[-1]], runs + 1
             continue
+        run_length = PLAIN_RUN
         want = ref[len(out) : len(out) + n]
         drafts = [t if rng.random() < acc else int((t + rng.integers(1, V)) % V) for t in want]
         t1 = time.perf_counter()

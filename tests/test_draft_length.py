@@ -152,6 +152,7 @@ def fake_costs(monkeypatch):
     # a k = 0 round decodes 2 tokens (not PLAIN_RUN): as many rounds in a short run as before
     monkeypatch.setattr(spec, "DraftLength", functools.partial(DraftLength, explore_every=8))
     monkeypatch.setattr(spec, "PLAIN_RUN", 2)
+    monkeypatch.setattr(spec, "PLAIN_RUN_MAX", 2)  # runs do not grow here (see the runs test)
     # each generation learns its costs afresh (test_costs_carry_to_the_next_request: shared)
     monkeypatch.setattr(spec, "round_costs", lambda *args: None)
     return costs, lengths
@@ -244,17 +245,32 @@ def test_rounds_without_drafts_decode_runs_of_plain_tokens(name, fake_costs, mon
     tokens not yet read back count in their history) and the draft caught up afterwards."""
     import test_speculative as ts
 
-    monkeypatch.setattr(spec, "PLAIN_RUN", 8)
+    monkeypatch.setattr(spec, "PLAIN_RUN", 2)
+    monkeypatch.setattr(spec, "PLAIN_RUN_MAX", 8)
+    runs = []
+    plain_run = spec.plain_run
+
+    def recorded(step, last, n, *args):
+        runs.append(n)
+        return plain_run(step, last, n, *args)
+
+    monkeypatch.setattr(spec, "plain_run", recorded)
     costs, lengths = fake_costs
     m = TARGET[0] = ts.target(name)
     want, _ = run(m, ts.PROMPT)
     costs[0] = lambda L, n: float(L)
     for kwargs in (dict(draft_model=ts.noisy_draft(name)), dict(prompt_lookup=2)):
         lengths.clear()
+        runs.clear()
         got, last = run(m, ts.PROMPT, num_draft_tokens=K, **kwargs)
         assert got == want, kwargs
         assert lengths.count(1) >= N // 2, lengths  # most tokens from plain runs
         assert last.drafted_tokens == sum(L - 1 for L in lengths)
+        # consecutive plain runs double (2, 4, 8, 8, ...), back to 2 after a drafting round
+        assert runs[0] == 2 and 4 in runs and max(runs) <= 8, runs
+        for i, (a, b) in enumerate(zip(runs, runs[1:])):
+            last = i == len(runs) - 2  # the budget may cut the last run short
+            assert b in (min(2 * a, 8), 2) or (last and b < min(2 * a, 8)), runs
 
 
 def test_costs_carry_to_the_next_request(fake_costs, monkeypatch):
