@@ -6,10 +6,13 @@ graph per token, as ``stream_generate`` does) and through the compiled step at B
 B = ``--batch`` rows (aggregate tokens/s); mlx-lm 0.32.2 on the same MLX 4-bit arrays. One
 prompt prefill per variant, then ``--rounds`` rounds in which every variant decodes ``--tokens``
 greedy tokens in turn. Prints median and min-max tok/s, the ratio to mlx-lm round by round, and
-whether compiled and eager pick the same greedy tokens; writes JSON.
+whether compiled and eager pick the same greedy tokens; writes JSON. ``--mma-ab`` adds the
+compiled GGML variants with the tensor-core kernels off (``qmatmul_mma.ENABLED`` False while
+they trace and run: the scalar mat-vec and dense GLU), the A/B of those kernels in one process.
 
     python3 bench/decode_step.py OUT.json --shapes gemma4:26b-a4b,qwen3_5:35b-a3b
     python3 bench/decode_step.py OUT.json --tiny          # CPU smoke run
+    python3 bench/decode_step.py OUT.json --shapes qwen3_5:9b --formats q4_k --mma-ab --no-mlx-lm
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gemma4 as g4bench  # noqa: E402  (bench/gemma4.py)
 import qwen3_5 as q35bench  # noqa: E402  (bench/qwen3_5.py)
 
+from hf2q_mlx.custom_kernels import qmatmul_mma  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
 
@@ -91,9 +95,11 @@ class Eager:
 
 
 class Compiled:
-    """``DecodeStep`` with ``rows`` rows, each adopting the same prefilled prompt."""
+    """``DecodeStep`` with ``rows`` rows, each adopting the same prefilled prompt; ``mma``
+    False: the tensor-core kernels off whenever this variant traces or runs."""
 
-    def __init__(self, model, prompt: mx.array, rows: int, max_len: int):
+    def __init__(self, model, prompt: mx.array, rows: int, max_len: int, mma: bool = True):
+        self.mma = mma
         cache = model.make_cache()
         y = mx.argmax(model(prompt, cache)[:, -1, :], axis=-1)
         mx.eval(y, cache_arrays(cache))
@@ -105,11 +111,16 @@ class Compiled:
 
     def run(self, n: int) -> list[int]:
         out, y = [], self.y
-        for _ in range(n):
-            y = self.step.decode(y, greedy=True)
-            mx.async_eval(y)
-            out.append(y)
-        mx.eval(out)
+        # a trace (the first call, a new span bucket) picks its kernels by the switch
+        enabled, qmatmul_mma.ENABLED = qmatmul_mma.ENABLED, self.mma and qmatmul_mma.ENABLED
+        try:
+            for _ in range(n):
+                y = self.step.decode(y, greedy=True)
+                mx.async_eval(y)
+                out.append(y)
+            mx.eval(out)
+        finally:
+            qmatmul_mma.ENABLED = enabled
         self.y = y
         return [int(t[0].item()) for t in out]
 
@@ -134,6 +145,14 @@ def run_shape(name: str, config: dict, a) -> dict:
             made[f"{fmt} compiled B={a.batch}"] = lambda m=model: Compiled(
                 m, prompt, a.batch, max_len
             )
+        if a.mma_ab and fmt == "q4_k":
+            made[f"{fmt} compiled B=1 scalar"] = lambda m=model: Compiled(
+                m, prompt, 1, max_len, mma=False
+            )
+            if a.batch > 1:
+                made[f"{fmt} compiled B={a.batch} scalar"] = lambda m=model: Compiled(
+                    m, prompt, a.batch, max_len, mma=False
+                )
         for k, make in made.items():
             if not a.variants or any(w in k for w in a.variants):
                 variants[k] = make()
@@ -174,7 +193,7 @@ def report(res: dict) -> None:
     for k, r in res["variants"].items():
         ratio = r.get("ratio_to_mlx_lm_median")
         ratio = f"  x{ratio:.2f} mlx-lm" if ratio is not None else ""
-        print(f"  {k:<22} {r['median']:8.1f}  [{r['min']:.1f}-{r['max']:.1f}]{ratio}")
+        print(f"  {k:<28} {r['median']:8.1f}  [{r['min']:.1f}-{r['max']:.1f}]{ratio}")
     for k, v in res.items():
         if k.endswith("_equals_eager_tokens"):
             print(f"  {k}: {v}")
@@ -191,6 +210,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch", type=int, default=8, help="rows of the batched compiled variant")
     p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--mma-ab", action="store_true", help="also the GGML compiled variants with "
+                   "the tensor-core kernels off")  # fmt: skip
     p.add_argument("--variants", default=None, help='only variants containing one of these '
                    'comma-separated strings, e.g. "compiled B=1"')  # fmt: skip
     a = p.parse_args(argv)
