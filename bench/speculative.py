@@ -171,9 +171,9 @@ def replay_run(
     each wrong with probability 1 - acc, verified on the compiled step (``kind`` "fixed": K
     drafts a round; "adaptive": ``DraftLength`` picks k <= K, the verify takes k + 1 tokens, and
     k = 0 decodes a run of plain tokens (PLAIN_RUN, doubling while k = 0 wins), pipelined, as
-    ``stream_generate`` does; "eager": K drafts through per-sequence caches). ``memory``: round costs shared across the adaptive runs
-    of one model, as ``stream_generate`` keeps them on its step. Stops where the target leaves
-    ``ref``."""
+    ``stream_generate`` does; "eager": K drafts through per-sequence caches). ``memory``: round
+    costs shared across the adaptive runs of one model, as ``stream_generate`` keeps them on its
+    step. Stops where the target leaves ``ref``."""
     eager, adaptive = kind == "eager", kind == "adaptive"
     control = DraftLength(k, adaptive, memory=memory)
     rng = np.random.default_rng(seed)

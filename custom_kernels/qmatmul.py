@@ -389,8 +389,11 @@ def _ggml_matmul_dequant(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
-def _ggml_matmul_row_slices(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -> mx.array:
-    """Many rows of x: the mat-vec kernel over slices of 16 rows.
+def _ggml_matmul_row_slices(
+    x: mx.array, w_raw: mx.array, ggml_type: int, k: int, step: int
+) -> mx.array:
+    """Many rows of x: the mat-vec kernel over slices of ``step`` rows (one launch each: 16 for
+    the scalar kernels, qmatmul_mma.MAX_ROWS = 32 for the tensor-core one).
 
     For fp32 x, not mx.matmul: MLX runs fp32 matmuls as TF32 (10-bit mantissa, fp16-level
     error) on CUDA and M5-class GPUs unless MLX_ENABLE_TF32=0, and fp32 x asks for fp32
@@ -398,7 +401,6 @@ def _ggml_matmul_row_slices(x: mx.array, w_raw: mx.array, ggml_type: int, k: int
     bits it has alone (the batched lm_head's row parity), and reading the weight a few times
     costs less than dequantizing it.
     """
-    step = _M_BUCKETS[-1]
     return mx.concatenate(
         [ggml_matmul(x[r : r + step], w_raw, ggml_type, k) for r in range(0, x.shape[0], step)]
     )
@@ -415,13 +417,14 @@ _CALLS: dict[tuple, _Plan] = {}
 def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) -> mx.array:
     """x (..., K) @ dequant(w_raw).T -> (..., N) in x.dtype, fp32 accumulation.
 
-    Dispatcher, for the ten block types and x in fp32/fp16/bf16 on a GPU: the mat-vec kernel
-    for 1..16 rows of x (on CUDA, bf16 x of Q4_K / Q6_K / Q5_0 / Q8_0 takes the tensor-core
-    one, qmatmul_mma, unless ``qmatmul_mma.ENABLED`` is off), over 16-row slices up to 64
-    rows (each row's bits as alone) and for fp32 x at any size (fp32 math whatever
-    MLX_ENABLE_TF32 says); fp16/bf16 x past 64 rows take the GPU dequantizer by row chunks and
-    mx.matmul. The reference elsewhere (CPU, HF2Q_KERNELS=reference, dense GGML types, other
-    dtypes).
+    Dispatcher, for the ten block types and x in fp32/fp16/bf16 on a GPU: one mat-vec launch
+    for 1..16 rows of x, over 16-row slices (one launch each) up to 64 rows (each row's bits
+    as alone) and for fp32 x at any size (fp32 math whatever MLX_ENABLE_TF32 says). On CUDA,
+    bf16 x of Q4_K / Q6_K / Q5_0 / Q8_0 takes the tensor-core kernel (qmatmul_mma, unless
+    ``qmatmul_mma.ENABLED`` is off) instead: one launch for 1..32 rows, 32-row slices up to 64
+    rows (the weight read once per 32 rows, not per 16). fp16/bf16 x past 64 rows take the
+    GPU dequantizer by row chunks and mx.matmul. The reference elsewhere (CPU,
+    HF2Q_KERNELS=reference, dense GGML types, other dtypes).
     """
     be = backend()
     if be is not None:
@@ -447,11 +450,13 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         or w_raw.shape[0] == 0
     ):
         return ggml_matmul_reference(x, w_raw, ggml_type, in_features)
-    if M <= _M_BUCKETS[-1]:
+    # the tensor-core kernel for every M in 1..32 (M = 1 too) and every slice past it: one math
+    # for a row alone and in a batch (row parity); Metal keeps the scalar kernels at every M
+    use_mma = be == "cuda" and mma.ENABLED and mma.supports(ggml_type, x.dtype)
+    max_rows = mma.MAX_ROWS if use_mma else _M_BUCKETS[-1]  # rows one launch takes
+    if M <= max_rows:
         N = w_raw.shape[0]
-        if be == "cuda" and mma.ENABLED and mma.supports(ggml_type, x.dtype):
-            # the tensor-core kernel for every M in 1..16 (M = 1 too): one math for a row alone
-            # and in a batch (row parity); Metal keeps the scalar kernels at every M
+        if use_mma:
             plan = mma.dispatch_plan(ggml_type, x.shape, N, in_features)
         else:
             plan = _Plan(ggml_type, M, N, in_features, x.dtype,
@@ -471,7 +476,7 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         return ggml_matmul(x, w_raw, ggml_type, in_features)
     x2 = x.reshape(M, in_features)
     if x.dtype == mx.float32 or M <= ROW_SLICE_MAX:
-        out = _ggml_matmul_row_slices(x2, w_raw, ggml_type, in_features)
+        out = _ggml_matmul_row_slices(x2, w_raw, ggml_type, in_features, max_rows)
     else:
         out = _ggml_matmul_dequant(x2, w_raw, ggml_type, in_features)
     return out.reshape(*x.shape[:-1], w_raw.shape[0])

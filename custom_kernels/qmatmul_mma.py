@@ -1,4 +1,4 @@
-"""Tensor-core mat-vec against GGML blocks for 1..16 rows of bf16 x: x @ W.T through warp mmas.
+"""Tensor-core mat-vec against GGML blocks for 1..32 rows of bf16 x: x @ W.T through warp mmas.
 
 Its loop (``make_kernel``) also serves the dense GLU (expert_glu.dense_glu_mma_kernel: gate and
 up rows as two row sets, up to 32 rows of x)."""
@@ -359,7 +359,10 @@ MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel (a decoder)
 # bound, row parity); the dispatchers take only these unless ALL_TYPES (below). The others
 # have run on the CPU emulator only: docs/kernel_notes.md says how to verify them.
 GPU_VERIFIED = frozenset({T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0})
-MAX_ROWS = 16  # rows of x one launch takes (two n-tiles of 8)
+MAX_ROWS = 32  # rows of x one launch takes (up to four n-tiles of 8)
+# NVRTC for sm_90 (no GPU run yet at NT = 4): every type's NT = 4 kernel at its default U holds
+# its accumulators in registers, no spills (Q6_K the most: 181 registers, 184 at NT = 2), so
+# every type takes the full MAX_ROWS; docs/kernel_notes.md, "tensor-core mat-vec".
 
 # --------------------------------------------------------------------------------------------
 # Kernel
@@ -524,7 +527,7 @@ def _make_kernel(ggml_type: int) -> Kernel:
             {"out": mx.bfloat16},
             {"T": mx.bfloat16, "NT": nt, "U": u},
         )
-        for nt, u in ((1, 2), (2, 1))
+        for nt, u in ((1, 2), (2, 1), (4, 2))
     ]
     return make_kernel(f"ggml_qmv_mma_{T(ggml_type).name.lower()}", ggml_type, examples)
 
@@ -564,6 +567,12 @@ def kernel_name(ggml_type: int) -> str:
     return _KERNELS[ggml_type].name
 
 
+def n_tiles(M: int) -> int:
+    """NT for M rows of x (M <= 32): 1, 2 or 4 n-tiles of 8 columns. (3 would do for 17..24
+    rows; one fewer compiled variant, and a column's math is the same at any NT.)"""
+    return 1 if M <= 8 else 2 if M <= 16 else 4
+
+
 def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     """NT (n-tiles of 8 columns), U (blocks per run), W (SIMD groups per 16 rows).
 
@@ -573,7 +582,7 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     qk = BLOCK_FORMATS[ggml_type].block_size
     u, w_max = _DEFAULTS[qk]
     runs = -(-(K // qk) // u)
-    return {"NT": 1 if M <= 8 else 2, "U": u, "W": max(1, min(w_max, runs))}
+    return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs))}
 
 
 GLU_MAX_ROWS = 32  # rows of x one GLU launch takes (NT up to 4 n-tiles)
@@ -588,7 +597,7 @@ def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     qk = BLOCK_FORMATS[ggml_type].block_size
     u, w_max = _GLU_DEFAULTS[qk]
     runs = -(-(K // qk) // u)
-    return {"NT": 1 if M <= 8 else 2 if M <= 16 else 4, "U": u, "W": max(1, min(w_max, runs))}
+    return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs))}
 
 
 class _Plan:
@@ -631,7 +640,7 @@ def mma_matmul_kernel(
     config: dict[str, int] | None = None,
     init_value: float | None = None,
 ) -> mx.array:
-    """The GPU kernel alone: bf16 x (M, K) with 1 <= M <= 16, w_raw (N, row_bytes) -> (M, N).
+    """The GPU kernel alone: bf16 x (M, K) with 1 <= M <= 32, w_raw (N, row_bytes) -> (M, N).
 
     ``config`` overrides ``launch_config`` (benchmarks); ``init_value`` pre-fills the output.
     """
@@ -651,7 +660,7 @@ def mma_matmul_kernel(
 
 
 def dispatch_plan(ggml_type: int, x_shape: tuple[int, ...], N: int, K: int) -> _Plan:
-    """A fresh plan for qmatmul.ggml_matmul's call cache: x (..., K) with 1..16 rows in all,
+    """A fresh plan for qmatmul.ggml_matmul's call cache: x (..., K) with 1..32 rows in all,
     the output created in (..., N), the launch resolved once."""
     M = 1
     for d in x_shape[:-1]:

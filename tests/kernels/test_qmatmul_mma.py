@@ -24,7 +24,7 @@ VERIFIED = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]  # qmatmul_mma.GPU_VERIFIED
 NEW = [T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q3_K, T.Q2_K]  # emulator only so far: GPU tests below
 TYPES = VERIFIED + NEW
 QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
-MS = (1, 3, 8, 13, 16)  # one and two n-tiles, padding columns in each
+MS = (1, 3, 8, 13, 16, 20, 32)  # one, two and four n-tiles, padding columns in some
 N_EMU = 40  # not a multiple of 16: the last threadgroup has rows past N
 # Tolerance (_check, bf16 x): the relative error at most twice that of the fp32 reference
 # rounded to bf16. The kernel's own rounding sits far below the output's bf16 rounding (2^-9):
@@ -41,12 +41,13 @@ def _k(t: int) -> int:
 # (type, M, K, config or None): every GPU-verified type at every M of MS with the default
 # launch, the others at M = 1 and 13 (one and two n-tiles, padding columns in each: fewer
 # emulator runs), then configurations with several SIMD groups, several runs each and a
-# partial last run.
+# partial last run (four n-tiles too).
 _CASES = [(t, m, _k(t), None) for t in TYPES for m in ((1, 13) if t in NEW else MS)] + [
     (T.Q4_K, 5, 3 * 256, {"NT": 1, "U": 1, "W": 2}),
     (T.Q6_K, 11, 3 * 256, {"NT": 2, "U": 2, "W": 2}),
     (T.Q8_0, 2, 13 * 32, {"NT": 1, "U": 2, "W": 3}),
     (T.Q5_0, 16, 13 * 32, {"NT": 2, "U": 3, "W": 2}),
+    (T.Q6_K, 27, 3 * 256, {"NT": 4, "U": 2, "W": 2}),
 ]
 
 
@@ -102,16 +103,20 @@ def _wild_rows(x: mx.array) -> mx.array:
 @needs_gxx
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
 def test_emulator_rows_bit_identical_to_rows_alone(ggml_type, monkeypatch):
-    """Row parity: at M = 2..16 each row has the bits it has alone (M = 1), and the first row
-    keeps them at M = 16 when the other rows hold inf, NaN and huge values."""
+    """Row parity: at M = 2..32 each row has the bits it has alone (M = 1), and the first row
+    keeps them at M = 32 when the other rows hold inf, NaN and huge values."""
     monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
     t, k = ggml_type, _k(ggml_type)
     w, _ = _weight(t, N_EMU, k)
-    x = _x(16, k, mx.bfloat16, seed=int(t) + 40)
+    x = _x(32, k, mx.bfloat16, seed=int(t) + 40)
     # Parity is the loop's, shared by every type: the types not yet run on a GPU check fewer
     # M (each n-tile count, full and partial) and rows (both halves of each n-tile's columns),
-    # to keep the emulator time down.
-    ms, rows = (range(2, 17), range(16)) if t in VERIFIED else ((2, 8, 9, 16), (0, 1, 7, 8, 15))
+    # to keep the emulator time down. Four n-tiles (17..32, the same loop at another NT): the M
+    # where a tile starts or ends, and both halves of tiles 2 and 3's columns.
+    if t in VERIFIED:
+        ms, rows = (*range(2, 18), 24, 25, 32), (*range(17), 23, 24, 31)
+    else:
+        ms, rows = (2, 8, 9, 16, 17, 32), (0, 1, 7, 8, 15, 16, 24, 31)
     alone = {i: MM.mma_matmul_kernel(x[i : i + 1], w, t, k)[0] for i in rows}
     assert not any(bool(mx.isnan(a).any()) for a in alone.values())
     for m in ms:
@@ -200,16 +205,65 @@ def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
 
 
 def test_launch_config_fixes_the_order_whatever_m():
-    """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M."""
+    """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M, 4 n-tiles
+    (one launch) up to MAX_ROWS = 32."""
+    assert MM.MAX_ROWS == 32
+    ms = range(1, MM.MAX_ROWS + 1)
     for t in TYPES:
         for n, k in ((4096, 2816), (257, 14336), (40, _k(t))):
-            cfgs = [MM.launch_config(t, m, n, k) for m in range(1, 17)]
+            cfgs = [MM.launch_config(t, m, n, k) for m in ms]
             assert len({(c["U"], c["W"]) for c in cfgs}) == 1
-            assert all(8 * c["NT"] >= m for m, c in zip(range(1, 17), cfgs))
+            assert all(8 * c["NT"] >= m for m, c in zip(ms, cfgs))
+            assert [c["NT"] for c in cfgs] == [1] * 8 + [2] * 8 + [4] * 16
             c = cfgs[0]
             assert 1 <= c["W"] <= -(-(k // QK[t]) // c["U"])  # no idle SIMD group
     with pytest.raises(ValueError):  # one n-tile cannot hold 9 rows
         MM._Plan(T.Q4_K, 9, 16, 256, {"NT": 1, "U": 1, "W": 1})
+    with pytest.raises(ValueError):  # nor two 17
+        MM._Plan(T.Q4_K, 17, 16, 256, {"NT": 2, "U": 1, "W": 1})
+
+
+@needs_gxx
+def test_dispatcher_takes_one_launch_per_32_rows(monkeypatch):
+    """CUDA + bf16 x of a GPU-verified type: 20 and 32 rows in ONE mma launch (NT = 4), 48 and
+    64 rows in 32-row slices (two launches, the second 16 and 32 rows); each row's bits those
+    it has alone. fp16 x (the scalar kernels) keeps 16-row slices: two launches at 20 rows."""
+    launched = []
+
+    def launcher(self, input_dtypes, **launch):
+        run = kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
+        nt = launch["template"].get("NT")
+        return lambda inputs: launched.append((self.name, nt, inputs[0].shape[0])) or run(inputs)
+
+    monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    monkeypatch.setattr(Q, "_CALLS", {})
+    monkeypatch.setattr(MM, "ALL_TYPES", False)
+    t, k = T.Q8_0, _k(T.Q8_0)
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(64, k, mx.bfloat16, seed=12)
+    name = MM.kernel_name(t)
+    alone = mx.concatenate([Q.ggml_matmul(x[i : i + 1], w, t, k) for i in range(64)])
+    assert launched == [(name, 1, 1)] * 64
+    for m, want in (
+        (20, [(name, 4, 20)]),
+        (32, [(name, 4, 32)]),
+        (48, [(name, 4, 32), (name, 2, 16)]),
+        (64, [(name, 4, 32)] * 2),
+    ):
+        launched.clear()
+        y = Q.ggml_matmul(x[:m], w, t, k)
+        assert launched == want, f"M = {m}: {launched}"
+        assert _same_bits(y, alone[:m]), f"M = {m}: rows differ from the rows alone"
+        if m in (20, 64):
+            _check(y, x[:m], wf)
+    launched.clear()
+    y = Q.ggml_matmul(x[:20].reshape(4, 5, k), w, t, k)  # batch dims: one launch as well
+    assert len(launched) == 1 and y.shape == (4, 5, N_EMU)
+    assert _same_bits(y.reshape(20, N_EMU), alone[:20])
+    launched.clear()
+    Q.ggml_matmul(x[:20].astype(mx.float16), w, t, k)
+    assert [(n.startswith("ggml_qmv_mma"), m) for n, _, m in launched] == [(False, 16), (False, 4)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,21 +337,22 @@ _GPU_SHAPES = ((4099, 2816), (257, 14336))
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
 def test_gpu_matches_reference_and_rows_alone(ggml_type):
-    """On CUDA: within the bf16 bound at M = 1..16, and each row's bits those it has alone;
-    the first row's too when the other rows hold inf, NaN and huge values."""
+    """On CUDA: within the bf16 bound at M = 1..32 (one launch, up to four n-tiles), and each
+    row's bits those it has alone; the first row's too when the other rows hold inf, NaN and
+    huge values."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     t = ggml_type
     for n, k in _GPU_SHAPES:
         w, wf = _weight(t, n, k)
-        x = _x(16, k, mx.bfloat16, seed=n + k)
+        x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k)
         alone = mx.concatenate(
             [
                 MM.mma_matmul_kernel(x[i : i + 1], w, t, k, init_value=float("nan"))
-                for i in range(16)
+                for i in range(MM.MAX_ROWS)
             ]
         )
-        for m in range(1, 17):
+        for m in range(1, MM.MAX_ROWS + 1):
             y = MM.mma_matmul_kernel(x[:m], w, t, k, init_value=float("nan"))
             if m in MS:
                 _check(y, x[:m], wf)
@@ -309,22 +364,34 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type):
 
 @requires_gpu
 def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
-    """ggml_matmul on CUDA with bf16 x picks the mma plan at M = 1 and M = 5 (equal to the
-    kernel called directly); with ENABLED off, the scalar kernel's plan; for a type not
-    GPU-verified (Q5_K), the mma plan only with ALL_TYPES."""
+    """ggml_matmul on CUDA with bf16 x picks the mma plan at M = 1, 5, 20 and 32 (one launch,
+    NT = 4 past 16 rows; equal to the kernel called directly), and 32-row slices at M = 48;
+    with ENABLED off, the scalar kernel's plan; for a type not GPU-verified (Q5_K), the mma
+    plan only with ALL_TYPES."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     monkeypatch.setattr(Q, "_CALLS", {})
     t, n, k = T.Q4_K, 257, 2816
     w, wf = _weight(t, n, k)
-    for m in (1, 5):
+    for m in (1, 5, 20, 32):
         x = _x(m, k, mx.bfloat16, seed=m)
         y = Q.ggml_matmul(x, w, t, k)
         plan = Q._CALLS[(t, k, x.shape, x.dtype, w.shape, w.dtype, True)]
-        assert plan.kernel is MM._KERNELS[t]
+        assert plan.kernel is MM._KERNELS[t] and plan.template["NT"] == MM.n_tiles(m)
         assert bool(mx.array_equal(y, MM.mma_matmul_kernel(x, w, t, k)))
         _check(y, x, wf)
+    monkeypatch.setattr(Q, "_CALLS", {})
+    x48 = _x(48, k, mx.bfloat16, seed=48)
+    y = Q.ggml_matmul(x48, w, t, k)
+    shapes = sorted(key[2] for key in Q._CALLS)
+    assert shapes == [(16, k), (32, k)], shapes  # two launches: 32 rows, then 16
+    want = mx.concatenate(
+        [MM.mma_matmul_kernel(x48[:32], w, t, k), MM.mma_matmul_kernel(x48[32:], w, t, k)]
+    )
+    assert bool(mx.array_equal(y, want))
+    _check(y, x48, wf)
     monkeypatch.setattr(MM, "ENABLED", False)
+    x = x[:5]  # one scalar launch (16 rows at most)
     Q.ggml_matmul(x, w, t, k)
     plan = Q._CALLS[(t, k, x.shape, x.dtype, w.shape, w.dtype, False)]
     assert plan.kernel is not MM._KERNELS[t] and plan.kernel in Q._KERNELS.values()
