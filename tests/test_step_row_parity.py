@@ -5,9 +5,9 @@ Greedy speculation and batched serving promise the tokens of plain one-row decod
 near tie between two logits is common, so "close" is not enough: every kernel on the step's
 path must give a row the bits it has alone (GGML mat-vecs at any M, attention whatever the
 batch or tokens per row, the delta-net over L tokens). Random GGML weights (Q4_K and friends,
-as the benches build them), bf16, prompts that cross Gemma's sliding window. The CPU runs the
-references, whose row parity the CPU tests check elsewhere (tests/test_lm_head_rows.py,
-tests/kernels/*rows*); this file is GPU-only.
+as the benches build them; Q5_0 / Q8_0 on tiny Llama and Gemma 3), bf16, prompts that cross
+Gemma's sliding window. The CPU runs the references, whose row parity the CPU tests check
+elsewhere (tests/test_lm_head_rows.py, tests/kernels/*rows*); this file is GPU-only.
 """
 
 from __future__ import annotations
@@ -29,12 +29,23 @@ LENGTHS = (5, 23, 12)  # prompt per row; Gemma 4 tiny's window is 16
 
 
 def _build(name: str):
-    """bench/decode_profile.build(family, shape, "q4_k", bf16): random GGML weights."""
+    """bench/decode_profile.build(family, shape, "q4_k", bf16): random GGML weights; "llama" /
+    "gemma3": the tiny models of tests/test_fused_projections.py with Q5_0 / Q8_0 projections
+    (64 features: 32-blocks), cast to bf16."""
+    family, shape = name.split(":")
+    if family in ("llama", "gemma3"):
+        import test_fused_projections as tfp
+        from gguf import GGMLQuantizationType as T
+
+        types = {p: (T.Q5_0 if i % 2 else T.Q8_0) for i, p in enumerate(tfp.PROJ)}
+        model = tfp.tiny_model(family, types)
+        model.set_dtype(mx.bfloat16)
+        model.fuse_projections()
+        return model, 80
     spec = importlib.util.spec_from_file_location("_parity_profile", BENCH / "decode_profile.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    family, shape = name.split(":")
     model, vocab = module.build(family, shape, "q4_k", mx.bfloat16)
     return model, vocab
 
@@ -49,7 +60,7 @@ def _rows(step: DecodeStep, prompts, conts) -> np.ndarray:
 
 @requires_gpu
 @pytest.mark.parametrize("name", ["gemma4:tiny-moe", "gemma4:tiny-dense", "qwen3_5:tiny",
-                                  "qwen3_5:tiny-moe"])  # fmt: skip
+                                  "qwen3_5:tiny-moe", "llama:tiny", "gemma3:tiny"])  # fmt: skip
 def test_gpu_rows_bit_identical_alone_batched_and_verified(name):
     with mx.stream(mx.gpu):
         model, vocab = _build(name)
