@@ -579,8 +579,13 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     Only NT depends on M: U and W fix which SIMD group sums which blocks, and so the order of
     a column's additions, from (type, K) alone (row parity). W never exceeds the runs a row has.
     """
+    return _config(_DEFAULTS, ggml_type, M, K)
+
+
+def _config(table: dict[int, tuple[int, int]], ggml_type: int, M: int, K: int) -> dict[str, int]:
+    """NT from M; U and W max from ``table`` by block size, W cut to the runs a row has."""
     qk = BLOCK_FORMATS[ggml_type].block_size
-    u, w_max = _DEFAULTS[qk]
+    u, w_max = table[qk]
     runs = -(-(K // qk) // u)
     return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs))}
 
@@ -594,10 +599,7 @@ _GLU_DEFAULTS = {256: (1, 8), 32: (4, 8)}
 def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     """NT, U, W of the GLU kernel (expert_glu.dense_glu) for M <= GLU_MAX_ROWS rows: as
     ``launch_config``, U and W from (type, K) alone (row parity); NT 1, 2 or 4 n-tiles."""
-    qk = BLOCK_FORMATS[ggml_type].block_size
-    u, w_max = _GLU_DEFAULTS[qk]
-    runs = -(-(K // qk) // u)
-    return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs))}
+    return _config(_GLU_DEFAULTS, ggml_type, M, K)
 
 
 class _Plan:

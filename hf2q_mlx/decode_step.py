@@ -101,6 +101,9 @@ class DecodeStep(RowSlots):
         self._verified = [0] * max_batch
         self._history: list = []
         self.busy = False
+        # what speculation learned about round times on this step, per (drafter, K), kept
+        # for the step's next request (speculative.round_costs)
+        self.round_costs: dict = {}
 
     @staticmethod
     def supports(model, kv_bits=None) -> bool:

@@ -605,7 +605,8 @@ def speculative_tokens(
 
 PLAIN_RUN = 8  # tokens of pipelined plain decoding when the draft-length controller picks k = 0
 # While k = 0 keeps winning, each run doubles, up to PLAIN_RUN_MAX: a run restarts the pipeline
-# (its first step is built while the GPU waits), which cost 8-10 % at 8 tokens a run on the H200.
+# (its first step is built while the GPU waits); suspected, not measured, to be most of the 8-11 %
+# the adaptive rows lost to plain decoding at 0.5 acceptance on the H200 (docs/speculative.md).
 PLAIN_RUN_MAX = 32
 
 
@@ -615,9 +616,8 @@ def round_costs(step: DecodeStep | None, draft_model: Any, k: int) -> RoundCosts
     each generation measures its own)."""
     if step is None:
         return None
-    memory = step.__dict__.setdefault("round_costs", {})
     key = (None if draft_model is None else id(draft_model), k)
-    return memory.setdefault(key, RoundCosts())
+    return step.round_costs.setdefault(key, RoundCosts())
 
 
 def plain_run(
