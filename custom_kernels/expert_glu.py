@@ -382,8 +382,9 @@ if MAX_TOKENS > MM.GLU_MAX_ROWS:  # every M dense_glu takes must fit one tensor-
 def dense_mma_covers(ggml_type: int, dtype: mx.Dtype) -> bool:
     """Whether dense_glu takes the tensor-core kernel for (type, x dtype) on CUDA (every M in
     1..MAX_TOKENS, M = 1 included: one math per row whatever the batch): qmatmul_mma.supports,
-    the GPU-verified types unless qmatmul_mma.ALL_TYPES."""
-    return MM.ENABLED and MM.supports(ggml_type, dtype) and ggml_type in _DENSE_MMA_KERNELS
+    GLU_GPU_VERIFIED unless qmatmul_mma.ALL_TYPES."""
+    covered = ggml_type in _DENSE_MMA_KERNELS
+    return MM.ENABLED and covered and MM.supports(ggml_type, dtype, glu=True)
 
 
 def _dense_mma_launch(x, w, ggml_type: int, K: int, activation: str, config) -> tuple[dict, list]:

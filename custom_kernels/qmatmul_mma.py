@@ -179,7 +179,7 @@ FN void dq_m_q8_0(MRawQ8_0 r0, MRawQ8_0 r1, uint t, int gi, THREAD_PTR(uint) a,
   mn[0] = 0.0f; mn[1] = 0.0f;
 }
 """,
-    # Below: not yet run on a GPU (emulator only; GPU_VERIFIED keeps the dispatchers off them).
+    # Below: GPU-verified in a later run, the GLU for some of them only (GLU_GPU_VERIFIED).
     T.Q4_0: r"""
 // As Q5_0 without fifth bits: lane t's k are 8t..8t+7, qs bytes 8(t%2)..+7, low (t < 2) or
 // high nibbles, minus 8. Blocks are 2-byte aligned.
@@ -355,12 +355,15 @@ _GROUPS = {
     T.Q3_K: (16, 1), T.Q2_K: (16, 1),
 }  # fmt: skip
 MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel (a decoder)
-# The types whose kernels passed the GPU tests (H200, 2026-12-02: fragment layout, the bf16
-# bound, row parity); the dispatchers take only these unless ALL_TYPES (below). The others
-# have run on the CPU emulator only: docs/kernel_notes.md says how to verify them.
-GPU_VERIFIED = frozenset({T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0})
+# The types whose kernels passed the GPU tests (H200: fragment layout, the bf16 bound, row
+# parity at M = 1..32); the dispatchers take only these unless ALL_TYPES (below). The mat-vec:
+# every decoder (Q4_K, Q6_K, Q5_0, Q8_0 first, the other six in a later run). The dense GLU
+# (its own GPU test, two row sets): Q4_0 and Q4_1 passed in that run as well; Q5_1, Q5_K, Q3_K
+# and Q2_K have run on the CPU emulator only: docs/kernel_notes.md says how to verify them.
+GPU_VERIFIED = frozenset(_DECODERS)
+GLU_GPU_VERIFIED = frozenset({T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_1})
 MAX_ROWS = 32  # rows of x one launch takes (up to four n-tiles of 8)
-# NVRTC for sm_90 (no GPU run yet at NT = 4): every type's NT = 4 kernel at its default U holds
+# NVRTC for sm_90 (NT = 4 passed its GPU tests for every type since): every type's NT = 4 kernel at its default U holds
 # its accumulators in registers, no spills (Q6_K the most: 181 registers, 184 at NT = 2), so
 # every type takes the full MAX_ROWS; docs/kernel_notes.md, "tensor-core mat-vec".
 
@@ -544,8 +547,8 @@ def switches(value: str) -> tuple[bool, bool]:
 
 # Module switches, read from HF2Q_MMA at import. ENABLED (A/B runs, bench/qmatmul.py --mma):
 # False (HF2Q_MMA=0) sends every call to the scalar kernels. ALL_TYPES (HF2Q_MMA=all): the
-# dispatchers take every type with a decoder, not only GPU_VERIFIED (to verify the others on
-# a GPU). The dispatchers cache their plans per call shape keyed on ENABLED only: set
+# dispatchers take every type with a decoder, not only the GPU-verified ones (to verify the
+# others on a GPU). The dispatchers cache their plans per call shape keyed on ENABLED only: set
 # ALL_TYPES before the first call, or clear qmatmul._CALLS and expert_glu._DENSE.
 ENABLED, ALL_TYPES = switches(os.environ.get("HF2Q_MMA", "1"))
 
@@ -556,10 +559,12 @@ def has_kernel(ggml_type: int, dtype: mx.Dtype) -> bool:
     return dtype == mx.bfloat16 and ggml_type in _KERNELS
 
 
-def supports(ggml_type: int, dtype: mx.Dtype) -> bool:
+def supports(ggml_type: int, dtype: mx.Dtype, *, glu: bool = False) -> bool:
     """Whether the dispatchers may take this kernel for (type, x dtype): has_kernel, and the
-    type in GPU_VERIFIED unless ALL_TYPES. (ENABLED is the dispatchers' own check.)"""
-    return has_kernel(ggml_type, dtype) and (ALL_TYPES or ggml_type in GPU_VERIFIED)
+    type in GPU_VERIFIED (``glu``: GLU_GPU_VERIFIED) unless ALL_TYPES. (ENABLED is the
+    dispatchers' own check.)"""
+    verified = GLU_GPU_VERIFIED if glu else GPU_VERIFIED
+    return has_kernel(ggml_type, dtype) and (ALL_TYPES or ggml_type in verified)
 
 
 def kernel_name(ggml_type: int) -> str:
@@ -591,15 +596,21 @@ def _config(table: dict[int, tuple[int, int]], ggml_type: int, M: int, K: int) -
 
 
 GLU_MAX_ROWS = 32  # rows of x one GLU launch takes (NT up to 4 n-tiles)
-# (U, W max) of the GLU kernel (two row sets) per block size: half the mat-vec's U, the same
-# weight bytes in flight per lane (each run loads gate and up rows); not yet measured
-_GLU_DEFAULTS = {256: (1, 8), 32: (4, 8)}
+# (U, W max) of the GLU kernel (two row sets) per block size. H200 (2026-12-02, CUPTI, Q4_K,
+# bench/qmatmul.py --glu --mma-configs): F 2816 x K 2816 (176 threadgroups) U 2 W 6 15.1 us
+# at M = 1 against U 1 W 8 17.5; F 12288 x K 4096 (768 threadgroups) U 1 W 4 42.5 against
+# U 1 W 8 52.0 and U 2 W 8 48.2: a big grid wants fewer SIMD groups per threadgroup. 32-blocks
+# are unmeasured.
+_GLU_DEFAULTS = {256: (2, 8), 32: (4, 8)}
+_GLU_BIG_GRID = {256: (1, 4), 32: (4, 8)}
+GLU_BIG_GRID = 512  # threadgroups (16 gate + 16 up rows each) from which _GLU_BIG_GRID applies
 
 
 def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     """NT, U, W of the GLU kernel (expert_glu.dense_glu) for M <= GLU_MAX_ROWS rows: as
-    ``launch_config``, U and W from (type, K) alone (row parity); NT 1, 2 or 4 n-tiles."""
-    return _config(_GLU_DEFAULTS, ggml_type, M, K)
+    ``launch_config``, U and W from (type, F, K) alone (row parity); NT 1, 2 or 4 n-tiles."""
+    table = _GLU_BIG_GRID if -(-F // 16) >= GLU_BIG_GRID else _GLU_DEFAULTS
+    return _config(table, ggml_type, M, K)
 
 
 class _Plan:

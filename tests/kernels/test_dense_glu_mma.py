@@ -14,7 +14,7 @@ import pytest
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
 from test_expert_glu import _bits, _check, _experts, _x
-from test_qmatmul_mma import NEW, VERIFIED, _wild_rows
+from test_qmatmul_mma import NEW, TYPES, _wild_rows
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels import expert_glu as G
@@ -23,7 +23,7 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 
-TYPES = VERIFIED + NEW  # the GPU-verified types, then those run on the emulator only
+VERIFIED = TYPES[:6]  # qmatmul_mma.GLU_GPU_VERIFIED; the other four: emulator only so far
 QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
 F_EMU = 20  # features: two threadgroups of 16, the second with features past F
 # Tolerance (test_expert_glu._check, bf16 x): per row, the relative error at most twice that
@@ -181,11 +181,11 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
     G.dense_glu(x, w, t, k)
     monkeypatch.setattr(MM, "ENABLED", True)
     G.dense_glu(x.astype(mx.float16), w, t, k)
-    raw4 = _experts(T.Q4_0, 1, 2 * F_EMU, 96, seed=4)
-    G.dense_glu(_x((3, 96), mx.bfloat16, 10, raw4, T.Q4_0), mx.array(raw4[0]), T.Q4_0, 96)
+    raw5 = _experts(T.Q5_1, 1, 2 * F_EMU, 96, seed=4)  # not GPU-verified for the GLU
+    G.dense_glu(_x((3, 96), mx.bfloat16, 10, raw5, T.Q5_1), mx.array(raw5[0]), T.Q5_1, 96)
     monkeypatch.setattr(G, "backend", lambda: "metal")
     G.dense_glu(x[:2], w, t, k)
-    assert launched == [G.dense_kernel_name(tt, mma=False) for tt in (t, t, T.Q4_0, t)]
+    assert launched == [G.dense_kernel_name(tt, mma=False) for tt in (t, t, T.Q5_1, t)]
     assert G.dense_glu(mx.concatenate([x, x]), w, t, k) is None  # 40 rows: past MAX_TOKENS
 
 
@@ -193,9 +193,8 @@ def test_dense_mma_covers_the_gpu_verified_types_unless_opted_in(monkeypatch):
     """dense_glu's choice: the GPU-verified types by default, every type with ALL_TYPES, none
     with ENABLED off or for fp16 x."""
     monkeypatch.setattr(MM, "ALL_TYPES", False)
-    assert [t for t in TYPES if G.dense_mma_covers(t, mx.bfloat16)] == sorted(
-        MM.GPU_VERIFIED, key=TYPES.index
-    )
+    assert [t for t in TYPES if G.dense_mma_covers(t, mx.bfloat16)] == VERIFIED
+    assert set(MM.GLU_GPU_VERIFIED) == set(VERIFIED)
     monkeypatch.setattr(MM, "ALL_TYPES", True)
     assert all(G.dense_mma_covers(t, mx.bfloat16) for t in TYPES)
     assert not any(G.dense_mma_covers(t, mx.float16) for t in TYPES)
@@ -205,7 +204,7 @@ def test_dense_mma_covers_the_gpu_verified_types_unless_opted_in(monkeypatch):
 
 @needs_gxx
 def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
-    """dense_glu on CUDA, bf16 x of a type with a decoder but not GPU-verified (Q4_1): the
+    """dense_glu on CUDA, bf16 x of a type with a decoder but not GPU-verified (Q5_1): the
     scalar dense kernel by default (stubbed: only the choice is checked), the mma kernel with
     ALL_TYPES (within the bf16 bound)."""
     launched = []
@@ -221,7 +220,7 @@ def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
     monkeypatch.setattr(Kernel, "launcher", launcher)
     monkeypatch.setattr(G, "_DENSE", {})
     monkeypatch.setattr(MM, "ALL_TYPES", False)
-    t, k = T.Q4_1, _k(T.Q4_1)
+    t, k = T.Q5_1, _k(T.Q5_1)
     raw, w, x = _case(t, 3, k, seed=12)
     G.dense_glu(x, w, t, k)
     monkeypatch.setattr(MM, "ALL_TYPES", True)
@@ -239,6 +238,9 @@ def test_glu_launch_config_fixes_the_order_whatever_m():
             assert all(m <= 8 * c["NT"] <= 32 for m, c in zip(range(1, 33), cfgs))
             c = cfgs[0]
             assert 1 <= c["W"] <= min(MM.MAX_SIMD, -(-(k // QK[t]) // c["U"]))
+    # the H200's choice for Q4_K: fewer SIMD groups on a big grid (9B's MLP), more on a small one
+    assert MM.glu_launch_config(T.Q4_K, 1, 12288, 4096) == {"NT": 1, "U": 1, "W": 4}
+    assert MM.glu_launch_config(T.Q4_K, 1, 2816, 2816) == {"NT": 1, "U": 2, "W": 6}
     x, w = mx.zeros((9, 256), mx.bfloat16), mx.zeros((32, 144), mx.uint8)
     with pytest.raises(ValueError):  # one n-tile cannot hold 9 rows
         G.dense_glu_mma_kernel(x, w, T.Q4_K, 256, config={"NT": 1, "U": 1, "W": 1})

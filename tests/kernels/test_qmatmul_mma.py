@@ -20,9 +20,10 @@ from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 
-VERIFIED = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0]  # qmatmul_mma.GPU_VERIFIED
-NEW = [T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q3_K, T.Q2_K]  # emulator only so far: GPU tests below
-TYPES = VERIFIED + NEW
+# every type with a decoder, in the order they were GPU-verified (the mat-vec: all of them)
+TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q3_K, T.Q2_K]
+VERIFIED = TYPES  # qmatmul_mma.GPU_VERIFIED
+NEW = TYPES[4:]  # the six verified later: fewer emulator row counts below (CI time)
 QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
 MS = (1, 3, 8, 13, 16, 20, 32)  # one, two and four n-tiles, padding columns in some
 N_EMU = 40  # not a multiple of 16: the last threadgroup has rows past N
@@ -144,6 +145,7 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
     monkeypatch.setattr(Q, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "launcher", launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
+    monkeypatch.setattr(MM, "GPU_VERIFIED", frozenset(TYPES) - {T.Q4_0})  # Q4_0: uncovered
     t, k = T.Q8_0, _k(T.Q8_0)
     w, wf = _weight(t, N_EMU, k)
     x = _x(3, k, mx.bfloat16, seed=9)
@@ -181,8 +183,9 @@ def test_dispatch_gate_defaults_to_the_gpu_verified_types(monkeypatch):
 
 @needs_gxx
 def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
-    """CUDA, bf16 x of a type with a decoder but not GPU-verified (Q4_0): the scalar kernel by
-    default, the mma kernel with ALL_TYPES; both within the bf16 bound."""
+    """CUDA, bf16 x of a type with a decoder but not GPU-verified (Q4_0, taken out of
+    GPU_VERIFIED here: every decoder has passed since): the scalar kernel by default, the mma
+    kernel with ALL_TYPES; both within the bf16 bound."""
     launched = []
 
     def launcher(self, input_dtypes, **launch):
@@ -193,6 +196,7 @@ def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
     monkeypatch.setattr(Kernel, "launcher", launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
     monkeypatch.setattr(MM, "ALL_TYPES", False)
+    monkeypatch.setattr(MM, "GPU_VERIFIED", frozenset(TYPES) - {T.Q4_0})
     t, k = T.Q4_0, _k(T.Q4_0)
     w, wf = _weight(t, N_EMU, k)
     x = _x(3, k, mx.bfloat16, seed=11)
