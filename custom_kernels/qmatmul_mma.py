@@ -363,9 +363,9 @@ MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel (a decoder)
 GPU_VERIFIED = frozenset(_DECODERS)
 GLU_GPU_VERIFIED = frozenset({T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_1})
 MAX_ROWS = 32  # rows of x one launch takes (up to four n-tiles of 8)
-# NVRTC for sm_90 (NT = 4 passed its GPU tests for every type since): every type's NT = 4 kernel at its default U holds
-# its accumulators in registers, no spills (Q6_K the most: 181 registers, 184 at NT = 2), so
-# every type takes the full MAX_ROWS; docs/kernel_notes.md, "tensor-core mat-vec".
+# NVRTC for sm_90: every type's NT = 4 kernel at its default U holds its accumulators in
+# registers, no spills (Q6_K the most: 181 registers, 184 at NT = 2), so every type takes the
+# full MAX_ROWS (its GPU test covers M = 1..32); docs/kernel_notes.md, "tensor-core mat-vec".
 
 # --------------------------------------------------------------------------------------------
 # Kernel
