@@ -2,7 +2,9 @@
 
 ``real``: Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.5B-Instruct drafting (K = 2, 4, 6)
 on code-completion prompts, and prompt lookup on an edit-this-file prompt (both GGUFs from
-``hf2q-mlx fetch``). ``replay``: Qwen 3.5 at the 9B and 35B-A3B shapes with random Q4_K weights
+``hf2q-mlx fetch``); as ``stream_generate`` runs by default, the draft length adaptive (it
+falls back to plain decoding where drafting does not pay); ``--fixed`` adds K drafts every
+round. Each configuration runs once untimed first (its compiled traces). ``replay``: Qwen 3.5 at the 9B and 35B-A3B shapes with random Q4_K weights
 (``bench/qwen3_5.py``), verified against a drafter that replays the target's own greedy output
 with each draft token wrong with probability 1 - a (a = 0.5 / 0.7 / 0.9), so the numbers are the
 verify cost alone (the draft is free). Plain decoding is the compiled step (B = 1, as
@@ -112,6 +114,10 @@ def bench_real(args) -> list[dict]:
     configs = {"plain": {}}
     for k in args.k:
         configs[f"draft K={k}"] = dict(draft_model=draft, num_draft_tokens=k)
+        if args.fixed:  # K drafts every round: the draft's acceptance and its cost
+            configs[f"draft K={k} fixed"] = dict(
+                draft_model=draft, num_draft_tokens=k, adaptive_drafts=False
+            )
     cases = [(f"code {i}", p, configs) for i, p in enumerate(CODE_PROMPTS[: args.prompts])]
     lk = args.lookup_k
     lookup = {"plain": {}, f"lookup n=3 K={lk}": dict(prompt_lookup=3, num_draft_tokens=lk)}
@@ -119,6 +125,8 @@ def bench_real(args) -> list[dict]:
     rows = []
     for case, prompt, confs in cases:
         runs = {name: [] for name in confs}
+        for name, kw in confs.items():  # untimed: compiles each configuration's traces
+            run(target, tok, prompt, 8, **kw)
         for _ in range(args.rounds):  # interleaved: each round runs every configuration
             for name, kw in confs.items():
                 runs[name].append(run(target, tok, prompt, args.tokens, **kw))
@@ -188,6 +196,8 @@ def replay_run(
         step = shared_step(model, 1, len(prompt) + len(ref) + k, reserve=k)
         step.reset_row(0)
         logits = step.prefill(0, prompt)
+        if adaptive:  # as stream_generate: every verify length traced before the first round
+            step.warm_verify(0, range(2, k + 2))
 
         def verify(todo, drafts):
             length = len(drafts) + 1 if adaptive else k + 1
@@ -317,6 +327,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=3, help="code prompts to run (3)")
     p.add_argument("--lookup-k", type=int, default=8, help="drafts per prompt-lookup round")
+    p.add_argument("--fixed", action="store_true", help="also each K with adaptive_drafts off")
     p.add_argument("--json")
     p = sub.add_parser("replay", help="Qwen 3.5 9B / 35B-A3B shapes, replayed drafts")
     p.add_argument("--shapes", default=None, help="comma list (9b,35b-a3b; tiny,tiny-moe)")

@@ -18,6 +18,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     uint32_ids,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
+from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 
@@ -311,19 +312,36 @@ def dense_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     return {"MT": mt, "R": rh, "U": cfg["U"], "W": cfg["W"]}
 
 
-def _dense_launch(x, w, ggml_type: int, K: int, activation: str, config) -> tuple[dict, list]:
-    """Launch arguments and the ``ddims`` values of a dense call."""
+def _dense_launch(
+    x, w, ggml_type: int, K: int, activation: str, config, mma: bool = False
+) -> tuple[dict, list]:
+    """Launch arguments and the ``ddims`` values (M, F, K) of a dense call: the scalar kernel's
+    or, with ``mma``, the tensor-core kernel's (``config``: dense_config's or
+    qmatmul_mma.glu_launch_config's)."""
     M, F = math.prod(x.shape[:-1]), w.shape[0] // 2
-    cfg = config or dense_config(ggml_type, M, F, K)
-    launch = dict(
-        grid=(-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"])),
-        threadgroup=(32 * cfg["W"], 1),
-        output_shapes=[(*x.shape[:-1], F)],
-        output_dtypes=[x.dtype],
-        template={"T": x.dtype, "MT": cfg["MT"], "R": 2 * cfg["R"], "U": cfg["U"],
-                  "ACT": ACTIVATIONS.index(activation)},
-    )  # fmt: skip
+    if mma:
+        cfg = config or MM.glu_launch_config(ggml_type, M, F, K)
+        nt_max = MM.GLU_MAX_ROWS // 8  # the `red` buffer's size (32 KB of shared memory at 4)
+        if not 1 <= M <= 8 * cfg["NT"] <= 8 * nt_max or not 1 <= cfg["W"] <= MM.MAX_SIMD:
+            raise ValueError(f"config {cfg} cannot run {M} rows of x")
+        # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles
+        grid, tg = (-(-F // 16) * 32 * cfg["W"],), (32 * cfg["W"],)
+        template = {"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"]}
+    else:
+        cfg = config or dense_config(ggml_type, M, F, K)
+        grid = (-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"]))
+        tg = (32 * cfg["W"], 1)
+        template = {"T": x.dtype, "MT": cfg["MT"], "R": 2 * cfg["R"], "U": cfg["U"]}
+    template["ACT"] = ACTIVATIONS.index(activation)
+    launch = dict(grid=grid, threadgroup=tg, output_shapes=[(*x.shape[:-1], F)],
+                  output_dtypes=[x.dtype], template=template)  # fmt: skip
     return launch, [M, F, K]
+
+
+def _dense_plan(x, w, ggml_type: int, K: int, activation: str, config, mma: bool) -> LaunchPlan:
+    """A dense call's launch (``_dense_launch``) on its kernel."""
+    launch, ddims = _dense_launch(x, w, ggml_type, K, activation, config, mma)
+    return LaunchPlan((_DENSE_MMA_KERNELS if mma else _DENSE_KERNELS)[ggml_type], ddims, **launch)
 
 
 def dense_glu_kernel(
@@ -339,9 +357,8 @@ def dense_glu_kernel(
     """The dense GPU kernel alone: x (..., K), w (2F, row_bytes) [gate | up] -> (..., F), the
     contract of :func:`expert_glu_reference` over one expert. ``config``: MT, R (features per
     threadgroup), U, W (``dense_config``'s); ``init_value`` pre-fills the output."""
-    launch, ddims = _dense_launch(x, w, ggml_type, in_features, activation, config)
-    inputs = [x, w, mx.array(ddims, dtype=mx.int32)]
-    return _DENSE_KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
+    plan = _dense_plan(x, w, ggml_type, in_features, activation, config, mma=False)
+    return plan.call(x, w, init_value=init_value)
 
 
 # The tensor-core version (CUDA, bf16 x, qmatmul_mma.MMA_TYPES): qmatmul_mma's loop over two
@@ -387,24 +404,6 @@ def dense_mma_covers(ggml_type: int, dtype: mx.Dtype) -> bool:
     return MM.ENABLED and covered and MM.supports(ggml_type, dtype, glu=True)
 
 
-def _dense_mma_launch(x, w, ggml_type: int, K: int, activation: str, config) -> tuple[dict, list]:
-    """Launch arguments and the ``dims`` values of a tensor-core dense call."""
-    M, F = math.prod(x.shape[:-1]), w.shape[0] // 2
-    cfg = config or MM.glu_launch_config(ggml_type, M, F, K)
-    nt_max = MM.GLU_MAX_ROWS // 8  # the `red` buffer's size (32 KB of shared memory at 4)
-    if not 1 <= M <= 8 * cfg["NT"] <= 8 * nt_max or not 1 <= cfg["W"] <= MM.MAX_SIMD:
-        raise ValueError(f"config {cfg} cannot run {M} rows of x")
-    launch = dict(
-        grid=(-(-F // 16) * 32 * cfg["W"],),
-        threadgroup=(32 * cfg["W"],),
-        output_shapes=[(*x.shape[:-1], F)],
-        output_dtypes=[x.dtype],
-        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"],
-                  "ACT": ACTIVATIONS.index(activation)},
-    )  # fmt: skip
-    return launch, [M, F, K]
-
-
 def dense_glu_mma_kernel(
     x: mx.array,
     w: mx.array,
@@ -420,9 +419,8 @@ def dense_glu_mma_kernel(
     (``qmatmul_mma.glu_launch_config``'s); ``init_value`` pre-fills the output."""
     if not MM.has_kernel(ggml_type, x.dtype) or x.shape[-1] != in_features:
         raise ValueError(f"no mma kernel for {ggml_type} with {x.dtype} x of {x.shape}")
-    launch, dims = _dense_mma_launch(x, w, ggml_type, in_features, activation, config)
-    inputs = [x, w, mx.array(dims, dtype=mx.int32)]
-    return _DENSE_MMA_KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
+    plan = _dense_plan(x, w, ggml_type, in_features, activation, config, mma=True)
+    return plan.call(x, w, init_value=init_value)
 
 
 def dense_kernel_name(ggml_type: int, mma: bool) -> str:
@@ -430,7 +428,7 @@ def dense_kernel_name(ggml_type: int, mma: bool) -> str:
     return (_DENSE_MMA_KERNELS if mma else _DENSE_KERNELS)[ggml_type].name
 
 
-_DENSE: dict[tuple, tuple] = {}
+_DENSE: dict[tuple, LaunchPlan] = {}
 
 
 def dense_glu(
@@ -461,16 +459,10 @@ def dense_glu(
             and w.shape[1] == row_bytes(ggml_type, in_features)
         ):
             return None
-        if be == "cuda" and dense_mma_covers(ggml_type, x.dtype):
-            kernel, make = _DENSE_MMA_KERNELS[ggml_type], _dense_mma_launch
-        else:
-            kernel, make = _DENSE_KERNELS[ggml_type], _dense_launch
-        launch, ddims = make(x, w, ggml_type, in_features, activation, None)
-        dtypes = [x.dtype, mx.uint8, mx.int32]
-        plan = (kernel.launcher(dtypes, **launch), mx.array(ddims, mx.int32))
-        _DENSE[key] = plan
-    launch, ddims = plan
-    return launch(inputs=[x, w, ddims])[0]
+        mma = be == "cuda" and dense_mma_covers(ggml_type, x.dtype)
+        plan = _dense_plan(x, w, ggml_type, in_features, activation, None, mma)
+        _DENSE[key] = plan.resolve(x.dtype, mx.uint8)
+    return plan.run(x, w)
 
 
 def _kernel_covers(x, w, w_up, expert_ids, ggml_type) -> bool:

@@ -17,6 +17,7 @@ from hf2q_mlx.custom_kernels.dequant import (
     row_bytes,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
+from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import WeightMismatchError
 
 
@@ -309,21 +310,21 @@ def clamp_w(ggml_type: int, K: int, cfg: dict[str, int]) -> dict[str, int]:
     return dict(cfg, W=max(1, min(cfg["W"], -(-nsteps // cfg["U"]))))
 
 
-class _Plan:
-    """Everything a launch needs for one (type, M, N, K, dtype, config), built once."""
+class _Plan(LaunchPlan):
+    """The mat-vec launch for one (type, M, N, K, dtype, config)."""
 
-    __slots__ = ("kernel", "grid", "threadgroup", "out_shapes", "out_dtypes", "template", "dims",
-                 "launch")  # fmt: skip
+    __slots__ = ()
 
     def __init__(self, ggml_type: int, M: int, N: int, K: int, dtype, cfg: dict[str, int]):
-        self.kernel = _KERNELS[(ggml_type, cfg.get("V", 0))]
-        self.grid = (-(-N // cfg["R"]) * 32 * cfg["W"],)
-        self.threadgroup = (32 * cfg["W"],)
-        self.out_shapes = [(M, N)]
-        self.out_dtypes = [dtype]
-        self.template = {"T": dtype, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]}
-        self.dims = mx.array([M, N, K], dtype=mx.int32)
-        self.launch = None  # the resolved launch (Kernel.launcher), built on the first GPU call
+        super().__init__(
+            _KERNELS[(ggml_type, cfg.get("V", 0))],
+            [M, N, K],
+            grid=(-(-N // cfg["R"]) * 32 * cfg["W"],),
+            threadgroup=(32 * cfg["W"],),
+            output_shapes=[(M, N)],
+            output_dtypes=[dtype],
+            template={"T": dtype, "MT": cfg["MT"], "R": cfg["R"], "U": cfg["U"]},
+        )
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -364,15 +365,7 @@ def ggml_matmul_kernel(
     """
     M, K = x.shape
     p = _plan(ggml_type, M, w_raw.shape[0], K, x.dtype, config)
-    return p.kernel(
-        [x, w_raw, p.dims],
-        grid=p.grid,
-        threadgroup=p.threadgroup,
-        output_shapes=p.out_shapes,
-        output_dtypes=p.out_dtypes,
-        template=p.template,
-        init_value=init_value,
-    )[0]
+    return p.call(x, w_raw, init_value=init_value)
 
 
 _DEQ_CHUNK = 1 << 26  # elements of dequantized weight alive at once on the many-rows path
@@ -411,7 +404,7 @@ ROW_SLICE_MAX = 64  # rows of fp16/bf16 x still run as mat-vec slices (a decode 
 # Launch plans by call signature: a repeat call (every decode step) is one dict lookup, then
 # the launch. x goes in with its own shape (the kernel reads M, N, K from dims) and the output
 # is created in (..., N): no reshapes.
-_CALLS: dict[tuple, _Plan] = {}
+_CALLS: dict[tuple, LaunchPlan] = {}
 
 
 def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) -> mx.array:
@@ -431,7 +424,7 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         key = (ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype, mma.ENABLED)
         p = _CALLS.get(key)
         if p is not None:
-            return p.launch(inputs=[x, w_raw, p.dims])[0]
+            return p.run(x, w_raw)
     if x.shape[-1] != in_features:
         raise WeightMismatchError(f"x has {x.shape[-1]} features, the weight {in_features}")
     rb = row_bytes(ggml_type, in_features)  # raises for unknown types / bad K
@@ -457,22 +450,13 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     if M <= max_rows:
         N = w_raw.shape[0]
         if use_mma:
-            plan = mma.dispatch_plan(ggml_type, x.shape, N, in_features)
+            plan = mma.dispatch_plan(ggml_type, M, N, in_features)
         else:
-            plan = _Plan(ggml_type, M, N, in_features, x.dtype,
-                         launch_config(ggml_type, M, N, in_features, x.dtype))  # fmt: skip
-            plan.out_shapes = [(*x.shape[:-1], N)]
-            # resolved once: a template dict is unhashable, so Kernel.__call__ would redo it
-            plan.launch = plan.kernel.launcher(
-                [x.dtype, mx.uint8, mx.int32],
-                grid=plan.grid,
-                threadgroup=plan.threadgroup,
-                output_shapes=plan.out_shapes,
-                output_dtypes=plan.out_dtypes,
-                template=plan.template,
-            )
+            cfg = launch_config(ggml_type, M, N, in_features, x.dtype)
+            plan = _Plan(ggml_type, M, N, in_features, x.dtype, cfg)
+        plan.output_shapes = [(*x.shape[:-1], N)]  # x's batch dims kept (a fresh plan: ours)
         key = (ggml_type, in_features, x.shape, x.dtype, w_raw.shape, w_raw.dtype, mma.ENABLED)
-        _CALLS[key] = plan
+        _CALLS[key] = plan.resolve(x.dtype, mx.uint8)
         return ggml_matmul(x, w_raw, ggml_type, in_features)
     x2 = x.reshape(M, in_features)
     if x.dtype == mx.float32 or M <= ROW_SLICE_MAX:

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
+from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 
 # The reference is qmatmul.ggml_matmul_reference (fp32 dequantize, fp32 matmul): the same op.
 
@@ -613,23 +614,23 @@ def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     return _config(table, ggml_type, M, K)
 
 
-class _Plan:
-    """Everything a launch needs for one (type, M, N, K, config), built once."""
+class _Plan(LaunchPlan):
+    """The tensor-core mat-vec launch for one (type, M, N, K, config): 16 rows per threadgroup."""
 
-    __slots__ = ("kernel", "grid", "threadgroup", "out_shapes", "out_dtypes", "template", "dims",
-                 "launch")  # fmt: skip
+    __slots__ = ()
 
     def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
         if not 1 <= M <= 8 * cfg["NT"] or not 1 <= cfg["W"] <= MAX_SIMD:
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
-        self.kernel = _KERNELS[ggml_type]
-        self.grid = (-(-N // 16) * 32 * cfg["W"],)
-        self.threadgroup = (32 * cfg["W"],)
-        self.out_shapes = [(M, N)]
-        self.out_dtypes = [mx.bfloat16]
-        self.template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"]}
-        self.dims = mx.array([M, N, K], dtype=mx.int32)
-        self.launch = None  # the resolved launch (Kernel.launcher), set by dispatch_plan
+        super().__init__(
+            _KERNELS[ggml_type],
+            [M, N, K],
+            grid=(-(-N // 16) * 32 * cfg["W"],),
+            threadgroup=(32 * cfg["W"],),
+            output_shapes=[(M, N)],
+            output_dtypes=[mx.bfloat16],
+            template={"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"]},
+        )
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -661,31 +662,10 @@ def mma_matmul_kernel(
     if not has_kernel(ggml_type, x.dtype) or K != in_features:
         raise ValueError(f"no mma kernel for {T(ggml_type).name} with {x.dtype} x of {x.shape}")
     p = _plan(ggml_type, M, w_raw.shape[0], K, config)
-    return p.kernel(
-        [x, w_raw, p.dims],
-        grid=p.grid,
-        threadgroup=p.threadgroup,
-        output_shapes=p.out_shapes,
-        output_dtypes=p.out_dtypes,
-        template=p.template,
-        init_value=init_value,
-    )[0]
+    return p.call(x, w_raw, init_value=init_value)
 
 
-def dispatch_plan(ggml_type: int, x_shape: tuple[int, ...], N: int, K: int) -> _Plan:
-    """A fresh plan for qmatmul.ggml_matmul's call cache: x (..., K) with 1..32 rows in all,
-    the output created in (..., N), the launch resolved once."""
-    M = 1
-    for d in x_shape[:-1]:
-        M *= d
-    plan = _Plan(ggml_type, M, N, K, launch_config(ggml_type, M, N, K))
-    plan.out_shapes = [(*x_shape[:-1], N)]
-    plan.launch = plan.kernel.launcher(
-        [mx.bfloat16, mx.uint8, mx.int32],
-        grid=plan.grid,
-        threadgroup=plan.threadgroup,
-        output_shapes=plan.out_shapes,
-        output_dtypes=plan.out_dtypes,
-        template=plan.template,
-    )
-    return plan
+def dispatch_plan(ggml_type: int, M: int, N: int, K: int) -> LaunchPlan:
+    """A fresh plan at ``launch_config`` for qmatmul.ggml_matmul's call cache (1..32 rows of x
+    in all), which sets its output shape (x's batch dims) and resolves it."""
+    return _Plan(ggml_type, M, N, K, launch_config(ggml_type, M, N, K))

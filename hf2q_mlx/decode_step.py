@@ -100,6 +100,7 @@ class DecodeStep(RowSlots):
         # recurrent states per token
         self._verified = [0] * max_batch
         self._history: list = []
+        self._traced: set[tuple[int, int, bool]] = set()  # (L, span, greedy) traced so far
         self.busy = False
         # what speculation learned about round times on this step, per (drafter, K), kept
         # for the step's next request (speculative.round_costs)
@@ -258,7 +259,8 @@ class DecodeStep(RowSlots):
         longest = max((p for p, a in zip(self.positions, active) if a), default=0) + L
         if longest > self.max_len:
             raise ContextLengthError(f"a row would pass max_len {self.max_len}")
-        span = min(self.max_len, max(MIN_SPAN, 1 << (longest - 1).bit_length()))
+        span = self._span(longest)
+        self._traced.add((L, span, greedy))
         pos = mx.array(self.positions, dtype=mx.int32)
         out, arrays, history = self._compiled(
             tokens.astype(mx.int32), pos, mx.array(active),
@@ -277,6 +279,34 @@ class DecodeStep(RowSlots):
                 for v, a in zip(self._verified, active)
             ]
         return out
+
+    def _span(self, longest: int) -> int:
+        """The attention-span bucket (a compiled trace each) covering ``longest`` tokens."""
+        return min(self.max_len, max(MIN_SPAN, 1 << (longest - 1).bit_length()))
+
+    def warm_verify(self, row: int, lengths: Sequence[int]) -> int:
+        """Trace the verify of each L in ``lengths`` (2 .. reserve + 1) at ``row``'s position,
+        the other rows idle: a verify of zeros, evaluated, then rolled back, so the row's caches
+        are as before. A speculative run whose draft count varies then compiles its lengths up
+        front instead of stopping mid-stream the first time it picks one (a new trace, with its
+        fused kernels' JIT, is the suspected cause of an H200 replay run at 0.13x plain).
+        Lengths traced at this span already are skipped. -> the number of lengths traced."""
+        self._check_row(row)
+        active = [b == row for b in range(self.max_batch)]
+        traced = 0
+        for L in lengths:
+            if not (isinstance(L, int) and 2 <= L <= self.reserve + 1):
+                top = self.reserve + 1
+                raise InvalidArgumentError(f"warm_verify lengths must be in [2, {top}], got {L!r}")
+            if self.positions[row] + L > self.max_len:
+                continue  # a verify this long cannot happen at this row's position
+            if (L, self._span(self.positions[row] + L), False) in self._traced:
+                continue
+            out = self.verify(mx.zeros((self.max_batch, L), dtype=mx.int32), active)
+            mx.eval(out, [s.arrays for s in self.caches])
+            self.rollback(row, L)
+            traced += 1
+        return traced
 
     def _active(self, active: Sequence[bool] | None) -> list[bool]:
         B = self.max_batch

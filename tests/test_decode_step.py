@@ -387,3 +387,40 @@ def test_gpu_verify_and_rollback_match_eager(name):
     """The verify test above with the kernels inside the compiled graph (fp32, 1e-4)."""
     with mx.stream(mx.gpu):
         test_verify_and_rollback_match_eager(name)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5-dense"])
+def test_warm_verify_traces_lengths_and_leaves_the_row_as_it_was(name, monkeypatch):
+    """warm_verify traces each verify length once (the step's Python body runs only while
+    tracing) and rolls its writes back: a later verify, rollback and decode give the same
+    bits as on a step that was never warmed (a sliding ring of 5 and a recurrent state)."""
+    traces = []
+    body = DecodeStep._step
+
+    def counting(self, *args):
+        traces.append(args[0].shape[1])  # L of the traced call
+        return body(self, *args)
+
+    monkeypatch.setattr(DecodeStep, "_step", counting)
+    model, K = tiny_model(name), 3
+    (p,) = prompts([7], seed=5)
+    warm, cold = (DecodeStep(model, max_batch=2, max_len=32, reserve=K) for _ in range(2))
+    for step in (warm, cold):
+        step.prefill(0, p)
+        step.prefill(1, p[:4])
+    assert warm.warm_verify(0, [2, 3, 4]) == 3 and sorted(traces) == [2, 3, 4]
+    assert warm.positions == cold.positions == [7, 4]
+    assert warm.warm_verify(0, [2, 3, 4]) == 0 and len(traces) == 3  # traced already
+    toks = [[5, 6, 7], [8, 9, 10]]
+    traces.clear()
+    a, b = warm.verify(toks), cold.verify(toks)
+    assert traces == [3]  # the cold step traces L = 3; the warm one had it
+    assert np.array_equal(np.array(a), np.array(b))
+    for step in (warm, cold):
+        step.rollback_rows([2, 1])
+    a, b = warm.decode([11, 12]), cold.decode([11, 12])
+    assert np.array_equal(np.array(a), np.array(b))
+    with pytest.raises(InvalidArgumentError):
+        warm.warm_verify(0, [K + 2])  # past the reserve
+    with pytest.raises(InvalidArgumentError):
+        warm.warm_verify(2, [2])

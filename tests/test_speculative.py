@@ -12,6 +12,7 @@ import pytest
 from mlx.utils import tree_map
 from scipy import stats
 
+from hf2q_mlx import decode_step
 from hf2q_mlx import speculative as spec
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
@@ -519,3 +520,22 @@ def test_cli_generate_with_a_draft_model_reports_acceptance(monkeypatch, capsys)
     )
     assert loaded == ["t.gguf", "draft.gguf"]
     assert "drafts accepted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5-dense"])
+def test_adaptive_run_traces_every_verify_length_first(name, verify_lengths):
+    """An adaptive run on the compiled step verifies L = 2 .. K + 1 before its first round
+    (DecodeStep.warm_verify: no trace mid-stream whatever k the controller picks), and its
+    greedy output is still plain decoding's; the next run on that step, and a fixed-K run,
+    do not warm again."""
+    m = target(name)
+    m.__dict__.pop(decode_step._STEPS, None)  # a new step: nothing traced yet
+    got, _ = tokens_of(m, prompt_lookup=2, num_draft_tokens=3, adaptive_drafts=True)
+    assert got == plain(name)
+    assert [n for model, n in verify_lengths if model is m][:3] == [2, 3, 4]
+    (step,) = [s for s in m.__dict__[decode_step._STEPS].values() if s.reserve == 3]
+    assert {2, 3, 4} <= {L for L, _, _ in step._traced}
+    for adaptive in (True, False):
+        verify_lengths.clear()
+        tokens_of(m, prompt_lookup=2, num_draft_tokens=3, adaptive_drafts=adaptive)
+        assert [n for model, n in verify_lengths if model is m][:3] != [2, 3, 4]

@@ -514,8 +514,10 @@ def test_dispatcher_plan_cache_on_the_emulator(monkeypatch):
 
 @pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
 def test_dispatcher_takes_h2bf_from_bf16_defaults(monkeypatch):
-    """A BF16_DEFAULTS line is all it takes: ggml_matmul on bf16 x then launches V = 2."""
+    """A BF16_DEFAULTS line is all it takes: ggml_matmul on bf16 x then launches V = 2 (the
+    tensor-core kernel, which CUDA takes for bf16 x of every mma type, switched off)."""
     monkeypatch.setattr(Q, "backend", lambda: "cuda")
+    monkeypatch.setattr(Q.mma, "ENABLED", False)
     monkeypatch.setattr(Kernel, "__call__", _emu_call)
     monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
