@@ -4,8 +4,10 @@
 on code-completion prompts, and prompt lookup on an edit-this-file prompt (both GGUFs from
 ``hf2q-mlx fetch``); as ``stream_generate`` runs by default, the draft length adaptive (it
 falls back to plain decoding where drafting does not pay); ``--fixed`` adds K drafts every
-round. Each configuration runs once untimed first (its compiled traces). ``replay``: Qwen 3.5 at the 9B and 35B-A3B shapes with random Q4_K weights
-(``bench/qwen3_5.py``), verified against a drafter that replays the target's own greedy output
+round. Each configuration runs once untimed first (its compiled traces).
+
+``replay``: Qwen 3.5 at the 9B and 35B-A3B shapes with random Q4_K weights (``bench/qwen3_5.py``),
+verified against a drafter that replays the target's own greedy output
 with each draft token wrong with probability 1 - a (a = 0.5 / 0.7 / 0.9), so the numbers are the
 verify cost alone (the draft is free). Plain decoding is the compiled step (B = 1, as
 ``stream_generate`` runs it); the verify runs on the same compiled step (``--eager`` adds the
@@ -125,7 +127,7 @@ def bench_real(args) -> list[dict]:
     rows = []
     for case, prompt, confs in cases:
         runs = {name: [] for name in confs}
-        for name, kw in confs.items():  # untimed: compiles each configuration's traces
+        for kw in confs.values():  # untimed: compiles each configuration's traces
             run(target, tok, prompt, 8, **kw)
         for _ in range(args.rounds):  # interleaved: each round runs every configuration
             for name, kw in confs.items():

@@ -128,10 +128,17 @@ def fake_costs(monkeypatch):
     clock by ``costs[0](L, n)`` (n: the call's index); returns (costs, lengths): set
     ``costs[0]``, read the L of each call."""
     now, lengths, costs = [0.0], [], [lambda L, n: 1.0]
-    verify = DecodeStep.verify
+    verify, warm_verify, warming = DecodeStep.verify, DecodeStep.warm_verify, [False]
+
+    def flagged_warm_verify(self, *args, **kwargs):  # traces before the rounds: not a round
+        warming[0] = True
+        try:
+            return warm_verify(self, *args, **kwargs)
+        finally:
+            warming[0] = False
 
     def timed_verify(self, tokens, *args, **kwargs):
-        if self.model is TARGET[0]:
+        if self.model is TARGET[0] and not warming[0]:
             L = tokens.shape[1]
             now[0] += costs[0](L, len(lengths))
             lengths.append(L)
@@ -146,6 +153,7 @@ def fake_costs(monkeypatch):
         return decode(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(DecodeStep, "verify", timed_verify)
+    monkeypatch.setattr(DecodeStep, "warm_verify", flagged_warm_verify)
     monkeypatch.setattr(DecodeStep, "decode", timed_decode)
     monkeypatch.setattr(DraftLength, "clock", staticmethod(lambda: now[0]))
     # explore often (a short run sees several k), rarely enough that k = 0 runs for 7 rounds;
