@@ -10,7 +10,12 @@ from gguf import GGMLQuantizationType
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
-from hf2q_mlx.custom_kernels.dequant import BLOCK_TYPES, dequantize_reference, row_bytes
+from hf2q_mlx.custom_kernels.dequant import (
+    BLOCK_TYPES,
+    dequantize_reference,
+    ggml_dequantize_kernel,
+    row_bytes,
+)
 from hf2q_mlx.errors import WeightMismatchError
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
@@ -291,5 +296,15 @@ def expert_matmul(
         return _fp32_by_slices(x, w, expert_ids, ggml_type, in_features)
     if expert_ids.size < w.shape[0]:
         return expert_matmul_reference(x, w, expert_ids, ggml_type, in_features)
-    w_all = dequantize_reference(w, ggml_type, in_features)  # (E, N, K) fp32, this call only
+    E, N = w.shape[:2]
+    if backend() is not None and ggml_type in BLOCK_TYPES:
+        # prefill on a GPU: every expert dequantized once by the GPU kernel (fp32, the
+        # reference's values up to one rounding), as the dense layers' many-rows path does,
+        # not by the reference's ~20 plain-MLX ops with fp32 intermediates per weight, which
+        # ran over every expert of every MoE layer on each prefill chunk (speed: unmeasured).
+        flat = ggml_dequantize_kernel(w.reshape(E * N, w.shape[-1]), ggml_type, in_features,
+                                      mx.float32)  # fmt: skip
+        w_all = flat.reshape(E, N, in_features)
+    else:
+        w_all = dequantize_reference(w, ggml_type, in_features)  # (E, N, K) fp32, this call only
     return _gather_dense(x.astype(mx.float32), w_all, expert_ids).astype(x.dtype)

@@ -234,8 +234,10 @@ def test_bad_and_poisoned_ids_give_nan_rows_on_the_emulator(t):
 def test_dispatcher_routing_on_the_emulator(monkeypatch):
     """With a GPU back end (faked) the dispatcher takes the kernel for 1..16 tokens, keeps the
     batch dims and accepts int32 ids; past 16 tokens or with broadcast x, fp16/bf16 x take the
-    dequantizing paths and fp32 x the kernel 16 tokens at a time (gather_mm would run fp32 as
-    TF32 on CUDA unless MLX_ENABLE_TF32=0; the suite sets 0, so the routing shows it here)."""
+    dequantizing paths (from as many pairs as experts on, prefill: every expert through the
+    GPU dequantizer in x.dtype, then gather_mm) and fp32 x the kernel 16 tokens at a time
+    (gather_mm would run fp32 as TF32 on CUDA unless MLX_ENABLE_TF32=0; the suite sets 0, so
+    the routing shows it here)."""
     t, e, n, kk = T.Q4_K, 10, 7, 512
     raw, wf = _experts(t, e, n, kk)
     w = mx.array(raw)
@@ -269,7 +271,8 @@ def test_dispatcher_routing_on_the_emulator(monkeypatch):
     xb = _x(1, 2, kk, False, mx.float16, seed=5)  # one x row broadcast over 3 tokens
     ids3 = _ids(3, 2, e, seed=6)
     _check(X.expert_matmul(xb, w, ids3, t, kk), mx.broadcast_to(xb, (3, kk)), wf, ids3)
-    assert calls == []
+    assert calls == ["ggml_dequant_q4_k"]  # 34 pairs >= 10 experts; the 6 pairs: reference
+    calls.clear()
     # fp32 x: 17 tokens in two launches (16 + 1), broadcast x in one; fp32 accuracy either way
     x17 = x17.astype(mx.float32)
     _check(X.expert_matmul(x17, w, ids17, t, kk), x17, wf, ids17)
