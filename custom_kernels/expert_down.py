@@ -188,6 +188,12 @@ def expert_down(
     """Dispatcher with the contract of :func:`expert_down_reference`: on a GPU, GGML experts
     and 1..32 tokens, one kernel; otherwise the path the models ran before (expert_matmul,
     then the weighted sum in h's dtype)."""
+    from hf2q_mlx.custom_kernels import expert_mma  # it imports expert_glu
+
+    if expert_mma.ENABLED:  # each expert's rows read once for all its pairs (off by default)
+        y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
+        if y is not None:  # None: expert_mma.covers says no
+            return y
     key = (_KERNELS.get(ggml_type), ggml_type, in_features, h.shape, h.dtype, w.shape,
            expert_ids.shape, expert_ids.dtype, weights.dtype)  # fmt: skip
     if backend() is not None:

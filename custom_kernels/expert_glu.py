@@ -509,6 +509,12 @@ def expert_glu(
     x.dtype in between."""
     if activation not in ACTIVATIONS:
         raise InvalidArgumentError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+    from hf2q_mlx.custom_kernels import expert_mma  # it imports this module
+
+    if expert_mma.ENABLED:  # each expert's rows read once for all its pairs (off by default)
+        y = expert_mma.expert_glu(x, w, expert_ids, ggml_type, in_features, activation, w_up)
+        if y is not None:  # None: expert_mma.covers says no
+            return y
     key = (_KERNELS.get(ggml_type), ggml_type, in_features, activation, x.shape, x.dtype,
            w.shape, w.dtype, None if w_up is None else w_up.shape, expert_ids.shape,
            expert_ids.dtype)  # fmt: skip

@@ -1,0 +1,452 @@
+"""Routed experts grouped by expert on the tensor cores: each expert's weights read once per call.
+
+The references are expert_glu.expert_glu_reference and expert_down.expert_down_reference."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import mlx.core as mx
+from gguf import GGMLQuantizationType
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import expert_glu as G
+from hf2q_mlx.custom_kernels import qmatmul_mma as MM
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.dequant import row_bytes
+from hf2q_mlx.custom_kernels.expert_matmul import uint32_ids
+from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
+from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
+from hf2q_mlx.errors import WeightMismatchError
+
+# Off by default: the grouped kernels have run on the CPU emulator only (docs/kernel_notes.md,
+# "grouped experts", says how the lead verifies them on the H200).
+ENABLED = os.environ.get("HF2Q_GROUPED_EXPERTS", "0") == "1"
+MAX_TOKENS = G.MAX_TOKENS  # tokens per call (32)
+MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
+
+# --------------------------------------------------------------------------------------------
+# Kernel: qmatmul_mma's loop (16 rows of H row sets against up to 8 NT columns of x) with the
+# columns taken from the pairs that chose the threadgroup's expert. The text edits below keep
+# the loop itself as it is: each column's sum meets the same operations in the same order as a
+# lone column's (U, W from (type, K); NT only sets how many columns ride along), so a pair's
+# bits do not depend on which or how many pairs share its expert.
+
+_PREFIX = r"""
+  // Thread mapping: threadgroup (gid_x, gid_y) = (rows row0 .. row0 + 15 of each row set,
+  // expert gid_y); gid_y = E takes the ids past the last expert (NaN rows, nothing read). The
+  // pairs (token, slot) that chose the expert are its columns, in column groups of 8 NT; the
+  // mma loop below (qmatmul_mma's) runs once per group. dims = (pairs P, N rows per set, K, E,
+  // pairs per x row, rows per expert, first row of set 1 in w1).
+  const uint ex_e = gid_y, ex_E = uint(dims[3]), ex_P = uint(dims[0]);
+  const uint ex_per_row = uint(dims[4]);
+  // Every SIMD group scans the ids 32 at a time (so each knows the count before any barrier);
+  // SIMD group 0 writes the pair list, in pair order.
+  SHARED ushort ex_pairs[@MAX_PAIRS@];
+  uint ex_n = 0;
+  for (uint ex_c = 0; ex_c < ex_P; ex_c += 32) {
+    const uint p = ex_c + lane;
+    const uint id = p < ex_P ? uint(ids[p]) : 0u;
+    const uint hit = (p < ex_P && (ex_e < ex_E ? id == ex_e : id >= ex_E)) ? 1u : 0u;
+    const uint incl = simd_prefix_inclusive_sum(hit);
+    if (hit != 0u && simd_id == 0) ex_pairs[ex_n + incl - 1u] = ushort(p);
+    ex_n += simd_broadcast(incl, 31u);
+  }
+  if (ex_n == 0) return;  // no pair chose this expert: the whole threadgroup leaves here
+  BARRIER();
+"""
+
+# after the loop's N, K, row_bytes, g, row0: the NaN rows of bad ids, the expert's row sets
+_SETUP = r"""  if (ex_e >= ex_E) {
+    for (uint i = tid; i < 16 * ex_n; i += tg_size) {
+      const uint r = i % 16;
+      const float nan = bitcast<float>(0x7FC00000u);
+      if (row0 + r < N) out[size_t(ex_pairs[i / 16]) * N + row0 + r] = from_float<@OUT_T@>(nan);
+    }
+    return;
+  }
+  DEVICE_PTR(const T) x = xs;
+  // set 0 (gate, or the down rows) from w0, set 1 (up) from w1, each at this expert's rows
+  DEVICE_PTR(const uchar) ex_w[2];
+  ex_w[0] = w0 + size_t(ex_e) * uint(dims[5]) * row_bytes;
+  ex_w[1] = w1 + (size_t(ex_e) * uint(dims[5]) + uint(dims[6])) * row_bytes;
+  constexpr uint CW = 8 * NT;  // columns per group
+  SHARED float red[H * 8 * 16 * CW];  // [set][SIMD group][row 0..15][column 0..CW - 1]
+"""
+
+_GROUP_HEAD = r"""  for (uint ex_c0 = 0; ex_c0 < ex_n; ex_c0 += CW) {
+  // this group's columns: pairs ex_pairs[ex_c0 ..], M of them; lane g's x row in n-tile n
+  const uint M = ex_n - ex_c0 < CW ? ex_n - ex_c0 : CW;
+  uint ex_xrow[NT];
+  UNROLL for (int n = 0; n < NT; ++n) {
+    const uint c = 8 * uint(n) + g;
+    ex_xrow[n] = c < M ? uint(ex_pairs[ex_c0 + c]) / ex_per_row : 0u;
+  }
+"""
+
+_GROUP_TAIL = r"""  BARRIER();  // the next group rewrites red
+  }
+"""
+
+# (old, new, count) text edits of qmatmul_mma._BODY, in order (CW and red move up to _SETUP)
+_EDITS = [
+    ("  constexpr uint CW = 8 * NT;  // columns of x\n", "", 1),
+    ("  SHARED float red[H * 8 * 16 * CW];  // [set][SIMD group][row 0..15][column 0..CW - 1]\n",
+     "", 1),
+    ("  const uint M = uint(dims[0]);\n", "", 1),
+    ("  // rows g, g + 8 of set h", _SETUP + "  // rows g, g + 8 of set h", 1),
+    ("= w + (size_t(h) * N + ", "= ex_w[h] + (", 2),
+    ("  float acc[H][NT][4];\n", _GROUP_HEAD + "  float acc[H][NT][4];\n", 1),
+    (
+        "          const uint col = 8 * uint(n) + g;\n",
+        "          if (8 * uint(n) >= M) continue;  // an n-tile of padding only: uniform skip\n"
+        "          const uint col = 8 * uint(n) + g;\n",
+        1,
+    ),
+    ("xb + size_t(live ? col : 0u) * K", "xb + size_t(ex_xrow[n]) * K", 1),
+]  # fmt: skip
+
+
+def _body(ggml_type: int, halves: int, epilogue: str, out_t: str) -> str:
+    """The grouped body: _PREFIX, then qmatmul_mma's loop edited (_EDITS) inside the column-group
+    loop, with ``epilogue`` writing pair ex_pairs[ex_c0 + col]'s row0 + r."""
+    body = MM._BODY
+    for old, new, count in _EDITS:
+        if body.count(old) != count:
+            # qmatmul_mma's loop changed shape: these edits must follow it (a loud import error,
+            # not a kernel that silently reads the wrong columns)
+            raise RuntimeError(f"expert_mma: qmatmul_mma's loop no longer has {old.strip()!r}")
+        body = body.replace(old, new)
+    ngr, mmg = MM._GROUPS[ggml_type]
+    body = _PREFIX.replace("@MAX_PAIRS@", str(MAX_PAIRS)) + body.rstrip("\n") + "\n" + _GROUP_TAIL
+    body = (
+        body.replace("@NGR@", str(ngr))
+        .replace("@MMG@", str(mmg))
+        .replace("@H@", str(halves))
+        .replace("@EPILOGUE@", epilogue)
+        .replace("@OUT_T@", out_t)
+    )
+    return fill_format(body, ggml_type)
+
+
+def _header(ggml_type: int) -> str:
+    return kernel_header(ggml_type) + MM._MMA_COMMON + MM._LOAD_XB + MM._DECODERS[ggml_type]
+
+
+_GLU_EPILOGUE = r"""    {
+      const float g = v[0], u = v[1];  // feature row0 + r's gate and up sums, column col
+@ACTIVATE@      out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = from_float<T>(a * u);
+    }
+""".replace("@ACTIVATE@", G._ACTIVATE)
+
+_DOWN_EPILOGUE = "    out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = v[0];\n"
+
+
+def _make_glu_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {
+                "xs": mx.bfloat16,
+                "w0": mx.uint8,
+                "w1": mx.uint8,
+                "ids": mx.uint32,
+                "dims": (mx.int32, 7),
+            },
+            {"out": mx.bfloat16},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act},
+        )  # fmt: skip
+        for nt, u, act in ((1, 1, 0), (4, 2, 1))
+    ]
+    return Kernel(
+        f"ggml_grouped_glu_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
+        inputs=["xs", "w0", "w1", "ids", "dims"],
+        outputs=["out"],
+        body=_body(ggml_type, 2, _GLU_EPILOGUE, "T"),
+        header=_header(ggml_type),
+        examples=examples,
+    )
+
+
+def _make_down_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {
+                "xs": mx.bfloat16,
+                "w0": mx.uint8,
+                "w1": mx.uint8,
+                "ids": mx.uint32,
+                "dims": (mx.int32, 7),
+            },
+            {"out": mx.float32},
+            {"T": mx.bfloat16, "NT": nt, "U": u},
+        )  # fmt: skip
+        for nt, u in ((1, 1), (4, 2))
+    ]
+    return Kernel(
+        f"ggml_grouped_down_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
+        inputs=["xs", "w0", "w1", "ids", "dims"],
+        outputs=["out"],
+        body=_body(ggml_type, 1, _DOWN_EPILOGUE, "float"),
+        header=_header(ggml_type),
+        examples=examples,
+    )
+
+
+_GLU_KERNELS: dict[int, Kernel] = {t: _make_glu_kernel(t) for t in MM.MMA_TYPES}
+_DOWN_KERNELS: dict[int, Kernel] = {t: _make_down_kernel(t) for t in MM.MMA_TYPES}
+
+_SLOT_SUM_BODY = r"""
+  // Thread mapping: one thread per output (token, feature n): the token's k slot rows of y
+  // times their gate weights, summed in slot order 0..k-1 (never the grouping's order), fp32,
+  // rounded once. dims = (tokens, N, k).
+  const uint N = uint(dims[1]), k = uint(dims[2]);
+  if (pos_x >= uint(dims[0]) * N) return;
+  const uint tok = pos_x / N, n = pos_x % N;
+  float acc = 0.0f;
+  for (uint s = 0; s < k; ++s) {
+    const size_t pair = size_t(tok) * k + s;
+    acc = fma_f(wts[pair], y[pair * N + n], acc);
+  }
+  out[pos_x] = from_float<T>(acc);
+"""
+
+_SLOT_SUM = Kernel(
+    "grouped_expert_slot_sum",
+    inputs=["y", "wts", "dims"],
+    outputs=["out"],
+    body=_SLOT_SUM_BODY,
+    examples=[
+        Example(
+            {"y": mx.float32, "wts": mx.float32, "dims": (mx.int32, 3)},
+            {"out": mx.bfloat16},
+            {"T": mx.bfloat16},
+        )
+    ],
+)
+_SUM_THREADS = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Launches
+
+
+def glu_config(ggml_type: int, tokens: int, F: int, K: int) -> dict[str, int]:
+    """NT, U, W of the grouped GLU: qmatmul_mma.glu_launch_config's U and W from (type, F, K)
+    alone (row parity); NT from the tokens (an expert's usual most pairs: one per token)."""
+    return MM.glu_launch_config(ggml_type, min(tokens, MM.GLU_MAX_ROWS), F, K)
+
+
+def down_config(ggml_type: int, tokens: int, N: int, K: int) -> dict[str, int]:
+    """NT, U, W of the grouped down projections: qmatmul_mma.launch_config's (U, W from (type,
+    K) alone), NT from the tokens."""
+    return MM.launch_config(ggml_type, min(tokens, MM.MAX_ROWS), N, K)
+
+
+def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,
+                  out_dtype, cfg: dict, template: dict) -> LaunchPlan:  # fmt: skip
+    """The grouped launch: (ceil(N / 16), E + 1) threadgroups of W SIMD groups."""
+    E, P = w.shape[0], expert_ids.size
+    k = expert_ids.shape[-1]
+    if not 1 <= P <= MAX_PAIRS or not 1 <= cfg["NT"] <= 4 or not 1 <= cfg["W"] <= MM.MAX_SIMD:
+        raise ValueError(f"config {cfg} or {P} pairs: not a grouped launch")
+    per_row = k if x.ndim == expert_ids.ndim else 1  # pairs per row of x
+    if w_up is None:  # fused [gate | up] (E, 2N, ...) or down (E, N, ...)
+        dims = [P, N, K, E, per_row, halves * N, N]
+    else:  # gate (E, N, ...), up (E, N, ...)
+        dims = [P, N, K, E, per_row, N, 0]
+    return LaunchPlan(
+        kernel,
+        dims,
+        grid=(-(-N // 16) * 32 * cfg["W"], E + 1),
+        threadgroup=(32 * cfg["W"], 1),
+        output_shapes=[(*expert_ids.shape, N)],
+        output_dtypes=[out_dtype],
+        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], **template},
+    )
+
+
+def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config):
+    F = w.shape[1] if w_up is not None else w.shape[1] // 2
+    tokens = expert_ids.size // expert_ids.shape[-1]
+    cfg = config or glu_config(ggml_type, tokens, F, K)
+    act = {"ACT": G.ACTIVATIONS.index(activation)}
+    return _grouped_plan(_GLU_KERNELS[ggml_type], x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg,
+                         act)  # fmt: skip
+
+
+def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config):
+    N = w.shape[1]
+    k = expert_ids.shape[-1]
+    tokens = expert_ids.size // k
+    cfg = config or down_config(ggml_type, tokens, N, K)
+    proj = _grouped_plan(_DOWN_KERNELS[ggml_type], h, w, None, expert_ids, K, N, 1, mx.float32,
+                         cfg, {})  # fmt: skip
+    total = LaunchPlan(
+        _SLOT_SUM,
+        [tokens, N, k],
+        grid=(-(-(tokens * N) // _SUM_THREADS) * _SUM_THREADS,),
+        threadgroup=(_SUM_THREADS,),
+        output_shapes=[(*expert_ids.shape[:-1], N)],
+        output_dtypes=[h.dtype],
+        template={"T": h.dtype},
+    )
+    return proj, total
+
+
+def _check_kernel_args(x, ggml_type: int, K: int, expert_ids) -> None:
+    if not MM.has_kernel(ggml_type, x.dtype) or x.shape[-1] != K:
+        raise ValueError(f"no grouped kernel for {ggml_type} with {x.dtype} x of {x.shape}")
+    if expert_ids.size > MAX_PAIRS:
+        raise ValueError(f"{expert_ids.size} (token, slot) pairs: at most {MAX_PAIRS}")
+
+
+def grouped_expert_glu(
+    x: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    ggml_type: int,
+    in_features: int,
+    activation: str = "silu",
+    w_up: mx.array | None = None,
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """act(gate) * up per (token, slot), the contract of expert_glu_reference: bf16 x (..., K)
+    or (..., k, K), ids (..., k) (at most MAX_PAIRS in all), w the fused [gate | up] blocks
+    (E, 2F, row_bytes) (or the gate rows with ``w_up``) of a qmatmul_mma type -> (..., k, F).
+    One launch; each expert's rows are read once for all the pairs that chose it. An id >= E
+    gives NaN rows. ``config``: NT, U, W; ``init_value`` pre-fills the output."""
+    _check_kernel_args(x, ggml_type, in_features, expert_ids)
+    plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
+    wu = w if w_up is None else w_up
+    return plan.call(x, w, wu, uint32_ids(expert_ids), init_value=init_value)
+
+
+def grouped_expert_down(
+    h: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    weights: mx.array,
+    ggml_type: int,
+    in_features: int,
+    *,
+    config: dict[str, int] | None = None,
+    init_value: float | None = None,
+) -> mx.array:
+    """sum over slots of weights[s] * (W[ids[s]] @ h[s]), the contract of expert_down_reference:
+    bf16 h (..., k, F), ids and weights (..., k), w (E, N, row_bytes) -> (..., N) in h.dtype.
+    Two launches: the grouped down projections (fp32 per (token, slot)), then their weighted
+    sum in slot order 0..k-1. An id >= E gives a NaN row. ``config``: NT, U, W of the first;
+    ``init_value`` pre-fills both outputs."""
+    _check_kernel_args(h, ggml_type, in_features, expert_ids)
+    proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, config)
+    y = proj.call(h, w, w, uint32_ids(expert_ids), init_value=init_value)
+    wts = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
+    return total.call(y, wts, init_value=init_value)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch (expert_glu.expert_glu and expert_down.expert_down call expert_glu / expert_down
+# below when ENABLED)
+
+
+def covers(
+    x: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    ggml_type: int | None,
+    *,
+    glu: bool = True,
+    w_up: mx.array | None = None,
+) -> bool:
+    """Whether the grouped kernels take this call: CUDA, bf16 x, a type in GLU_GPU_VERIFIED
+    (``glu``) or GPU_VERIFIED (down) unless qmatmul_mma.ALL_TYPES, 1..32 tokens of at most
+    MAX_PAIRS pairs, x one row per token or per pair (down: per pair), uint8 expert blocks."""
+    if ggml_type is None or backend() != "cuda" or not MM.supports(ggml_type, x.dtype, glu=glu):
+        return False
+    if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= MAX_PAIRS:
+        return False
+    tokens = math.prod(expert_ids.shape[:-1])
+    per_pair = x.ndim == expert_ids.ndim + 1 and tuple(x.shape[:-1]) == tuple(expert_ids.shape)
+    per_token = x.ndim == expert_ids.ndim and tuple(x.shape[:-1]) == tuple(expert_ids.shape[:-1])
+    rb = row_bytes(ggml_type, x.shape[-1])
+    return (
+        1 <= tokens <= MAX_TOKENS
+        and (per_pair or (glu and per_token))
+        and w.ndim == 3
+        and w.dtype == mx.uint8
+        and w.shape[0] > 0
+        and w.shape[-1] == rb
+        and (not glu or w_up is not None or w.shape[1] % 2 == 0)
+        and (w_up is None or (w_up.shape == w.shape and w_up.dtype == w.dtype))
+    )
+
+
+# per call shape: the resolved plan(s), or None where covers() said no (decided once)
+_GLU_CALLS: dict[tuple, LaunchPlan | None] = {}
+_DOWN_CALLS: dict[tuple, tuple[LaunchPlan, LaunchPlan] | None] = {}
+
+
+def expert_glu(
+    x: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    ggml_type: int | None,
+    in_features: int,
+    activation: str,
+    w_up: mx.array | None = None,
+) -> mx.array | None:
+    """expert_glu.expert_glu's grouped path: grouped_expert_glu through a plan cached per call
+    shape where ``covers`` (caller errors raise as expert_glu's), else None."""
+    be = backend()
+    key = (be, MM.ALL_TYPES, ggml_type, in_features, activation, x.shape, x.dtype, w.shape,
+           w.dtype, None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
+           expert_ids.dtype)  # fmt: skip
+    if key in _GLU_CALLS:
+        plan = _GLU_CALLS[key]
+    else:
+        plan = None
+        if covers(x, w, expert_ids, ggml_type, w_up=w_up):
+            G._check(x, w, w_up, ggml_type, in_features)
+            plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None)
+            plan.resolve(x.dtype, mx.uint8, mx.uint8, mx.uint32)
+        _GLU_CALLS[key] = plan
+    if plan is None:
+        return None
+    return plan.run(x, w, w if w_up is None else w_up, uint32_ids(expert_ids))
+
+
+def expert_down(
+    h: mx.array,
+    w: mx.array,
+    expert_ids: mx.array,
+    weights: mx.array,
+    ggml_type: int | None,
+    in_features: int,
+) -> mx.array | None:
+    """expert_down.expert_down's grouped path: grouped_expert_down through plans cached per
+    call shape where ``covers`` (and the weights match the ids), else None."""
+    be = backend()
+    key = (be, MM.ALL_TYPES, ggml_type, in_features, h.shape, h.dtype, w.shape, w.dtype,
+           expert_ids.shape, expert_ids.dtype, weights.shape)  # fmt: skip
+    if key in _DOWN_CALLS:
+        plans = _DOWN_CALLS[key]
+    else:
+        plans = None
+        if covers(h, w, expert_ids, ggml_type, glu=False) and weights.shape == expert_ids.shape:
+            if h.shape[-1] != in_features:
+                raise WeightMismatchError(
+                    f"h has {h.shape[-1]} features, the experts {in_features}"
+                )
+            proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, None)
+            proj.resolve(h.dtype, mx.uint8, mx.uint8, mx.uint32)
+            total.resolve(mx.float32, mx.float32)
+            plans = (proj, total)
+        _DOWN_CALLS[key] = plans
+    if plans is None:
+        return None
+    proj, total = plans
+    y = proj.run(h, w, w, uint32_ids(expert_ids))
+    return total.run(y, weights if weights.dtype == mx.float32 else weights.astype(mx.float32))
