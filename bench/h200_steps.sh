@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The H200 checks and benchmarks the open issues wait for, as named steps, each capped with
+# `timeout` and logged into $OUT (a cut step still returns what it wrote). Run from a clean
+# snapshot (bench/README.md, "One H200 session, in few calls"), e.g. through the device tool:
+#
+#   source .snap/dev/setup.sh && cd .snap && bash bench/h200_steps.sh mma-glu-tests serve-35b
+#
+# Steps run in the order given; `bash bench/h200_steps.sh list` prints them with their caps.
+# Budget in held time: a cold start adds ~90 s to the first call.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx}
+
+declare -A CAP CMD
+step() { CAP[$1]=$2; CMD[$1]=$3; ORDER+=("$1"); }
+ORDER=()
+# kernels waiting for their GPU tests (docs/kernel_notes.md)
+step expert-mma-tests 240 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_mma.py"
+step mma-glu-tests 200 "python3 -m pytest -q -x -p no:cacheprovider -k 'gpu and (Q5_1 or Q5_K or Q3_K or Q2_K)' tests/kernels/test_dense_glu_mma.py"
+step step-parity 300 "python3 -m pytest -q -x -p no:cacheprovider tests/test_step_row_parity.py"
+# speed: MoE block with the grouped experts off and on (issue 14)
+step moe-grouped 240 "HF2Q_GROUPED_EXPERTS=0 python3 bench/moe_launches.py --formats q4_k --batch 1 8 32 && HF2Q_GROUPED_EXPERTS=1 python3 bench/moe_launches.py --formats q4_k --batch 1 8 32"
+# serving targets (issue 14): one shape per call
+step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
+step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_35b.json"
+step serve-26b-mlx 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams 1,8,32 --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b_mlx4.json"
+# speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)
+step replay-9b 300 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds 5 --tokens 128 --json $OUT/replay_9b.json"
+step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --json $OUT/replay_35b.json"
+step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
+
+if [ "${1:-list}" = list ]; then
+  for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
+  exit 0
+fi
+rc=0
+for s in "$@"; do
+  if [ -z "${CMD[$s]+x}" ]; then echo "unknown step: $s (bash bench/h200_steps.sh list)"; exit 2; fi
+  echo "== $s (cap ${CAP[$s]} s) $(date -u +%H:%M:%S)" | tee -a "$OUT/steps.log"
+  timeout "${CAP[$s]}" bash -c "${CMD[$s]}" 2>&1 | grep -v -i warning | tee "$OUT/$s.log" | tail -40
+  code=${PIPESTATUS[0]}
+  echo "== $s rc=$code $(date -u +%H:%M:%S)" | tee -a "$OUT/steps.log"
+  [ "$code" = 0 ] || rc=$code
+done
+exit $rc
