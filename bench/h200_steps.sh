@@ -3,18 +3,24 @@
 # `timeout` and logged into $OUT (a cut step still returns what it wrote). Run from a clean
 # snapshot (bench/README.md, "One H200 session, in few calls"), e.g. through the device tool:
 #
-#   source .snap/dev/setup.sh && cd .snap && bash bench/h200_steps.sh mma-glu-tests serve-35b
+#   cd .snap && bash bench/h200_steps.sh setup mma-glu-tests serve-35b
 #
+# `setup` unpacks the MLX CUDA bundle (../.device/mlx-cuda-sm90.tar.xz, ../shared/device/README.md)
+# into /tmp/site once per warm machine and installs this tree there; every step runs with
+# PYTHONPATH=/tmp/site.
 # Steps run in the order given; `bash bench/h200_steps.sh list` prints them with their caps.
 # Budget in held time: a cold start adds ~90 s to the first call.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} HF2Q_MLX_CACHE=${HF2Q_MLX_CACHE:-/tmp/hfc}
+BUNDLE=${BUNDLE:-../.device/mlx-cuda-sm90.tar.xz}
 
 declare -A CAP CMD
 step() { CAP[$1]=$2; CMD[$1]=$3; ORDER+=("$1"); }
 ORDER=()
+step setup 120 "mkdir -p /tmp/site && { [ -d /tmp/site/mlx ] || tar -xJf $BUNDLE -C /tmp/site; } && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . && python3 -c 'import mlx.core as mx, hf2q_mlx; print(mx.__version__, mx.default_device())'"
 # kernels waiting for their GPU tests (docs/kernel_notes.md)
 step expert-mma-tests 240 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_mma.py"
 step mma-glu-tests 200 "python3 -m pytest -q -x -p no:cacheprovider -k 'gpu and (Q5_1 or Q5_K or Q3_K or Q2_K)' tests/kernels/test_dense_glu_mma.py"
