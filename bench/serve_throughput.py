@@ -11,7 +11,8 @@ ratios to the single-stream rates. The engine is driven directly (no HTTP), with
 compiled DecodeStep on a GPU. A prefill step delays the running streams once, so p99
 inter-token latency depends on ``--prefill-chunk`` (the prefill tokens of all rows per step:
 a larger one means fewer, longer stalls). Before each measured wave one request per attention
-span the wave reaches compiles the step (2 tokens each). Prints a table and writes JSON after
+span the wave reaches compiles the step (2 tokens each). Ours and mlx-lm alternate per stream
+count (a time cap then cuts both columns at the same row). Prints a table and writes JSON after
 every row (a run cut short keeps what it measured).
 
     python bench/serve_throughput.py                          # both shapes, H200
@@ -273,9 +274,9 @@ def main() -> None:
                     print(f"mlx-lm column skipped: {type(err).__name__}: {err}")
             # after the twin took the separate q/k/v and gate/up: ours as the loader makes it
             model.fuse_projections()
-            for kind, m in impls:
-                single = None
-                for n in counts:
+            single: dict = {}  # per implementation, its 1-stream row
+            for n in counts:  # both implementations at each stream count before the next
+                for kind, m in impls:
                     if out_of_time():
                         print(f"time cap: {shape} {fmt} {kind} n={n} not run")
                         continue
@@ -289,11 +290,13 @@ def main() -> None:
                         print(f"{shape} {fmt} {kind} n={n}: {type(err).__name__}: {err}")
                         continue
                     r.update(shape=shape, format=fmt)
-                    single = r if n == 1 else single
+                    if n == 1:
+                        single[kind] = r
+                    one = single.get(kind)
                     for key, ratio in (("decode_tok_s", "speedup"),
                                        ("steady_tok_s", "steady_speedup"),
                                        ("itl_p99_ms", "itl_p99_ratio")):  # fmt: skip
-                        r[ratio] = r[key] / single[key] if single else float("nan")
+                        r[ratio] = r[key] / one[key] if one else float("nan")
                     rows.append(r)
                     print(row_text(r), flush=True)
                     save(out, a.gen, rows)
