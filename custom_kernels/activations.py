@@ -12,6 +12,16 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
+# Kernel text for the expert and dense GLU epilogues: a = act(g) on the fp32 sum g, with the
+# template's ACT the index in ACTIVATIONS (0 SiLU, 1 GELU tanh).
+ACTIVATE_EPILOGUE = r"""    float a;
+    if (ACT == 0) {
+      a = g / (1.0f + exp_f(-g));
+    } else {
+      a = 0.5f * g * (1.0f + tanh_f(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    }
+"""
+
 
 def _act(g: mx.array, kind: str) -> mx.array:
     if kind == "silu":

@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, expert_mma
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
@@ -188,8 +188,6 @@ def expert_down(
     """Dispatcher with the contract of :func:`expert_down_reference`: on a GPU, GGML experts
     and 1..32 tokens, one kernel; otherwise the path the models ran before (expert_matmul,
     then the weighted sum in h's dtype)."""
-    from hf2q_mlx.custom_kernels import expert_mma  # it imports expert_glu
-
     if expert_mma.ENABLED:  # each expert's rows read once for all its pairs (off by default)
         y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
         if y is not None:  # None: expert_mma.covers says no

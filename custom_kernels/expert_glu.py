@@ -7,12 +7,13 @@ import math
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import activations, backend
+from hf2q_mlx.custom_kernels import activations, backend, expert_mma
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import (
+    check_expert_blocks,
     expert_matmul,
     expert_matmul_reference,
     uint32_ids,
@@ -90,14 +91,7 @@ _ROWS_NEW = r"""    wrow[r] = (r < R / 2 ? wg + g_row0 * row_bytes : wu + u_row0
               size_t(f0 + uint(r % (R / 2)) < N ? f0 + uint(r % (R / 2)) : N - 1) * row_bytes;
 """
 
-# a = act(g) for the epilogues (ACT: 0 SiLU, 1 GELU tanh), on the fp32 sums g, u
-_ACTIVATE = r"""    float a;
-    if (ACT == 0) {
-      a = g / (1.0f + exp_f(-g));
-    } else {
-      a = 0.5f * g * (1.0f + tanh_f(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    }
-"""
+_ACTIVATE = activations.ACTIVATE_EPILOGUE  # a = act(g) on the fp32 sums g, u
 
 _COLS_OLD = "  const uint Mrt = uint(dims[0]);\n"  # the prologue's columns of x
 
@@ -479,21 +473,6 @@ def _kernel_covers(x, w, w_up, expert_ids, ggml_type) -> bool:
     )
 
 
-def _check(x, w, w_up, ggml_type: int, K: int) -> None:
-    """Caller errors the kernel path would otherwise miss (the fallback's expert_matmul
-    raises the same ones)."""
-    if x.shape[-1] != K:
-        raise WeightMismatchError(f"x has {x.shape[-1]} features, the experts {K}")
-    rb = row_bytes(ggml_type, K)
-    for a in (w, w_up):
-        if a is not None and (a.ndim != 3 or a.shape[-1] != rb or a.dtype != mx.uint8):
-            raise WeightMismatchError(
-                f"expected uint8 expert blocks (E, N, {rb}), got {a.dtype} {tuple(a.shape)}"
-            )
-    if w_up is None and w.shape[1] % 2:
-        raise WeightMismatchError(f"a fused gate_up weight needs an even row count: {w.shape}")
-
-
 def expert_glu(
     x: mx.array,
     w: mx.array,
@@ -509,8 +488,6 @@ def expert_glu(
     x.dtype in between."""
     if activation not in ACTIVATIONS:
         raise InvalidArgumentError(f"activation {activation!r} is not one of {ACTIVATIONS}")
-    from hf2q_mlx.custom_kernels import expert_mma  # it imports this module
-
     if expert_mma.ENABLED:  # each expert's rows read once for all its pairs (off by default)
         y = expert_mma.expert_glu(x, w, expert_ids, ggml_type, in_features, activation, w_up)
         if y is not None:  # None: expert_mma.covers says no
@@ -525,7 +502,7 @@ def expert_glu(
             return plan(x, w, w_up, expert_ids)
     if ggml_type is not None and be is not None and _kernel_covers(x, w, w_up, expert_ids,
                                                                    ggml_type):  # fmt: skip
-        _check(x, w, w_up, ggml_type, in_features)
+        check_expert_blocks(x, w, w_up, ggml_type, in_features)
         plan = _CALLS[key] = _Plan(x, w, w_up, expert_ids, ggml_type, in_features, activation)
         return plan(x, w, w_up, expert_ids)
     if w_up is None:

@@ -157,6 +157,22 @@ def _launch(
     return launch, [1, N, K, 1 if per_slot else k, E]
 
 
+def check_expert_blocks(x, w, w_up, ggml_type: int, K: int) -> None:
+    """Caller errors a GLU kernel path would otherwise miss (the fallback's expert_matmul
+    raises the same ones): x's features, uint8 expert blocks (E, N, row_bytes) of K, and an
+    even row count for a fused gate_up ``w`` (``w_up`` None)."""
+    if x.shape[-1] != K:
+        raise WeightMismatchError(f"x has {x.shape[-1]} features, the experts {K}")
+    rb = row_bytes(ggml_type, K)
+    for a in (w, w_up):
+        if a is not None and (a.ndim != 3 or a.shape[-1] != rb or a.dtype != mx.uint8):
+            raise WeightMismatchError(
+                f"expected uint8 expert blocks (E, N, {rb}), got {a.dtype} {tuple(a.shape)}"
+            )
+    if w_up is None and w.shape[1] % 2:
+        raise WeightMismatchError(f"a fused gate_up weight needs an even row count: {w.shape}")
+
+
 def uint32_ids(expert_ids: mx.array) -> mx.array:
     """The ids as every expert kernel reads them: uint32 (negative ids: NaN rows), in their own
     shape (the kernels read flat memory; a reshape would be one more graph node per call)."""

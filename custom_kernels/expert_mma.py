@@ -10,12 +10,11 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import backend
-from hf2q_mlx.custom_kernels import expert_glu as G
+from hf2q_mlx.custom_kernels import activations, backend
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
-from hf2q_mlx.custom_kernels.expert_matmul import uint32_ids
+from hf2q_mlx.custom_kernels.expert_matmul import check_expert_blocks, uint32_ids
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import WeightMismatchError
@@ -23,7 +22,7 @@ from hf2q_mlx.errors import WeightMismatchError
 # Off by default: the grouped kernels have run on the CPU emulator only (docs/kernel_notes.md,
 # "grouped experts", says how the lead verifies them on the H200).
 ENABLED = os.environ.get("HF2Q_GROUPED_EXPERTS", "0") == "1"
-MAX_TOKENS = G.MAX_TOKENS  # tokens per call (32)
+MAX_TOKENS = MM.GLU_MAX_ROWS  # tokens per call (32: the n-tiles' columns)
 MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
 
 # --------------------------------------------------------------------------------------------
@@ -138,7 +137,7 @@ _GLU_EPILOGUE = r"""    {
       const float g = v[0], u = v[1];  // feature row0 + r's gate and up sums, column col
 @ACTIVATE@      out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = from_float<T>(a * u);
     }
-""".replace("@ACTIVATE@", G._ACTIVATE)
+""".replace("@ACTIVATE@", activations.ACTIVATE_EPILOGUE)
 
 _DOWN_EPILOGUE = "    out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = v[0];\n"
 
@@ -270,7 +269,7 @@ def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, c
     F = w.shape[1] if w_up is not None else w.shape[1] // 2
     tokens = expert_ids.size // expert_ids.shape[-1]
     cfg = config or glu_config(ggml_type, tokens, F, K)
-    act = {"ACT": G.ACTIVATIONS.index(activation)}
+    act = {"ACT": activations.ACTIVATIONS.index(activation)}
     return _grouped_plan(_GLU_KERNELS[ggml_type], x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg,
                          act)  # fmt: skip
 
@@ -409,7 +408,7 @@ def expert_glu(
     else:
         plan = None
         if covers(x, w, expert_ids, ggml_type, w_up=w_up):
-            G._check(x, w, w_up, ggml_type, in_features)
+            check_expert_blocks(x, w, w_up, ggml_type, in_features)
             plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None)
             plan.resolve(x.dtype, mx.uint8, mx.uint8, mx.uint32)
         _GLU_CALLS[key] = plan
