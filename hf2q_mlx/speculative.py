@@ -576,13 +576,14 @@ def speculative_tokens(
         step = shared_step(model, 1, needed, cache, reserve=num_draft_tokens)
     if step is not None:
         step.busy = True
-        step.reset_row(0)
-        step.adopt(0, cache)
-        drafting = draft_model is not None or prompt_lookup is not None
-        if adaptive_drafts and tree_width == 1 and drafting:
-            # the controller may pick any k: trace every verify length now, not mid-stream
-            step.warm_verify(0, range(2, num_draft_tokens + 2))
     try:
+        if step is not None:
+            step.reset_row(0)
+            step.adopt(0, cache)
+            drafting = draft_model is not None or prompt_lookup is not None
+            if adaptive_drafts and tree_width == 1 and drafting:
+                # the controller may pick any k: trace every verify length now, not mid-stream
+                step.warm_verify(0, range(2, num_draft_tokens + 2))
         if draft_model is not None:
             # the draft holds the output, a round's drafts and a verify's padding
             needed = len(tokens) + budget + 2 * num_draft_tokens + 2 if compiled else 0

@@ -539,3 +539,22 @@ def test_adaptive_run_traces_every_verify_length_first(name, verify_lengths):
         verify_lengths.clear()
         tokens_of(m, prompt_lookup=2, num_draft_tokens=3, adaptive_drafts=adaptive)
         assert [n for model, n in verify_lengths if model is m][:3] != [2, 3, 4]
+
+
+def test_a_failing_set_up_releases_the_step(monkeypatch):
+    """An error while the compiled step is set up for a speculative run (here the verify
+    warm-up) propagates and leaves the step free for the next request."""
+    m = target("llama")
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(DecodeStep, "warm_verify", fail)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        tokens_of(m, prompt_lookup=2, num_draft_tokens=3, adaptive_drafts=True)
+    steps = m.__dict__.get(decode_step._STEPS, {}).values()
+    assert steps and not any(s.busy for s in steps)
+    monkeypatch.undo()
+    assert tokens_of(m, prompt_lookup=2, num_draft_tokens=3, adaptive_drafts=True)[0] == plain(
+        "llama"
+    )
