@@ -18,6 +18,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     uint32_ids,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
+from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import WeightMismatchError
 
 
@@ -115,19 +116,21 @@ def _make_kernel(ggml_type: int) -> Kernel:
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 
 
-def _launch(h, w, expert_ids, ggml_type: int, K: int, config):
+def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
+    """One call's launch on its type's kernel, with ``edims`` (1, N, K, slots, E)."""
     E, N, _ = w.shape
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
     cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32))
-    launch = dict(
+    return LaunchPlan(
+        _KERNELS[ggml_type],
+        [1, N, K, k, E],
         grid=(-(-N // cfg["R"]) * 32 * cfg["W"], tokens),
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(*expert_ids.shape[:-1], N)],  # written flat: no reshape node after
         output_dtypes=[h.dtype],
         template={"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
     )
-    return launch, [1, N, K, k, E]
 
 
 def ids_and_weights(expert_ids: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
@@ -151,13 +154,11 @@ def expert_down_kernel(
     """The GPU kernel alone, the contract of :func:`expert_down_reference` for GGML weights;
     a token with an id >= E gives a NaN row. ``config`` overrides R, U, W; ``init_value``
     pre-fills the output (tests poison it with NaN)."""
-    launch, edims = _launch(h, w, expert_ids, ggml_type, in_features, config)
-    ids, wts = ids_and_weights(expert_ids, weights)
-    inputs = [h, w, ids, wts, mx.array(edims, dtype=mx.int32)]
-    return _KERNELS[ggml_type](inputs, init_value=init_value, **launch)[0]
+    plan = _plan(h, w, expert_ids, ggml_type, in_features, config)
+    return plan.call(h, w, *ids_and_weights(expert_ids, weights), init_value=init_value)
 
 
-_CALLS: dict[tuple, tuple] = {}
+_CALLS: dict[tuple, LaunchPlan] = {}  # per dispatcher call signature: its launch, resolved once
 
 
 def kernel_covers(h, w, expert_ids, weights, ggml_type) -> bool:
@@ -194,11 +195,9 @@ def expert_down(
             return y
     key = (_KERNELS.get(ggml_type), ggml_type, in_features, h.shape, h.dtype, w.shape,
            expert_ids.shape, expert_ids.dtype, weights.dtype)  # fmt: skip
-    if backend() is not None:
-        plan = _CALLS.get(key)
-        if plan is not None:
-            return _run(plan, h, w, expert_ids, weights)
-    if ggml_type is not None and kernel_covers(h, w, expert_ids, weights, ggml_type):
+    plan = _CALLS.get(key) if backend() is not None else None
+    if plan is None and ggml_type is not None and kernel_covers(h, w, expert_ids, weights,
+                                                                ggml_type):  # fmt: skip
         if h.shape[-1] != in_features:
             raise WeightMismatchError(f"h has {h.shape[-1]} features, the experts {in_features}")
         rb = row_bytes(ggml_type, in_features)
@@ -206,16 +205,9 @@ def expert_down(
             raise WeightMismatchError(
                 f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
             )
-        launch, edims = _launch(h, w, expert_ids, ggml_type, in_features, None)
-        dtypes = [h.dtype, mx.uint8, mx.uint32, mx.float32, mx.int32]
-        plan = (_KERNELS[ggml_type].launcher(dtypes, **launch), mx.array(edims, mx.int32))
-        _CALLS[key] = plan
-        return _run(plan, h, w, expert_ids, weights)
+        plan = _plan(h, w, expert_ids, ggml_type, in_features, None)
+        _CALLS[key] = plan.resolve(h.dtype, mx.uint8, mx.uint32, mx.float32)
+    if plan is not None:
+        return plan.run(h, w, *ids_and_weights(expert_ids, weights))
     y = expert_matmul(h, w, expert_ids, ggml_type, in_features)  # (..., k, N)
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-
-
-def _run(plan, h, w, expert_ids, weights) -> mx.array:
-    launch, edims = plan
-    ids, wts = ids_and_weights(expert_ids, weights)
-    return launch(inputs=[h, w, ids, wts, edims])[0]

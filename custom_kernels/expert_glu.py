@@ -159,15 +159,19 @@ MAX_TOKENS = 32
 ACTIVATIONS = activations.ACTIVATIONS  # "silu", "gelu_tanh": the epilogue's ACT 0, 1
 
 
-def _launch(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config):
-    """Launch arguments and the ``edims`` values for one call."""
+def _plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config) -> LaunchPlan:
+    """One call's launch on its type's kernel, with ``edims`` (1, F, K, slots per x row, E, rows
+    per expert, first up row)."""
     E, rows = w.shape[0], w.shape[1]
     F = rows if w_up is not None else rows // 2
     k = expert_ids.shape[-1]
     per_slot = x.ndim == expert_ids.ndim + 1
     cfg = dict(config or Q.launch_config(ggml_type, 1, 2 * F, K, mx.float32))
     rh = max(1, cfg["R"] // 2) if config is None else cfg["R"]  # features per threadgroup
-    launch = dict(
+    up0 = 0 if w_up is not None else F
+    return LaunchPlan(
+        _KERNELS[ggml_type],
+        [1, F, K, 1 if per_slot else k, E, rows, up0],
         grid=(-(-F // rh) * 32 * cfg["W"], expert_ids.size),
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(*expert_ids.shape, F)],  # written flat: no reshape node after
@@ -175,8 +179,6 @@ def _launch(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, con
         template={"T": x.dtype, "MT": 1, "R": 2 * rh, "U": cfg["U"],
                   "ACT": ACTIVATIONS.index(activation)},
     )  # fmt: skip
-    up0 = 0 if w_up is not None else F
-    return launch, [1, F, K, 1 if per_slot else k, E, rows, up0]
 
 
 def expert_glu_kernel(
@@ -197,34 +199,13 @@ def expert_glu_kernel(
     ``config``: R (features per threadgroup), U, W (as qmatmul's ``launch_config``; R there
     counts rows, so the default takes half of it); ``init_value`` pre-fills the output.
     """
-    launch, edims = _launch(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
+    plan = _plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
     wu = w if w_up is None else w_up
-    inputs = [x, w, wu, uint32_ids(expert_ids)]
-    (out,) = _KERNELS[ggml_type](
-        [*inputs, mx.array(edims, dtype=mx.int32)], init_value=init_value, **launch
-    )
-    return out
+    return plan.call(x, w, wu, uint32_ids(expert_ids), init_value=init_value)
 
 
-class _Plan:
-    """One call signature's launch, resolved once (a decode step pays a lookup and the launch)."""
-
-    __slots__ = ("launch", "edims")
-
-    def __init__(self, x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str):
-        launch, edims = _launch(x, w, w_up, expert_ids, ggml_type, K, activation, None)
-        dtypes = [x.dtype, mx.uint8, mx.uint8, mx.uint32, mx.int32]
-        self.launch = _KERNELS[ggml_type].launcher(dtypes, **launch)
-        self.edims = mx.array(edims, dtype=mx.int32)
-
-    def __call__(self, x, w, w_up, expert_ids) -> mx.array:
-        ids = uint32_ids(expert_ids)
-        # x as it comes ((..., K) or (..., k, K)): the kernel reads rows of K from flat memory
-        inputs = [x, w, w if w_up is None else w_up, ids, self.edims]
-        return self.launch(inputs=inputs)[0]
-
-
-_CALLS: dict[tuple, _Plan] = {}
+# per dispatcher call signature: its launch, resolved once (a decode step: a lookup, the launch)
+_CALLS: dict[tuple, LaunchPlan] = {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,15 +477,19 @@ def expert_glu(
            w.shape, w.dtype, None if w_up is None else w_up.shape, expert_ids.shape,
            expert_ids.dtype)  # fmt: skip
     be = backend()
-    if be is not None:
-        plan = _CALLS.get(key)
-        if plan is not None:
-            return plan(x, w, w_up, expert_ids)
-    if ggml_type is not None and be is not None and _kernel_covers(x, w, w_up, expert_ids,
-                                                                   ggml_type):  # fmt: skip
+    plan = _CALLS.get(key) if be is not None else None
+    if (
+        plan is None
+        and ggml_type is not None
+        and be is not None
+        and _kernel_covers(x, w, w_up, expert_ids, ggml_type)
+    ):
         check_expert_blocks(x, w, w_up, ggml_type, in_features)
-        plan = _CALLS[key] = _Plan(x, w, w_up, expert_ids, ggml_type, in_features, activation)
-        return plan(x, w, w_up, expert_ids)
+        plan = _plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None)
+        _CALLS[key] = plan.resolve(x.dtype, mx.uint8, mx.uint8, mx.uint32)
+    if plan is not None:
+        # x as it comes ((..., K) or (..., k, K)): the kernel reads rows of K from flat memory
+        return plan.run(x, w, w if w_up is None else w_up, uint32_ids(expert_ids))
     if w_up is None:
         gate_up = expert_matmul(x, w, expert_ids, ggml_type, in_features)  # (..., k, 2F)
         return activations.gated_activation(gate_up, None, activation)

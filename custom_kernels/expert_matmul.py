@@ -16,6 +16,7 @@ from hf2q_mlx.custom_kernels.dequant import (
     ggml_dequantize_kernel,
     row_bytes,
 )
+from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import WeightMismatchError
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
@@ -138,23 +139,22 @@ def _make_kernel(ggml_type: int) -> Kernel:
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 
 
-def _launch(
-    x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int, config: dict | None
-) -> tuple[dict, list[int]]:
-    """Launch arguments (grid, threadgroup, outputs, template) and the ``edims`` values."""
+def _plan(x, w, expert_ids, ggml_type: int, K: int, config: dict | None) -> LaunchPlan:
+    """One call's launch on its type's kernel, with ``edims`` (1, N, K, slots per x row, E)."""
     E, N, _ = w.shape
     k = expert_ids.shape[-1]
     per_slot = x.ndim == expert_ids.ndim + 1
     pairs = expert_ids.size
     cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32), MT=1)
-    launch = dict(
+    return LaunchPlan(
+        _KERNELS[ggml_type],
+        [1, N, K, 1 if per_slot else k, E],
         grid=(-(-N // cfg["R"]) * 32 * cfg["W"], pairs),
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(pairs, N)],
         output_dtypes=[x.dtype],
         template={"T": x.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
     )
-    return launch, [1, N, K, 1 if per_slot else k, E]
 
 
 def check_expert_blocks(x, w, w_up, ggml_type: int, K: int) -> None:
@@ -196,35 +196,20 @@ def expert_matmul_kernel(
     ``launch_config`` R, U, W (MT is always 1: one x row per threadgroup); ``init_value``
     pre-fills the output (tests poison it with NaN to prove every element is written).
     """
-    launch, edims = _launch(x, w, expert_ids, ggml_type, in_features, config)
-    (out,) = _KERNELS[ggml_type](
-        [x.reshape(-1, in_features), w, uint32_ids(expert_ids), mx.array(edims, dtype=mx.int32)],
-        init_value=init_value,
-        **launch,
-    )
+    plan = _plan(x, w, expert_ids, ggml_type, in_features, config)
+    out = plan.call(x.reshape(-1, in_features), w, uint32_ids(expert_ids), init_value=init_value)
     return out.reshape(*expert_ids.shape, w.shape[1])
 
 
-class _Plan:
-    """One dispatcher call signature's launch, resolved once: a decode step pays a dict lookup,
-    two views and the launch (no per-call validation, config or host-made arrays)."""
-
-    __slots__ = ("launch", "edims", "out_shape", "K")
-
-    def __init__(self, x, w, expert_ids, ggml_type: int, K: int):
-        launch, edims = _launch(x, w, expert_ids, ggml_type, K, None)
-        self.launch = _KERNELS[ggml_type].launcher([x.dtype, mx.uint8, mx.uint32, mx.int32],
-                                                   **launch)  # fmt: skip
-        self.edims = mx.array(edims, dtype=mx.int32)
-        self.out_shape = (*expert_ids.shape, w.shape[1])
-        self.K = K
-
-    def __call__(self, x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:
-        inputs = [x.reshape(-1, self.K), w, uint32_ids(expert_ids), self.edims]
-        return self.launch(inputs=inputs)[0].reshape(self.out_shape)
+# per dispatcher call signature: its launch, resolved once, so a decode step pays a dict lookup,
+# two views and the launch (no per-call validation, config or host-made arrays)
+_CALLS: dict[tuple, LaunchPlan] = {}
 
 
-_CALLS: dict[tuple, _Plan] = {}
+def _run(plan: LaunchPlan, x: mx.array, w: mx.array, expert_ids: mx.array, K: int) -> mx.array:
+    """A resolved plan's launch on this call's arrays -> (..., k, N)."""
+    out = plan.run(x.reshape(-1, K), w, uint32_ids(expert_ids))
+    return out.reshape(*expert_ids.shape, w.shape[1])
 
 
 def _kernel_covers(
@@ -288,7 +273,7 @@ def expert_matmul(
                expert_ids.dtype)  # fmt: skip
         plan = _CALLS.get(key)
         if plan is not None:
-            return plan(x, w, expert_ids)
+            return _run(plan, x, w, expert_ids, in_features)
     if ggml_type is None:
         if w.dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
             # MLX's CPU gather_mm is float32-only; gathering the selected experts costs less
@@ -306,8 +291,9 @@ def expert_matmul(
             f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
         )
     if _kernel_covers(x, w, expert_ids, ggml_type):
-        plan = _CALLS[key] = _Plan(x, w, expert_ids, ggml_type, in_features)
-        return plan(x, w, expert_ids)
+        plan = _plan(x, w, expert_ids, ggml_type, in_features, None)
+        _CALLS[key] = plan.resolve(x.dtype, mx.uint8, mx.uint32)
+        return _run(plan, x, w, expert_ids, in_features)
     if x.dtype == mx.float32 and _kernel_covers(x, w, expert_ids, ggml_type, all_tokens=True):
         return _fp32_by_slices(x, w, expert_ids, ggml_type, in_features)
     if expert_ids.size < w.shape[0]:
