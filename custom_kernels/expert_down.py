@@ -15,7 +15,7 @@ from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
 from hf2q_mlx.custom_kernels.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
-    uint32_ids,
+    ids_and_weights,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
@@ -131,13 +131,6 @@ def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
         output_dtypes=[h.dtype],
         template={"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
     )
-
-
-def ids_and_weights(expert_ids: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
-    """ids uint32, gate weights fp32, in their own shapes, as the down kernels (GGML and
-    affine) read them: flat memory, no reshape node."""
-    ids = uint32_ids(expert_ids)
-    return ids, weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
 
 
 def expert_down_kernel(

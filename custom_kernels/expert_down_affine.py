@@ -8,9 +8,9 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
-from hf2q_mlx.custom_kernels.expert_down import ids_and_weights
 from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
 from hf2q_mlx.custom_kernels.expert_glu_affine import Affine, affine_experts_covered
+from hf2q_mlx.custom_kernels.expert_matmul import ids_and_weights
 from hf2q_mlx.custom_kernels.ggml_formats import COMMON
 from hf2q_mlx.errors import WeightMismatchError
 

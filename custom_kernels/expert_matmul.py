@@ -179,6 +179,13 @@ def uint32_ids(expert_ids: mx.array) -> mx.array:
     return expert_ids if expert_ids.dtype == mx.uint32 else expert_ids.astype(mx.uint32)
 
 
+def ids_and_weights(expert_ids: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
+    """ids uint32, gate weights fp32, in their own shapes, as the down kernels (GGML, affine
+    and grouped) read them: flat memory, no reshape node."""
+    ids = uint32_ids(expert_ids)
+    return ids, weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
+
+
 def expert_matmul_kernel(
     x: mx.array,
     w: mx.array,

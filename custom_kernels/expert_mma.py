@@ -14,7 +14,11 @@ from hf2q_mlx.custom_kernels import activations, backend
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
-from hf2q_mlx.custom_kernels.expert_matmul import check_expert_blocks, uint32_ids
+from hf2q_mlx.custom_kernels.expert_matmul import (
+    check_expert_blocks,
+    ids_and_weights,
+    uint32_ids,
+)
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import WeightMismatchError
@@ -142,7 +146,10 @@ _GLU_EPILOGUE = r"""    {
 _DOWN_EPILOGUE = "    out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = v[0];\n"
 
 
-def _make_glu_kernel(ggml_type: int) -> Kernel:
+def _make_kernel(ggml_type: int, glu: bool) -> Kernel:
+    """The grouped GLU (gate and up row sets, act(gate) * up in x's dtype) or the grouped down
+    projections (one row set, fp32 per pair) of a type."""
+    act = [{"ACT": 0}, {"ACT": 1}] if glu else [{}, {}]
     examples = [
         Example(
             {
@@ -152,48 +159,29 @@ def _make_glu_kernel(ggml_type: int) -> Kernel:
                 "ids": mx.uint32,
                 "dims": (mx.int32, 7),
             },
-            {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act},
+            {"out": mx.bfloat16 if glu else mx.float32},
+            {"T": mx.bfloat16, "NT": nt, "U": u, **a},
         )  # fmt: skip
-        for nt, u, act in ((1, 1, 0), (4, 2, 1))
+        for (nt, u), a in zip(((1, 1), (4, 2)), act)
     ]
+    kind = "glu" if glu else "down"
+    body = (
+        _body(ggml_type, 2, _GLU_EPILOGUE, "T")
+        if glu
+        else _body(ggml_type, 1, _DOWN_EPILOGUE, "float")
+    )
     return Kernel(
-        f"ggml_grouped_glu_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
+        f"ggml_grouped_{kind}_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
         inputs=["xs", "w0", "w1", "ids", "dims"],
         outputs=["out"],
-        body=_body(ggml_type, 2, _GLU_EPILOGUE, "T"),
+        body=body,
         header=_header(ggml_type),
         examples=examples,
     )
 
 
-def _make_down_kernel(ggml_type: int) -> Kernel:
-    examples = [
-        Example(
-            {
-                "xs": mx.bfloat16,
-                "w0": mx.uint8,
-                "w1": mx.uint8,
-                "ids": mx.uint32,
-                "dims": (mx.int32, 7),
-            },
-            {"out": mx.float32},
-            {"T": mx.bfloat16, "NT": nt, "U": u},
-        )  # fmt: skip
-        for nt, u in ((1, 1), (4, 2))
-    ]
-    return Kernel(
-        f"ggml_grouped_down_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
-        inputs=["xs", "w0", "w1", "ids", "dims"],
-        outputs=["out"],
-        body=_body(ggml_type, 1, _DOWN_EPILOGUE, "float"),
-        header=_header(ggml_type),
-        examples=examples,
-    )
-
-
-_GLU_KERNELS: dict[int, Kernel] = {t: _make_glu_kernel(t) for t in MM.MMA_TYPES}
-_DOWN_KERNELS: dict[int, Kernel] = {t: _make_down_kernel(t) for t in MM.MMA_TYPES}
+_GLU_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=True) for t in MM.MMA_TYPES}
+_DOWN_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=False) for t in MM.MMA_TYPES}
 
 _SLOT_SUM_BODY = r"""
   // Thread mapping: one thread per output (token, feature n): the token's k slot rows of y
@@ -341,8 +329,8 @@ def grouped_expert_down(
     ``init_value`` pre-fills both outputs."""
     _check_kernel_args(h, ggml_type, in_features, expert_ids)
     proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, config)
-    y = proj.call(h, w, w, uint32_ids(expert_ids), init_value=init_value)
-    wts = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
+    ids, wts = ids_and_weights(expert_ids, weights)
+    y = proj.call(h, w, w, ids, init_value=init_value)
     return total.call(y, wts, init_value=init_value)
 
 
@@ -447,5 +435,5 @@ def expert_down(
     if plans is None:
         return None
     proj, total = plans
-    y = proj.run(h, w, w, uint32_ids(expert_ids))
-    return total.run(y, weights if weights.dtype == mx.float32 else weights.astype(mx.float32))
+    ids, wts = ids_and_weights(expert_ids, weights)
+    return total.run(proj.run(h, w, w, ids), wts)
