@@ -148,12 +148,12 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return np.array_equal(_bits(a), _bits(b))
 
 
-@needs_gxx
-def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
-    """dense_glu on CUDA with bf16 x of a covered type: the mma kernel at M = 1, 3 (batch dims
-    kept) and 20 (one launch); ENABLED = False, fp16 x, an uncovered type or Metal: the scalar
-    dense kernel (stubbed here: only the choice is checked)."""
-    launched = []
+@pytest.fixture
+def cuda_launches(monkeypatch) -> list[str]:
+    """dense_glu on a faked CUDA back end: the names of the kernels launched, in order; the
+    tensor-core kernel runs on the emulator, the scalar one is stubbed (zeros: only the choice
+    is checked). Plans cached per call shape start empty."""
+    launched: list[str] = []
 
     def launcher(self, input_dtypes, **launch):
         launched.append(self.name)
@@ -165,6 +165,15 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
     monkeypatch.setattr(G, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "launcher", launcher)
     monkeypatch.setattr(G, "_DENSE", {})
+    return launched
+
+
+@needs_gxx
+def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch, cuda_launches):
+    """dense_glu on CUDA with bf16 x of a covered type: the mma kernel at M = 1, 3 (batch dims
+    kept) and 20 (one launch); ENABLED = False, fp16 x, an uncovered type or Metal: the scalar
+    dense kernel (stubbed here: only the choice is checked)."""
+    launched = cuda_launches
     t, k = T.Q8_0, _k(T.Q8_0)
     raw, w, x = _case(t, 20, k, seed=9)
     y1 = G.dense_glu(x[:1], w, t, k)
@@ -203,22 +212,11 @@ def test_dense_mma_covers_the_gpu_verified_types_unless_opted_in(monkeypatch):
 
 
 @needs_gxx
-def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
+def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch, cuda_launches):
     """dense_glu on CUDA, bf16 x of a type with a decoder but not GPU-verified (Q5_1): the
     scalar dense kernel by default (stubbed: only the choice is checked), the mma kernel with
     ALL_TYPES (within the bf16 bound)."""
-    launched = []
-
-    def launcher(self, input_dtypes, **launch):
-        launched.append(self.name)
-        if not self.name.startswith("ggml_dense_glu_mma"):
-            shapes, dtypes = launch["output_shapes"], launch["output_dtypes"]
-            return lambda inputs: [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
-        return kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
-
-    monkeypatch.setattr(G, "backend", lambda: "cuda")
-    monkeypatch.setattr(Kernel, "launcher", launcher)
-    monkeypatch.setattr(G, "_DENSE", {})
+    launched = cuda_launches
     monkeypatch.setattr(MM, "ALL_TYPES", False)
     t, k = T.Q5_1, _k(T.Q5_1)
     raw, w, x = _case(t, 3, k, seed=12)

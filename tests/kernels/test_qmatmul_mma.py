@@ -132,11 +132,11 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
-@needs_gxx
-def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
-    """CUDA + bf16 x + a covered type: the mma kernel at M = 1 and M > 1 (batch dims kept);
-    ENABLED = False, fp16 x, an uncovered type or Metal: the scalar kernels."""
-    launched = []
+@pytest.fixture
+def cuda_launches(monkeypatch) -> list[str]:
+    """ggml_matmul on a faked CUDA back end, every launch run by the emulator: the names of the
+    kernels launched, in order (plans cached per call shape start empty)."""
+    launched: list[str] = []
 
     def launcher(self, input_dtypes, **launch):
         run = kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
@@ -145,6 +145,14 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch):
     monkeypatch.setattr(Q, "backend", lambda: "cuda")
     monkeypatch.setattr(Kernel, "launcher", launcher)
     monkeypatch.setattr(Q, "_CALLS", {})
+    return launched
+
+
+@needs_gxx
+def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch, cuda_launches):
+    """CUDA + bf16 x + a covered type: the mma kernel at M = 1 and M > 1 (batch dims kept);
+    ENABLED = False, fp16 x, an uncovered type or Metal: the scalar kernels."""
+    launched = cuda_launches
     monkeypatch.setattr(MM, "GPU_VERIFIED", frozenset(TYPES) - {T.Q4_0})  # Q4_0: uncovered
     t, k = T.Q8_0, _k(T.Q8_0)
     w, wf = _weight(t, N_EMU, k)
@@ -182,19 +190,11 @@ def test_dispatch_gate_defaults_to_the_gpu_verified_types(monkeypatch):
 
 
 @needs_gxx
-def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch):
+def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch, cuda_launches):
     """CUDA, bf16 x of a type with a decoder but not GPU-verified (Q4_0, taken out of
     GPU_VERIFIED here: every decoder has passed since): the scalar kernel by default, the mma
     kernel with ALL_TYPES; both within the bf16 bound."""
-    launched = []
-
-    def launcher(self, input_dtypes, **launch):
-        run = kernel_emulator.kernel_launcher(self, input_dtypes, **launch)
-        return lambda inputs: launched.append(self.name) or run(inputs)
-
-    monkeypatch.setattr(Q, "backend", lambda: "cuda")
-    monkeypatch.setattr(Kernel, "launcher", launcher)
-    monkeypatch.setattr(Q, "_CALLS", {})
+    launched = cuda_launches
     monkeypatch.setattr(MM, "ALL_TYPES", False)
     monkeypatch.setattr(MM, "GPU_VERIFIED", frozenset(TYPES) - {T.Q4_0})
     t, k = T.Q4_0, _k(T.Q4_0)
