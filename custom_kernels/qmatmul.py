@@ -413,8 +413,9 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     Dispatcher, for the ten block types and x in fp32/fp16/bf16 on a GPU: one mat-vec launch
     for 1..16 rows of x, over 16-row slices (one launch each) up to 64 rows (each row's bits
     as alone) and for fp32 x at any size (fp32 math whatever MLX_ENABLE_TF32 says). On CUDA,
-    bf16 x of Q4_K / Q6_K / Q5_0 / Q8_0 takes the tensor-core kernel (qmatmul_mma, unless
-    ``qmatmul_mma.ENABLED`` is off) instead: one launch for 1..32 rows, 32-row slices up to 64
+    bf16 x of the GPU-verified types (``qmatmul_mma.GPU_VERIFIED``: all ten) takes the
+    tensor-core kernel (qmatmul_mma, unless ``qmatmul_mma.ENABLED`` is off) instead: one
+    launch for 1..32 rows, 32-row slices up to 64
     rows (the weight read once per 32 rows, not per 16). fp16/bf16 x past 64 rows take the
     GPU dequantizer by row chunks and mx.matmul. The reference elsewhere (CPU,
     HF2Q_KERNELS=reference, dense GGML types, other dtypes).
