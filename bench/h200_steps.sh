@@ -27,8 +27,13 @@ step mma-glu-tests 200 "python3 -m pytest -q -x -p no:cacheprovider -k 'gpu and 
 step step-parity 300 "python3 -m pytest -q -x -p no:cacheprovider tests/test_step_row_parity.py"
 # speed: MoE block with the grouped experts off and on (issue 14)
 step moe-grouped 240 "HF2Q_GROUPED_EXPERTS=0 python3 bench/moe_launches.py --formats q4_k --batch 1 8 32 && HF2Q_GROUPED_EXPERTS=1 python3 bench/moe_launches.py --formats q4_k --batch 1 8 32"
+# launch configurations of the routed-expert kernels (issues 14, 15), and their GPU parity
+step expert-gpu-tests 300 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_mma.py tests/kernels/test_expert_glu.py tests/kernels/test_expert_down.py"
+step expert-sweep 300 "python3 bench/expert_sweep.py --budget 240 --json $OUT/expert_sweep.json"
+# whole-model decode against mlx-lm, B = 1 (issue 15)
+step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # serving targets (issue 14): one shape per call
-step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
+step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
 step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_35b.json"
 step serve-26b-mlx 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams 1,8,32 --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b_mlx4.json"
 # speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)

@@ -11,7 +11,7 @@ from hf2q_mlx.custom_kernels import backend, expert_mma
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
-from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
+from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS, expert_run_config
 from hf2q_mlx.custom_kernels.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
@@ -121,7 +121,7 @@ def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
     E, N, _ = w.shape
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
-    cfg = dict(config or Q.launch_config(ggml_type, 1, N, K, mx.float32))
+    cfg = dict(config or expert_run_config(ggml_type, K))
     return LaunchPlan(
         _KERNELS[ggml_type],
         [1, N, K, k, E],

@@ -159,6 +159,20 @@ MAX_TOKENS = 32
 ACTIVATIONS = activations.ACTIVATIONS  # "silu", "gelu_tanh": the epilogue's ACT 0, 1
 
 
+# The per-pair expert launches (here and expert_down): 4 outputs per threadgroup, one SIMD group,
+# one block per run. On the H200 (bench/expert_sweep.py, 2026-12-02, Q4_K gate/up, Q5_0 / Q4_K
+# down at the 26B-A4B and 35B-A3B shapes) that beat qmatmul's mat-vec defaults by 1.05-1.5x at
+# B = 1, 8 and 32: an expert's K (512..2816) is too short to split over SIMD groups. U and W
+# depend on (type, K) only, so a pair's bits do not depend on the tokens beside it.
+EXPERT_RUN = {"R": 4, "U": 1, "W": 1}
+
+
+def expert_run_config(ggml_type: int, K: int) -> dict[str, int]:
+    """R (outputs per threadgroup: features of the GLU, rows of the down projection), U, W of
+    the per-pair expert kernels."""
+    return Q.clamp_w(ggml_type, K, dict(EXPERT_RUN))
+
+
 def _plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config) -> LaunchPlan:
     """One call's launch on its type's kernel, with ``edims`` (1, F, K, slots per x row, E, rows
     per expert, first up row)."""
@@ -166,8 +180,8 @@ def _plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, confi
     F = rows if w_up is not None else rows // 2
     k = expert_ids.shape[-1]
     per_slot = x.ndim == expert_ids.ndim + 1
-    cfg = dict(config or Q.launch_config(ggml_type, 1, 2 * F, K, mx.float32))
-    rh = max(1, cfg["R"] // 2) if config is None else cfg["R"]  # features per threadgroup
+    cfg = dict(config or expert_run_config(ggml_type, K))
+    rh = cfg["R"]  # features per threadgroup
     up0 = 0 if w_up is not None else F
     return LaunchPlan(
         _KERNELS[ggml_type],

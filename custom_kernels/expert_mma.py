@@ -23,9 +23,14 @@ from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import WeightMismatchError
 
-# Off by default: the grouped kernels have run on the CPU emulator only (docs/kernel_notes.md,
-# "grouped experts", says how the lead verifies them on the H200).
-ENABLED = os.environ.get("HF2Q_GROUPED_EXPERTS", "0") == "1"
+# HF2Q_GROUPED_EXPERTS: "auto" (default) takes the grouped kernels from MIN_TOKENS tokens per
+# call (a serving step's rows; on the H200 they are 1.7x the per-pair kernels at 32 tokens,
+# even at 8 and slower at 1: bench/expert_sweep.py), "1" at every covered call, "0" never.
+# The choice depends on the call's shape only, so a compiled step of B rows always runs the
+# same kernels (a row's tokens do not depend on the other rows' activity).
+MODE = os.environ.get("HF2Q_GROUPED_EXPERTS", "auto")
+ENABLED = MODE != "0"
+MIN_TOKENS = 1 if MODE == "1" else 16
 MAX_TOKENS = MM.GLU_MAX_ROWS  # tokens per call (32: the n-tiles' columns)
 MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
 
@@ -218,16 +223,25 @@ _SUM_THREADS = 256
 # Launches
 
 
+# One n-tile, one block per run, 2 SIMD groups: on the H200 (bench/expert_sweep.py,
+# 2026-12-02) 1.4-2.0x faster than qmatmul_mma's defaults over B = 1, 8, 32 tokens at the
+# 26B-A4B and 35B-A3B shapes (an expert has ~1-3 pairs there: wider n-tiles carry padding).
+GROUPED_RUN = (1, 2)  # (U, W max)
+
+
+def _grouped_config(ggml_type: int, K: int) -> dict[str, int]:
+    """NT 1; U, W from (type, K) alone (row parity), W cut to the runs a row has."""
+    return MM._config(dict.fromkeys((32, 256), GROUPED_RUN), ggml_type, 1, K)
+
+
 def glu_config(ggml_type: int, tokens: int, F: int, K: int) -> dict[str, int]:
-    """NT, U, W of the grouped GLU: qmatmul_mma.glu_launch_config's U and W from (type, F, K)
-    alone (row parity); NT from the tokens (an expert's usual most pairs: one per token)."""
-    return MM.glu_launch_config(ggml_type, min(tokens, MM.GLU_MAX_ROWS), F, K)
+    """NT, U, W of the grouped GLU."""
+    return _grouped_config(ggml_type, K)
 
 
 def down_config(ggml_type: int, tokens: int, N: int, K: int) -> dict[str, int]:
-    """NT, U, W of the grouped down projections: qmatmul_mma.launch_config's (U, W from (type,
-    K) alone), NT from the tokens."""
-    return MM.launch_config(ggml_type, min(tokens, MM.MAX_ROWS), N, K)
+    """NT, U, W of the grouped down projections."""
+    return _grouped_config(ggml_type, K)
 
 
 def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,
@@ -349,13 +363,15 @@ def covers(
     w_up: mx.array | None = None,
 ) -> bool:
     """Whether the grouped kernels take this call: CUDA, bf16 x, a type in GLU_GPU_VERIFIED
-    (``glu``) or GPU_VERIFIED (down) unless qmatmul_mma.ALL_TYPES, 1..32 tokens of at most
+    (``glu``) or GPU_VERIFIED (down) unless qmatmul_mma.ALL_TYPES, MIN_TOKENS..32 tokens of at most
     MAX_PAIRS pairs, x one row per token or per pair (down: per pair), uint8 expert blocks."""
     if ggml_type is None or backend() != "cuda" or not MM.supports(ggml_type, x.dtype, glu=glu):
         return False
     if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= MAX_PAIRS:
         return False
     tokens = math.prod(expert_ids.shape[:-1])
+    if tokens < MIN_TOKENS:
+        return False
     per_pair = x.ndim == expert_ids.ndim + 1 and tuple(x.shape[:-1]) == tuple(expert_ids.shape)
     per_token = x.ndim == expert_ids.ndim and tuple(x.shape[:-1]) == tuple(expert_ids.shape[:-1])
     rb = row_bytes(ggml_type, x.shape[-1])
@@ -388,7 +404,7 @@ def expert_glu(
     """expert_glu.expert_glu's grouped path: grouped_expert_glu through a plan cached per call
     shape where ``covers`` (caller errors raise as expert_glu's), else None."""
     be = backend()
-    key = (be, MM.ALL_TYPES, ggml_type, in_features, activation, x.shape, x.dtype, w.shape,
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, ggml_type, in_features, activation, x.shape, x.dtype, w.shape,
            w.dtype, None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
            expert_ids.dtype)  # fmt: skip
     if key in _GLU_CALLS:
@@ -416,7 +432,7 @@ def expert_down(
     """expert_down.expert_down's grouped path: grouped_expert_down through plans cached per
     call shape where ``covers`` (and the weights match the ids), else None."""
     be = backend()
-    key = (be, MM.ALL_TYPES, ggml_type, in_features, h.shape, h.dtype, w.shape, w.dtype,
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, ggml_type, in_features, h.shape, h.dtype, w.shape, w.dtype,
            expert_ids.shape, expert_ids.dtype, weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:
         plans = _DOWN_CALLS[key]

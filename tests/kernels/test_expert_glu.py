@@ -148,8 +148,7 @@ def _case(i: int):
 
 def _example(case) -> Example:
     t, dt, act, _, _, _, _, _, f, kk, cfg = case
-    cfg = cfg or {"R": max(1, G.Q.launch_config(t, 1, 2 * f, kk, mx.float32)["R"] // 2),
-                  "U": G.Q.launch_config(t, 1, 2 * f, kk, mx.float32)["U"]}  # fmt: skip
+    cfg = cfg or G.expert_run_config(t, kk)
     return Example(
         {"xs": (dt, 64), "wg": (mx.uint8, 64), "wu": (mx.uint8, 64), "ids": (mx.uint32, 8),
          "edims": (mx.int32, 7)},

@@ -251,13 +251,15 @@ def test_kernel_functions_reject_what_they_cannot_run():
 
 
 def test_covers(monkeypatch):
-    """CUDA, bf16, 1..32 tokens, a GLU_GPU_VERIFIED (GLU) / GPU_VERIFIED (down) type, uint8 blocks
+    """CUDA, bf16, MIN_TOKENS..32 tokens, a GLU_GPU_VERIFIED (GLU) / GPU_VERIFIED (down) type, uint8 blocks
     of the right row size; nothing on Metal or off a GPU."""
     t, kk = T.Q4_K, 256
     x, ids = mx.zeros((4, kk), mx.bfloat16), mx.zeros((4, 8), mx.uint32)
     w = mx.zeros((8, 32, 144), mx.uint8)
     monkeypatch.setattr(EM, "backend", lambda: "cuda")
     monkeypatch.setattr(MM, "ALL_TYPES", False)
+    assert not EM.covers(x, w, ids, t)  # 4 tokens < MIN_TOKENS (HF2Q_GROUPED_EXPERTS "auto")
+    monkeypatch.setattr(EM, "MIN_TOKENS", 1)
     assert EM.covers(x, w, ids, t)
     assert EM.covers(mx.zeros((4, 8, kk), mx.bfloat16), w, ids, t, glu=False)
     assert not EM.covers(x, w, ids, t, glu=False)  # the down takes one h row per pair
@@ -280,9 +282,9 @@ def test_covers(monkeypatch):
 
 @needs_gxx
 def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
-    """expert_glu / expert_down on CUDA with bf16 x: ENABLED off (the default) -> the per-pair
-    kernels (stubbed: only the choice is checked); on -> the grouped kernels (emulated, within
-    the bf16 bound, one plan per call shape)."""
+    """expert_glu / expert_down on CUDA with bf16 x: below MIN_TOKENS (16 by default) -> the
+    per-pair kernels (stubbed: only the choice is checked); from it on -> the grouped kernels
+    (emulated, within the bf16 bound, one plan per call shape)."""
     launched = []
 
     def launcher(self, input_dtypes, **launch):
@@ -297,7 +299,8 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     monkeypatch.setattr(Kernel, "launcher", launcher)
     for mod, name in ((G, "_CALLS"), (D, "_CALLS"), (EM, "_GLU_CALLS"), (EM, "_DOWN_CALLS")):
         monkeypatch.setattr(mod, name, {})
-    assert not EM.ENABLED  # HF2Q_GROUPED_EXPERTS unset: off
+    # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped kernels from 16 tokens on: 5 are per-pair
+    assert EM.ENABLED and EM.MIN_TOKENS == 16
     t, kk = T.Q4_K, _k(T.Q4_K)
     raw, x, ids = _glu_case(t, 5, seed=71)
     rawd, h, idsd, wts = _down_case(t, 5, seed=72)
@@ -305,7 +308,10 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     D.expert_down(h, mx.array(rawd), idsd, wts, t, kk)
     assert launched == [G._KERNELS[t].name, D._KERNELS[t].name]
     launched.clear()
-    monkeypatch.setattr(EM, "ENABLED", True)
+    for n in (15, 16):  # the "auto" threshold: covers() from 16 tokens on
+        _, x_n, ids_n = _glu_case(t, n, seed=73)
+        assert EM.covers(x_n, mx.array(raw), ids_n, t) == (n >= 16)
+    monkeypatch.setattr(EM, "MIN_TOKENS", 1)  # HF2Q_GROUPED_EXPERTS=1: every covered call
     y = G.expert_glu(x, _poisoned(raw, ids), ids, t, kk)
     _check(y, x, raw[:, :F_EMU], raw[:, F_EMU:], ids, t, kk, "silu")
     yd = D.expert_down(h, _poisoned(rawd, idsd), idsd, wts, t, kk)
@@ -411,6 +417,7 @@ def test_gpu_dispatchers_switch(monkeypatch):
     idsd, wts = TD._route(8, _K26, _E26, seed=9)
     h = TD._h((8, _K26, f), mx.bfloat16, 10)
     monkeypatch.setattr(EM, "ENABLED", True)
+    monkeypatch.setattr(EM, "MIN_TOKENS", 1)
     y = G.expert_glu(x, mx.array(raw), ids, T.Q4_K, kk)
     assert np.array_equal(_bits(y), _bits(EM.grouped_expert_glu(x, mx.array(raw), ids, T.Q4_K,
                                                                  kk)))  # fmt: skip
