@@ -26,6 +26,13 @@ Memory:
     BARRIER()                   threadgroup barrier on shared memory (__syncthreads)
     BARRIER_DEVICE()            same, also ordering device memory within the threadgroup
     SIMD_BARRIER()              SIMD-group barrier (__syncwarp)
+Across threadgroups (device memory; the "last threadgroup done" pattern, docs/kernels.md):
+    ATOMIC_ADD_U32(p, v)        atomic p[0] += v on a uint in device memory, returns the old
+                                value (relaxed); p may point into an input (const cast away)
+    ATOMIC_LOAD_U32(p)          p[0], coherent across threadgroups (relaxed atomic / volatile)
+    ATOMIC_STORE_U32(p, v)      p[0] = v, likewise
+    BARRIER_DEVICE_FENCE()      threadgroup barrier that first makes each thread's earlier
+                                device writes visible device-wide (__threadfence; __syncthreads)
 SIMD / warp (every lane of the SIMD group must call; int, uint, float, half types):
     simd_sum, simd_max, simd_min, simd_prefix_inclusive_sum, simd_prefix_exclusive_sum,
     simd_shuffle(x, src_lane), simd_broadcast(x, src_lane), simd_shuffle_xor(x, mask),
@@ -101,6 +108,21 @@ using namespace metal;
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define BARRIER_DEVICE() threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup)
 #define SIMD_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define ATOMIC_ADD_U32(p, v) \
+  atomic_fetch_add_explicit((device atomic_uint*)(p), (v), memory_order_relaxed)
+#define ATOMIC_LOAD_U32(p) atomic_load_explicit((device atomic_uint*)(p), memory_order_relaxed)
+#define ATOMIC_STORE_U32(p, v) \
+  atomic_store_explicit((device atomic_uint*)(p), (v), memory_order_relaxed)
+#if __METAL_VERSION__ >= 320  // device-scope fences arrived with MSL 3.2
+#define BARRIER_DEVICE_FENCE()                                                              \
+  do {                                                                                      \
+    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);  \
+    threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);                \
+  } while (0)
+#else
+#define BARRIER_DEVICE_FENCE() \
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup)
+#endif
 #define UNROLL _Pragma("unroll")
 #define FN inline
 #define SIMD_SIZE 32
@@ -138,6 +160,14 @@ CUDA_HEADER = r"""
 #define BARRIER() __syncthreads()
 #define BARRIER_DEVICE() __syncthreads()
 #define SIMD_BARRIER() __syncwarp()
+#define ATOMIC_ADD_U32(p, v) atomicAdd((unsigned int*)(p), (v))
+#define ATOMIC_LOAD_U32(p) (*(volatile const unsigned int*)(p))
+#define ATOMIC_STORE_U32(p, v) (*(volatile unsigned int*)(p) = (v))
+#define BARRIER_DEVICE_FENCE() \
+  do {                         \
+    __threadfence();           \
+    __syncthreads();           \
+  } while (0)
 #define UNROLL _Pragma("unroll")
 #define FN __device__ __forceinline__
 #define SIMD_SIZE 32

@@ -39,4 +39,12 @@ float exp(float); float log(float); float sqrt(float); float rsqrt(float); float
 float fmax(float, float); float fmin(float, float); float fabs(float);
 float fma(float, float, float); half2 fma(half2, half2, half2); bool isnan(float); bool isinf(float); uint popcount(uint);
 namespace fast { float exp(float); }
+struct atomic_uint;  // only ever pointed to
+enum memory_order { memory_order_relaxed = 0, memory_order_seq_cst = 5 };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup,
+                    thread_scope_device };
+uint atomic_fetch_add_explicit(atomic_uint*, uint, memory_order);
+uint atomic_load_explicit(atomic_uint*, memory_order);
+void atomic_store_explicit(atomic_uint*, uint, memory_order);
+void atomic_thread_fence(mem_flags, memory_order, thread_scope);
 }  // namespace metal

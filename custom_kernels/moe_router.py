@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -100,28 +101,39 @@ FN void unpack16(uint4 q, int kind, THREAD_PTR(float) f) {
 """
 
 _BODY = r"""
-  // Thread mapping: one threadgroup per token row. All threads stage the row (pre-normed if
-  // PRE) in shared memory; SIMD group s computes the logits of experts s, s + n_simd, ...
-  // with its lanes striding over the row (16-byte loads for float rows when VEC, else one
-  // element each); SIMD group 0 then picks the top K and writes ids and weights.
-  const uint row = gid_x;
+  // Thread mapping: G threadgroups per token row (gid_x = row * G + g). Each stages the row
+  // (pre-normed if PRE) in shared memory; its SIMD group s computes the logits of its slice's
+  // experts g * EPG + s, + n_simd, ... (EPG = ceil(E / G)) with the lanes striding over the
+  // row (16-byte loads for float rows when VEC, else one element each). G = 1: that one
+  // threadgroup keeps the logits in shared memory. G > 1: each group writes its logits to lgo
+  // (fp32, (rows, E)) and counts itself in on the row's counter; the last group of the row
+  // to finish reads them all back. Then SIMD group 0 picks the top K and writes ids and
+  // weights. Every logit is one SIMD group's sum in the same order whatever G and the group
+  // size, and the norm's statistics are summed as NRW SIMD groups would: the outputs do not
+  // depend on the mapping.
+  const uint row = gid_x / uint(G);
+  const uint grp = gid_x % uint(G);
   DEVICE_PTR(const T) xr = x + size_t(row) * D;
   SHARED float4 xs4[(D + 3) / 4];  // float4s: aligned for the 16-byte reads of VEC
   SHARED_PTR(float) xs = (SHARED_PTR(float))(xs4);
   SHARED float lg[E];
   SHARED float red[32];
+  SHARED uint last[1];
   float inv = 1.0f;
   if (PRE || NORM2) {  // the row's RMS statistics, as mx.fast.rms_norm computes them
-    float ss = 0.0f;
-    for (uint i = tid; i < uint(D); i += tg_size) {
-      const float v = to_float(xr[i]);
-      ss = fma_f(v, v, ss);
+    // SIMD group vw of NRW sums the squares at vw * 32 + lane, + 32 * NRW, ...
+    for (uint vw = simd_id; vw < uint(NRW); vw += n_simd) {
+      float ss = 0.0f;
+      for (uint i = vw * SIMD_SIZE + lane; i < uint(D); i += SIMD_SIZE * NRW) {
+        const float v = to_float(xr[i]);
+        ss = fma_f(v, v, ss);
+      }
+      ss = simd_sum(ss);
+      if (lane == 0) red[vw] = ss;
     }
-    ss = simd_sum(ss);
-    if (lane == 0) red[simd_id] = ss;
     BARRIER();
     float tot = 0.0f;
-    for (uint s = 0; s < n_simd; ++s) tot += red[s];
+    for (uint s = 0; s < uint(NRW); ++s) tot += red[s];
     inv = rsqrt_f(tot / float(D) + params[0]);
   }
   for (uint i = tid; i < uint(D); i += tg_size) {
@@ -134,8 +146,11 @@ _BODY = r"""
       h = to_float(from_float<T>(nv * sr));
     }
     xs[i] = h;
-    if (NORM2) xn[size_t(row) * D + i] = from_float<T>(nv * to_float(post_norm[i]));
+    if (NORM2 && grp == 0) xn[size_t(row) * D + i] = from_float<T>(nv * to_float(post_norm[i]));
   }
+  constexpr uint EPG = (uint(E) + G - 1) / G;  // experts per threadgroup
+  const uint e_lo = grp * EPG;
+  const uint e_hi = e_lo + EPG < uint(E) ? e_lo + EPG : uint(E);
   BARRIER();
   // Logits. Lanes read 16-byte chunks of a row, NU chunks in flight per lane (one SM's share
   // of the bandwidth needs many loads in flight: a 2816-wide bf16 row is one round of 16).
@@ -146,7 +161,7 @@ _BODY = r"""
   constexpr uint NU = 16;
   constexpr uint VW = WK == 0 ? 4 : 8;
   constexpr uint NCH = VEC ? uint(D) / VW : 0;
-  for (uint e = simd_id; VEC && e < uint(E); e += n_simd) {
+  for (uint e = e_lo + simd_id; VEC && e < e_hi; e += n_simd) {
     DEVICE_PTR(const uint4) wr4 = DEVICE_CAST(const uint4, w + size_t(e) * D);
     float acc[NU];
     UNROLL for (uint u = 0; u < NU; ++u) acc[u] = 0.0f;
@@ -173,14 +188,17 @@ _BODY = r"""
     float dot = 0.0f;
     UNROLL for (uint u = 0; u < NU; ++u) dot += acc[u];
     dot = simd_sum(dot);
-    if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
+    if (lane == 0) {
+      lg[e] = to_float(from_float<LT>(dot));
+      if (G > 1) ATOMIC_STORE_U32(lgo + size_t(row) * E + e, bitcast<uint>(lg[e]));
+    }
   }
   constexpr uint QBS = QB ? QB : 8;  // (QB = 0 instantiations compile this loop, never run it)
   constexpr uint WPC = 32 / QBS;     // codes per word
   constexpr uint CPW = 4 * WPC;      // codes per chunk
   constexpr uint NCA = QB ? uint(D) / CPW : 0;
   constexpr uint NUA = 8;
-  for (uint e = simd_id; QB && e < uint(E); e += n_simd) {
+  for (uint e = e_lo + simd_id; QB && e < e_hi; e += n_simd) {
     DEVICE_PTR(const uint4) wr4 = DEVICE_CAST(const uint4, w + size_t(e) * (uint(D) / WPC));
     const size_t g0 = size_t(e) * (uint(D) / GS);
     float acc[NUA];
@@ -214,9 +232,12 @@ _BODY = r"""
     float dot = 0.0f;
     UNROLL for (uint u = 0; u < NUA; ++u) dot += acc[u];
     dot = simd_sum(dot);
-    if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
+    if (lane == 0) {
+      lg[e] = to_float(from_float<LT>(dot));
+      if (G > 1) ATOMIC_STORE_U32(lgo + size_t(row) * E + e, bitcast<uint>(lg[e]));
+    }
   }
-  for (uint e = simd_id; !VEC && !QB && e < uint(E); e += n_simd) {
+  for (uint e = e_lo + simd_id; !VEC && !QB && e < e_hi; e += n_simd) {
     DEVICE_PTR(const TW) wr = w + size_t(e) * D;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: more loads in flight per lane
     for (uint i0 = 0; i0 < uint(D); i0 += 4 * SIMD_SIZE) {
@@ -226,7 +247,23 @@ _BODY = r"""
       }
     }
     const float dot = simd_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    if (lane == 0) lg[e] = to_float(from_float<LT>(dot));
+    if (lane == 0) {
+      lg[e] = to_float(from_float<LT>(dot));
+      if (G > 1) ATOMIC_STORE_U32(lgo + size_t(row) * E + e, bitcast<uint>(lg[e]));
+    }
+  }
+  if (G > 1) {
+    // publish this group's logits device-wide before counting it in; the group that takes
+    // the row's last ticket (G a power of two: the count stays a multiple of G across the
+    // counter's wrap, and is never reset) reads every group's logits back. params[2]: which
+    // of the plan's counter sets this call counts on (the dispatcher rotates them)
+    BARRIER_DEVICE_FENCE();
+    DEVICE_PTR(const uint) ctr = counter + size_t(params[2]) * MAX_ROWS + row;  // this call's set
+    if (tid == 0) last[0] = (ATOMIC_ADD_U32(ctr, 1u) & uint(G - 1)) == uint(G - 1);
+    BARRIER_DEVICE_FENCE();
+    if (last[0] == 0u) return;  // the whole group leaves together
+    for (uint e = tid; e < uint(E); e += tg_size)
+      lg[e] = bitcast<float>(ATOMIC_LOAD_U32(lgo + size_t(row) * E + e));
   }
   BARRIER();
   if (simd_id != 0) return;
@@ -287,31 +324,47 @@ _WK = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 _kernel = Kernel(
     "moe_router",
-    inputs=["x", "w", "w_scales", "w_biases", "pre_scale", "expert_scale", "post_norm", "params"],
-    outputs=["ids", "wts", "xn"],
+    inputs=["x", "w", "w_scales", "w_biases", "pre_scale", "expert_scale", "post_norm", "params",
+            "counter"],
+    outputs=["ids", "wts", "xn", "lgo"],
     body=_BODY,
     header=_HEADER,
     examples=[
         Example(
             {"x": t, "w": tw, "w_scales": t, "w_biases": t, "pre_scale": t, "expert_scale": t,
-             "post_norm": t, "params": (mx.float32, 2)},
-            {"ids": mx.uint32, "wts": mx.float32, "xn": t},
+             "post_norm": t, "params": (mx.float32, 3), "counter": (mx.uint32, 32 * 256)},
+            {"ids": mx.uint32, "wts": mx.float32, "xn": t, "lgo": mx.float32},
             {"T": t, "TW": tw, "LT": lt, "D": d, "E": e, "K": k, "QB": qb, "GS": gs, "VEC": vec,
-             "WK": _WK.get(tw, 0), "PRE": pre, "PES": pre, "NORM2": pre, "RENORM": renorm},
+             "WK": _WK.get(tw, 0), "PRE": pre, "PES": pre, "NORM2": pre, "RENORM": renorm,
+             "G": g, "NRW": min(16, e), "MAX_ROWS": 32},
         )
-        for t, tw, lt, d, e, k, qb, gs, vec, pre, renorm in (
-            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1),
-            (mx.float16, mx.float32, mx.float32, 2048, 256, 8, 0, 1, 1, 0, 0),
-            (mx.float32, mx.float16, mx.float32, 200, 40, 5, 0, 1, 0, 1, 1),
-            (mx.bfloat16, mx.uint32, mx.bfloat16, 2048, 256, 8, 8, 64, 0, 0, 1),
+        for t, tw, lt, d, e, k, qb, gs, vec, pre, renorm, g in (
+            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1, 1),
+            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1, 32),
+            (mx.float16, mx.float32, mx.float32, 2048, 256, 8, 0, 1, 1, 0, 0, 64),
+            (mx.float32, mx.float16, mx.float32, 200, 40, 5, 0, 1, 0, 1, 1, 1),
+            (mx.bfloat16, mx.uint32, mx.bfloat16, 2048, 256, 8, 8, 64, 0, 0, 1, 16),
         )
     ],
 )  # fmt: skip
 
 MAX_ROWS = 32  # token rows per call the kernel takes (decode); prefill runs the reference
-# SIMD groups per threadgroup: 512 threads keep 64 KB of weight loads in flight on one SM and
-# leave each thread 128 registers (a 1024-thread launch fails past 64 on CUDA)
+# SIMD groups per threadgroup of the one-group-per-row mapping (G = 1): 512 threads keep 64 KB
+# of weight loads in flight on one SM and leave each thread 128 registers (a 1024-thread
+# launch fails past 64 on CUDA)
 WARPS = 16
+# The split mapping (G > 1): SIMD groups per threadgroup, and about how many SIMD groups the
+# GPU holds at once (H200: 132 SMs x ~40 at this kernel's 48-54 registers a thread, NVRTC
+# sm_90), past which each SIMD group takes more experts rather than the grid growing a wave
+SPLIT_WARPS = 4
+RESIDENT_WARPS = 4096
+SPLIT_MIN_WEIGHTS = 1 << 16  # E * D below this: one threadgroup per row is as fast
+# HF2Q_ROUTER_SPLIT=1 (read at import) turns the split mapping on. Off by default: on the
+# H200 (2026-12-02) it was bit-identical to G = 1 in 18 bench cases and 0.55-1.2x its time
+# per call in a dependent chain (bench/router_split.py), but its GPU tests were cut by the
+# call's time cap and no whole-model decode has run with it (docs/kernel_notes.md).
+SPLIT = os.environ.get("HF2Q_ROUTER_SPLIT", "0").strip() == "1"
+COUNTER_SETS = 256  # the split's ticket counters rotate over this many sets per plan (_Plan)
 MAX_K = 32  # the top-k rounds keep one lane per chosen expert
 MAX_E = 1024  # `taken` holds 32 experts per lane
 _SHARED_BYTES = 30 * 1024  # xs (D floats) + logits (E floats), under Metal's 32 KB
@@ -375,7 +428,31 @@ def _check(x: mx.array, w: mx.array, k: int, opts: dict) -> None:
             raise WeightMismatchError(f"{name} has shape {tuple(a.shape)}, expected ({n},)")
 
 
-def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None):
+def split_config(rows: int, E: int, D: int) -> tuple[int, int]:
+    """The launch mapping for ``rows`` token rows over E experts of width D: (G threadgroups
+    per row, SIMD groups per threadgroup). G = 1 is one threadgroup of min(WARPS, E) SIMD
+    groups per row; G > 1 (a power of two) spreads a row's experts over G threadgroups of at
+    most SPLIT_WARPS, one expert per SIMD group while the grid fits about one wave."""
+    if not SPLIT or E * D < SPLIT_MIN_WEIGHTS:
+        return 1, min(WARPS, E)
+    per_warp = -(-rows * E // RESIDENT_WARPS)  # experts per SIMD group
+    g = 1 << (max(1, E // (SPLIT_WARPS * per_warp)).bit_length() - 1)  # a power of two
+    return (g, min(SPLIT_WARPS, -(-E // g))) if g > 1 else (1, min(WARPS, E))
+
+
+def _mapping(E: int, split: int | tuple[int, int]) -> tuple[int, int]:
+    """``split`` G or (G, SIMD groups) -> (G, SIMD groups), checked."""
+    g, warps = split if isinstance(split, tuple) else (split, None)
+    if g < 1 or g & (g - 1) or g > E:
+        raise InvalidArgumentError(f"router split {g}: a power of two in 1..{E} experts")
+    if warps is None:
+        warps = min(WARPS, E) if g == 1 else min(SPLIT_WARPS, -(-E // g))
+    if not 1 <= warps <= 32:
+        raise InvalidArgumentError(f"router split: {warps} SIMD groups, not 1..32")
+    return g, warps
+
+
+def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None, split=None):
     D, E = x.shape[-1], w.shape[0]
     rows = math.prod(x.shape[:-1])
     lead = tuple(x.shape[:-1])
@@ -384,38 +461,70 @@ def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None):
     arrays = _arrays(x, w, opts)
     lt = _matmul_dtype(x.dtype, w.dtype if quant is None else scales.dtype)
     post = opts.get("post_norm") is not None
+    g, warps = split_config(rows, E, D) if split is None else _mapping(E, split)
     launch = _kernel.launcher(
-        [a.dtype for a in arrays] + [mx.float32],
-        grid=(rows * 32 * min(WARPS, E),),
-        threadgroup=(32 * min(WARPS, E),),
-        output_shapes=[(*lead, k), (*lead, k), x.shape if post else (1,)],
-        output_dtypes=[mx.uint32, mx.float32, x.dtype],
+        [a.dtype for a in arrays] + [mx.float32, mx.uint32],
+        grid=(rows * g * 32 * warps,),
+        threadgroup=(32 * warps,),
+        output_shapes=[(*lead, k), (*lead, k), x.shape if post else (1,),
+                       (rows, E) if g > 1 else (1,)],
+        output_dtypes=[mx.uint32, mx.float32, x.dtype, mx.float32],
         template={"T": x.dtype, "TW": w.dtype, "LT": lt, "D": D, "E": E, "K": k,
                   "QB": 0 if quant is None else quant[3], "GS": 1 if quant is None else quant[2],
                   "VEC": quant is None and D % (16 // w.dtype.size) == 0,
                   "WK": _WK.get(w.dtype, 0),
                   "PRE": opts.get("pre_scale") is not None,
                   "PES": opts.get("expert_scale") is not None, "NORM2": post,
-                  "RENORM": bool(opts.get("renormalize", True))},
+                  "RENORM": bool(opts.get("renormalize", True)),
+                  "G": g, "NRW": min(WARPS, E), "MAX_ROWS": MAX_ROWS},
         init_value=init_value,
     )  # fmt: skip
-    # pre_mult rounded to x's dtype, as ``array * python_float`` rounds it; a leaf array made
-    # from Python numbers, so a plan first built inside mx.compile holds no traced op
+    # pre_mult rounded to x's dtype, as ``array * python_float`` rounds it. Leaf arrays made
+    # from Python numbers, so a plan first built inside mx.compile holds no traced op.
     mult = _round_to(opts.get("pre_mult", 1.0), x.dtype)
-    return launch, mx.array([opts.get("eps", 1e-6), mult], dtype=mx.float32), post
+    return _Plan(launch, [opts.get("eps", 1e-6), mult], post, g > 1)
+
+
+class _Plan:
+    """One call shape's resolved launch and leaf inputs.
+
+    ``counter`` (split plans): the rows' tickets, COUNTER_SETS sets of MAX_ROWS, kept across
+    launches: each launch adds G to each of its rows' counts in one set, so a count stays a
+    multiple of G and never needs zeroing (a fill would be a launch of its own). Two launches
+    counting on one set must not run at once, and MLX orders launches only through data (an
+    input that launches only read orders nothing: independent rows of a SequentialStep, or
+    prompts prefilled together, may run at once). So calls rotate over the sets (params[2]
+    names the set): two calls share one only if COUNTER_SETS calls of this shape were made
+    between them, more than one command buffer holds (MLX_MAX_OPS_PER_BUFFER) in MLX's
+    evaluation order, which follows the calls'. Metal: an input of fewer than 8 elements
+    would be in the read-only constant address space."""
+
+    __slots__ = ("launch", "params", "counter", "post", "turn")
+
+    def __init__(self, launch, scalars: list[float], post: bool, split: bool) -> None:
+        self.launch, self.post, self.turn = launch, post, 0
+        sets = COUNTER_SETS if split else 1
+        self.params = [mx.array([*scalars, i], dtype=mx.float32) for i in range(sets)]
+        self.counter = mx.array(np.zeros(sets * MAX_ROWS, dtype=np.uint32))
+
+    def next_params(self) -> mx.array:
+        i = self.turn
+        self.turn = i + 1 if i + 1 < len(self.params) else 0
+        return self.params[i]
 
 
 def _arrays(x: mx.array, w: mx.array, opts: dict) -> list[mx.array]:
-    """The kernel's array inputs but params; x stands in for the absent ones (never read)."""
+    """The kernel's array inputs but params and counter; x stands in for the absent ones
+    (never read)."""
     quant = opts.get("quant")
     sb = [x, x] if quant is None else [quant[0], quant[1]]
     return [x, w, *sb, *(x if opts.get(n) is None else opts[n] for n in _OPTIONAL)]
 
 
-def _run(plan, x: mx.array, w: mx.array, opts: dict):
-    launch, params, post = plan
-    ids, wts, xn = launch(inputs=[*_arrays(x, w, opts), params])
-    return ids, wts, xn if post else None
+def _run(plan: _Plan, x: mx.array, w: mx.array, opts: dict):
+    inputs = [*_arrays(x, w, opts), plan.next_params(), plan.counter]
+    ids, wts, xn, _ = plan.launch(inputs=inputs)
+    return ids, wts, xn if plan.post else None
 
 
 def _round_to(v: float, dtype: mx.Dtype) -> float:
@@ -430,14 +539,31 @@ def _round_to(v: float, dtype: mx.Dtype) -> float:
 
 
 def moe_router_kernel(
-    x: mx.array, w: mx.array, k: int, *, init_value: float | None = None, **opts
+    x: mx.array,
+    w: mx.array,
+    k: int,
+    *,
+    init_value: float | None = None,
+    split: int | tuple[int, int] | None = None,
+    **opts,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """The GPU kernel alone (tests: no plan cache, no fallback) with the contract and keyword
-    arguments of :func:`moe_router_reference`; ``init_value`` pre-fills the outputs."""
-    return _run(_plan(x, w, k, opts, init_value), x, w, opts)
+    arguments of :func:`moe_router_reference`; ``init_value`` pre-fills the outputs; ``split``:
+    G threadgroups per row (a power of two; 1: one threadgroup per row) or (G, SIMD groups
+    per threadgroup), default :func:`split_config`'s."""
+    return _run(_plan(x, w, k, opts, init_value, split), x, w, opts)
 
 
-_PLANS: dict[tuple, tuple] = {}
+def plan_launcher(
+    x: mx.array, w: mx.array, k: int, *, split: int | tuple[int, int] | None = None, **opts
+):
+    """A resolved launch for these arguments' shapes (benchmarks: time one mapping against
+    another without the dispatcher): ``f(x, w)`` -> :func:`moe_router`'s outputs."""
+    plan = _plan(x, w, k, opts, None, split)
+    return lambda x_, w_: _run(plan, x_, w_, opts)
+
+
+_PLANS: dict[tuple, _Plan] = {}
 
 
 def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:

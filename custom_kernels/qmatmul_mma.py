@@ -180,7 +180,7 @@ FN void dq_m_q8_0(MRawQ8_0 r0, MRawQ8_0 r1, uint t, int gi, THREAD_PTR(uint) a,
   mn[0] = 0.0f; mn[1] = 0.0f;
 }
 """,
-    # Below: GPU-verified in a later run, the GLU for some of them only (GLU_GPU_VERIFIED).
+    # Below: GPU-verified in a later run (the GLU in a third: GLU_GPU_VERIFIED).
     T.Q4_0: r"""
 // As Q5_0 without fifth bits: lane t's k are 8t..8t+7, qs bytes 8(t%2)..+7, low (t < 2) or
 // high nibbles, minus 8. Blocks are 2-byte aligned.
@@ -359,10 +359,9 @@ MMA_TYPES = tuple(_DECODERS)  # GGML types with a tensor-core kernel (a decoder)
 # The types whose kernels passed the GPU tests (H200: fragment layout, the bf16 bound, row
 # parity at M = 1..32); the dispatchers take only these unless ALL_TYPES (below). The mat-vec:
 # every decoder (Q4_K, Q6_K, Q5_0, Q8_0 first, the other six in a later run). The dense GLU
-# (its own GPU test, two row sets): Q4_0 and Q4_1 passed in that run as well; Q5_1, Q5_K, Q3_K
-# and Q2_K have run on the CPU emulator only: docs/kernel_notes.md says how to verify them.
+# (its own GPU test, two row sets): every decoder too (Q5_1, Q5_K, Q3_K, Q2_K on 2026-12-02).
 GPU_VERIFIED = frozenset(_DECODERS)
-GLU_GPU_VERIFIED = frozenset({T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_1})
+GLU_GPU_VERIFIED = frozenset(_DECODERS)
 MAX_ROWS = 32  # rows of x one launch takes (up to four n-tiles of 8)
 # NVRTC for sm_90: every type's NT = 4 kernel at its default U holds its accumulators in
 # registers, no spills (Q6_K the most: 181 registers, 184 at NT = 2), so every type takes the

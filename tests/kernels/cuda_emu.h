@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #define __global__
@@ -164,17 +165,29 @@ inline void run_group() {
     }
   }
 }
+// Groups run in grid order (x fastest), or shuffled when HF2Q_EMU_SHUFFLE holds a seed: a
+// kernel whose threadgroups coordinate (the last one done finishes the work) must not depend
+// on which one runs last.
 inline void launch(dim3 groups, dim3 block, std::function<void()> body) {
   State& s = S();
   s.body = std::move(body);
   s.bdim = uint3{block.x, block.y, block.z};
   s.gdim = uint3{groups.x, groups.y, groups.z};
+  std::vector<uint3> order;
   for (unsigned z = 0; z < groups.z; ++z)
     for (unsigned y = 0; y < groups.y; ++y)
-      for (unsigned x = 0; x < groups.x; ++x) {
-        s.bidx = uint3{x, y, z};
-        run_group();
-      }
+      for (unsigned x = 0; x < groups.x; ++x) order.push_back(uint3{x, y, z});
+  if (const char* seed = std::getenv("HF2Q_EMU_SHUFFLE")) {
+    unsigned long long r = std::strtoull(seed, nullptr, 10) * 6364136223846793005ull + 1;
+    for (size_t i = order.size(); i > 1; --i) {  // Fisher-Yates on a 64-bit LCG
+      r = r * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(order[i - 1], order[(r >> 33) % i]);
+    }
+  }
+  for (const uint3& g : order) {
+    s.bidx = g;
+    run_group();
+  }
 }
 }  // namespace hq_emu
 
@@ -183,6 +196,14 @@ inline void launch(dim3 groups, dim3 block, std::function<void()> body) {
 #define blockDim (hq_emu::S().bdim)
 #define gridDim (hq_emu::S().gdim)
 inline void __syncthreads() { hq_emu::group_barrier(); }
+// Groups run one after another on one OS thread: a plain add is atomic, a fence has nothing
+// to order.
+inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { hq_emu::warp_barrier(); }
 template <typename T> inline T __shfl_sync(unsigned, T v, int src, int = 32) {
   return hq_emu::exchange(v, src & 31);

@@ -23,7 +23,7 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 
-VERIFIED = TYPES[:6]  # qmatmul_mma.GLU_GPU_VERIFIED; the other four: emulator only so far
+VERIFIED = TYPES  # qmatmul_mma.GLU_GPU_VERIFIED: every type passed the H200 GLU tests
 QK = {t: BLOCK_FORMATS[t].block_size for t in TYPES}
 F_EMU = 20  # features: two threadgroups of 16, the second with features past F
 # Tolerance (test_expert_glu._check, bf16 x): per row, the relative error at most twice that
@@ -190,7 +190,9 @@ def test_dispatcher_routes_bf16_to_mma_on_cuda_only(monkeypatch, cuda_launches):
     G.dense_glu(x, w, t, k)
     monkeypatch.setattr(MM, "ENABLED", True)
     G.dense_glu(x.astype(mx.float16), w, t, k)
-    raw5 = _experts(T.Q5_1, 1, 2 * F_EMU, 96, seed=4)  # not GPU-verified for the GLU
+    # Q5_1 as a type not GPU-verified for the GLU
+    monkeypatch.setattr(MM, "GLU_GPU_VERIFIED", MM.GLU_GPU_VERIFIED - {T.Q5_1})
+    raw5 = _experts(T.Q5_1, 1, 2 * F_EMU, 96, seed=4)
     G.dense_glu(_x((3, 96), mx.bfloat16, 10, raw5, T.Q5_1), mx.array(raw5[0]), T.Q5_1, 96)
     monkeypatch.setattr(G, "backend", lambda: "metal")
     G.dense_glu(x[:2], w, t, k)
@@ -204,6 +206,10 @@ def test_dense_mma_covers_the_gpu_verified_types_unless_opted_in(monkeypatch):
     monkeypatch.setattr(MM, "ALL_TYPES", False)
     assert [t for t in TYPES if G.dense_mma_covers(t, mx.bfloat16)] == VERIFIED
     assert set(MM.GLU_GPU_VERIFIED) == set(VERIFIED)
+    monkeypatch.setattr(MM, "GLU_GPU_VERIFIED", MM.GLU_GPU_VERIFIED - {T.Q3_K})
+    assert [t for t in TYPES if G.dense_mma_covers(t, mx.bfloat16)] == [
+        t for t in VERIFIED if t != T.Q3_K
+    ]
     monkeypatch.setattr(MM, "ALL_TYPES", True)
     assert all(G.dense_mma_covers(t, mx.bfloat16) for t in TYPES)
     assert not any(G.dense_mma_covers(t, mx.float16) for t in TYPES)
@@ -213,11 +219,13 @@ def test_dense_mma_covers_the_gpu_verified_types_unless_opted_in(monkeypatch):
 
 @needs_gxx
 def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch, cuda_launches):
-    """dense_glu on CUDA, bf16 x of a type with a decoder but not GPU-verified (Q5_1): the
+    """dense_glu on CUDA, bf16 x of a type with a decoder but not GPU-verified (Q5_1 taken out
+    of the set): the
     scalar dense kernel by default (stubbed: only the choice is checked), the mma kernel with
     ALL_TYPES (within the bf16 bound)."""
     launched = cuda_launches
     monkeypatch.setattr(MM, "ALL_TYPES", False)
+    monkeypatch.setattr(MM, "GLU_GPU_VERIFIED", MM.GLU_GPU_VERIFIED - {T.Q5_1})
     t, k = T.Q5_1, _k(T.Q5_1)
     raw, w, x = _case(t, 3, k, seed=12)
     G.dense_glu(x, w, t, k)
@@ -303,8 +311,9 @@ def test_gpu_dispatcher_takes_the_mma_kernel(monkeypatch):
         _check_glu(scalar, x, raw, t, k, "silu")
     monkeypatch.setattr(MM, "ENABLED", False)
     assert np.array_equal(_bits(G.dense_glu(x, w, t, k)), _bits(scalar))
-    # a type not GPU-verified (Q5_K): the scalar kernel unless ALL_TYPES
+    # a type not GPU-verified (Q5_K, taken out of the set): the scalar kernel unless ALL_TYPES
     monkeypatch.setattr(MM, "ENABLED", True)
+    monkeypatch.setattr(MM, "GLU_GPU_VERIFIED", MM.GLU_GPU_VERIFIED - {T.Q5_K})
     t = T.Q5_K
     raw = _experts(t, 1, 2 * f, k, seed=4)
     w = mx.array(raw[0])

@@ -251,8 +251,8 @@ def test_kernel_functions_reject_what_they_cannot_run():
 
 
 def test_covers(monkeypatch):
-    """CUDA, bf16, MIN_TOKENS..32 tokens, a GLU_GPU_VERIFIED (GLU) / GPU_VERIFIED (down) type, uint8 blocks
-    of the right row size; nothing on Metal or off a GPU."""
+    """CUDA, bf16, MIN_TOKENS..32 tokens, a GLU_GPU_VERIFIED (GLU) / GPU_VERIFIED (down) type,
+    uint8 blocks of the right row size; nothing on Metal or off a GPU."""
     t, kk = T.Q4_K, 256
     x, ids = mx.zeros((4, kk), mx.bfloat16), mx.zeros((4, 8), mx.uint32)
     w = mx.zeros((8, 32, 144), mx.uint8)
@@ -269,9 +269,10 @@ def test_covers(monkeypatch):
     assert not EM.covers(x, w, ids, None)
     x33, ids33 = mx.zeros((33, kk), mx.bfloat16), mx.zeros((33, 2), mx.uint32)
     assert not EM.covers(x33, w, ids33, t)
+    monkeypatch.setattr(MM, "GLU_GPU_VERIFIED", MM.GLU_GPU_VERIFIED - {T.Q5_1})
     w51 = mx.zeros(
         (8, 32, row_bytes(T.Q5_1, kk)), mx.uint8
-    )  # Q5_1: a decoder, GPU-verified for the mat-vec only
+    )  # Q5_1 as GPU-verified for the mat-vec only
     assert not EM.covers(x, w51, ids, T.Q5_1)
     assert EM.covers(mx.zeros((4, 8, kk), mx.bfloat16), w51, ids, T.Q5_1, glu=False)
     monkeypatch.setattr(EM, "backend", lambda: "metal")

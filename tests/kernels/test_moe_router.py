@@ -1,6 +1,7 @@
 """moe_router: the top-k rule of the reference, the kernel's CUDA rendering on the CPU emulator
-against the reference (Gemma 4's and Qwen 3.5's routing), the dispatcher and the models' wiring,
-and GPU cases with poisoned outputs."""
+against the reference (Gemma 4's and Qwen 3.5's routing), the split mapping (G threadgroups per
+row) against one threadgroup per row bit for bit, the dispatcher and the models' wiring, and GPU
+cases with poisoned outputs."""
 
 from __future__ import annotations
 
@@ -296,12 +297,18 @@ def test_dispatcher_on_the_emulator(monkeypatch):
 
 
 @needs_gxx
+@pytest.mark.parametrize("split", [False, True], ids=["G1", "split"])
 @pytest.mark.parametrize("model", ["gemma4", "gemma4_q4", "qwen3_5_moe"])
-def test_models_route_through_the_kernel(model, monkeypatch):
+def test_models_route_through_the_kernel(model, split, monkeypatch):
     """With kernels on (the CPU standing in for the GPU, the router kernel emulated, every other
     dispatcher on its reference) a model's routing takes one router launch and gives its
     reference routing: the same experts (as sets) and weights to fp32 noise. gemma4_q4: the
-    router an affine 4-bit nn.QuantizedLinear (as nn.quantize makes it)."""
+    router an affine 4-bit nn.QuantizedLinear (as nn.quantize makes it). split: these small
+    routers split too (G = 8 or 4 threadgroups per row)."""
+    if split:
+        monkeypatch.setattr(R, "SPLIT", True)
+        monkeypatch.setattr(R, "SPLIT_MIN_WEIGHTS", 0)
+        monkeypatch.setenv("HF2Q_EMU_SHUFFLE", "8")
     emu = Emulated(R._kernel)
     case = {"gemma4": 0, "gemma4_q4": 7, "qwen3_5_moe": 3}[model]  # their instantiations
     kind, _, _, _, D, E, k = _EMU_CASES[case]
@@ -335,6 +342,7 @@ def test_models_route_through_the_kernel(model, monkeypatch):
         with ck.reference_only():
             forced = route()
     assert emu.launches == 1
+    assert (next(iter(R._PLANS.values())).turn == 1) == split  # the split plan's set rotated
     assert all(mx.array_equal(f, w) for f, w in zip(forced, want) if w is not None)
     for a_, b_ in zip(got[:2], want[:2]):
         assert a_.shape == b_.shape
@@ -344,6 +352,210 @@ def test_models_route_through_the_kernel(model, monkeypatch):
     assert mx.allclose(sort(got[1], order, -1), sort(want[1], w_order, -1), atol=FP32_TOL)
     if want[2] is not None:
         assert mx.allclose(got[2], want[2], atol=FP32_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU emulator: the split mapping (G threadgroups per row, the last one done ranks the logits)
+
+
+def test_split_config(monkeypatch):
+    """The mapping the dispatcher picks: G a power of two that keeps one expert per SIMD group
+    while the grid fits about a wave, one threadgroup per row for small routers or with the
+    switch off."""
+    monkeypatch.setattr(R, "SPLIT", True)  # whatever HF2Q_ROUTER_SPLIT says
+    assert R.RESIDENT_WARPS == 4096  # the numbers below assume it
+    assert R.split_config(1, 128, 2816) == (32, 4)  # Gemma-4-26B-A4B: 128 SIMD groups
+    assert R.split_config(32, 128, 2816) == (32, 4)  # 4096 SIMD groups
+    assert R.split_config(1, 256, 2048) == (64, 4)  # Qwen3.5-35B-A3B
+    assert R.split_config(16, 256, 2048) == (64, 4)
+    assert R.split_config(32, 256, 2048) == (32, 4)  # two experts per SIMD group
+    assert R.split_config(3, 33, 77) == (1, 16)  # E * D < SPLIT_MIN_WEIGHTS
+    for rows in range(1, 33):
+        for E, D in ((128, 2816), (256, 2048), (67, 1024), (8, 8192), (1024, 64)):
+            g, warps = R.split_config(rows, E, D)
+            assert g >= 1 and g & (g - 1) == 0 and g <= E and 1 <= warps <= R.WARPS
+            if g > 1:  # about the fewest experts per SIMD group that fit the wave
+                per_warp = -(-E // (g * warps))
+                assert warps <= R.SPLIT_WARPS
+                assert per_warp <= 2 * -(-rows * E // R.RESIDENT_WARPS), (rows, E, g, warps)
+    monkeypatch.setattr(R, "SPLIT", False)
+    assert R.split_config(1, 128, 2816) == (1, 16)
+    with pytest.raises(InvalidArgumentError):
+        R._mapping(40, 6)  # not a power of two
+    with pytest.raises(InvalidArgumentError):
+        R._mapping(40, 64)  # more groups than experts
+
+
+# (kind, x dtype, weight dtype, rows, D, E, k, splits): each case runs with G = 1 and each
+# split; E off the splits' multiples (empty slices at the end), non-VEC and quantized rows,
+# 1..32 rows, one SIMD group per threadgroup (k = E = G = 8), an explicit (G, SIMD groups)
+_SPLIT_CASES = [
+    ("gemma", mx.bfloat16, mx.bfloat16, 5, 264, 67, 8, [2, 16]),
+    ("gemma", mx.float32, mx.float32, 3, 200, 40, 5, [8]),
+    ("gemma", mx.float16, mx.float16, 1, 96, 8, 8, [8]),
+    ("qwen", mx.float32, mx.float32, 32, 77, 33, 4, [4, 32]),  # odd D: a weight per lane
+    ("qwen_full", mx.bfloat16, mx.bfloat16, 17, 2064, 64, 1, [64]),
+    ("qwen_q8", mx.bfloat16, mx.bfloat16, 8, 256, 40, 8, [8]),
+    ("gemma_q4", mx.float32, mx.float32, 2, 96, 24, 3, [4, (2, 3)]),
+]
+_SPLIT_IDS = [f"{c[0]}-{c[1]}-w{c[2]}-B{c[3]}D{c[4]}E{c[5]}k{c[6]}" for c in _SPLIT_CASES]
+
+
+def _split_case(i: int):
+    kind, dt, wdt, rows, D, E, k, splits = _SPLIT_CASES[i]
+    return _x(rows, D, dt, seed=50 + i), _args(kind, D, E, dt, wdt, seed=50 + i), k, splits
+
+
+def _build_all(calls) -> None:
+    """Build the emulator binaries ``calls`` (thunks launching the kernel) need, four at once."""
+    examples = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+        mp.setattr(kernel_emulator, "emulate", _recording(examples))
+        for call in calls:  # a dry run notes each launch's instantiation
+            call()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda ex: kernel_emulator.build(R._kernel, ex), examples))
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    """{(case, split): outputs}, split 1 the one-group-per-row mapping; the split runs with
+    the threadgroups in a shuffled order (any of them may be a row's last)."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    cases = [_split_case(i) for i in range(len(_SPLIT_CASES))]
+    calls = {
+        (i, sp): (lambda x=x, a=a, k=k, sp=sp: R.moe_router_kernel(x, k=k, split=sp, **a))
+        for i, (x, a, k, splits) in enumerate(cases)
+        for sp in [1, *splits]
+    }
+    _build_all(calls.values())
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+        for n, (key, call) in enumerate(calls.items()):
+            mp.setenv("HF2Q_EMU_SHUFFLE", str(n))
+            runs[key] = call()
+    return runs
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[a.dtype.size]))
+
+
+@pytest.mark.parametrize("i", range(len(_SPLIT_CASES)), ids=_SPLIT_IDS)
+def test_split_on_the_emulator(split_runs, i):
+    """Every split gives the one-group-per-row kernel's outputs bit for bit (each logit is one
+    SIMD group's sum in the same order, the norm's statistics are summed alike, the top k is
+    the same code), and those match the reference."""
+    x, a, k, splits = _split_case(i)
+    base = split_runs[(i, 1)]
+    _check(base, x, a, k)
+    for sp in splits:
+        got = split_runs[(i, sp)]
+        for g_, b_ in zip(got, base):
+            assert (g_ is None) == (b_ is None)
+            if b_ is not None:
+                assert np.array_equal(_bits(g_), _bits(b_)), sp
+
+
+@needs_gxx
+def test_split_ties_and_nan_rows_on_the_emulator(monkeypatch):
+    """Integer logits full of ties broken by the lower index, and a NaN row (NaN weights, ids
+    past the last expert), with G = 4 and G = 32 threadgroups per row of 33 experts (one
+    with a single expert, the last ones empty): as the reference."""
+    rng = np.random.default_rng(7)
+    D, E, k = 77, 33, 4  # _SPLIT_CASES[3]'s instantiations
+    x = mx.array(rng.integers(-2, 3, (6, D)).astype(np.float32))
+    x = mx.where(mx.arange(6)[:, None] == 4, mx.nan, x)
+    w = mx.array(rng.integers(-1, 2, (E, D)).astype(np.float32))
+    r_ids, r_wts, _ = R.moe_router_reference(x, w, k)
+    lg = np.array(x @ w.T)
+    assert any(len(set(np.sort(row)[-k - 1 :])) <= k for row in lg[:4]), "no tie at the boundary"
+    monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+    keep = mx.array([0, 1, 2, 3, 5])
+    for n, sp in enumerate((4, 32)):
+        monkeypatch.setenv("HF2Q_EMU_SHUFFLE", str(100 + n))
+        ids, wts, _ = R.moe_router_kernel(x, w, k, split=sp)
+        assert np.isnan(np.array(wts[4])).all() and (np.array(ids[4]) >= E).all()
+        assert mx.array_equal(ids[keep], r_ids[keep])
+        assert mx.allclose(wts[keep], r_wts[keep], atol=FP32_TOL)
+
+
+@needs_gxx
+def test_split_counter_wraps_on_the_emulator(monkeypatch):
+    """The rows' counts are never reset: a launch adds G to each, and the last group is the one
+    whose ticket is G - 1 modulo G, also across the uint32 wrap (G a power of two)."""
+    kind, dt, wdt, rows, D, E, k, _ = _SPLIT_CASES[3]
+    a = _args(kind, D, E, dt, wdt, seed=9)
+    x = _x(rows, D, dt, seed=9)
+    monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+    want = R.moe_router_kernel(x, k=k, split=1, **a)
+    plan = R._plan(x, a["w"], k, a, None, 4)
+    n = R.COUNTER_SETS * R.MAX_ROWS
+    assert plan.counter.shape == (n,) and plan.counter.dtype == mx.uint32
+    assert not np.array(plan.counter).any()  # a fresh plan starts at zero
+    # any multiple of G; 2 and 1 launches to go before the wrap; sets 0, 1, 2 in turn
+    for turn, start in enumerate((4 * 12345, 2**32 - 8, 2**32 - 4)):
+        c = np.zeros(n, dtype=np.uint32)
+        c[turn * R.MAX_ROWS : (turn + 1) * R.MAX_ROWS] = start
+        plan.counter = mx.array(c)
+        assert plan.turn == turn
+        got = R._run(plan, x, a["w"], a)
+        assert all(mx.array_equal(g_, w_) for g_, w_ in zip(got[:2], want[:2])), start
+
+
+@needs_gxx
+def test_split_dispatcher_on_the_emulator(monkeypatch):
+    """The dispatcher splits a wide router (Qwen's 64 experts x 2064 here: G = 16) in one
+    launch, rotating its counter sets; HF2Q_ROUTER_SPLIT=0's switch sends it to one group per
+    row, same outputs."""
+    kind, dt, wdt, rows, D, E, k, _ = _SPLIT_CASES[4]
+    monkeypatch.setattr(R, "SPLIT", True)
+    assert R.split_config(rows, E, D) == (16, 4)
+    a = _args(kind, D, E, dt, wdt, seed=11)
+    x = _x(rows, D, dt, seed=11)
+    monkeypatch.setattr(R, "backend", lambda: "cuda")
+    outs = []
+    for split in (True, False):
+        emu = Emulated(R._kernel)
+        monkeypatch.setattr(R, "_kernel", emu)
+        monkeypatch.setattr(R, "_PLANS", {})
+        monkeypatch.setattr(R, "SPLIT", split)
+        monkeypatch.setenv("HF2Q_EMU_SHUFFLE", "3")
+        outs.append(R.moe_router(x, a["w"], k, renormalize=False))
+        assert emu.launches == 1
+        (plan,) = R._PLANS.values()
+        # a split plan's calls take its counter sets in turn (params[2]); G = 1 needs one
+        assert len(plan.params) == (R.COUNTER_SETS if split else 1) and plan.turn == int(split)
+        assert [float(p[2]) for p in plan.params[:3]] == [0.0, 1.0, 2.0][: len(plan.params)]
+        monkeypatch.setattr(R, "_kernel", emu.kernel)
+    _check(outs[0], x, a, k)
+    assert all(mx.array_equal(p, q) for p, q in zip(outs[0][:2], outs[1][:2]))
+
+
+@needs_gxx
+@pytest.mark.parametrize("shape", ["gemma4", "qwen3_5"])
+def test_split_at_the_models_shapes_on_the_emulator(shape, monkeypatch):
+    """Gemma-4-26B-A4B's router (bf16, pre-norm, expert scale, post-norm; G = 32) and
+    Qwen3.5-35B-A3B's (fp32 weight under bf16 x; G = 64) split as the dispatcher splits them:
+    the one-group-per-row outputs bit for bit."""
+    kind, D, E, k, dt, wdt, rows = {
+        "gemma4": ("gemma", 2816, 128, 8, mx.bfloat16, mx.bfloat16, 2),
+        "qwen3_5": ("qwen", 2048, 256, 8, mx.bfloat16, mx.float32, 1),
+    }[shape]
+    a = _args(kind, D, E, dt, wdt, seed=12)
+    x = _x(rows, D, dt, seed=12)
+    monkeypatch.setattr(R, "SPLIT", True)
+    split = R.split_config(rows, E, D)
+    assert split[0] == E // 4
+    monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+    monkeypatch.setenv("HF2Q_EMU_SHUFFLE", "5")
+    got = R.moe_router_kernel(x, k=k, split=split, **a)
+    want = R.moe_router_kernel(x, k=k, split=1, **a)
+    _check(got, x, a, k)
+    assert all(np.array_equal(_bits(p), _bits(q)) for p, q in zip(got, want) if q is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +592,56 @@ def test_gpu_dispatcher_mixed_dtypes():
     a = _args("qwen", 2048, 256, mx.bfloat16, mx.float32, seed=3)
     x = _x(4, 2048, mx.bfloat16, seed=4)
     _check(R.moe_router(x, k=8, **a), x, a, 8)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("kind,rows,D,E,k", GPU_SHAPES, ids=lambda v: str(v))
+def test_gpu_split_matches_one_group_per_row(kind, rows, D, E, k, dtype):
+    """The split mapping (the dispatcher's G, and G = 2 and 16 where E allows) against G = 1 on
+    the GPU: bit for bit (the same per-logit SIMD-group sums, norm statistics and top-k code),
+    outputs poisoned with NaN first."""
+    a = _args(kind, D, E, dtype, dtype, seed=rows + E + 1)
+    x = _x(rows, D, dtype, seed=rows + D + 1)
+    base = R.moe_router_kernel(x, k=k, split=1, init_value=float("nan"), **a)
+    mx.eval([o for o in base if o is not None])
+    _check(base, x, a, k)
+    auto = R.split_config(rows, E, D)
+    for split in {auto, *(g for g in (2, 16) if g <= E)}:
+        got = R.moe_router_kernel(x, k=k, split=split, init_value=float("nan"), **a)
+        mx.eval([o for o in got if o is not None])
+        for p, q in zip(got, base):
+            if q is not None:
+                assert np.array_equal(_bits(p), _bits(q)), (split, p, q)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", ["gemma", "qwen_q8"])
+def test_gpu_split_in_a_dependent_chain(kind):
+    """A decode's pattern: 30 dependent router calls of one plan in one graph, each x made from
+    the previous call's outputs, as G = 1 computes them; afterwards each call's counter set
+    (one per call, in turn) holds G for each row (never reset: a multiple of G), the rest 0."""
+    D, E, k, rows = (2816, 128, 8, 3) if kind == "gemma" else (2048, 256, 8, 5)
+    a = _args(kind, D, E, mx.bfloat16, mx.bfloat16, seed=21)
+    x0 = _x(rows, D, mx.bfloat16, seed=21)
+    w = a.pop("w")
+    g = R.split_config(rows, E, D)[0]
+    assert g > 1
+    plans = {s: R._plan(x0, w, k, a, None, s) for s in (1, g)}
+    outs = {}
+    for s, plan in plans.items():
+        x, seq = x0, []
+        for _ in range(30):
+            ids, wts, xn = R._run(plan, x, w, a)
+            seq += [ids, wts]
+            x = xn if xn is not None else x + (wts[:, :1] * 1e-2).astype(x.dtype)
+        mx.eval(seq, x)
+        outs[s] = seq
+    assert all(mx.array_equal(p, q).item() for p, q in zip(outs[g], outs[1]))
+    mx.synchronize()
+    count = np.array(plans[g].counter).reshape(R.COUNTER_SETS, R.MAX_ROWS)
+    assert (count[:30, :rows] == g).all(), count[:30]  # one set per call, in turn
+    assert not count[:, rows:].any() and not count[30:].any()
 
 
 # ---------------------------------------------------------------------------------------------
