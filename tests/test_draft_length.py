@@ -53,6 +53,10 @@ def test_expected_tokens_is_the_geometric_sum():
         (0.9, lambda L, r: float(L), 0),  # L steps: even at 0.9, E(k) < k + 1
         (0.1, lambda L, r: 1.0 + 0.2 * (L - 1), 0),  # 1.1 tokens for 1.2 steps: not worth it
         (0.1, lambda L, r: 1.0 + 0.02 * (L - 1), 1),  # 1.1 tokens for 1.02 steps: one draft
+        # every verify costs 1.9 plain steps (the H200 9B's shape): K drafts at 0.5 give 1.94
+        # tokens, 2 % over plain, fewer drafts less: plain
+        (0.5, lambda L, r: 1.0 if L == 1 else 1.9, 0),
+        (0.8, lambda L, r: 1.0 if L == 1 else 1.9, K),  # 3.36 tokens for 1.9 steps: all K
     ],
 )
 def test_choice_on_synthetic_costs(p, cost, want):
