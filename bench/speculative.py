@@ -215,9 +215,15 @@ def replay_run(
         if adaptive and n == 0:  # no drafts: a run of pipelined plain decoding (as _rounds)
             m = min(run_length, len(ref) - len(out))
             run_length = min(2 * run_length, PLAIN_RUN_MAX)
-            t1 = time.perf_counter()
-            got = [tok for tok, _ in plain_run(step, todo[0], m, Warp(), None, None)]
-            control.observe(0, 0, (time.perf_counter() - t1) / m)
+            t_run, got = time.perf_counter(), []
+            for tok, _ in plain_run(step, todo[0], m, Warp(), None, None):
+                got.append(tok)
+                if len(got) == 1:
+                    t1 = time.perf_counter()
+            # as _rounds: timed from the run's first token, which waited for no pipeline (a
+            # one-token run: the whole run)
+            t2 = time.perf_counter()
+            control.observe(0, 0, (t2 - t1) / (m - 1) if m > 1 else t2 - t_run)
             if got != ref[len(out) : len(out) + m]:
                 diverged = len(out)
                 break
