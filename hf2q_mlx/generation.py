@@ -359,7 +359,7 @@ def stream_generate(
     # a verify writes up to K drafts (a tree: K * width) that may have to be rolled back
     rollback = num_draft_tokens * tree_width + 1 if speculative else 0
     # the compiled decode step applies to caches made here (a caller's cache stays updated)
-    compiled = cache is None and os.environ.get("HF2Q_DECODE") != "eager"
+    compiled = cache is None and decode_mode() == "compiled"
     if cache is None:
         cache = make_prompt_cache(model, kv_bits, reserve=rollback)
     elif speculative:
@@ -397,6 +397,18 @@ def stream_generate(
             adaptive_drafts=adaptive_drafts, warp=spec.Warp(temperature, top_k, top_p, min_p),
         ) if speculative else None,
     )  # fmt: skip
+
+
+def decode_mode() -> str:
+    """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``eager`` (a new graph per token
+    on per-sequence caches) or ``auto`` (unset): compiled on a GPU, eager on the CPU, where the
+    compiled step measured 3-10 ms a token slower (docs/kernel_notes.md, the CPU mat-vec)."""
+    mode = os.environ.get("HF2Q_DECODE", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "compiled", "eager"):
+        raise InvalidArgumentError(f"HF2Q_DECODE={mode!r}: expected auto, compiled or eager")
+    if mode == "auto":
+        return "eager" if mx.default_device().type == mx.DeviceType.cpu else "compiled"
+    return mode
 
 
 def _decode(

@@ -3,6 +3,11 @@
 On the CPU (default device the CPU, so no GPU kernel applies, and no ``reference_only()`` /
 ``HF2Q_KERNELS=reference``) the matmul depends on the rows of x:
 
+- up to ``cpu_ext.MAX_ROWS`` (64) rows, for the types it has (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  Q4_K, Q5_K, Q6_K): the compiled CPU mat-vec (``custom_kernels/cpu_ext``: an MLX C++
+  extension built on first use; fp32 math, AVX-512 or AVX2, all cores; a row gets the same
+  bits alone and in a batch). Where it cannot be built or
+  ``HF2Q_CPU_EXT=0``, the paths below.
 - up to ``CPU_QMM_MAX_ROWS`` rows (decode): a layer whose type has an exact MLX affine form
   (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K: ``custom_kernels/affine_repack.py``)
   multiplies with ``mx.quantized_matmul`` on a repack built lazily on its first call. Memory:
@@ -27,6 +32,7 @@ import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx import custom_kernels
+from hf2q_mlx.custom_kernels import cpu_ext
 from hf2q_mlx.custom_kernels.affine_repack import GROUP_SIZE, affine_repack
 from hf2q_mlx.custom_kernels.dequant import (
     DENSE_TYPES,
@@ -94,6 +100,10 @@ class _GGMLModule(nn.Module):
         reference, or an x of the wrong width: ``ggml_matmul`` then checks and reports)."""
         if x.shape[-1] != self._cols or not _cpu_affine_path():
             return None
+        # the compiled CPU mat-vec (custom_kernels/cpu_ext) first: None where it cannot run
+        y = cpu_ext.ggml_matvec(x, self["weight"], self.ggml_type, self._cols)
+        if y is not None:
+            return y
         if _cpu_rows(x) > CPU_QMM_MAX_ROWS:
             return _cpu_dequant_matmul(x, self["weight"], self.ggml_type, self._cols)
         packed = self._affine_weight()

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
-from hf2q_mlx.custom_kernels import ENV_VAR, reference_only
+from hf2q_mlx.custom_kernels import ENV_VAR, cpu_ext, reference_only
 from hf2q_mlx.custom_kernels.affine_repack import affine_repack
 from hf2q_mlx.custom_kernels.dequant import GGML_BLOCK_INFO, dequantize_reference
 from hf2q_mlx.errors import WeightMismatchError
@@ -32,6 +32,14 @@ UNMAPPED = [T.Q2_K, T.Q6_K, T.F32, T.F16, T.BF16]
 pytestmark = pytest.mark.skipif(
     mx.default_device().type != mx.DeviceType.cpu, reason="the affine path is the CPU's"
 )
+
+
+@pytest.fixture(autouse=True)
+def _repack_path(monkeypatch):
+    """The few-row CPU path under test is the repack's: the compiled CPU mat-vec
+    (custom_kernels/cpu_ext, tests/kernels/test_cpu_matvec.py) stays off, as where it cannot
+    be built."""
+    monkeypatch.setattr(cpu_ext, "_state", {"module": None})
 
 
 def assert_same_floats(got: mx.array, want: np.ndarray, zero_sign_kept: bool) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from hf2q_mlx.custom_kernels import cpu_blas
+from hf2q_mlx.custom_kernels import cpu_blas, cpu_ext
 from hf2q_mlx.custom_kernels.affine_repack import affine_repack
 from hf2q_mlx.custom_kernels.dequant import GGML_BLOCK_INFO
 from hf2q_mlx.errors import InvalidArgumentError
@@ -38,6 +38,13 @@ RTOL = 1e-4  # of the largest |output|: see the module docstring
 pytestmark = pytest.mark.skipif(
     mx.default_device().type != mx.DeviceType.cpu, reason="the CPU path is the CPU's"
 )
+
+
+@pytest.fixture(autouse=True)
+def _mlx_paths(monkeypatch):
+    """These tests cover the MLX paths: with the compiled CPU mat-vec off (custom_kernels/cpu_ext,
+    tested in tests/kernels/test_cpu_matvec.py), as where it cannot be built."""
+    monkeypatch.setattr(cpu_ext, "_state", {"module": None})
 
 
 @pytest.fixture
@@ -160,7 +167,7 @@ def test_blas_routed_and_correct(tmp_path):
         import numpy as np
         import hf2q_mlx
         import mlx.core as mx
-        from hf2q_mlx.custom_kernels import cpu_blas
+        from hf2q_mlx.custom_kernels import cpu_blas, cpu_ext
         assert cpu_blas.enable() is not None and cpu_blas.routed() is True
         rng = np.random.default_rng()
         a, b = rng.standard_normal((67, 129)), rng.standard_normal((45, 129))
@@ -182,7 +189,7 @@ def test_blas_off_and_too_late(tmp_path):
     code = """
         {first}
         import hf2q_mlx
-        from hf2q_mlx.custom_kernels import cpu_blas
+        from hf2q_mlx.custom_kernels import cpu_blas, cpu_ext
         print(cpu_blas.enable(), cpu_blas.routed())
         """
     off = run_fresh(code.format(first=""), HF2Q_CPU_BLAS="off", HF2Q_MLX_CACHE=str(tmp_path))

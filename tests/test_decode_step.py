@@ -262,6 +262,58 @@ def test_shared_step_is_reused_and_replaced_by_a_longer_one():
     assert shared_step(nn.Linear(2, 2), 1, 10) is None  # not one of our model files
 
 
+class _Tok:
+    """Token ids only, for stream_generate."""
+
+    eos_token_ids: set = set()
+    bos_token_id = None
+
+    def detokenizer(self):
+        class Detok:
+            last_segment = ""
+
+            def add_token(self, token: int) -> None:
+                pass
+
+            def finalize(self) -> None:
+                pass
+
+        return Detok()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5-dense"])
+def test_decode_mode_eager_on_the_cpu_compiled_on_request(name, monkeypatch):
+    """HF2Q_DECODE unset ("auto") decodes eagerly on the CPU (no DecodeStep), "compiled" through
+    the shared step; both give the same greedy tokens across the sliding window; a bad value
+    raises InvalidArgumentError."""
+    from hf2q_mlx import generation
+
+    model, (prompt,) = tiny_model(name), prompts([7])
+    steps = []
+
+    def counting(*args, **kwargs):
+        steps.append(shared_step(*args, **kwargs))
+        return steps[-1]
+
+    monkeypatch.setattr(generation, "shared_step", counting)
+
+    def tokens() -> list[int]:
+        rs = generation.stream_generate(model, _Tok(), prompt, max_tokens=24, ignore_eos=True,
+                                        repetition_penalty=3.0)  # fmt: skip
+        return [r.token for r in rs]
+
+    monkeypatch.delenv("HF2Q_DECODE", raising=False)
+    assert generation.decode_mode() == "eager"
+    auto = tokens()
+    assert steps == []
+    monkeypatch.setenv("HF2Q_DECODE", "compiled")
+    assert tokens() == auto
+    assert len(steps) == 1 and isinstance(steps[0], DecodeStep)
+    monkeypatch.setenv("HF2Q_DECODE", "fast")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_DECODE"):
+        tokens()
+
+
 def test_write_slots_are_computed_once_per_step():
     """The step's graph holds one modulo for the sliding layers' ring slots (one ring size) and
     one arange for the new tokens, whatever the number of layers: the layers share them."""

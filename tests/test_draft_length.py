@@ -18,6 +18,13 @@ from hf2q_mlx.generation import stream_generate
 K = 4
 
 
+@pytest.fixture(autouse=True)
+def compiled_decode(monkeypatch):
+    """These tests drive the compiled step's speculative path, which a GPU takes by default and
+    the CPU with HF2Q_DECODE=compiled (eager there by default: generation.decode_mode)."""
+    monkeypatch.setenv("HF2Q_DECODE", "compiled")
+
+
 def simulate(control: DraftLength, p: float, cost, rounds: int, seed: int = 0) -> list[int]:
     """Rounds of drafts each accepted with probability p; ``cost(L, round)`` seconds per round.
     -> the k chosen each round."""

@@ -25,6 +25,15 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 PROMPT = [5, 17, 33, 2, 41, 9, 17, 33]
+
+
+@pytest.fixture(autouse=True)
+def compiled_decode(monkeypatch):
+    """These tests drive the compiled step's speculative path, which a GPU takes by default and
+    the CPU with HF2Q_DECODE=compiled (eager there by default: generation.decode_mode)."""
+    monkeypatch.setenv("HF2Q_DECODE", "compiled")
+
+
 PENALTY = 3.0
 N_TOKENS = 40  # Gemma 3's window is 5 and Gemma 4's 4: a run crosses them many times
 
