@@ -152,10 +152,16 @@ def fused_kernels(on: bool):
     then build their own routing graph and the expert_matmul + activation pair)."""
     with contextlib.ExitStack() as stack:
         if not on:
-            stack.enter_context(mock.patch.object(moe_router, "kernel_covers", lambda *a, **k: False))
-            stack.enter_context(mock.patch.object(expert_glu, "_kernel_covers", lambda *a, **k: False))
+            stack.enter_context(
+                mock.patch.object(moe_router, "kernel_covers", lambda *a, **k: False)
+            )
+            stack.enter_context(
+                mock.patch.object(expert_glu, "_kernel_covers", lambda *a, **k: False)
+            )
             stack.enter_context(mock.patch.object(expert_glu, "_CALLS", {}))
-            stack.enter_context(mock.patch.object(expert_down, "kernel_covers", lambda *a, **k: False))
+            stack.enter_context(
+                mock.patch.object(expert_down, "kernel_covers", lambda *a, **k: False)
+            )
             stack.enter_context(mock.patch.object(expert_down, "_CALLS", {}))
             stack.enter_context(
                 mock.patch.object(expert_down_affine, "kernel_covers", lambda *a, **k: False)

@@ -404,8 +404,8 @@ def expert_glu(
     """expert_glu.expert_glu's grouped path: grouped_expert_glu through a plan cached per call
     shape where ``covers`` (caller errors raise as expert_glu's), else None."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, ggml_type, in_features, activation, x.shape, x.dtype, w.shape,
-           w.dtype, None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, ggml_type, in_features, activation, x.shape, x.dtype,
+           w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
            expert_ids.dtype)  # fmt: skip
     if key in _GLU_CALLS:
         plan = _GLU_CALLS[key]
