@@ -210,8 +210,8 @@ def expert_glu_kernel(
     """The GPU kernel alone, with the contract of :func:`expert_glu_reference` for GGML weights;
     x's leading dims must equal the ids' (no broadcasting). An id >= E gives NaN rows.
 
-    ``config``: R (features per threadgroup), U, W (as qmatmul's ``launch_config``; R there
-    counts rows, so the default takes half of it); ``init_value`` pre-fills the output.
+    ``config``: R (features per threadgroup), U, W (default: ``expert_run_config``);
+    ``init_value`` pre-fills the output.
     """
     plan = _plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
     wu = w if w_up is None else w_up
