@@ -25,22 +25,21 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
-from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels import expert_down as D
 from hf2q_mlx.custom_kernels import expert_glu as G
 from hf2q_mlx.custom_kernels import expert_mma as X
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
-from hf2q_mlx.io.random_weights import random_ggml_blocks
 
-SHAPES = {  # hidden, experts, top-k, expert intermediate, activation (bench/moe_launches.py)
-    "gemma4:26b-a4b": (2816, 128, 8, 704, "gelu_tanh"),
-    "qwen3_5:35b-a3b": (2048, 256, 8, 512, "silu"),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_launches import SHAPES, ggml_experts  # noqa: E402  (bench/moe_launches.py)
+
 COPIES = 3  # layers of experts the calls rotate over
 CALLS = 24  # calls per evaluation
 PER_PAIR = [dict(R=r, U=u, W=w) for r, u, w in itertools.product((2, 4), (1, 2), (1, 2, 4))]
@@ -48,9 +47,9 @@ GROUPED = [dict(NT=n, U=u, W=w) for n, u, w in itertools.product((1, 2), (1, 2),
 
 
 def experts(E: int, rows: int, cols: int, seed: int) -> tuple[mx.array, int]:
-    t = T.Q4_K if cols % 256 == 0 else T.Q5_0  # llama.cpp's fallback, as bench/gemma4.py
-    w = random_ggml_blocks(E * rows, cols, t, seed=seed)
-    return w.reshape(E, rows, w.shape[-1]), int(t)
+    """(blocks (E, rows, row_bytes), type): bench/moe_launches.py's random experts."""
+    m = ggml_experts(E, rows, cols, seed)
+    return m.weight, int(m.ggml_type)
 
 
 def random_ids(B: int, E: int, k: int) -> mx.array:

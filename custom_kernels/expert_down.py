@@ -182,7 +182,7 @@ def expert_down(
     """Dispatcher with the contract of :func:`expert_down_reference`: on a GPU, GGML experts
     and 1..32 tokens, one kernel; otherwise the path the models ran before (expert_matmul,
     then the weighted sum in h's dtype)."""
-    if expert_mma.ENABLED:  # each expert's rows read once for all its pairs (off by default)
+    if expert_mma.ENABLED:  # each expert read once for its pairs (from MIN_TOKENS tokens on)
         y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
         if y is not None:  # None: expert_mma.covers says no
             return y

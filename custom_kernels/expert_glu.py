@@ -483,7 +483,7 @@ def expert_glu(
     x.dtype in between."""
     if activation not in ACTIVATIONS:
         raise InvalidArgumentError(f"activation {activation!r} is not one of {ACTIVATIONS}")
-    if expert_mma.ENABLED:  # each expert's rows read once for all its pairs (off by default)
+    if expert_mma.ENABLED:  # each expert read once for its pairs (from MIN_TOKENS tokens on)
         y = expert_mma.expert_glu(x, w, expert_ids, ggml_type, in_features, activation, w_up)
         if y is not None:  # None: expert_mma.covers says no
             return y

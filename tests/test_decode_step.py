@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import requires_gpu
+from conftest import IdsTokenizer, requires_gpu
 from mlx.utils import tree_flatten, tree_unflatten
 
 from hf2q_mlx.decode_step import DecodeStep, shared_step
@@ -262,25 +262,6 @@ def test_shared_step_is_reused_and_replaced_by_a_longer_one():
     assert shared_step(nn.Linear(2, 2), 1, 10) is None  # not one of our model files
 
 
-class _Tok:
-    """Token ids only, for stream_generate."""
-
-    eos_token_ids: set = set()
-    bos_token_id = None
-
-    def detokenizer(self):
-        class Detok:
-            last_segment = ""
-
-            def add_token(self, token: int) -> None:
-                pass
-
-            def finalize(self) -> None:
-                pass
-
-        return Detok()
-
-
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_5-dense"])
 def test_decode_mode_eager_on_the_cpu_compiled_on_request(name, monkeypatch):
     """HF2Q_DECODE unset ("auto") decodes eagerly on the CPU (no DecodeStep), "compiled" through
@@ -298,8 +279,8 @@ def test_decode_mode_eager_on_the_cpu_compiled_on_request(name, monkeypatch):
     monkeypatch.setattr(generation, "shared_step", counting)
 
     def tokens() -> list[int]:
-        rs = generation.stream_generate(model, _Tok(), prompt, max_tokens=24, ignore_eos=True,
-                                        repetition_penalty=3.0)  # fmt: skip
+        rs = generation.stream_generate(model, IdsTokenizer(), prompt, max_tokens=24,
+                                        ignore_eos=True, repetition_penalty=3.0)  # fmt: skip
         return [r.token for r in rs]
 
     monkeypatch.delenv("HF2Q_DECODE", raising=False)

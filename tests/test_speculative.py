@@ -4,11 +4,12 @@ each cache kind, speculative sampling's distribution (chi-square), B-row verify,
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import IdsTokenizer
 from mlx.utils import tree_map
 from scipy import stats
 
@@ -38,25 +39,7 @@ PENALTY = 3.0
 N_TOKENS = 40  # Gemma 3's window is 5 and Gemma 4's 4: a run crosses them many times
 
 
-class Detok:
-    last_segment = ""
-
-    def add_token(self, token: int) -> None:
-        pass
-
-    def finalize(self) -> None:
-        pass
-
-
-class Tok:
-    """Token ids only: generation here reads ids, never text."""
-
-    eos_token_ids: set = set()
-    bos_token_id = None
-    vocab_size = 96
-
-    def detokenizer(self) -> Detok:
-        return Detok()
+Tok = partial(IdsTokenizer, vocab_size=96)  # token ids only: generation reads ids
 
 
 @lru_cache(maxsize=None)
