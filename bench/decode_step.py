@@ -8,7 +8,9 @@ prompt prefill per variant, then ``--rounds`` rounds in which every variant deco
 greedy tokens in turn. Prints median and min-max tok/s, the ratio to mlx-lm round by round, and
 whether compiled and eager pick the same greedy tokens; writes JSON. ``--mma-ab`` adds the
 compiled GGML variants with the tensor-core kernels off (``qmatmul_mma.ENABLED`` False while
-they trace and run: the scalar mat-vec and dense GLU), the A/B of those kernels in one process.
+they trace and run: the scalar mat-vec and dense GLU), the A/B of those kernels in one process;
+``--router-split-ab`` the compiled B = 1 variants with the MoE router split off and on
+(``moe_router.SPLIT``).
 
     python3 bench/decode_step.py OUT.json --shapes gemma4:26b-a4b,qwen3_5:35b-a3b
     python3 bench/decode_step.py OUT.json --tiny          # CPU smoke run
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gemma4 as g4bench  # noqa: E402  (bench/gemma4.py)
 import qwen3_5 as q35bench  # noqa: E402  (bench/qwen3_5.py)
 
-from hf2q_mlx.custom_kernels import qmatmul_mma  # noqa: E402
+from hf2q_mlx.custom_kernels import moe_router, qmatmul_mma  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
 
@@ -98,8 +100,10 @@ class Compiled:
     """``DecodeStep`` with ``rows`` rows, each adopting the same prefilled prompt; ``mma``
     False: the tensor-core kernels off whenever this variant traces or runs."""
 
-    def __init__(self, model, prompt: mx.array, rows: int, max_len: int, mma: bool = True):
-        self.mma = mma
+    def __init__(
+        self, model, prompt: mx.array, rows: int, max_len: int, mma: bool = True, split=None
+    ):
+        self.mma, self.split = mma, split
         cache = model.make_cache()
         y = mx.argmax(model(prompt, cache)[:, -1, :], axis=-1)
         mx.eval(y, cache_arrays(cache))
@@ -113,6 +117,8 @@ class Compiled:
         out, y = [], self.y
         # a trace (the first call, a new span bucket) picks its kernels by the switch
         enabled, qmatmul_mma.ENABLED = qmatmul_mma.ENABLED, self.mma and qmatmul_mma.ENABLED
+        split = moe_router.SPLIT
+        moe_router.SPLIT = split if self.split is None else self.split
         try:
             for _ in range(n):
                 y = self.step.decode(y, greedy=True)
@@ -120,7 +126,7 @@ class Compiled:
                 out.append(y)
             mx.eval(out)
         finally:
-            qmatmul_mma.ENABLED = enabled
+            qmatmul_mma.ENABLED, moe_router.SPLIT = enabled, split
         self.y = y
         return [int(t[0].item()) for t in out]
 
@@ -152,6 +158,11 @@ def run_shape(name: str, config: dict, a) -> dict:
             if a.batch > 1:
                 made[f"{fmt} compiled B={a.batch} scalar"] = lambda m=model: Compiled(
                     m, prompt, a.batch, max_len, mma=False
+                )
+        if a.router_split_ab:  # the MoE router over G threadgroups per row, off and on
+            for on in (False, True):
+                made[f"{fmt} compiled B=1 split={int(on)}"] = lambda m=model, on=on: Compiled(
+                    m, prompt, 1, max_len, split=on
                 )
         for k, make in made.items():
             if not a.variants or any(w in k for w in a.variants):
@@ -212,6 +223,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-mlx-lm", action="store_true")
     p.add_argument("--mma-ab", action="store_true", help="also the GGML compiled variants with "
                    "the tensor-core kernels off")  # fmt: skip
+    p.add_argument(
+        "--router-split-ab",
+        action="store_true",
+        help="also the compiled B=1 "
+        "variants with moe_router.SPLIT off and on while they trace and run",
+    )
     p.add_argument("--variants", default=None, help='only variants containing one of these '
                    'comma-separated strings, e.g. "compiled B=1"')  # fmt: skip
     a = p.parse_args(argv)

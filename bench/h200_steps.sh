@@ -30,14 +30,16 @@ step moe-grouped 240 "HF2Q_GROUPED_EXPERTS=0 python3 bench/moe_launches.py --for
 # launch configurations of the routed-expert kernels (issues 14, 15), and their GPU parity
 step expert-gpu-tests 300 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_mma.py tests/kernels/test_expert_glu.py tests/kernels/test_expert_down.py"
 step expert-sweep 300 "python3 bench/expert_sweep.py --budget 240 --json $OUT/expert_sweep.json"
-# whole-model decode against mlx-lm, B = 1 (issue 15)
+# whole-model decode against mlx-lm, B = 1 (issue 15); the router split's parity and A/B
+step router-tests 100 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_moe_router.py"
+step decode-26b-split 240 "python3 bench/decode_step.py $OUT/decode_26b_split.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants split --router-split-ab"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
 step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_35b.json"
 step serve-26b-mlx 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams 1,8,32 --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b_mlx4.json"
 # speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)
-step replay-9b 300 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds 5 --tokens 128 --json $OUT/replay_9b.json"
+step replay-9b 300 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds ${ROUNDS:-5} --tokens 128 --json $OUT/replay_9b.json"
 step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --json $OUT/replay_35b.json"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 

@@ -570,7 +570,7 @@ def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
     sig = [(a.shape, a.dtype) for a in _arrays(x, w, opts)]
     quant = opts.get("quant")
     scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
-    return (_kernel, k, *sig, scalars, None if quant is None else quant[2:],
+    return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], SPLIT,
             *(opts.get(n) is None for n in _OPTIONAL))  # fmt: skip
 
 
