@@ -33,6 +33,9 @@ step expert-sweep 300 "python3 bench/expert_sweep.py --budget 240 --json $OUT/ex
 # whole-model decode against mlx-lm, B = 1 (issue 15); the router split's parity and A/B
 step router-tests 100 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_moe_router.py"
 step decode-26b-split 240 "python3 bench/decode_step.py $OUT/decode_26b_split.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants split --router-split-ab"
+step attention-sweep 150 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json"
+# prefill against mlx-lm, with the delta-net and routed-experts prefill switches (issues 14, 15)
+step prefill 300 "python3 bench/prefill.py $OUT/prefill.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b} --rounds 3 ${PREFILL_ENV:---env HF2Q_GDN_PREFILL=chunked}"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
