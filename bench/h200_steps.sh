@@ -44,6 +44,9 @@ step serve-26b-mlx 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4
 # speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)
 step replay-9b 300 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds ${ROUNDS:-5} --tokens 128 --json $OUT/replay_9b.json"
 step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --json $OUT/replay_35b.json"
+step replay-9b-p 190 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_9b_pipelined.json"
+step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_35b_pipelined.json"
+step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

@@ -7,8 +7,8 @@ evaluated logits of the last token. Environment switches read at call time make 
 of ours, e.g. ``--env HF2Q_GDN_PREFILL=chunked`` (Qwen 3.5's delta-net prefill form) or
 ``--env HF2Q_EXPERT_PREFILL=grouped`` (the routed experts' many-token path). The first call of
 each variant is timed separately; the first variant of each model pays the kernel compilation
-(issue 15: "the first 512-token prefill under 2 s including compilation"). Prints medians, min-max and the ratio to mlx-lm round by round; writes
-JSON.
+(issue 15: "the first 512-token prefill under 2 s including compilation"). Prints medians,
+min-max and the ratio to mlx-lm round by round; writes JSON.
 
     python3 bench/prefill.py OUT.json --shapes gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b
     python3 bench/prefill.py OUT.json --shapes qwen3_5:9b --env HF2Q_GDN_PREFILL=chunked

@@ -13,7 +13,10 @@ verify cost alone (the draft is free). Plain decoding is the compiled step (B = 
 ``stream_generate`` runs it); the verify runs on the same compiled step (``--eager`` adds the
 eager verify for comparison), with K drafts every round (``replay a=.. K=..``) and with the
 cost-aware draft length (``adaptive a=.. K<=..``: ``hf2q_mlx.draft_length.DraftLength`` picks
-k in 0..K each round from the acceptance and verify times it measured). Every configuration
+k in 0..K each round from the acceptance and verify times it measured), and both again as
+pipelined rounds (``pipelined a=.. K=..``, ``pipelined adaptive a=.. K<=..``:
+``hf2q_mlx.pipelined_rounds``, round r + 1 launched before round r is read; their verify time
+is the steady-state period between two rounds' reads). Every configuration
 runs in interleaved rounds in one process; the tables give medians. Prints a table and writes
 JSON.
 
@@ -38,6 +41,7 @@ import numpy as np
 from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.draft_length import DraftLength, RoundCosts
 from hf2q_mlx.generation import make_prompt_cache, prefill, stream_generate
+from hf2q_mlx.pipelined_rounds import ReplayDrafter, pipelined_rounds
 from hf2q_mlx.speculative import (
     PLAIN_RUN,
     PLAIN_RUN_MAX,
@@ -183,7 +187,11 @@ def replay_run(
     k = 0 decodes a run of plain tokens (PLAIN_RUN, doubling while k = 0 wins), pipelined, as
     ``stream_generate`` does; "eager": K drafts through per-sequence caches). ``memory``: round
     costs shared across the adaptive runs of one model, as ``stream_generate`` keeps them on its
-    step. Stops where the target leaves ``ref``."""
+    step. Stops where the target leaves ``ref``. "pipelined" / "pipelined-adaptive": the same
+    rounds pipelined (``hf2q_mlx.pipelined_rounds``, the replayed drafts drawn on the device)."""
+    if kind.startswith("pipelined"):
+        return replay_pipelined(model, prompt, ref, k, acc, seed, kind == "pipelined-adaptive",
+                                memory)  # fmt: skip
     eager, adaptive = kind == "eager", kind == "adaptive"
     control = DraftLength(k, adaptive, memory=memory)
     rng = np.random.default_rng(seed)
@@ -256,6 +264,49 @@ def replay_run(
     }
 
 
+def replay_pipelined(
+    model, prompt: list[int], ref: list[int], k: int, acc: float, seed: int, adaptive: bool,
+    memory: RoundCosts | None,
+) -> dict:  # fmt: skip
+    """``replay_run`` with pipelined rounds: round r + 1 is launched before round r is read. A
+    round's time is the steady-state period between two reads (the first round: from its own
+    launch)."""
+    control = DraftLength(k, adaptive, memory=memory)
+    # as speculative_tokens: room for a round launched before the previous one's rollback
+    step = shared_step(model, 1, len(prompt) + len(ref) + 2 * k, reserve=k)
+    step.reset_row(0)
+    logits = step.prefill(0, prompt)
+    if adaptive:
+        step.warm_verify(0, range(2, k + 2))
+    out = [int(mx.argmax(logits, axis=-1).item())]
+    drafter = ReplayDrafter(ref, len(prompt), k, acc, model.args.vocab_size, seed)
+    drafted = accepted = 0
+    diverged, rounds = None, []
+    t0 = time.perf_counter()
+    gen = pipelined_rounds(step, prompt + out, len(ref) - 1, drafter, control)
+    try:
+        for rnd in gen:
+            rounds.append(rnd.seconds)
+            drafted, accepted = drafted + rnd.drafted, accepted + rnd.accepted
+            if rnd.tokens != ref[len(out) : len(out) + len(rnd.tokens)]:
+                diverged = len(out)
+                break
+            out += rnd.tokens
+    finally:
+        gen.close()  # the step leaves its lazy positions (the last round in flight finishes)
+    elapsed = time.perf_counter() - t0
+    return {
+        "tps": (len(out) - 1) / elapsed,
+        "drafted": drafted,
+        "accepted": accepted,
+        "tokens_per_round": (len(out) - 1) / max(len(rounds), 1),
+        "plain_runs": 0,
+        "verify_ms": 1e3 * statistics.median(rounds) if rounds else 0.0,
+        "drafts_per_round": drafted / max(len(rounds), 1),
+        "diverged_at": diverged,
+    }
+
+
 def bench_replay(args) -> list[dict]:
     qb = load_qwen_bench()
     shapes = qb.TINY_SHAPES if args.tiny else qb.SHAPES
@@ -268,31 +319,47 @@ def bench_replay(args) -> list[dict]:
         qb.randomize_q4k(model, dtype)
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, config["vocab_size"], args.prompt_tokens).tolist()
-        kinds = ["fixed", "adaptive"] + (["eager"] if args.eager else [])
+        kinds = args.kinds.split(",")
+        known = ("fixed", "adaptive", "pipelined", "pipelined-adaptive")
+        if any(k not in known for k in kinds):
+            raise SystemExit(f"--kinds {args.kinds!r}: a comma list of {', '.join(known)}")
+        kinds += ["eager"] if args.eager else []
         modes = [(a, kind) for kind in kinds for a in args.acceptance]
         plain, spec = [], {m: [] for m in modes}
         # warm-up: the compiled traces (decode, verify of K + 1, rollback), kernels
         replay_run(model, prompt, [0] * (args.k + 3), args.k, 0.5, seed=99)
         warm = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
-        costs = RoundCosts()  # the adaptive runs' round times, learned once per model
+        # the adaptive runs' round times, learned once per model (pipelined rounds apart)
+        costs = {"adaptive": RoundCosts(), "pipelined-adaptive": RoundCosts()}
         for a, kind in modes:  # the adaptive runs compile the verify lengths they pick
-            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, kind=kind, memory=costs)
+            replay_run(model, prompt, warm["tokens"], args.k, a, seed=99, kind=kind,
+                       memory=costs.get(kind))  # fmt: skip
         for r in range(args.rounds):
             p = run(model, IdsTokenizer(), prompt, args.tokens, ignore_eos=True)
             plain.append(p)
             for a, kind in modes:
                 spec[a, kind].append(
                     replay_run(
-                        model, prompt, p["tokens"], args.k, a, seed=r, kind=kind, memory=costs
-                    )
+                        model,
+                        prompt,
+                        p["tokens"],
+                        args.k,
+                        a,
+                        seed=r,
+                        kind=kind,
+                        memory=costs.get(kind),
+                    )  # fmt: skip
                 )
         base = statistics.median(p["tps"] for p in plain)
         rows.append({"shape": name, "config": "plain compiled", "tps": base, "step_ms": 1e3 / base})
         print(row_text(rows[-1]), flush=True)
-        label = {"fixed": "replay", "adaptive": "adaptive", "eager": "eager replay"}
+        label = {
+            "fixed": "replay", "adaptive": "adaptive", "eager": "eager replay",
+            "pipelined": "pipelined", "pipelined-adaptive": "pipelined adaptive",
+        }  # fmt: skip
         for (a, kind), runs in spec.items():
             drafted = max(sum(x["drafted"] for x in runs), 1)
-            K = f"K<={args.k}" if kind == "adaptive" else f"K={args.k}"
+            K = f"K<={args.k}" if kind.endswith("adaptive") else f"K={args.k}"
             row = {
                 "shape": name,
                 "config": f"{label[kind]} a={a} {K}",
@@ -312,7 +379,7 @@ def bench_replay(args) -> list[dict]:
 
 
 def row_text(r: dict) -> str:
-    head = f"{r.get('case', r.get('shape')):>10}  {r['config']:<24} {r['tps']:8.1f} tok/s"
+    head = f"{r.get('case', r.get('shape')):>10}  {r['config']:<30} {r['tps']:8.1f} tok/s"
     if "speedup" in r:
         head += f"  x{r['speedup']:.2f}"
     if "acceptance" in r:
@@ -346,6 +413,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="also the eager verify")
+    p.add_argument("--kinds", default="fixed,adaptive,pipelined,pipelined-adaptive",
+                   help="comma list of the round kinds to run")  # fmt: skip
     p.add_argument("--json")
     args = parser.parse_args(argv)
     rows = bench_real(args) if args.mode == "real" else bench_replay(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType
@@ -17,7 +18,32 @@ from hf2q_mlx.custom_kernels.dequant import (
     row_bytes,
 )
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
-from hf2q_mlx.errors import WeightMismatchError
+from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
+
+# HF2Q_EXPERT_PREFILL: how fp16/bf16 x runs past the expert kernels' tokens (prefill) on a GPU.
+# "dequant32": every expert dequantized to fp32, gather_mm in fp32 (reference precision);
+# "dequant": every expert dequantized to x.dtype, PREFILL_DEQ_CHUNK elements at a time, gather_mm
+# in x.dtype (the dense layers' many-rows precision); "grouped": expert_glu / expert_down run the
+# grouped tensor-core kernels over slices of 32 tokens ("dequant" where those do not cover the
+# call); "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
+PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped")
+PREFILL = os.environ.get("HF2Q_EXPERT_PREFILL", "auto")
+PREFILL_AUTO = "dequant32"  # the path before the switch, until the H200 numbers pick one
+# elements of dequantized expert weight alive at once on the "dequant" path (512 MB in bf16):
+# one or two slices per projection at the 26B-A4B and 35B-A3B shapes
+PREFILL_DEQ_CHUNK = 1 << 28
+
+
+def prefill_mode() -> str:
+    """The prefill path HF2Q_EXPERT_PREFILL (``PREFILL``) names, "auto" resolved:
+    "dequant32", "dequant" or "grouped". Raises InvalidArgumentError for any other value."""
+    mode = PREFILL.strip().lower()
+    if mode not in PREFILL_MODES:
+        raise InvalidArgumentError(
+            f"HF2Q_EXPERT_PREFILL={PREFILL!r} is not one of {', '.join(PREFILL_MODES)}"
+        )
+    return PREFILL_AUTO if mode == "auto" else mode
+
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
 # weight is read once per call (gather_mm's sorted path) instead of once per pair.
@@ -258,6 +284,31 @@ def _fp32_by_slices(
     return mx.concatenate(parts).reshape(*lead, k, w.shape[1])
 
 
+def _dequant_by_rows(
+    x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int
+) -> mx.array:
+    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant" or "grouped"):
+    every expert dequantized to x.dtype by the GPU kernel, in slices of rows (all experts'
+    rows r .. r + n, PREFILL_DEQ_CHUNK elements at most), each slice multiplied with gather_mm
+    in x.dtype over the expert-sorted pairs; the slices' outputs are disjoint columns. Not the
+    selected experts only: from ~E / k tokens on nearly every expert is selected, and which
+    ones is known on the device only (no host sync inside a forward)."""
+    E, N, rb = w.shape
+    rows = max(1, min(N, PREFILL_DEQ_CHUNK // (E * K)))
+
+    def matmul(a: mx.array, ids: mx.array, sorted_indices: bool) -> mx.array:
+        parts = []
+        for r in range(0, N, rows):
+            n = min(rows, N - r)
+            flat = w[:, r : r + n].reshape(E * n, rb)  # a copy of the slice's blocks (uint8)
+            wd = ggml_dequantize_kernel(flat, ggml_type, K, x.dtype).reshape(E, n, K)
+            parts.append(mx.gather_mm(a, wd.swapaxes(-1, -2), rhs_indices=ids,
+                                      sorted_indices=sorted_indices))  # fmt: skip
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    return gathered_matmul(x, expert_ids, matmul)
+
+
 def expert_matmul(
     x: mx.array,
     w: mx.array,
@@ -273,7 +324,8 @@ def expert_matmul(
     any number of tokens, 16 at a time (fp32 math whatever MLX_ENABLE_TF32 says). Otherwise, while
     there are fewer (token, expert) pairs than experts (decode), gather the selected blocks and
     dequantize them (the reference); from then on every expert is needed about once anyway, so
-    all experts are dequantized once for this call and multiplied with gather_mm (prefill).
+    all experts are dequantized once for this call and multiplied with gather_mm (prefill): on a
+    GPU, for fp16/bf16 x, in fp32 or in x.dtype as ``prefill_mode()`` says.
     """
     if ggml_type is not None and backend() is not None:
         key = (ggml_type, in_features, x.shape, x.dtype, w.shape, w.dtype, expert_ids.shape,
@@ -307,6 +359,8 @@ def expert_matmul(
         return expert_matmul_reference(x, w, expert_ids, ggml_type, in_features)
     E, N = w.shape[:2]
     if backend() is not None and ggml_type in BLOCK_TYPES:
+        if x.dtype in (mx.float16, mx.bfloat16) and prefill_mode() != "dequant32":
+            return _dequant_by_rows(x, w, expert_ids, ggml_type, in_features)
         # prefill on a GPU: every expert dequantized once by the GPU kernel (fp32, the
         # reference's values up to one rounding), as the dense layers' many-rows path does,
         # not by the reference's ~20 plain-MLX ops with fp32 intermediates per weight, which

@@ -101,6 +101,9 @@ class DecodeStep(RowSlots):
         self._verified = [0] * max_batch
         self._history: list = []
         self._traced: set[tuple[int, int, bool]] = set()  # (L, span, greedy) traced so far
+        # pipelined rounds (hf2q_mlx/pipelined_rounds.py): the positions the compiled step reads,
+        # on the device, updated lazily by rollback_lazy; self.positions are then upper bounds
+        self.lazy_positions: mx.array | None = None
         self.busy = False
         # what speculation learned about round times on this step, per (drafter, K), kept
         # for the step's next request (speculative.round_costs)
@@ -156,6 +159,7 @@ class DecodeStep(RowSlots):
         recurrent states start from zero."""
         self._check_row(row)
         self.positions[row], self._verified[row] = 0, 0
+        self._set_lazy(row)
         for s in self.caches:
             if isinstance(s, StaticRecurrentCache):
                 s.arrays = [_set_row(a, row, mx.zeros(a.shape[1:], a.dtype)) for a in s.arrays]
@@ -208,6 +212,7 @@ class DecodeStep(RowSlots):
                     _adopt_ring(a, row, src[0], pos) for a, src in zip(s.arrays, [c.keys, c.values])
                 ]
         self.positions[row], self._verified[row] = pos, 0
+        self._set_lazy(row)
 
     def prefill(self, row: int, ids: Sequence[int]) -> mx.array:
         """Feed prompt tokens to ``row`` after what it holds -> logits (V,) of the last token."""
@@ -236,6 +241,7 @@ class DecodeStep(RowSlots):
             n = saved.position if isinstance(s, StaticKVCache) and s.window is None else None
             s.arrays = [_set_row(a, row, v, n) for a, v in zip(s.arrays, arrs)]
         self.positions[row], self._verified[row] = saved.position, 0
+        self._set_lazy(row)
 
     # ---- the compiled step ---------------------------------------------------------------------
 
@@ -261,7 +267,8 @@ class DecodeStep(RowSlots):
             raise ContextLengthError(f"a row would pass max_len {self.max_len}")
         span = self._span(longest)
         self._traced.add((L, span, greedy))
-        pos = mx.array(self.positions, dtype=mx.int32)
+        lazy = self.lazy_positions is not None
+        pos = self.lazy_positions if lazy else mx.array(self.positions, dtype=mx.int32)
         out, arrays, history = self._compiled(
             tokens.astype(mx.int32), pos, mx.array(active),
             [s.arrays for s in self.caches], span, greedy,
@@ -270,6 +277,8 @@ class DecodeStep(RowSlots):
             s.arrays = a
         self._history = history
         self.positions = [p + L * a for p, a in zip(self.positions, active)]
+        if lazy:  # the device positions advance as the host's upper bounds do
+            self.lazy_positions = pos + L * mx.array(active, dtype=mx.int32)
         if self.recurrent:  # states kept per token by this verify only
             self._verified = [L * a if L > 1 else 0 for a in active]
         else:  # a ring keeps reserve + 1 tokens behind its window; an idle write uses L of them
@@ -374,6 +383,8 @@ class DecodeStep(RowSlots):
             return
         self._verified = [v - n for v, n in zip(self._verified, counts)]
         self.positions = [p - n for p, n in zip(self.positions, counts)]
+        if self.lazy_positions is not None:
+            self.lazy_positions = self.lazy_positions - mx.array(counts, dtype=mx.int32)
         recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
         if not recurrent:
             return
@@ -384,6 +395,50 @@ class DecodeStep(RowSlots):
         )  # fmt: skip
         for s, a in zip(recurrent, arrays):
             s.arrays = a
+
+    # ---- lazy positions (pipelined rounds: no host read between verifies) ---------------------
+
+    def begin_lazy(self) -> None:
+        """From now on the compiled step reads the rows' positions from a device array that
+        ``rollback_lazy`` moves back without a host read; ``self.positions`` become upper bounds
+        (for the span bucket and the max_len check) until ``rollback_known`` tells the host what
+        the device did, and exact again at ``end_lazy``."""
+        if self.lazy_positions is None:
+            self.lazy_positions = mx.array(self.positions, dtype=mx.int32)
+
+    def rollback_lazy(self, counts: mx.array) -> None:
+        """``rollback_rows`` of the latest verify with ``counts`` (B,) int32 on the device
+        (unchecked: 0 <= counts <= that verify's length). Only the device positions move."""
+        if self.lazy_positions is None:
+            raise InvalidArgumentError("rollback_lazy needs begin_lazy first")
+        counts = counts.astype(mx.int32)
+        self.lazy_positions = self.lazy_positions - counts
+        recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
+        if recurrent and self._history:  # the states after the tokens each row keeps
+            kept = mx.array(self._verified, dtype=mx.int32) - counts
+            arrays = self._compiled_rollback(
+                self._history, [s.arrays for s in recurrent], kept, counts > 0
+            )
+            for s, a in zip(recurrent, arrays):
+                s.arrays = a
+        self._verified = [0] * self.max_batch  # the host cannot check a further rollback
+
+    def rollback_known(self, counts: Sequence[int]) -> None:
+        """The host learned the counts of an earlier ``rollback_lazy``: tighter upper bounds."""
+        self.positions = [p - n for p, n in zip(self.positions, counts)]
+
+    def _set_lazy(self, row: int) -> None:
+        """The host set ``row``'s exact position: the device positions take it too."""
+        if self.lazy_positions is not None:
+            at = mx.arange(self.max_batch) == row
+            self.lazy_positions = mx.where(at, self.positions[row], self.lazy_positions)
+
+    def end_lazy(self) -> None:
+        """Back to host positions: read the device's (exact) positions, one sync."""
+        if self.lazy_positions is not None:
+            self.positions = [int(p) for p in self.lazy_positions.tolist()]
+            self.lazy_positions = None
+            self._verified = [0] * self.max_batch
 
     def _rollback(self, history, arrays, kept, rows):
         recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]

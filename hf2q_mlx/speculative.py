@@ -20,6 +20,8 @@ and rolls every cache kind back exactly (recurrent layers keep each token's stat
 is always the last emitted token. Each round's draft count comes from ``draft_length.DraftLength``
 (the k with the most expected tokens per second; fixed K with ``adaptive_drafts=False``, which
 pads every verify to K + 1: one trace); each verify length L is its own trace, compiled once.
+Greedy prompt lookup there (no logits processors) runs pipelined rounds instead
+(``pipelined_rounds``: round r + 1 is launched before round r is read).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from hf2q_mlx import pipelined_rounds
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.draft_length import DraftLength, RoundCosts
@@ -569,10 +572,16 @@ def speculative_tokens(
     tokens = list(ids)
     logits = prefill_fn(model, mx.array(tokens, dtype=mx.int32), cache, prefill_step)
     step, drafter = None, None
+    # greedy prompt lookup on the compiled step runs pipelined rounds (pipelined_rounds.py)
+    pipelined = (
+        PIPELINE_ROUNDS and compiled and warp.greedy and tree_width == 1 and not processors
+        and prompt_lookup is not None and draft_model is None
+    )  # fmt: skip
     # a token tree stays eager; recurrent models verify a tree's chain, so they may use the step
     if compiled and (tree_width == 1 or has_recurrent(cache)) and budget > 1:
-        # rows hold the prompt, the output and a verify's padded drafts
-        needed = len(tokens) + budget + num_draft_tokens
+        # rows hold the prompt, the output and a verify's padded drafts (pipelined: a round
+        # launched before the previous one's rollback is known, K + 1 more)
+        needed = len(tokens) + budget + num_draft_tokens * (2 if pipelined else 1)
         step = shared_step(model, 1, needed, cache, reserve=num_draft_tokens)
     if step is not None:
         step.busy = True
@@ -598,8 +607,11 @@ def speculative_tokens(
             control=DraftLength(
                 num_draft_tokens,
                 adaptive_drafts and tree_width == 1,
-                memory=round_costs(step, draft_model, num_draft_tokens),
+                memory=pipelined_round_costs(step, num_draft_tokens)
+                if pipelined
+                else round_costs(step, draft_model, num_draft_tokens),
             ),
+            pipelined=pipelined and step is not None,
         )  # fmt: skip
     finally:
         if step is not None:
@@ -607,6 +619,10 @@ def speculative_tokens(
         if isinstance(drafter, DraftModel):
             drafter.close()
 
+
+# greedy prompt lookup on the compiled step (no logits processors, no token tree) runs
+# pipelined rounds (hf2q_mlx/pipelined_rounds.py); False: every round reads its decisions back
+PIPELINE_ROUNDS = True
 
 PLAIN_RUN = 8  # tokens of pipelined plain decoding when the draft-length controller picks k = 0
 # While k = 0 keeps winning, each run doubles, up to PLAIN_RUN_MAX: a run restarts the pipeline
@@ -623,6 +639,13 @@ def round_costs(step: DecodeStep | None, draft_model: Any, k: int) -> RoundCosts
         return None
     key = (None if draft_model is None else id(draft_model), k)
     return step.round_costs.setdefault(key, RoundCosts())
+
+
+def pipelined_round_costs(step: DecodeStep | None, k: int) -> RoundCosts | None:
+    """``round_costs`` of pipelined prompt-lookup rounds (cheaper rounds: a table of their own)."""
+    if step is None:
+        return None
+    return step.round_costs.setdefault(("pipelined", None, k), RoundCosts())
 
 
 def plain_run(
@@ -660,7 +683,7 @@ def plain_run(
 
 def _rounds(
     model, tokens, cache, logits, step, drafter, *, budget, warp, processors, history_size, key,
-    num_draft_tokens, tree_width, control,
+    num_draft_tokens, tree_width, control, pipelined=False,
 ) -> Iterator[tuple[int, float, int, int]]:  # fmt: skip
     tree = tree_width > 1 and not has_recurrent(cache)
 
@@ -692,6 +715,10 @@ def _rounds(
     emitted, drafted, accepted = 1, 0, 0
     yield t0, float(logprobs[0, t0].item()), 0, 0
     todo = [t0]
+    if pipelined and budget > 1:  # greedy prompt lookup: the rounds' decisions stay on the device
+        lookup = pipelined_rounds.DeviceLookup(drafter.n, num_draft_tokens)
+        yield from pipelined_rounds.greedy_tokens(step, tokens, budget - 1, lookup, control)
+        return
     if isinstance(drafter, DraftModel):
         drafter.todo = [t0]
     run_length = PLAIN_RUN
