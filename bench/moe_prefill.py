@@ -10,8 +10,8 @@ A timing is one ``mx.eval`` of the block, synchronised; the peak memory of a cal
 mx.get_peak_memory after mx.reset_peak_memory, less the memory active before it.
 
 Paths: dequant32 (every expert dequantized to fp32, gather_mm in fp32: the path before),
-dequant (to bf16 in row slices, gather_mm in bf16), grouped (the grouped tensor-core kernels
-over slices of 32 tokens; CUDA). A path the device cannot run prints "n/a". ``rel_err`` is each
+dequant (to bf16 in row slices, gather_mm in bf16; GPU only). A path the device cannot run
+prints "n/a". ``rel_err`` is each
 path's relative 2-norm difference from dequant32's output on the warm-up call's ids.
 
     python3 bench/moe_prefill.py --json bench/results/moe_prefill_h200.json
@@ -37,17 +37,13 @@ from hf2q_mlx.models import ops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_launches import SHAPES, ggml_experts  # noqa: E402  (bench/moe_launches.py)
 
-PATHS = ("dequant32", "dequant", "grouped")
+PATHS = ("dequant32", "dequant")
 TINY = {"tiny": (256, 8, 2, 64, "silu")}  # hidden, experts, top-k, expert width, activation
 
 
 def runnable(path: str) -> bool:
     """Whether this device runs ``path`` as itself (not a fallback)."""
-    if path == "dequant32":
-        return True
-    if path == "dequant":
-        return backend() is not None
-    return backend() == "cuda"
+    return path == "dequant32" or backend() is not None
 
 
 def build(shape: str, dtype: mx.Dtype):

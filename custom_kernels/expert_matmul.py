@@ -23,12 +23,12 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # HF2Q_EXPERT_PREFILL: how fp16/bf16 x runs past the expert kernels' tokens (prefill) on a GPU.
 # "dequant32": every expert dequantized to fp32, gather_mm in fp32 (reference precision);
 # "dequant": every expert dequantized to x.dtype, PREFILL_DEQ_CHUNK elements at a time, gather_mm
-# in x.dtype (the dense layers' many-rows precision); "grouped": expert_glu / expert_down run the
-# grouped tensor-core kernels over slices of 32 tokens ("dequant" where those do not cover the
-# call); "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
-PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped")
+# in x.dtype (the dense layers' many-rows precision; ~40 % less peak memory, 2-9 % slower on the
+# H200, docs/kernel_notes.md); "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL
+# in one process.
+PREFILL_MODES = ("auto", "dequant32", "dequant")
 PREFILL = os.environ.get("HF2Q_EXPERT_PREFILL", "auto")
-PREFILL_AUTO = "dequant32"  # the path before the switch, until the H200 numbers pick one
+PREFILL_AUTO = "dequant32"  # the faster of the two at every measured size (H200, session 12)
 # elements of dequantized expert weight alive at once on the "dequant" path (512 MB in bf16):
 # one or two slices per projection at the 26B-A4B and 35B-A3B shapes
 PREFILL_DEQ_CHUNK = 1 << 28
@@ -36,7 +36,7 @@ PREFILL_DEQ_CHUNK = 1 << 28
 
 def prefill_mode() -> str:
     """The prefill path HF2Q_EXPERT_PREFILL (``PREFILL``) names, "auto" resolved:
-    "dequant32", "dequant" or "grouped". Raises InvalidArgumentError for any other value."""
+    "dequant32" or "dequant". Raises InvalidArgumentError for any other value."""
     mode = PREFILL.strip().lower()
     if mode not in PREFILL_MODES:
         raise InvalidArgumentError(
@@ -287,7 +287,7 @@ def _fp32_by_slices(
 def _dequant_by_rows(
     x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int
 ) -> mx.array:
-    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant" or "grouped"):
+    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant"):
     every expert dequantized to x.dtype by the GPU kernel, in slices of rows (all experts'
     rows r .. r + n, PREFILL_DEQ_CHUNK elements at most), each slice multiplied with gather_mm
     in x.dtype over the expert-sorted pairs; the slices' outputs are disjoint columns. Not the

@@ -1,7 +1,6 @@
 """The routed experts past the expert kernels' tokens (prefill), HF2Q_EXPERT_PREFILL: the switch,
-the "dequant" path (experts dequantized to x.dtype in row slices, gather_mm in x.dtype) and the
-"grouped" path (the grouped tensor-core kernels over slices of 32 tokens) against fp32 math: on
-the CPU with the kernels emulated, on a GPU at Gemma-4-26B-A4B's expert widths.
+the "dequant" path (experts dequantized to x.dtype in row slices, gather_mm in x.dtype) against
+fp32 math: on the CPU with the dequantizer emulated, on a GPU at Gemma-4-26B-A4B's expert widths.
 
 Tolerance (bf16 / fp16 x): the relative 2-norm error of the whole output against fp32 math at
 most twice that of the same math run in x.dtype with plain MLX ops (weights rounded to x.dtype
@@ -23,9 +22,9 @@ import pytest
 import test_expert_down as TD
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
-from test_expert_glu import _bits, _check, _experts, _ids, _x
+from test_expert_glu import _experts, _ids, _x
 
-from hf2q_mlx.custom_kernels import activations, backend
+from hf2q_mlx.custom_kernels import activations
 from hf2q_mlx.custom_kernels import dequant as DQ
 from hf2q_mlx.custom_kernels import expert_down as D
 from hf2q_mlx.custom_kernels import expert_glu as G
@@ -162,14 +161,14 @@ def _count_dequant(monkeypatch) -> list:
 def test_prefill_mode_parses_and_rejects(monkeypatch):
     """Each mode as named (case and spaces ignored), "auto" as PREFILL_AUTO; any other value an
     InvalidArgumentError naming the variable."""
-    for mode in ("dequant32", "dequant", "grouped"):
+    for mode in ("dequant32", "dequant"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         assert EXM.prefill_mode() == mode
-    monkeypatch.setattr(EXM, "PREFILL", " Grouped ")
-    assert EXM.prefill_mode() == "grouped"
+    monkeypatch.setattr(EXM, "PREFILL", " Dequant ")
+    assert EXM.prefill_mode() == "dequant"
     monkeypatch.setattr(EXM, "PREFILL", "auto")
     assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "dequant32"
-    for bad in ("fp8", "", "dequant16"):
+    for bad in ("fp8", "", "dequant16", "grouped"):
         monkeypatch.setattr(EXM, "PREFILL", bad)
         with pytest.raises(InvalidArgumentError, match="HF2Q_EXPERT_PREFILL"):
             EXM.prefill_mode()
@@ -259,112 +258,10 @@ def test_fp32_x_keeps_its_fp32_path(monkeypatch):
     t, K = T.Q4_K, 512
     raw = mx.array(_experts(t, E_EMU, 2 * F_EMU, K, seed=0))
     x, ids = mx.random.normal((40, K)), _ids(40, K_SLOTS, E_EMU, seed=1)
-    for mode in ("dequant32", "dequant", "grouped"):
+    for mode in ("dequant32", "dequant"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         G.expert_glu(x, raw, ids, t, K)
-    assert seen == [mx.float32] * 3 and not calls
-
-
-# --------------------------------------------------------------------------------------------
-# "grouped": CPU, every kernel emulated
-
-
-def _grouped_case(t, m: int, seed: int):
-    K = 512
-    raw = _experts(t, E_EMU, 2 * F_EMU, K, seed=seed)
-    ids = _ids(m, K_SLOTS, E_EMU, seed=seed + 1)
-    return raw, _x((m, K), mx.bfloat16, seed + 2, raw, t), ids, K
-
-
-@pytest.mark.usefixtures("fake_gpu")
-@pytest.mark.parametrize("m", [33, 70])
-def test_grouped_glu_slices(monkeypatch, m):
-    """PREFILL "grouped": slices of 32 tokens through the grouped kernel (each slice's bits
-    those of grouped_expert_glu on it alone), a short tail through the kernel its size takes;
-    within the bf16 bound of fp32 math per (token, slot) (the kernels' own contract)."""
-    t = T.Q4_K
-    raw, x, ids, K = _grouped_case(t, m, seed=40 + m)
-    launched = []
-    real = kernel_emulator.kernel_launcher
-
-    def launcher(self, input_dtypes, **launch):
-        launched.append(self.name)
-        return real(self, input_dtypes, **launch)
-
-    monkeypatch.setattr(Kernel, "launcher", launcher)
-    monkeypatch.setattr(EXM, "PREFILL", "grouped")
-    calls = _count_dequant(monkeypatch)
-    w = mx.array(raw)
-    y = G.expert_glu(x, w, ids, t, K, "silu")
-    assert not calls and y.shape == (m, K_SLOTS, F_EMU)
-    assert EM._GLU_KERNELS[t].name in launched
-    _check(y, x, raw[:, :F_EMU], raw[:, F_EMU:], ids, t, K, "silu")
-    first = EM.grouped_expert_glu(x[:32], w, ids[:32], t, K, "silu")
-    assert np.array_equal(_bits(y[:32]), _bits(first))
-    # fp16 x (no grouped kernel): the dequant path in fp16
-    y16 = G.expert_glu(x.astype(mx.float16), w, ids, t, K, "silu")
-    assert calls == [mx.float16]
-    ref = _glu_ref(x.astype(mx.float16), raw, ids, t, K, "silu")
-    _assert_within(y16, ref, _glu_same_dtype(x.astype(mx.float16), raw, ids, t, K, "silu"))
-
-
-@pytest.mark.usefixtures("fake_gpu")
-def test_grouped_down_slices(monkeypatch):
-    """The down with PREFILL "grouped" at 70 tokens (32 + 32 + 6): within the bf16 bound per
-    token, the first slice's bits those of grouped_expert_down on it alone."""
-    t, K, m = T.Q4_K, 512, 70
-    raw = _experts(t, E_EMU, F_EMU, K, seed=3)
-    ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=4)
-    h = TD._h((m, K_SLOTS, K), mx.bfloat16, 5)
-    monkeypatch.setattr(EXM, "PREFILL", "grouped")
-    calls = _count_dequant(monkeypatch)
-    w = mx.array(raw)
-    y = D.expert_down(h, w, ids, wts, t, K)
-    assert not calls
-    TD._check(y, h, raw, ids, wts, t, K)
-    first = EM.grouped_expert_down(h[:32], w, ids[:32], wts[:32], t, K)
-    assert np.array_equal(_bits(y[:32]), _bits(first))
-
-
-@pytest.mark.usefixtures("fake_gpu")
-def test_grouped_falls_back_where_not_covered(monkeypatch):
-    """Grouped kernels switched off (HF2Q_GROUPED_EXPERTS=0): the dequant path in x.dtype."""
-    monkeypatch.setattr(EM, "ENABLED", False)
-    monkeypatch.setattr(EXM, "PREFILL", "grouped")
-    calls = _count_dequant(monkeypatch)
-    t = T.Q4_K
-    raw, x, ids, K = _grouped_case(t, 33, seed=80)
-    y = G.expert_glu(x, mx.array(raw), ids, t, K, "silu")
-    assert calls == [mx.bfloat16]
-    _assert_within(y, _glu_ref(x, raw, ids, t, K, "silu"),
-                   _glu_same_dtype(x, raw, ids, t, K, "silu"))  # fmt: skip
-
-
-@pytest.mark.usefixtures("fake_gpu")
-def test_models_ops_reach_the_grouped_prefill(monkeypatch):
-    """models/ops.expert_glu and expert_down on ExpertLinear modules (the models' call) take the
-    grouped slices at 40 tokens: the dispatchers' bits, a grouped kernel launched."""
-    import hf2q_mlx.custom_kernels as ck
-    from hf2q_mlx.models import ops
-    from hf2q_mlx.models.experts import ExpertLinear
-
-    monkeypatch.setattr(ck, "backend", lambda: "cuda")  # ops.use_kernels()
-    launched, real = [], kernel_emulator.kernel_launcher
-    monkeypatch.setattr(Kernel, "launcher", lambda self, dts, **kw: launched.append(self.name)
-                        or real(self, dts, **kw))  # fmt: skip
-    monkeypatch.setattr(EXM, "PREFILL", "grouped")
-    t_gu, t_dn, H, F, m = T.Q4_K, T.Q8_0, 512, 32, 40  # down rows of K = F: Q8_0 (32-blocks)
-    gate_up, down = ExpertLinear(E_EMU, H, 2 * F, t_gu), ExpertLinear(E_EMU, F, H, t_dn)
-    gate_up.weight = mx.array(_experts(t_gu, E_EMU, 2 * F, H, seed=90))
-    down.weight = mx.array(_experts(t_dn, E_EMU, H, F, seed=91))
-    x = _x((m, H), mx.bfloat16, 92, np.array(gate_up.weight), t_gu)
-    ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=93)
-    h = ops.expert_glu(x, ids, gate_up, None, "silu")
-    assert EM._GLU_KERNELS[t_gu].name in launched
-    assert np.array_equal(_bits(h), _bits(G.expert_glu(x, gate_up.weight, ids, t_gu, H)))
-    y = ops.expert_down(h, ids, wts, down)
-    assert EM._DOWN_KERNELS[t_dn].name in launched
-    assert np.array_equal(_bits(y), _bits(D.expert_down(h, down.weight, ids, wts, t_dn, F)))
+    assert seen == [mx.float32] * 2 and not calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,21 +292,14 @@ def _gpu_case(m: int):
 @requires_gpu
 @pytest.mark.parametrize("m", [33, 100, 512])
 def test_gpu_prefill_paths_match_fp32(monkeypatch, m):
-    """Each path (dequant32, dequant, grouped on CUDA) at T tokens: the GLU (GELU) and the
-    down within the bound against fp32 math; "grouped"'s first 32 tokens the grouped kernels'
-    bits."""
+    """Each path (dequant32, dequant) at T tokens: the GLU (GELU) and the down within the
+    bound against fp32 math."""
     gu, dn, x, ids, wts, h, (g_ref, g_same, d_ref, d_same) = _gpu_case(m)
     wg, wd = mx.array(gu), mx.array(dn)
-    paths = ["dequant32", "dequant"] + (["grouped"] if backend() == "cuda" else [])
-    for mode in paths:
+    for mode in ("dequant32", "dequant"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         y = G.expert_glu(x, wg, ids, T.Q4_K, _H, "gelu_tanh")
         yd = D.expert_down(h, wd, ids, wts, T.Q5_0, _F)
         mx.eval(y, yd)
         _assert_within(y, g_ref, g_same)
         _assert_within(yd, d_ref, d_same)
-        if mode == "grouped":
-            first = EM.grouped_expert_glu(x[:32], wg, ids[:32], T.Q4_K, _H, "gelu_tanh")
-            assert np.array_equal(_bits(y[:32]), _bits(first))
-            first = EM.grouped_expert_down(h[:32], wd, ids[:32], wts[:32], T.Q5_0, _F)
-            assert np.array_equal(_bits(yd[:32]), _bits(first))
