@@ -1,15 +1,18 @@
 """Launch configurations of the routed-expert kernels at the MoE shapes, B = 1, 8, 32 tokens.
 
 Times the per-pair kernels (custom_kernels/expert_glu.py gate/up + activation,
-custom_kernels/expert_down.py down + weighted sum) over a grid of (R, U, W), and the grouped
-tensor-core ones (custom_kernels/expert_mma.py) over (NT, U, W), each against its default
-configuration, on random Q4_K / Q5_0 experts (the bench/moe_launches.py recipe) and random
-top-k ids. Weights rotate over COPIES layers' worth and each call draws fresh ids, so the
-selected experts stream from HBM as in a decode step, not from L2.
+custom_kernels/expert_down.py down + weighted sum) over a grid of (R, U, W), the down kernel's
+slot-parallel mapping ("down_slots": a token's k slots over S teams of W SIMD groups) over
+(R, U, W, S), and the grouped tensor-core ones (custom_kernels/expert_mma.py) over (NT, U, W),
+each against its kernel's default configuration ("down_slots" against the per-pair down
+kernel's default, today's mapping), on random Q4_K / Q5_0 experts (the bench/moe_launches.py
+recipe) and random top-k ids. Weights rotate over COPIES layers' worth and each call draws
+fresh ids, so the selected experts stream from HBM as in a decode step, not from L2.
 
 U and W set the order of a row's sums (a token's output bits), so a default may depend on
 (type, N, K) only, never on the tokens: the summary picks, per kernel and shape, the (U, W)
-with the lowest summed time over the batch sizes, and R (or NT) per batch size.
+with the lowest summed time over the batch sizes, and R (or NT; R and S for "down_slots",
+whose bits do not depend on them) per batch size.
 
 Timing: median over repetitions of (one mx.eval of CALLS independent calls) / CALLS,
 synchronised: it includes MLX's per-launch host cost (~5 us), so it is the rate a decode step
@@ -17,6 +20,7 @@ sees, not the kernel's duration alone.
 
     python3 bench/expert_sweep.py --json bench/results/expert_sweep_h200.json
     python3 bench/expert_sweep.py --shapes gemma4:26b-a4b --batch 1 --budget 60
+    python3 bench/expert_sweep.py --kernels down down_slots --json OUT.json  # old vs new down
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ COPIES = 3  # layers of experts the calls rotate over
 CALLS = 24  # calls per evaluation
 PER_PAIR = [dict(R=r, U=u, W=w) for r, u, w in itertools.product((2, 4), (1, 2), (1, 2, 4))]
 GROUPED = [dict(NT=n, U=u, W=w) for n, u, w in itertools.product((1, 2), (1, 2), (2, 4))]
+# the slot-parallel down kernel: S teams of W SIMD groups, 8 SIMD groups at most
+SLOTS = [dict(R=r, U=u, W=w, S=s)
+         for r, u, w, s in itertools.product((2, 4, 8), (1, 2), (1, 2), (2, 4, 8))
+         if w * s <= 8]  # fmt: skip
+KERNELS = ("glu", "down", "down_slots", "grouped_glu", "grouped_down")
 
 
 def experts(E: int, rows: int, cols: int, seed: int) -> tuple[mx.array, int]:
@@ -81,7 +90,9 @@ def calls(grouped_fn, per_pair_fn, arg_sets):
     return make
 
 
-def sweep_shape(shape: str, batches: list[int], reps: int, deadline: float) -> list[dict]:
+def sweep_shape(
+    shape: str, batches: list[int], reps: int, deadline: float, which=KERNELS
+) -> list[dict]:
     H, E, k, F, act = SHAPES[shape]
     gu = [experts(E, 2 * F, H, seed=10 + c) for c in range(COPIES)]
     dn = [experts(E, H, F, seed=20 + c) for c in range(COPIES)]
@@ -98,7 +109,9 @@ def sweep_shape(shape: str, batches: list[int], reps: int, deadline: float) -> l
                     [(x, g[0], i, t_gu, H, act) for g, i in zip(gu, ids)])  # fmt: skip
         down = calls(X.grouped_expert_down, D.expert_down_kernel,
                      [(h, d[0], i, w, t_dn, F) for d, i, w in zip(dn, ids, wts)])  # fmt: skip
-        kernels = [("glu", glu, PER_PAIR, False), ("down", down, PER_PAIR, False)]
+        slots = [c for c in SLOTS if c["S"] <= k]  # more teams than slots would idle
+        kernels = [("glu", glu, PER_PAIR, False), ("down", down, PER_PAIR, False),
+                   ("down_slots", down, slots, False)]  # fmt: skip
         if (
             B * k <= X.MAX_PAIRS
             and MM.supports(t_gu, mx.bfloat16, glu=True)
@@ -106,6 +119,8 @@ def sweep_shape(shape: str, batches: list[int], reps: int, deadline: float) -> l
         ):
             kernels += [("grouped_glu", glu, GROUPED, True), ("grouped_down", down, GROUPED, True)]
         for name, make, grid, grouped in kernels:
+            if name not in which:
+                continue
             base = timed(make(None, grouped), reps)
             row = {"shape": shape, "kernel": name, "B": B, "default_us": base, "configs": []}
             for cfg in grid:
@@ -132,7 +147,8 @@ def summarize(rows: list[dict]) -> None:
     B at its best R or NT), against the defaults' sum."""
     for shape, kernel in sorted({(r["shape"], r["kernel"]) for r in rows}):
         mine = [r for r in rows if r["shape"] == shape and r["kernel"] == kernel]
-        inner = "NT" if kernel.startswith("grouped") else "R"
+        inner = ("NT",) if kernel.startswith("grouped") else ("R",)
+        inner += ("S",) if kernel == "down_slots" else ()
         totals = {}
         for r in mine:
             best_at = {}
@@ -151,9 +167,8 @@ def summarize(rows: list[dict]) -> None:
         for r in mine:
             cands = [c for c in r["configs"] if "us" in c and (c["U"], c["W"]) == uw]
             c = min(cands, key=lambda c: c["us"])
-            per_b.append(
-                f"B={r['B']}: {inner}={c[inner]} {c['us']:.1f} us (default {r['default_us']:.1f})"
-            )
+            at = " ".join(f"{a}={c[a]}" for a in inner)
+            per_b.append(f"B={r['B']}: {at} {c['us']:.1f} us (default {r['default_us']:.1f})")
         print(f"{shape:16} {kernel:13} U={uw[0]} W={uw[1]}: {full[uw]:.1f} us vs default {base:.1f}"
               f" ({base / full[uw]:.2f}x)  " + "; ".join(per_b))  # fmt: skip
 
@@ -162,6 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget", type=float, default=200, help="seconds of sweeping at most")
     ap.add_argument("--json", default=None)
@@ -171,7 +187,7 @@ def main() -> None:
     deadline = time.perf_counter() + args.budget
     rows = []
     for shape in args.shapes:
-        rows += sweep_shape(shape, args.batch, args.reps, deadline)
+        rows += sweep_shape(shape, args.batch, args.reps, deadline, args.kernels)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"mlx": mx.__version__, "calls": CALLS, "rows": rows}, f, indent=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType
@@ -19,7 +20,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
-from hf2q_mlx.errors import WeightMismatchError
+from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 
 def expert_down_reference(
@@ -115,21 +116,150 @@ def _make_kernel(ggml_type: int) -> Kernel:
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 
+# --------------------------------------------------------------------------------------------
+# Kernel, slot-parallel ("S" >= 2 in a launch config): the same mat-vec loop, but a token's k
+# slots spread over S teams of SIMD groups, so a threadgroup runs S slots at once instead of a
+# chain of k short mat-vecs. Each slot's row sums are reduced whole (lanes, then the team's
+# SIMD groups), then added times their gate weights in slot order 0..k-1: the bits depend on
+# U and W (the order along K) only, not on S, R or the tokens beside.
+
+_SLOTS_PREFIX = r"""
+  // Thread mapping: threadgroup (gid_x, gid_y) = (block of R output rows, token t) of S teams of
+  // n_simd / S SIMD groups; in round b team j runs the mat-vec loop below for slot b * S + j of t
+  // (its SIMD groups on interleaved runs along K), and threads tid < R (one per row) then add
+  // the round's S slot sums, times their weights, in slot order. edims = (1, N, K, slots, E).
+  const uint ex_tok = gid_y;
+  const uint ex_slots = uint(edims[3]);
+  const uint ex_k = uint(edims[2]);
+  const uint out_n = uint(edims[1]);
+  const uint out_row0 = gid_x * R;
+  const uint ex_nsg = n_simd / uint(S);  // SIMD groups per team
+  const uint ex_team = simd_id / ex_nsg;
+  const uint ex_sg = simd_id % ex_nsg;  // the SIMD group's place in its team: its runs along K
+  SHARED float ex_red[8 * R];  // [simd_id][row]: a round's slot sums, team by team
+  float tot = 0.0f;  // thread tid < R: row out_row0 + tid, slots 0..b * S + S - 1 so far
+  bool ex_bad = false;  // an id past the last expert: NaN rows (nothing of it is read)
+  for (uint ex_base = 0; ex_base < ex_slots; ex_base += uint(S)) {
+    const uint slot = ex_base + ex_team;
+    const uint ex_pair = ex_tok * ex_slots + slot;
+    const uint ex_e = slot < ex_slots ? uint(ids[ex_pair]) : 0u;
+    if (slot < ex_slots && ex_e < uint(edims[4])) {  // the same for a team's threads
+    CONSTANT_PTR(const int) dims = edims;
+    DEVICE_PTR(const T) x = xs + size_t(ex_pair) * ex_k;
+    DEVICE_PTR(const uchar) w = wq + size_t(ex_e) * out_n * (size_t(ex_k / @QK@) * @BB@);
+"""
+
+_SLOTS_EPILOGUE = r"""
+    UNROLL for (int r = 0; r < R; ++r) {
+      const float v = simd_sum(acc[r][0]);
+      if (lane == 0) ex_red[simd_id * R + r] = v;
+    }
+    }
+    BARRIER();
+    if (tid < uint(R)) {
+      for (uint j = 0; j < uint(S) && ex_base + j < ex_slots; ++j) {
+        const uint pair = ex_tok * ex_slots + ex_base + j;
+        if (uint(ids[pair]) >= uint(edims[4])) {
+          ex_bad = true;
+          continue;
+        }
+        float v = 0.0f;  // the slot's sum over its team's SIMD groups, in their order
+        for (uint s = 0; s < ex_nsg; ++s) v += ex_red[(j * ex_nsg + s) * R + tid];
+        tot = fma_f(wts[pair], v, tot);
+      }
+    }
+    BARRIER();  // ex_red is rewritten by the next round
+  }
+  if (tid < uint(R) && out_row0 + tid < out_n) {
+    if (ex_bad) tot = bitcast<float>(0x7FC00000u);
+    ys[size_t(ex_tok) * out_n + out_row0 + tid] = from_float<T>(tot);
+  }
+"""
+
+
+def _slots_loop() -> str:
+    """qmatmul's mat-vec loop with a team's SIMD groups (not the threadgroup's) along K."""
+    body = Q._BODY
+    for old in ("simd_id * U", "n_simd * U"):
+        if body.count(old) != 1:
+            raise RuntimeError(f"expert_down: qmatmul's mat-vec loop no longer has {old!r} once")
+    body = body.replace("simd_id * U", "ex_sg * U").replace("n_simd * U", "ex_nsg * U")
+    prologue = Q._PROLOGUE.lstrip("\n")
+    return body.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", _SLOTS_EPILOGUE.lstrip("\n"))
+
+
+def _make_slots_kernel(ggml_type: int) -> Kernel:
+    examples = [
+        Example(
+            {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "wts": mx.float32, "edims": (mx.int32, 5)},
+            {"ys": dt},
+            {"T": dt, "MT": 1, "R": r, "U": u, "S": s},
+        )  # fmt: skip
+        for dt, r, u, s in ((mx.float32, 4, 2, 2), (mx.bfloat16, 2, 1, 8))
+    ]
+    return Kernel(
+        f"ggml_expert_down_slots_{GGMLQuantizationType(ggml_type).name.lower()}",
+        inputs=["xs", "wq", "ids", "wts", "edims"],
+        outputs=["ys"],
+        body=fill_format(_SLOTS_PREFIX + _slots_loop(), ggml_type),
+        header=kernel_header(ggml_type),
+        examples=examples,
+    )
+
+
+_SLOT_KERNELS: dict[int, Kernel] = {t: _make_slots_kernel(t) for t in Q.MAT_VEC_TYPES}
+_MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
+
+# HF2Q_DOWN_SLOTS: slot teams the dispatcher gives the slot-parallel kernel; 0 or 1 (default):
+# today's kernel, each SIMD group looping over a token's k slots. S >= 2 is capped at k and at
+# 8 // W teams (the bits do not depend on S). SLOT_ROWS: its R (0: expert_run_config's). Both
+# are read when a call shape's launch is first built (the plan cache keys on them), so a
+# benchmark may flip them in one process.
+SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "0")
+SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
+
+
+def slot_config(ggml_type: int, K: int, k: int) -> dict[str, int] | None:
+    """The dispatcher's slot-parallel launch for k slots per token: expert_run_config's R, U, W
+    (R = SLOT_ROWS when set) and S = min(SLOT_TEAMS, k, 8 // W); None (today's kernel) while
+    SLOT_TEAMS < 2. Depends on (type, K, k) only, never on the tokens."""
+    try:
+        teams, rows = int(SLOT_TEAMS), int(SLOT_ROWS)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"HF2Q_DOWN_SLOTS / HF2Q_DOWN_SLOT_ROWS must be integers, got {SLOT_TEAMS!r} / "
+            f"{SLOT_ROWS!r}"
+        ) from None
+    if teams < 2 or k < 2:
+        return None
+    cfg = expert_run_config(ggml_type, K)
+    if rows > 0:
+        cfg["R"] = rows
+    cfg["S"] = max(1, min(teams, k, _MAX_SIMD // cfg["W"]))
+    return cfg if cfg["S"] > 1 else None
+
 
 def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
-    """One call's launch on its type's kernel, with ``edims`` (1, N, K, slots, E)."""
+    """One call's launch on its type's kernel, with ``edims`` (1, N, K, slots, E); config "S"
+    >= 2 takes the slot-parallel kernel with S teams of W SIMD groups."""
     E, N, _ = w.shape
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
     cfg = dict(config or expert_run_config(ggml_type, K))
+    S = cfg.get("S", 1)
+    if S < 1 or S * cfg["W"] > _MAX_SIMD:
+        raise InvalidArgumentError(f"config {cfg}: S x W must be 1..{_MAX_SIMD} SIMD groups")
+    template = {"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]}
+    if S > 1:
+        template["S"] = S
     return LaunchPlan(
-        _KERNELS[ggml_type],
+        (_SLOT_KERNELS if S > 1 else _KERNELS)[ggml_type],
         [1, N, K, k, E],
-        grid=(-(-N // cfg["R"]) * 32 * cfg["W"], tokens),
-        threadgroup=(32 * cfg["W"], 1),
+        grid=(-(-N // cfg["R"]) * 32 * cfg["W"] * S, tokens),
+        threadgroup=(32 * cfg["W"] * S, 1),
         output_shapes=[(*expert_ids.shape[:-1], N)],  # written flat: no reshape node after
         output_dtypes=[h.dtype],
-        template={"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]},
+        template=template,
     )
 
 
@@ -145,8 +275,9 @@ def expert_down_kernel(
     init_value: float | None = None,
 ) -> mx.array:
     """The GPU kernel alone, the contract of :func:`expert_down_reference` for GGML weights;
-    a token with an id >= E gives a NaN row. ``config`` overrides R, U, W; ``init_value``
-    pre-fills the output (tests poison it with NaN)."""
+    a token with an id >= E gives a NaN row. ``config`` overrides R, U, W (and S: slot teams,
+    the slot-parallel kernel from 2 on); ``init_value`` pre-fills the output (tests poison it
+    with NaN)."""
     plan = _plan(h, w, expert_ids, ggml_type, in_features, config)
     return plan.call(h, w, *ids_and_weights(expert_ids, weights), init_value=init_value)
 
@@ -186,8 +317,9 @@ def expert_down(
         y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
         if y is not None:  # None: expert_mma.covers says no
             return y
-    key = (_KERNELS.get(ggml_type), ggml_type, in_features, h.shape, h.dtype, w.shape,
-           expert_ids.shape, expert_ids.dtype, weights.dtype)  # fmt: skip
+    key = (_KERNELS.get(ggml_type), _SLOT_KERNELS.get(ggml_type), SLOT_TEAMS, SLOT_ROWS,
+           ggml_type, in_features, h.shape, h.dtype, w.shape, expert_ids.shape,
+           expert_ids.dtype, weights.dtype)  # fmt: skip
     plan = _CALLS.get(key) if backend() is not None else None
     if plan is None and ggml_type is not None and kernel_covers(h, w, expert_ids, weights,
                                                                 ggml_type):  # fmt: skip
@@ -198,7 +330,8 @@ def expert_down(
             raise WeightMismatchError(
                 f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
             )
-        plan = _plan(h, w, expert_ids, ggml_type, in_features, None)
+        slots = slot_config(ggml_type, in_features, expert_ids.shape[-1])
+        plan = _plan(h, w, expert_ids, ggml_type, in_features, slots)
         _CALLS[key] = plan.resolve(h.dtype, mx.uint8, mx.uint32, mx.float32)
     if plan is not None:
         return plan.run(h, w, *ids_and_weights(expert_ids, weights))

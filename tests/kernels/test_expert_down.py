@@ -4,6 +4,8 @@ unselected expert's blocks poisoned (0xFF: NaN scales), the dispatcher and the m
 
 from __future__ import annotations
 
+import os
+
 import kernel_emulator
 import mlx.core as mx
 import numpy as np
@@ -18,7 +20,7 @@ from hf2q_mlx.custom_kernels import expert_down as D
 from hf2q_mlx.custom_kernels import expert_glu as G
 from hf2q_mlx.custom_kernels._render import Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
-from hf2q_mlx.errors import WeightMismatchError
+from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 from hf2q_mlx.models import gemma4_moe, qwen3_5_moe
 from hf2q_mlx.models.experts import ExpertLinear
 
@@ -176,6 +178,152 @@ def test_model_experts_use_the_kernels(model, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# Slot-parallel kernel (config S >= 2, off by default): a token's k slots over S teams of SIMD
+# groups, the slots' sums added in slot order. Same contract and tolerances; a token's bits
+# depend on (U, W) only: the same alone, in a 5-token verify, in a batch of 32, at any S or R.
+
+# (type, h dtype, k, E, N, K, config): S = k (one round), S = 2 with teams of 2 SIMD groups,
+# S = 3 with k = 8 (a partial last round), U = 2; N past a threadgroup's rows
+_SLOT_CASES = [
+    (T.Q5_0, mx.float32, 8, 10, 9, 352, {"R": 4, "U": 1, "W": 1, "S": 8}),
+    (T.Q4_K, mx.bfloat16, 2, 5, 7, 512, {"R": 2, "U": 1, "W": 2, "S": 2}),
+    (T.Q8_0, mx.bfloat16, 8, 9, 5, 256, {"R": 3, "U": 2, "W": 2, "S": 3}),
+    (T.Q4_K, mx.float32, 8, 9, 6, 256, {"R": 4, "U": 1, "W": 1, "S": 4}),
+    (T.Q8_0, mx.float32, 2, 4, 10, 128, {"R": 8, "U": 1, "W": 1, "S": 2}),
+]
+_SLOT_IDS = [f"{c[0].name}-{c[1]}-k{c[2]}-S{c[6]['S']}" for c in _SLOT_CASES]
+_BATCH, _VERIFY = 32, slice(11, 16)  # a decode batch and a 5-token speculative verify inside it
+_SLICES = {1: slice(7, 8), 5: _VERIFY, 32: slice(None)}  # tokens per call: which of the batch
+
+
+def _slot_case(i: int):
+    """(h (32, k, K), poisoned experts, ids, weights, raw blocks) of _SLOT_CASES[i]."""
+    t, dt, k, e, n, kk, _ = _SLOT_CASES[i]
+    raw = _experts(t, e, n, kk, seed=40 + i)
+    ids, wts = _route(_BATCH, k, e, seed=140 + i)
+    return _h((_BATCH, k, kk), dt, seed=40 + i), _poisoned(raw, ids), ids, wts, raw
+
+
+@pytest.fixture(scope="module")
+def emulated_slots():
+    """Per case: its outputs at 32 tokens, at the 5-token verify slice and at one token alone."""
+    if not kernel_emulator.available():
+        pytest.skip("g++ is not installed")
+    outs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+        for i, c in enumerate(_SLOT_CASES):
+            h, w, ids, wts, _ = _slot_case(i)
+            outs[i] = {
+                m: D.expert_down_kernel(h[s], w, ids[s], wts[s], c[0], c[5], config=c[6])
+                for m, s in _SLICES.items()
+            }
+    return outs
+
+
+@pytest.mark.parametrize("i", range(len(_SLOT_CASES)), ids=_SLOT_IDS)
+@pytest.mark.parametrize("m", [1, 5, 32])
+def test_slot_kernel_logic_on_the_emulator(emulated_slots, i, m):
+    h, _, ids, wts, raw = _slot_case(i)
+    s = _SLICES[m]
+    _check(emulated_slots[i][m], h[s], raw, ids[s], wts[s], _SLOT_CASES[i][0], _SLOT_CASES[i][5])
+
+
+@pytest.mark.parametrize("i", range(len(_SLOT_CASES)), ids=_SLOT_IDS)
+def test_slot_kernel_row_parity_on_the_emulator(emulated_slots, i):
+    """A token's output bits alone (token 7) and in the 5-token verify are its bits in the batch."""
+    out = {m: np.array(o.astype(mx.float32)) for m, o in emulated_slots[i].items()}
+    assert np.array_equal(out[1], out[32][7:8])
+    assert np.array_equal(out[5], out[32][_VERIFY])
+
+
+@needs_gxx
+def test_slot_kernel_bits_do_not_depend_on_s_or_r(emulated_slots, monkeypatch):
+    """_SLOT_CASES[0] (S 8, R 4) at S 2 (4 rounds), S 3 (a partial round) and S 4 with R 2 / 8:
+    the same bits (each slot reduced whole, then the slots in order); today's kernel (S 1, or
+    no S) is another order of the same sums, so only close."""
+    t, _, _, _, _, kk, cfg = _SLOT_CASES[0]
+    h, w, ids, wts, raw = _slot_case(0)
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    want = np.array(emulated_slots[0][5])
+    for s, r in ((2, 4), (3, 4), (4, 2), (4, 8)):
+        got = D.expert_down_kernel(h[_VERIFY], w, ids[_VERIFY], wts[_VERIFY], t, kk,
+                                   config=dict(cfg, S=s, R=r))  # fmt: skip
+        assert np.array_equal(np.array(got), want), (s, r)
+    old = np.array(D.expert_down_kernel(h[_VERIFY], w, ids[_VERIFY], wts[_VERIFY], t, kk,
+                                        config=dict(cfg, S=1)))  # fmt: skip
+    assert not np.array_equal(old, want)  # the other kernel ran
+    plain = D.expert_down_kernel(h[_VERIFY], w, ids[_VERIFY], wts[_VERIFY], t, kk,
+                                 config={a: b for a, b in cfg.items() if a != "S"})  # fmt: skip
+    assert np.array_equal(old, np.array(plain))  # S 1 is today's kernel and launch
+    _check(mx.array(old), h[_VERIFY], raw, ids[_VERIFY], wts[_VERIFY], t, kk)
+
+
+@needs_gxx
+def test_slot_kernel_bad_and_poisoned_ids_give_nan_rows_on_the_emulator(monkeypatch):
+    """S 3 over k 8: token 0 has an id past E in its last (partial) round, token 1 in its first,
+    token 2 selects a poisoned expert: NaN rows; token 3 its bits alone, and exact."""
+    t, dt, k, e, n, kk, cfg = _SLOT_CASES[2]
+    cfg = dict(cfg, R=2)
+    raw = _experts(t, e, n, kk, seed=41)
+    _, wts = _route(4, k, e, seed=42)
+    rng = np.random.default_rng(42)
+    ids_np = np.stack([rng.permutation(e - 1)[:k] for _ in range(4)]).astype(np.uint32)
+    ids_np[0, 7], ids_np[1, 0], ids_np[2, 4] = e, e + 5, e - 1  # only token 2 selects e - 1
+    ids = mx.array(ids_np)
+    w = _poisoned(raw, ids[[0, 1, 3]])
+    assert (np.array(w[e - 1]) == 0xFF).all()
+    h = _h((4, k, kk), dt, seed=43)
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    out = np.array(D.expert_down_kernel(h, w, ids, wts, t, kk, config=cfg).astype(mx.float32))
+    assert np.isnan(out[:3]).all()
+    alone = D.expert_down_kernel(h[3:], w, ids[3:], wts[3:], t, kk, config=cfg)
+    assert np.array_equal(out[3:], np.array(alone.astype(mx.float32)))
+    _check(alone, h[3:], raw, ids[3:], wts[3:], t, kk)
+
+
+@needs_gxx
+def test_dispatcher_slot_switch_on_the_emulator(monkeypatch):
+    """Off by default (today's kernel); SLOT_TEAMS (HF2Q_DOWN_SLOTS) >= 2: one launch of the
+    slot kernel, S capped at k and at 8 // W, the bits of expert_down_kernel at slot_config; a
+    flipped switch gets its own plan; malformed values and S x W > 8 raise."""
+    if "HF2Q_DOWN_SLOTS" not in os.environ:
+        assert D.slot_config(T.Q5_0, 704, 8) is None and "S" not in G.expert_run_config(T.Q5_0, 704)
+    t, dt, k, e, n, kk, _ = _SLOT_CASES[0]
+    h, w, ids, wts, raw = _slot_case(0)
+    old, new = Emulated(D._KERNELS[t]), Emulated(D._SLOT_KERNELS[t])
+    monkeypatch.setitem(D._KERNELS, t, old)
+    monkeypatch.setitem(D._SLOT_KERNELS, t, new)
+    monkeypatch.setattr(D, "backend", lambda: "cuda")
+    monkeypatch.setattr(D, "_CALLS", {})
+    monkeypatch.setattr(D, "SLOT_TEAMS", "0")
+    monkeypatch.setattr(D, "SLOT_ROWS", "0")
+    y0 = D.expert_down(h[:5], w, ids[:5], wts[:5], t, kk)
+    assert (old.launches, new.launches) == (1, 0)
+    monkeypatch.setattr(D, "SLOT_TEAMS", "16")  # the environment's string; past k: S = k = 8
+    monkeypatch.setattr(D, "SLOT_ROWS", 2)
+    assert D.slot_config(t, kk, k) == dict(G.expert_run_config(t, kk), R=2, S=8)
+    assert D.slot_config(t, kk, 3)["S"] == 3 and D.slot_config(t, kk, 1) is None
+    y1 = D.expert_down(h[:5], w, ids[:5], wts[:5], t, kk)
+    assert (old.launches, new.launches) == (1, 1)
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    want = D.expert_down_kernel(h[:5], w, ids[:5], wts[:5], t, kk, config=D.slot_config(t, kk, k))
+    assert np.array_equal(np.array(y1), np.array(want))
+    assert not np.array_equal(np.array(y0), np.array(y1))
+    _check(y1, h[:5], raw, ids[:5], wts[:5], t, kk)
+    with monkeypatch.context() as mp:
+        mp.setattr(G, "EXPERT_RUN", {"R": 4, "U": 1, "W": 4})
+        assert D.slot_config(t, 2048, k)["S"] == 2  # 8 SIMD groups at most
+    monkeypatch.setattr(D, "SLOT_TEAMS", "eight")
+    with pytest.raises(InvalidArgumentError):
+        D.slot_config(t, kk, k)
+    with pytest.raises(InvalidArgumentError):
+        D.expert_down_kernel(
+            h[:1], w, ids[:1], wts[:1], t, kk, config={"R": 4, "U": 1, "W": 2, "S": 8}
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: every type x dtype, the bench models' down shapes, outputs and unselected experts poisoned
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -199,3 +347,58 @@ def test_gpu_kernel_matches_reference(m, k, dtype, t, e, n, kk):
     out = D.expert_down_kernel(h, _poisoned(raw, ids), ids, wts, t, kk, init_value=float("nan"))
     mx.eval(out)
     _check(out, h, raw, ids, wts, t, kk)
+
+
+# Slot-parallel kernel on the GPU: the reference at every type, dtype and shape (S = k, R 4,
+# the per-pair U, W), then row parity and S / R independence at the two models' down shapes.
+
+
+def _slot_cfg(t, kk: int, k: int, **kw) -> dict[str, int]:
+    """The per-pair R, U, W with S = k teams (8 SIMD groups at most), then ``kw``."""
+    cfg = G.expert_run_config(t, kk)
+    return {**cfg, "S": min(k, 8 // cfg["W"]), **kw}
+
+
+@requires_gpu
+@pytest.mark.parametrize("e,n,kk", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("m,k", ROUTES)
+def test_gpu_slot_kernel_matches_reference(m, k, dtype, t, e, n, kk):
+    if kk % (256 if "_K" in t.name else 32) or k > e:
+        pytest.skip("K not a multiple of the block / more slots than experts")
+    raw = _experts(t, e, n, kk, seed=n)
+    ids, wts = _route(m, k, e, seed=m * 7 + k + n)
+    h = _h((m, k, kk), dtype, seed=m + n)
+    out = D.expert_down_kernel(h, _poisoned(raw, ids), ids, wts, t, kk,
+                               config=_slot_cfg(t, kk, k), init_value=float("nan"))  # fmt: skip
+    mx.eval(out)
+    _check(out, h, raw, ids, wts, t, kk)
+
+
+@requires_gpu
+@pytest.mark.parametrize("t,e,n,kk", [(T.Q5_0, 16, 2816, 704), (T.Q4_K, 12, 2048, 512)],
+                         ids=["gemma4-26b-a4b", "qwen3.5-35b-a3b"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_gpu_slot_kernel_row_parity(t, e, n, kk, dtype):
+    """k 8: each token's bits alone, in a 5-token verify and at S 2, 4 / R 2, 8 are its bits
+    in a batch of 32 at S 8, R 4; and within tolerance of the reference."""
+    k, nan = 8, float("nan")
+    raw = _experts(t, e, n, kk, seed=n + 1)
+    ids, wts = _route(_BATCH, k, e, seed=n + 2)
+    h = _h((_BATCH, k, kk), dtype, seed=n + 3)
+    w = _poisoned(raw, ids)
+
+    def run(s, **kw):
+        cfg = _slot_cfg(t, kk, k, **kw)
+        return np.array(D.expert_down_kernel(h[s], w, ids[s], wts[s], t, kk, config=cfg,
+                                             init_value=nan).astype(mx.float32))  # fmt: skip
+
+    batch = run(slice(None), R=4)
+    _check(mx.array(batch).astype(dtype), h, raw, ids, wts, t, kk)
+    assert np.array_equal(run(_VERIFY), batch[_VERIFY])
+    for j in (0, 7, 31):
+        assert np.array_equal(run(slice(j, j + 1)), batch[j : j + 1]), j
+    w_max = 8 // G.expert_run_config(t, kk)["W"]
+    for s, r in ((2, 4), (4, 2), (4, 8)):
+        assert np.array_equal(run(slice(None), S=min(s, w_max), R=r), batch), (s, r)
