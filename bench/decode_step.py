@@ -10,7 +10,8 @@ whether compiled and eager pick the same greedy tokens; writes JSON. ``--mma-ab`
 compiled GGML variants with the tensor-core kernels off (``qmatmul_mma.ENABLED`` False while
 they trace and run: the scalar mat-vec and dense GLU), the A/B of those kernels in one process;
 ``--router-split-ab`` the compiled B = 1 variants with the MoE router split off and on
-(``moe_router.SPLIT``).
+(``moe_router.SPLIT``), ``--down-slots-ab`` with the experts' slot-parallel down kernel off and
+on (``expert_down.SLOT_TEAMS`` 0 and 8).
 
     python3 bench/decode_step.py OUT.json --shapes gemma4:26b-a4b,qwen3_5:35b-a3b
     python3 bench/decode_step.py OUT.json --tiny          # CPU smoke run
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gemma4 as g4bench  # noqa: E402  (bench/gemma4.py)
 import qwen3_5 as q35bench  # noqa: E402  (bench/qwen3_5.py)
 
-from hf2q_mlx.custom_kernels import moe_router, qmatmul_mma  # noqa: E402
+from hf2q_mlx.custom_kernels import expert_down, moe_router, qmatmul_mma  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
 
@@ -101,9 +102,10 @@ class Compiled:
     False: the tensor-core kernels off whenever this variant traces or runs."""
 
     def __init__(
-        self, model, prompt: mx.array, rows: int, max_len: int, mma: bool = True, split=None
+        self, model, prompt: mx.array, rows: int, max_len: int, mma: bool = True, patch=None
     ):
-        self.mma, self.split = mma, split
+        # patch: {(module, attribute): value} set while this variant traces and runs
+        self.mma, self.patch = mma, patch or {}
         cache = model.make_cache()
         y = mx.argmax(model(prompt, cache)[:, -1, :], axis=-1)
         mx.eval(y, cache_arrays(cache))
@@ -117,8 +119,9 @@ class Compiled:
         out, y = [], self.y
         # a trace (the first call, a new span bucket) picks its kernels by the switch
         enabled, qmatmul_mma.ENABLED = qmatmul_mma.ENABLED, self.mma and qmatmul_mma.ENABLED
-        split = moe_router.SPLIT
-        moe_router.SPLIT = split if self.split is None else self.split
+        saved = {(m, k): getattr(m, k) for m, k in self.patch}
+        for (m, k), v in self.patch.items():
+            setattr(m, k, v)
         try:
             for _ in range(n):
                 y = self.step.decode(y, greedy=True)
@@ -126,7 +129,9 @@ class Compiled:
                 out.append(y)
             mx.eval(out)
         finally:
-            qmatmul_mma.ENABLED, moe_router.SPLIT = enabled, split
+            qmatmul_mma.ENABLED = enabled
+            for (m, k), v in saved.items():
+                setattr(m, k, v)
         self.y = y
         return [int(t[0].item()) for t in out]
 
@@ -162,7 +167,12 @@ def run_shape(name: str, config: dict, a) -> dict:
         if a.router_split_ab:  # the MoE router over G threadgroups per row, off and on
             for on in (False, True):
                 made[f"{fmt} compiled B=1 split={int(on)}"] = lambda m=model, on=on: Compiled(
-                    m, prompt, 1, max_len, split=on
+                    m, prompt, 1, max_len, patch={(moe_router, "SPLIT"): on}
+                )
+        if a.down_slots_ab and fmt == "q4_k":  # the GGML experts' down: slots over SIMD groups
+            for teams in (0, 8):
+                made[f"{fmt} compiled B=1 slots={teams}"] = lambda m=model, t=teams: Compiled(
+                    m, prompt, 1, max_len, patch={(expert_down, "SLOT_TEAMS"): t}
                 )
         for k, make in made.items():
             if not a.variants or any(w in k for w in a.variants):
@@ -229,6 +239,8 @@ def main(argv=None) -> None:
         help="also the compiled B=1 "
         "variants with moe_router.SPLIT off and on while they trace and run",
     )
+    p.add_argument("--down-slots-ab", action="store_true", help="also the compiled B=1 Q4_K "
+                   "variants with expert_down.SLOT_TEAMS 0 and 8")  # fmt: skip
     p.add_argument("--variants", default=None, help='only variants containing one of these '
                    'comma-separated strings, e.g. "compiled B=1"')  # fmt: skip
     a = p.parse_args(argv)

@@ -36,6 +36,10 @@ step decode-26b-split 240 "python3 bench/decode_step.py $OUT/decode_26b_split.js
 step attention-sweep 150 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json"
 # prefill against mlx-lm, with the delta-net and routed-experts prefill switches (issues 14, 15)
 step prefill 300 "python3 bench/prefill.py $OUT/prefill.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b} --rounds 3 ${PREFILL_ENV:---env HF2Q_GDN_PREFILL=chunked}"
+# the experts' slot-parallel down kernel (off by default): parity, kernel sweep, whole step
+step down-slots-tests 200 "python3 -m pytest -q -x -p no:cacheprovider -k gpu_slot tests/kernels/test_expert_down.py"
+step down-slots-sweep 300 "python3 bench/expert_sweep.py --kernels down down_slots --budget 240 --json $OUT/expert_sweep_down_slots.json"
+step decode-26b-slots 240 "python3 bench/decode_step.py $OUT/decode_26b_slots.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants slots --down-slots-ab"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
