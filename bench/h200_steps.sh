@@ -51,6 +51,9 @@ step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acce
 step replay-9b-p 190 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_9b_pipelined.json"
 step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_35b_pipelined.json"
 step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
+# llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
+# ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
+step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then
