@@ -87,34 +87,45 @@ _EPILOGUE = r"""
 """
 
 
-def _loop() -> str:
-    """qmatmul's fp32 mat-vec loop inside this kernel's slot loop, with its own epilogue."""
-    if "@PROLOGUE@" not in Q._BODY or "@EPILOGUE@" not in Q._BODY:
+def _loop(slots: bool = False) -> str:
+    """qmatmul's fp32 mat-vec loop inside this kernel's slot loop, with its own epilogue;
+    ``slots``: the slot-parallel kernel's, a team's SIMD groups (not the threadgroup's) along K."""
+    body = Q._BODY
+    if "@PROLOGUE@" not in body or "@EPILOGUE@" not in body:
         raise RuntimeError("expert_down: qmatmul's mat-vec loop no longer has its placeholders")
+    if slots:
+        for old in ("simd_id * U", "n_simd * U"):
+            if body.count(old) != 1:
+                raise RuntimeError(
+                    f"expert_down: qmatmul's mat-vec loop no longer has {old!r} once"
+                )
+        body = body.replace("simd_id * U", "ex_sg * U").replace("n_simd * U", "ex_nsg * U")
     prologue = Q._PROLOGUE.lstrip("\n")
-    return Q._BODY.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", _EPILOGUE.lstrip("\n"))
+    epilogue = (_SLOTS_EPILOGUE if slots else _EPILOGUE).lstrip("\n")
+    return body.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", epilogue)
 
 
-def _make_kernel(ggml_type: int) -> Kernel:
+def _make_kernel(ggml_type: int, slots: bool = False) -> Kernel:
+    """Today's kernel, or with ``slots`` the slot-parallel one (template S: slot teams)."""
+    configs = ((mx.float32, 4, 2, 2), (mx.bfloat16, 2, 1, 8))  # (T, R, U, S) to render
     examples = [
         Example(
             {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "wts": mx.float32, "edims": (mx.int32, 5)},
             {"ys": dt},
-            {"T": dt, "MT": 1, "R": r, "U": u},
+            {"T": dt, "MT": 1, "R": r, "U": u, **({"S": s} if slots else {})},
         )  # fmt: skip
-        for dt, r, u in ((mx.float32, 4, 2), (mx.bfloat16, 2, 1))
+        for dt, r, u, s in configs
     ]
+    prefix, kind = (_SLOTS_PREFIX, "slots_") if slots else (_PREFIX, "")
     return Kernel(
-        f"ggml_expert_down_{GGMLQuantizationType(ggml_type).name.lower()}",
+        f"ggml_expert_down_{kind}{GGMLQuantizationType(ggml_type).name.lower()}",
         inputs=["xs", "wq", "ids", "wts", "edims"],
         outputs=["ys"],
-        body=fill_format(_PREFIX + _loop(), ggml_type),
+        body=fill_format(prefix + _loop(slots), ggml_type),
         header=kernel_header(ggml_type),
         examples=examples,
     )
 
-
-_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 
 # --------------------------------------------------------------------------------------------
 # Kernel, slot-parallel ("S" >= 2 in a launch config): the same mat-vec loop, but a token's k
@@ -177,37 +188,8 @@ _SLOTS_EPILOGUE = r"""
 """
 
 
-def _slots_loop() -> str:
-    """qmatmul's mat-vec loop with a team's SIMD groups (not the threadgroup's) along K."""
-    body = Q._BODY
-    for old in ("simd_id * U", "n_simd * U"):
-        if body.count(old) != 1:
-            raise RuntimeError(f"expert_down: qmatmul's mat-vec loop no longer has {old!r} once")
-    body = body.replace("simd_id * U", "ex_sg * U").replace("n_simd * U", "ex_nsg * U")
-    prologue = Q._PROLOGUE.lstrip("\n")
-    return body.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", _SLOTS_EPILOGUE.lstrip("\n"))
-
-
-def _make_slots_kernel(ggml_type: int) -> Kernel:
-    examples = [
-        Example(
-            {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "wts": mx.float32, "edims": (mx.int32, 5)},
-            {"ys": dt},
-            {"T": dt, "MT": 1, "R": r, "U": u, "S": s},
-        )  # fmt: skip
-        for dt, r, u, s in ((mx.float32, 4, 2, 2), (mx.bfloat16, 2, 1, 8))
-    ]
-    return Kernel(
-        f"ggml_expert_down_slots_{GGMLQuantizationType(ggml_type).name.lower()}",
-        inputs=["xs", "wq", "ids", "wts", "edims"],
-        outputs=["ys"],
-        body=fill_format(_SLOTS_PREFIX + _slots_loop(), ggml_type),
-        header=kernel_header(ggml_type),
-        examples=examples,
-    )
-
-
-_SLOT_KERNELS: dict[int, Kernel] = {t: _make_slots_kernel(t) for t in Q.MAT_VEC_TYPES}
+_KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
+_SLOT_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, slots=True) for t in Q.MAT_VEC_TYPES}
 _MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
 
 # HF2Q_DOWN_SLOTS: slot teams the dispatcher gives the slot-parallel kernel; 0 or 1 (default):
