@@ -29,7 +29,7 @@ import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hf2q_mlx.io.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import fill_ggml_modules
 from hf2q_mlx.models import gemma4
 from hf2q_mlx.models.experts import ExpertLinear
 from hf2q_mlx.models.quantized import ggml_quantize_modules
@@ -98,8 +98,9 @@ def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     model.update_modules(tree_unflatten([(path, module)]))
 
 
-def build_ggml(args: gemma4.ModelArgs, dtype: mx.Dtype) -> nn.Module:
-    """GGML blocks generated on the device; norms, scalars and the router stay in ``dtype``."""
+def ggml_layout(args: gemma4.ModelArgs, dtype: mx.Dtype) -> nn.Module:
+    """The model with GGML layers (their blocks still zeros), unfused: Q4_K / Q5_0 by row width
+    for the linears, embedding and experts; norms, scalars and the router stay in ``dtype``."""
     model = gemma4.Model(args)
     model.set_dtype(dtype)
     linear = {}
@@ -114,14 +115,13 @@ def build_ggml(args: gemma4.ModelArgs, dtype: mx.Dtype) -> nn.Module:
             t = ggml_type_for(m.in_features)
             if t is not None:
                 set_module(model, path, m.to_ggml(t))
-    for seed, (_, m) in enumerate(model.named_modules()):
-        t = getattr(m, "ggml_type", None)
-        if t is None or "weight" not in m or m.weight.dtype != mx.uint8:
-            continue
-        cols = m.in_features if isinstance(m, ExpertLinear) else None
-        cols = cols or getattr(m, "in_features", None) or m.dims
-        rows = m.weight.size // m.weight.shape[-1]
-        m.weight = random_ggml_blocks(rows, cols, t, seed=seed).reshape(m.weight.shape)
+    return model
+
+
+def build_ggml(args: gemma4.ModelArgs, dtype: mx.Dtype) -> nn.Module:
+    """GGML blocks generated on the device; norms, scalars and the router stay in ``dtype``."""
+    model = ggml_layout(args, dtype)
+    fill_ggml_modules(model)
     model.fuse_projections()  # as the loader does
     eval_by_layer(model)
     return model

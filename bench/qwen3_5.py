@@ -27,7 +27,7 @@ import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
-from hf2q_mlx.io.random_weights import random_ggml_blocks
+from hf2q_mlx.io.random_weights import fill_ggml_modules
 from hf2q_mlx.models import qwen3_5, qwen3_5_moe
 from hf2q_mlx.models.quantized import ggml_quantize_modules
 
@@ -99,8 +99,9 @@ def randomize_mlx_quantized(model: nn.Module, dtype: mx.Dtype) -> None:
         mx.eval(m.parameters())  # one module at a time keeps the peak small
 
 
-def randomize_q4k(model: nn.Module, dtype: mx.Dtype) -> None:
-    """GGML Q4_K blocks for every projection, embedding and expert stack; gates stay dense."""
+def q4k_layout(model: nn.Module) -> None:
+    """GGML Q4_K layers (blocks still zeros) for every projection, embedding and expert stack,
+    in place; gates stay dense."""
     modules = dict(model.named_modules())
     types_ = {
         p: T.Q4_K
@@ -111,14 +112,12 @@ def randomize_q4k(model: nn.Module, dtype: mx.Dtype) -> None:
         *parent, last = p.split(".")
         modules[".".join(parent)][last] = modules[p].to_ggml(T.Q4_K)
     ggml_quantize_modules(model, types_)
-    for i, (_, m) in enumerate(model.named_modules()):
-        if getattr(m, "ggml_type", None) is None:
-            continue
-        shape = m.weight.shape
-        rows = shape[0] * (shape[1] if len(shape) == 3 else 1)
-        cols = m.in_features if hasattr(m, "in_features") else m.dims
-        m.weight = random_ggml_blocks(rows, cols, T.Q4_K, seed=i).reshape(shape)
-        mx.eval(m.weight)
+
+
+def randomize_q4k(model: nn.Module, dtype: mx.Dtype) -> None:
+    """GGML Q4_K blocks for every projection, embedding and expert stack; gates stay dense."""
+    q4k_layout(model)
+    fill_ggml_modules(model, evaluate=True)
     cast_floats(model, dtype)
     model.fuse_projections()  # as the loader does
 

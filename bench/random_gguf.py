@@ -24,7 +24,6 @@ import gguf
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,10 +31,8 @@ import gemma4 as gemma4_bench  # noqa: E402  (bench/gemma4.py: SHAPES, TINY)
 import qwen3_5 as qwen3_5_bench  # noqa: E402  (bench/qwen3_5.py: SHAPES, TINY_SHAPES)
 
 from hf2q_mlx.errors import InvalidArgumentError  # noqa: E402
-from hf2q_mlx.io.random_weights import random_ggml_blocks  # noqa: E402
+from hf2q_mlx.io.random_weights import fill_ggml_modules  # noqa: E402
 from hf2q_mlx.models import gemma4, gemma4_gguf, qwen3_5, qwen3_5_moe  # noqa: E402
-from hf2q_mlx.models.experts import ExpertLinear  # noqa: E402
-from hf2q_mlx.models.quantized import ggml_quantize_modules  # noqa: E402
 
 SHAPES = {  # copies: the benches' own tables stay as they are
     "gemma4": {k: dict(v) for k, v in {**gemma4_bench.SHAPES, **gemma4_bench.TINY}.items()},
@@ -103,16 +100,7 @@ def _norm_like(shape: tuple, key: mx.array, dtype: mx.Dtype) -> mx.array:
 
 def _fill(model: nn.Module, seed: int, dtype: mx.Dtype, skip=()) -> None:
     """Random GGML blocks for every GGML module, random float leaves (lazy: nothing evaluated)."""
-    for i, (_, m) in enumerate(model.named_modules()):
-        t = getattr(m, "ggml_type", None)
-        if t is None or "weight" not in m or m.weight.dtype != mx.uint8:
-            continue
-        cols = m.in_features if isinstance(m, ExpertLinear) else None
-        cols = cols or getattr(m, "in_features", None) or m.dims
-        rows = m.weight.size // m.weight.shape[-1]
-        m.weight = random_ggml_blocks(rows, cols, t, seed=seed * 100_003 + i).reshape(
-            m.weight.shape
-        )
+    fill_ggml_modules(model, base_seed=seed * 100_003)
     key = mx.random.key(seed)
     leaves = []
     for name, v in tree_flatten(model.parameters()):
@@ -129,21 +117,7 @@ def _fill(model: nn.Module, seed: int, dtype: mx.Dtype, skip=()) -> None:
 
 def build_gemma4(config: dict, dtype: mx.Dtype, seed: int = 0) -> nn.Module:
     """bench/gemma4.py build_ggml's model, unfused and unevaluated (GGUF tensors are unfused)."""
-    args = gemma4.ModelArgs.from_dict(config)
-    model = gemma4.Model(args)
-    model.set_dtype(dtype)
-    linear = {}
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)) and not path.endswith("router.proj"):
-            t = gemma4_bench.ggml_type_for(m.weight.shape[1])
-            if t is not None:
-                linear[path] = t
-    ggml_quantize_modules(model, linear)
-    for path, m in model.named_modules():
-        if isinstance(m, ExpertLinear):
-            t = gemma4_bench.ggml_type_for(m.in_features)
-            if t is not None:
-                gemma4_bench.set_module(model, path, m.to_ggml(t))
+    model = gemma4_bench.ggml_layout(gemma4.ModelArgs.from_dict(config), dtype)
     _fill(model, seed, dtype)
     return model
 
@@ -153,16 +127,7 @@ def build_qwen3_5(config: dict, dtype: mx.Dtype, seed: int = 0) -> nn.Module:
     tiled delta-net value heads (the layout the loader assumes for a GGUF)."""
     module = qwen3_5_moe if qwen3_5_bench.is_moe(config) else qwen3_5
     model = module.Model(module.ModelArgs.from_dict(dict(config, v_heads_tiled=True)))
-    modules = dict(model.named_modules())
-    types_ = {
-        p: T.Q4_K
-        for p, m in modules.items()
-        if isinstance(m, (nn.Linear, nn.Embedding)) and not qwen3_5_bench.small_gate(p)
-    }
-    for p in [p for p, m in modules.items() if hasattr(m, "to_ggml")]:
-        *parent, last = p.split(".")
-        modules[".".join(parent)][last] = modules[p].to_ggml(T.Q4_K)
-    ggml_quantize_modules(model, types_)
+    qwen3_5_bench.q4k_layout(model)
     model.set_dtype(dtype)
     _fill(model, seed, dtype, skip=("A_log", "dt_bias", "conv1d.weight"))
     key = mx.random.key(seed + 1)

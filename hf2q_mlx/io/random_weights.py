@@ -33,3 +33,19 @@ def random_ggml_blocks(
         pos = off + 2
     parts.append(blocks[..., pos:])
     return mx.concatenate(parts, axis=-1).reshape(rows, nblocks * nbytes)
+
+
+def fill_ggml_modules(model, base_seed: int = 0, evaluate: bool = False) -> None:
+    """Random blocks (``random_ggml_blocks``) for every module of ``model`` holding uint8 GGML
+    blocks, in place: the i-th module of ``named_modules()`` gets seed ``base_seed + i``.
+    ``evaluate``: each weight evaluated as it is made (multi-GB models: one weight's temporaries
+    alive at a time)."""
+    for i, (_, m) in enumerate(model.named_modules()):
+        t = getattr(m, "ggml_type", None)
+        if t is None or "weight" not in m or m.weight.dtype != mx.uint8:
+            continue
+        cols = getattr(m, "in_features", None) or m.dims  # linears and experts; embeddings
+        rows = m.weight.size // m.weight.shape[-1]
+        m.weight = random_ggml_blocks(rows, cols, t, seed=base_seed + i).reshape(m.weight.shape)
+        if evaluate:
+            mx.eval(m.weight)
