@@ -97,15 +97,16 @@ class Eager:
         return [int(t.item()) for t in out]
 
 
-class Compiled:
-    """``DecodeStep`` with ``rows`` rows, each adopting the same prefilled prompt; ``mma``
-    False: the tensor-core kernels off whenever this variant traces or runs."""
+MMA_OFF = {(qmatmul_mma, "ENABLED"): False}  # the scalar mat-vec and dense GLU kernels
 
-    def __init__(
-        self, model, prompt: mx.array, rows: int, max_len: int, mma: bool = True, patch=None
-    ):
-        # patch: {(module, attribute): value} set while this variant traces and runs
-        self.mma, self.patch = mma, patch or {}
+
+class Compiled:
+    """``DecodeStep`` with ``rows`` rows, each adopting the same prefilled prompt; ``patch``
+    {(module, attribute): value} set whenever this variant traces or runs (a switch such as
+    ``qmatmul_mma.ENABLED`` False: the tensor-core kernels off)."""
+
+    def __init__(self, model, prompt: mx.array, rows: int, max_len: int, patch=None):
+        self.patch = patch or {}
         cache = model.make_cache()
         y = mx.argmax(model(prompt, cache)[:, -1, :], axis=-1)
         mx.eval(y, cache_arrays(cache))
@@ -117,8 +118,7 @@ class Compiled:
 
     def run(self, n: int) -> list[int]:
         out, y = [], self.y
-        # a trace (the first call, a new span bucket) picks its kernels by the switch
-        enabled, qmatmul_mma.ENABLED = qmatmul_mma.ENABLED, self.mma and qmatmul_mma.ENABLED
+        # a trace (the first call, a new span bucket) picks its kernels by the switches
         saved = {(m, k): getattr(m, k) for m, k in self.patch}
         for (m, k), v in self.patch.items():
             setattr(m, k, v)
@@ -129,7 +129,6 @@ class Compiled:
                 out.append(y)
             mx.eval(out)
         finally:
-            qmatmul_mma.ENABLED = enabled
             for (m, k), v in saved.items():
                 setattr(m, k, v)
         self.y = y
@@ -158,11 +157,11 @@ def run_shape(name: str, config: dict, a) -> dict:
             )
         if a.mma_ab and fmt == "q4_k":
             made[f"{fmt} compiled B=1 scalar"] = lambda m=model: Compiled(
-                m, prompt, 1, max_len, mma=False
+                m, prompt, 1, max_len, patch=MMA_OFF
             )
             if a.batch > 1:
                 made[f"{fmt} compiled B={a.batch} scalar"] = lambda m=model: Compiled(
-                    m, prompt, a.batch, max_len, mma=False
+                    m, prompt, a.batch, max_len, patch=MMA_OFF
                 )
         if a.router_split_ab:  # the MoE router over G threadgroups per row, off and on
             for on in (False, True):
