@@ -21,6 +21,8 @@ declare -A CAP CMD
 step() { CAP[$1]=$2; CMD[$1]=$3; ORDER+=("$1"); }
 ORDER=()
 step setup 120 "mkdir -p /tmp/site && { [ -d /tmp/site/mlx ] || tar -xJf $BUNDLE -C /tmp/site; } && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . && python3 -c 'import mlx.core as mx, hf2q_mlx; print(mx.__version__, mx.default_device())'"
+# does a custom kernel read a sliced input at its offset? (MLX CUDA probe)
+step offset-probe 60 "python3 bench/offset_probe.py"
 # kernels waiting for their GPU tests (docs/kernel_notes.md)
 step expert-mma-tests 240 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_mma.py"
 step mma-glu-tests 200 "python3 -m pytest -q -x -p no:cacheprovider -k 'gpu and (Q5_1 or Q5_K or Q3_K or Q2_K)' tests/kernels/test_dense_glu_mma.py"
@@ -37,9 +39,12 @@ step attention-sweep 150 "python3 bench/attention_sweep.py --json $OUT/attention
 # prefill against mlx-lm, with the delta-net and routed-experts prefill switches (issues 14, 15)
 step prefill 300 "python3 bench/prefill.py $OUT/prefill.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b} --rounds 3 ${PREFILL_ENV:---env HF2Q_GDN_PREFILL=chunked}"
 # the experts' slot-parallel down kernel (off by default): parity, kernel sweep, whole step
-step down-slots-tests 200 "python3 -m pytest -q -x -p no:cacheprovider -k gpu_slot tests/kernels/test_expert_down.py"
+step down-slots-tests ${SLOT_TEST_CAP:-200} "python3 -m pytest -q -x -p no:cacheprovider -k gpu_slot tests/kernels/test_expert_down.py"
 step down-slots-sweep 300 "python3 bench/expert_sweep.py --kernels down down_slots --budget 240 --json $OUT/expert_sweep_down_slots.json"
 step decode-26b-slots 240 "python3 bench/decode_step.py $OUT/decode_26b_slots.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants slots --down-slots-ab"
+# where a B = 1 step's kernel time goes (CUPTI), today's defaults and the candidate mappings
+step profile-26b 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b.json"
+step profile-26b-var 240 "HF2Q_DOWN_SLOTS=8 HF2Q_ATTN_SPLIT=${ATTN_SPLIT:-4,8} HF2Q_ROUTER_SPLIT=1 python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_var.json"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
@@ -51,6 +56,9 @@ step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acce
 step replay-9b-p 190 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_9b_pipelined.json"
 step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_35b_pipelined.json"
 step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
+# the grouped-kernel MoE prefill with its token slices copied (default) or as views (issue 14)
+step moe-prefill-grouped 180 "python3 bench/moe_prefill.py --paths dequant32 grouped grouped-view --tokens 64 256 1024 --rounds 5 --json $OUT/moe_prefill_grouped.json"
+step prefill-gpu-tests 120 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

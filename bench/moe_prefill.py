@@ -10,9 +10,12 @@ A timing is one ``mx.eval`` of the block, synchronised; the peak memory of a cal
 mx.get_peak_memory after mx.reset_peak_memory, less the memory active before it.
 
 Paths: dequant32 (every expert dequantized to fp32, gather_mm in fp32: the path before),
-dequant (to bf16 in row slices, gather_mm in bf16; GPU only). A path the device cannot run
-prints "n/a". ``rel_err`` is each
-path's relative 2-norm difference from dequant32's output on the warm-up call's ids.
+dequant (to bf16 in row slices, gather_mm in bf16; GPU only), grouped (the grouped tensor-core
+kernels over slices of 32 tokens, each slice's inputs copied into buffers of their own; CUDA)
+and grouped-view (the same with the slices passed as views, HF2Q_GROUPED_SLICE_COPY=0: the
+session-12 path, kept to show whether the views' offsets are what made it wrong). A path the
+device cannot run prints "n/a". ``rel_err`` is each path's relative 2-norm difference from
+dequant32's output on the warm-up call's ids (bf16 rounding: ~1e-3; a wrong path: ~1).
 
     python3 bench/moe_prefill.py --json bench/results/moe_prefill_h200.json
     python3 bench/moe_prefill.py --shapes gemma4:26b-a4b --tokens 256 4096 --rounds 7
@@ -37,13 +40,20 @@ from hf2q_mlx.models import ops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_launches import SHAPES, ggml_experts  # noqa: E402  (bench/moe_launches.py)
 
-PATHS = ("dequant32", "dequant")
+PATHS = ("dequant32", "dequant", "grouped", "grouped-view")
+# path -> (EXM.PREFILL, EXM.GROUPED_SLICE_COPY)
+SWITCHES = {"dequant32": ("dequant32", True), "dequant": ("dequant", True),
+            "grouped": ("grouped", True), "grouped-view": ("grouped", False)}  # fmt: skip
 TINY = {"tiny": (256, 8, 2, 64, "silu")}  # hidden, experts, top-k, expert width, activation
 
 
 def runnable(path: str) -> bool:
     """Whether this device runs ``path`` as itself (not a fallback)."""
-    return path == "dequant32" or backend() is not None
+    if path == "dequant32":
+        return True
+    if path == "dequant":
+        return backend() is not None
+    return backend() == "cuda"
 
 
 def build(shape: str, dtype: mx.Dtype):
@@ -68,7 +78,7 @@ def routes(T: int, E: int, k: int) -> tuple[mx.array, mx.array]:
 
 def timed_call(block, x, ids, w, path: str) -> tuple[float, float, mx.array]:
     """(microseconds, peak MB above the memory active before, output) of one call."""
-    EXM.PREFILL = path
+    EXM.PREFILL, EXM.GROUPED_SLICE_COPY = SWITCHES[path]
     mx.synchronize()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -133,7 +143,7 @@ def bench_shape(shape: str, tokens: list[int], paths: list[str], rounds: int) ->
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['shape']:16} T={r['T']:<5} {r['path']:10}"
+    head = f"{r['shape']:16} T={r['T']:<5} {r['path']:12}"
     if "median_us" not in r:
         return head + " n/a" + (f" ({r['error']})" if "error" in r else "")
     sp = r["speedup_vs_dequant32"]
@@ -161,7 +171,7 @@ def main() -> None:
     paths = ["dequant32"] + [p for p in args.paths if p != "dequant32"]  # the ratios' base
     print(f"backend {backend()}, MLX {mx.__version__}, {args.rounds} rounds")
     rows = []
-    saved = EXM.PREFILL
+    saved = EXM.PREFILL, EXM.GROUPED_SLICE_COPY
     try:
         for shape in shapes:
             rows += bench_shape(shape, tokens, paths, args.rounds)
@@ -170,7 +180,7 @@ def main() -> None:
                     json.dump({"mlx": mx.__version__, "backend": backend(), "rows": rows}, f,
                               indent=1)  # fmt: skip
     finally:
-        EXM.PREFILL = saved
+        EXM.PREFILL, EXM.GROUPED_SLICE_COPY = saved
 
 
 if __name__ == "__main__":

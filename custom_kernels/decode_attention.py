@@ -9,12 +9,14 @@ the mask arithmetic, two matmuls and a softmax.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.errors import InvalidArgumentError
 
 
 def ring_slot_positions(offset, capacity: int, span: int | None = None) -> mx.array:
@@ -271,6 +273,25 @@ def heads_merged(out: mx.array) -> mx.array:
 TARGET_GROUPS = 256
 
 
+# HF2Q_ATTN_SPLIT="P,W": the (parts, SIMD groups per part) of every call, for measuring other
+# mappings in a whole step (bench/attention_sweep.py times them per call); still capped as below
+# and still a function of the model's shape only. Unset: split()'s own choice.
+SPLIT_OVERRIDE = os.environ.get("HF2Q_ATTN_SPLIT", "")
+
+
+def _override() -> tuple[int, int] | None:
+    text = SPLIT_OVERRIDE.strip()
+    if not text:
+        return None
+    try:
+        parts, warps = (int(v) for v in text.split(","))
+    except ValueError:
+        parts = warps = 0
+    if parts < 1 or warps < 1:
+        raise InvalidArgumentError(f"HF2Q_ATTN_SPLIT={text!r}: expected two positive ints 'P,W'")
+    return parts, warps
+
+
 def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     """-> (parts, SIMD groups per part) for one token of a row with ``heads`` query heads over
     ``span`` slots. The split (which fixes each output's order of additions) depends on the
@@ -279,9 +300,14 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     near tie). Wide heads take fewer groups: each lane holds 3 head_dim / 32 floats, and a
     threadgroup of 32 groups (1024 threads) leaves 64 registers per thread, past which the
     launch fails."""
+    forced = _override()
     parts = max(1, min(32, TARGET_GROUPS // max(heads, 1), span // 16))
+    if forced is not None:
+        parts = max(1, min(32, forced[0], span // 16))
     chunk = -(-span // parts)
     most = 32 if head_dim <= 128 else 16 if head_dim <= 256 else 8
+    if forced is not None:
+        return parts, max(1, min(most, forced[1]))
     # two slots per SIMD group or more: each slot is a dependent round trip to memory, so the
     # part's latency is its slots per group (at one token per row, the whole step waits on it)
     return parts, max(2, min(most, chunk // 2))

@@ -12,11 +12,13 @@ from hf2q_mlx.custom_kernels import backend, expert_mma
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
-from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS, expert_run_config
+from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS, expert_run_config, grouped_slice_tokens
 from hf2q_mlx.custom_kernels.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
     ids_and_weights,
+    owned_rows,
+    prefill_mode,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
@@ -284,6 +286,33 @@ def kernel_covers(h, w, expert_ids, weights, ggml_type) -> bool:
     )
 
 
+def _grouped_prefill(h, w, expert_ids, weights, ggml_type: int, K: int) -> mx.array | None:
+    """HF2Q_EXPERT_PREFILL=grouped, more than MAX_TOKENS tokens: this dispatcher over slices of
+    ``grouped_slice_tokens`` tokens (the grouped kernels; a short last slice takes whichever
+    kernel its size takes), each slice's h, ids and weights ``owned_rows`` (not views at an
+    offset). None where the grouped kernels do not cover a full slice."""
+    lead, k = expert_ids.shape[:-1], expert_ids.shape[-1]
+    n_tok = math.prod(lead)
+    if (
+        not expert_mma.ENABLED
+        or h.ndim != expert_ids.ndim + 1
+        or tuple(h.shape[:-1]) != tuple(expert_ids.shape)
+        or tuple(weights.shape) != tuple(expert_ids.shape)
+    ):
+        return None
+    hs = h.reshape(n_tok, k, h.shape[-1])
+    ids, wts = expert_ids.reshape(n_tok, k), weights.reshape(n_tok, k)
+    step = grouped_slice_tokens(k)
+    if not expert_mma.covers(hs[:step], w, ids[:step], ggml_type, glu=False):
+        return None
+    parts = []
+    for i in range(0, n_tok, step):
+        j = min(i + step, n_tok)
+        parts.append(expert_down(owned_rows(hs, i, j), w, owned_rows(ids, i, j),
+                                 owned_rows(wts, i, j), ggml_type, K))  # fmt: skip
+    return mx.concatenate(parts).reshape(*lead, w.shape[1])
+
+
 def expert_down(
     h: mx.array,
     w: mx.array,
@@ -293,7 +322,8 @@ def expert_down(
     in_features: int,
 ) -> mx.array:
     """Dispatcher with the contract of :func:`expert_down_reference`: on a GPU, GGML experts
-    and 1..32 tokens, one kernel; otherwise the path the models ran before (expert_matmul,
+    and 1..32 tokens, one kernel; past 32 tokens with HF2Q_EXPERT_PREFILL=grouped, the grouped
+    kernels over slices of 32 tokens; otherwise the path the models ran before (expert_matmul,
     then the weighted sum in h's dtype)."""
     if expert_mma.ENABLED:  # each expert read once for its pairs (from MIN_TOKENS tokens on)
         y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
@@ -317,5 +347,15 @@ def expert_down(
         _CALLS[key] = plan.resolve(h.dtype, mx.uint8, mx.uint32, mx.float32)
     if plan is not None:
         return plan.run(h, w, *ids_and_weights(expert_ids, weights))
+    if (
+        ggml_type is not None
+        and h.dtype == mx.bfloat16
+        and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS
+        and backend() is not None
+        and prefill_mode() == "grouped"
+    ):
+        y = _grouped_prefill(h, w, expert_ids, weights, ggml_type, in_features)
+        if y is not None:
+            return y
     y = expert_matmul(h, w, expert_ids, ggml_type, in_features)  # (..., k, N)
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)

@@ -16,6 +16,8 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     check_expert_blocks,
     expert_matmul,
     expert_matmul_reference,
+    owned_rows,
+    prefill_mode,
     uint32_ids,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
@@ -468,6 +470,36 @@ def _kernel_covers(x, w, w_up, expert_ids, ggml_type) -> bool:
     )
 
 
+def grouped_slice_tokens(k: int) -> int:
+    """Tokens per slice of a grouped prefill of k slots: as many as one grouped launch takes."""
+    return max(1, min(expert_mma.MAX_TOKENS, expert_mma.MAX_PAIRS // k))
+
+
+def _grouped_prefill(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str):
+    """HF2Q_EXPERT_PREFILL=grouped, more than MAX_TOKENS tokens: this dispatcher over slices of
+    ``grouped_slice_tokens`` tokens (the grouped kernels; a short last slice takes whichever
+    kernel its size takes), each slice reading its selected experts once, each slice's x and
+    ids ``owned_rows`` (not views at an offset). None where the grouped kernels do not cover a
+    full slice (x broadcast, a type they lack, switched off)."""
+    lead, k = expert_ids.shape[:-1], expert_ids.shape[-1]
+    n_tok = math.prod(lead)
+    per_slot = x.ndim == expert_ids.ndim + 1
+    if not expert_mma.ENABLED or x.shape[:-1] != (expert_ids.shape if per_slot else lead):
+        return None  # x broadcast over the ids' leading dims: not sliced
+    D = x.shape[-1]
+    xs = x.reshape(n_tok, k, D) if per_slot else x.reshape(n_tok, D)
+    ids = expert_ids.reshape(n_tok, k)
+    step = grouped_slice_tokens(k)
+    if not expert_mma.covers(xs[:step], w, ids[:step], ggml_type, w_up=w_up):
+        return None
+    parts = []
+    for i in range(0, n_tok, step):
+        j = min(i + step, n_tok)
+        parts.append(expert_glu(owned_rows(xs, i, j), w, owned_rows(ids, i, j), ggml_type, K,
+                                activation, w_up))  # fmt: skip
+    return mx.concatenate(parts).reshape(*expert_ids.shape, parts[0].shape[-1])
+
+
 def expert_glu(
     x: mx.array,
     w: mx.array,
@@ -478,7 +510,8 @@ def expert_glu(
     w_up: mx.array | None = None,
 ) -> mx.array:
     """Dispatcher with the contract of :func:`expert_glu_reference`: on a GPU, GGML experts and
-    1..32 tokens, one kernel; otherwise the two-step path the models ran before (expert_matmul
+    1..32 tokens, one kernel; past 32 tokens with HF2Q_EXPERT_PREFILL=grouped, those kernels
+    over slices of 32 tokens; otherwise the two-step path the models ran before (expert_matmul
     of the gate_up rows, then ``activations.gated_activation``), rounding the projections to
     x.dtype in between."""
     if activation not in ACTIVATIONS:
@@ -504,6 +537,16 @@ def expert_glu(
     if plan is not None:
         # x as it comes ((..., K) or (..., k, K)): the kernel reads rows of K from flat memory
         return plan.run(x, w, w if w_up is None else w_up, uint32_ids(expert_ids))
+    if (
+        ggml_type is not None
+        and be is not None
+        and x.dtype == mx.bfloat16
+        and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS
+        and prefill_mode() == "grouped"
+    ):
+        y = _grouped_prefill(x, w, w_up, expert_ids, ggml_type, in_features, activation)
+        if y is not None:
+            return y
     if w_up is None:
         gate_up = expert_matmul(x, w, expert_ids, ggml_type, in_features)  # (..., k, 2F)
         return activations.gated_activation(gate_up, None, activation)

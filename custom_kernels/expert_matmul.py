@@ -24,11 +24,16 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # "dequant32": every expert dequantized to fp32, gather_mm in fp32 (reference precision);
 # "dequant": every expert dequantized to x.dtype, PREFILL_DEQ_CHUNK elements at a time, gather_mm
 # in x.dtype (the dense layers' many-rows precision; ~40 % less peak memory, 2-9 % slower on the
-# H200, docs/kernel_notes.md); "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL
-# in one process.
-PREFILL_MODES = ("auto", "dequant32", "dequant")
+# H200, docs/kernel_notes.md); "grouped" (experimental): expert_glu / expert_down run the grouped
+# tensor-core kernels over slices of 32 tokens ("dequant" where those do not cover the call);
+# "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
+PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped")
 PREFILL = os.environ.get("HF2Q_EXPERT_PREFILL", "auto")
-PREFILL_AUTO = "dequant32"  # the faster of the two at every measured size (H200, session 12)
+PREFILL_AUTO = "dequant32"  # until "grouped" is verified on the H200 (docs/kernel_notes.md)
+# HF2Q_GROUPED_SLICE_COPY: "grouped"'s token slices copied into buffers of their own (owned_rows;
+# default) or passed as views ("0": only to reproduce the views' wrong output on a GPU). Read at
+# each call.
+GROUPED_SLICE_COPY = os.environ.get("HF2Q_GROUPED_SLICE_COPY", "1").strip() != "0"
 # elements of dequantized expert weight alive at once on the "dequant" path (512 MB in bf16):
 # one or two slices per projection at the 26B-A4B and 35B-A3B shapes
 PREFILL_DEQ_CHUNK = 1 << 28
@@ -36,13 +41,24 @@ PREFILL_DEQ_CHUNK = 1 << 28
 
 def prefill_mode() -> str:
     """The prefill path HF2Q_EXPERT_PREFILL (``PREFILL``) names, "auto" resolved:
-    "dequant32" or "dequant". Raises InvalidArgumentError for any other value."""
+    "dequant32", "dequant" or "grouped". Raises InvalidArgumentError for any other value."""
     mode = PREFILL.strip().lower()
     if mode not in PREFILL_MODES:
         raise InvalidArgumentError(
             f"HF2Q_EXPERT_PREFILL={PREFILL!r} is not one of {', '.join(PREFILL_MODES)}"
         )
     return PREFILL_AUTO if mode == "auto" else mode
+
+
+def owned_rows(a: mx.array, i: int, j: int) -> mx.array:
+    """Rows i:j (axis 0) of ``a`` as a kernel input of the grouped prefill: with
+    GROUPED_SLICE_COPY a gather, so a buffer of its own at offset 0; otherwise the view a[i:j].
+    Why: a row slice is row-contiguous, so neither ensure_row_contiguous nor mx.contiguous copies
+    it, and it lies at an offset into its parent's buffer, which a custom kernel on MLX's CUDA
+    back end may be handed without (reading the parent's first rows)."""
+    if not GROUPED_SLICE_COPY:
+        return a[i:j]
+    return mx.take(a, mx.arange(i, j), axis=0)
 
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
@@ -287,7 +303,7 @@ def _fp32_by_slices(
 def _dequant_by_rows(
     x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int
 ) -> mx.array:
-    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant"):
+    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant" or "grouped"):
     every expert dequantized to x.dtype by the GPU kernel, in slices of rows (all experts'
     rows r .. r + n, PREFILL_DEQ_CHUNK elements at most), each slice multiplied with gather_mm
     in x.dtype over the expert-sorted pairs; the slices' outputs are disjoint columns. Not the

@@ -11,6 +11,7 @@ from conftest import requires_gpu
 from test_norm_rope import emulate, needs_gxx
 
 from hf2q_mlx.custom_kernels import decode_attention as da
+from hf2q_mlx.errors import InvalidArgumentError
 
 
 def _case(B, Hq, Hk, L, D, Dv, C, pos, seed, dtype=mx.float32):
@@ -177,3 +178,29 @@ def test_gpu_rows_bit_identical_alone(case, dtype):
     """Row parity on the GPU at real shapes: batches of rows and verify tokens."""
     da._plan.cache_clear()
     _rows_alone_match(case, dtype)
+
+
+def test_split_override_sets_the_mapping_within_its_caps(monkeypatch):
+    monkeypatch.setattr(da, "SPLIT_OVERRIDE", "4,8")
+    assert da.split(16, 1032, 256) == (4, 8)
+    assert da.split(16, 40, 256) == (2, 8)  # at most span // 16 parts
+    assert da.split(16, 1032, 512) == (4, 8)  # SIMD groups capped for wide heads: 8
+    monkeypatch.setattr(da, "SPLIT_OVERRIDE", "4,16")
+    assert da.split(16, 1032, 512) == (4, 8)
+    for bad in ("4", "a,b", "0,8", "4,-1"):
+        monkeypatch.setattr(da, "SPLIT_OVERRIDE", bad)
+        with pytest.raises(InvalidArgumentError):
+            da.split(16, 1032, 256)
+
+
+@needs_gxx
+@pytest.mark.parametrize("forced", ["4,8", "1,1", "32,2"])
+def test_emulated_kernel_matches_reference_under_split_override(monkeypatch, forced):
+    emulate(monkeypatch, da, "_kernel", "_merge")
+    monkeypatch.setattr(da, "SPLIT_OVERRIDE", forced)
+    da._plan.cache_clear()
+    try:
+        for case in CASES:
+            _check(case, mx.float32)
+    finally:
+        da._plan.cache_clear()

@@ -1,6 +1,8 @@
 """The routed experts past the expert kernels' tokens (prefill), HF2Q_EXPERT_PREFILL: the switch,
-the "dequant" path (experts dequantized to x.dtype in row slices, gather_mm in x.dtype) against
-fp32 math: on the CPU with the dequantizer emulated, on a GPU at Gemma-4-26B-A4B's expert widths.
+the "dequant" path (experts dequantized to x.dtype in row slices, gather_mm in x.dtype) and the
+"grouped" path (the grouped tensor-core kernels over slices of 32 tokens, each slice's inputs
+copied into buffers of their own unless HF2Q_GROUPED_SLICE_COPY=0) against fp32 math: on the CPU
+with the kernels emulated, on a GPU at Gemma-4-26B-A4B's and Qwen3.5-35B-A3B's expert widths.
 
 Tolerance (bf16 / fp16 x): the relative 2-norm error of the whole output against fp32 math at
 most twice that of the same math run in x.dtype with plain MLX ops (weights rounded to x.dtype
@@ -22,9 +24,9 @@ import pytest
 import test_expert_down as TD
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
-from test_expert_glu import _experts, _ids, _x
+from test_expert_glu import _bits, _check, _experts, _ids, _x
 
-from hf2q_mlx.custom_kernels import activations
+from hf2q_mlx.custom_kernels import activations, backend
 from hf2q_mlx.custom_kernels import dequant as DQ
 from hf2q_mlx.custom_kernels import expert_down as D
 from hf2q_mlx.custom_kernels import expert_glu as G
@@ -161,14 +163,14 @@ def _count_dequant(monkeypatch) -> list:
 def test_prefill_mode_parses_and_rejects(monkeypatch):
     """Each mode as named (case and spaces ignored), "auto" as PREFILL_AUTO; any other value an
     InvalidArgumentError naming the variable."""
-    for mode in ("dequant32", "dequant"):
+    for mode in ("dequant32", "dequant", "grouped"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         assert EXM.prefill_mode() == mode
-    monkeypatch.setattr(EXM, "PREFILL", " Dequant ")
-    assert EXM.prefill_mode() == "dequant"
+    monkeypatch.setattr(EXM, "PREFILL", " Grouped ")
+    assert EXM.prefill_mode() == "grouped"
     monkeypatch.setattr(EXM, "PREFILL", "auto")
     assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "dequant32"
-    for bad in ("fp8", "", "dequant16", "grouped"):
+    for bad in ("fp8", "", "dequant16", "grouped-view"):
         monkeypatch.setattr(EXM, "PREFILL", bad)
         with pytest.raises(InvalidArgumentError, match="HF2Q_EXPERT_PREFILL"):
             EXM.prefill_mode()
@@ -186,6 +188,46 @@ def test_env_var_sets_the_default():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want
+
+
+def test_slice_copy_env_var():
+    """HF2Q_GROUPED_SLICE_COPY is read at import: "0" off, unset or "1" on."""
+    code = "from hf2q_mlx.custom_kernels import expert_matmul as m; print(m.GROUPED_SLICE_COPY)"
+    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "HF2Q_GROUPED_SLICE_COPY"}
+        if value is not None:
+            env["HF2Q_GROUPED_SLICE_COPY"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want
+
+
+def _ptr(a: mx.array) -> int:
+    """The address of a's first element (its buffer's start plus its offset)."""
+    mx.eval(a)
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
+def _inside(a: mx.array, parent: mx.array) -> bool:
+    """Whether ``a`` is a view into ``parent``'s buffer at a nonzero offset."""
+    p, q = _ptr(parent), _ptr(a)
+    return p < q < p + parent.nbytes
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.uint32, mx.bfloat16])
+def test_owned_rows(monkeypatch, copy, dtype):
+    """owned_rows(a, i, j) equals a[i:j] (2-D and 3-D, a short last slice, bits); with the copy
+    on, a buffer of its own (not inside a's), off, the view at its offset into a's."""
+    monkeypatch.setattr(EXM, "GROUPED_SLICE_COPY", copy)
+    for shape in ((70, 5), (70, 3, 4)):
+        a = (100 * mx.random.uniform(shape=shape, key=mx.random.key(7))).astype(dtype)
+        for i, j in ((0, 32), (32, 64), (64, 70)):
+            got = EXM.owned_rows(a, i, j)
+            assert got.shape == (j - i, *shape[1:]) and got.dtype == dtype
+            assert np.array_equal(_bits(got), _bits(a[i:j]))
+            if i > 0:
+                assert _inside(got, a) is not copy
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,10 +300,161 @@ def test_fp32_x_keeps_its_fp32_path(monkeypatch):
     t, K = T.Q4_K, 512
     raw = mx.array(_experts(t, E_EMU, 2 * F_EMU, K, seed=0))
     x, ids = mx.random.normal((40, K)), _ids(40, K_SLOTS, E_EMU, seed=1)
-    for mode in ("dequant32", "dequant"):
+    for mode in ("dequant32", "dequant", "grouped"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         G.expert_glu(x, raw, ids, t, K)
-    assert seen == [mx.float32] * 2 and not calls
+    assert seen == [mx.float32] * 3 and not calls
+
+
+# --------------------------------------------------------------------------------------------
+# "grouped": CPU, every kernel emulated
+
+
+def _grouped_case(t, m: int, seed: int):
+    K = 512
+    raw = _experts(t, E_EMU, 2 * F_EMU, K, seed=seed)
+    ids = _ids(m, K_SLOTS, E_EMU, seed=seed + 1)
+    return raw, _x((m, K), mx.bfloat16, seed + 2, raw, t), ids, K
+
+
+def _recording(monkeypatch) -> list:
+    """Records (kernel name, inputs) of every emulated launch."""
+    launched, real = [], kernel_emulator.kernel_launcher
+
+    def launcher(self, input_dtypes, **launch):
+        run = real(self, input_dtypes, **launch)
+
+        def recorded(inputs):
+            launched.append((self.name, list(inputs)))
+            return run(inputs)
+
+        return recorded
+
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    return launched
+
+
+def _check_inputs(launched: list, parents: list, copy: bool) -> None:
+    """With the copy on no kernel input is a view into ``parents`` at an offset; off, some are
+    (the slices past the first: what this test would miss if it could not tell)."""
+    views = sum(_inside(a, p) for _, inputs in launched for a in inputs for p in parents)
+    assert (views == 0) if copy else (views > 0), f"{views} inputs are views at an offset"
+
+
+def _fresh(a: mx.array) -> mx.array:
+    """A copy of ``a`` made on the host: a buffer of its own whatever MLX does with views."""
+    if a.dtype == mx.bfloat16:
+        return mx.array(np.array(a.view(mx.uint16))).view(mx.bfloat16)
+    return mx.array(np.array(a))
+
+
+def _slices(m: int, k: int = K_SLOTS) -> list[tuple[int, int]]:
+    """The first two slices of a grouped prefill and its last (a view read from its parent's
+    start would first differ in the second)."""
+    step = G.grouped_slice_tokens(k)
+    every = [(i, min(i + step, m)) for i in range(0, m, step)]
+    return every[:2] + every[2:][-1:]
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("m", [33, 100, 256])
+def test_grouped_glu_slices(monkeypatch, m, copy):
+    """PREFILL "grouped": slices of 32 tokens through the grouped kernel (each slice's bits
+    those of grouped_expert_glu on it alone: the first two and the last), a short tail through
+    the kernel its size takes (its bits those of the dispatcher on it alone); within the bf16
+    bound of fp32 math per (token, slot). The slices' inputs copied or views as
+    GROUPED_SLICE_COPY says."""
+    t = T.Q4_K
+    raw, x, ids, K = _grouped_case(t, m, seed=40 + m)
+    w = mx.array(raw)
+    monkeypatch.setattr(EXM, "GROUPED_SLICE_COPY", copy)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped")
+    calls = _count_dequant(monkeypatch)
+    launched = _recording(monkeypatch)
+    y = G.expert_glu(x, w, ids, t, K, "silu")
+    assert not calls and y.shape == (m, K_SLOTS, F_EMU)
+    assert [n for n, _ in launched].count(EM._GLU_KERNELS[t].name) == m // 32
+    _check_inputs(launched, [x, ids], copy)
+    _check(y, x, raw[:, :F_EMU], raw[:, F_EMU:], ids, t, K, "silu")
+    for i, j in _slices(m):
+        xi, ii = _fresh(x[i:j]), _fresh(ids[i:j])
+        if j - i == 32:
+            want = EM.grouped_expert_glu(xi, w, ii, t, K, "silu")
+        else:
+            want = G.expert_glu(xi, w, ii, t, K, "silu")
+        assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("m", [33, 100, 256])
+def test_grouped_down_slices(monkeypatch, m, copy):
+    """The down with PREFILL "grouped": within the bf16 bound per token, the 32-token slices'
+    bits (the first two, the last) those of grouped_expert_down on each alone, a tail's those of
+    the dispatcher."""
+    t, K = T.Q4_K, 512
+    raw = _experts(t, E_EMU, F_EMU, K, seed=3)
+    ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=4 + m)
+    h = TD._h((m, K_SLOTS, K), mx.bfloat16, 5 + m)
+    w = mx.array(raw)
+    monkeypatch.setattr(EXM, "GROUPED_SLICE_COPY", copy)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped")
+    calls = _count_dequant(monkeypatch)
+    launched = _recording(monkeypatch)
+    y = D.expert_down(h, w, ids, wts, t, K)
+    assert not calls
+    assert [n for n, _ in launched].count(EM._DOWN_KERNELS[t].name) == m // 32
+    _check_inputs(launched, [h, ids, wts], copy)
+    TD._check(y, h, raw, ids, wts, t, K)
+    for i, j in _slices(m):
+        hi, ii, wi = (_fresh(a[i:j]) for a in (h, ids, wts))
+        if j - i == 32:
+            want = EM.grouped_expert_down(hi, w, ii, wi, t, K)
+        else:
+            want = D.expert_down(hi, w, ii, wi, t, K)
+        assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
+
+
+@pytest.mark.usefixtures("fake_gpu")
+def test_grouped_falls_back_where_not_covered(monkeypatch):
+    """Grouped kernels switched off (HF2Q_GROUPED_EXPERTS=0): the dequant path in x.dtype."""
+    monkeypatch.setattr(EM, "ENABLED", False)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped")
+    calls = _count_dequant(monkeypatch)
+    t = T.Q4_K
+    raw, x, ids, K = _grouped_case(t, 33, seed=80)
+    y = G.expert_glu(x, mx.array(raw), ids, t, K, "silu")
+    assert calls == [mx.bfloat16]
+    _assert_within(y, _glu_ref(x, raw, ids, t, K, "silu"),
+                   _glu_same_dtype(x, raw, ids, t, K, "silu"))  # fmt: skip
+
+
+@pytest.mark.usefixtures("fake_gpu")
+def test_models_ops_reach_the_grouped_prefill(monkeypatch):
+    """models/ops.expert_glu and expert_down on ExpertLinear modules (the models' call) take the
+    grouped slices at 40 tokens: the dispatchers' bits, a grouped kernel launched."""
+    import hf2q_mlx.custom_kernels as ck
+    from hf2q_mlx.models import ops
+    from hf2q_mlx.models.experts import ExpertLinear
+
+    monkeypatch.setattr(ck, "backend", lambda: "cuda")  # ops.use_kernels()
+    launched = _recording(monkeypatch)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped")
+    t_gu, t_dn, H, F, m = T.Q4_K, T.Q8_0, 512, 32, 40  # down rows of K = F: Q8_0 (32-blocks)
+    gate_up, down = ExpertLinear(E_EMU, H, 2 * F, t_gu), ExpertLinear(E_EMU, F, H, t_dn)
+    gate_up.weight = mx.array(_experts(t_gu, E_EMU, 2 * F, H, seed=90))
+    down.weight = mx.array(_experts(t_dn, E_EMU, H, F, seed=91))
+    x = _x((m, H), mx.bfloat16, 92, np.array(gate_up.weight), t_gu)
+    ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=93)
+    h = ops.expert_glu(x, ids, gate_up, None, "silu")
+    names = [n for n, _ in launched]
+    assert EM._GLU_KERNELS[t_gu].name in names
+    assert np.array_equal(_bits(h), _bits(G.expert_glu(x, gate_up.weight, ids, t_gu, H)))
+    y = ops.expert_down(h, ids, wts, down)
+    names = [n for n, _ in launched]
+    assert EM._DOWN_KERNELS[t_dn].name in names
+    assert np.array_equal(_bits(y), _bits(D.expert_down(h, down.weight, ids, wts, t_dn, F)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,24 +462,28 @@ def test_fp32_x_keeps_its_fp32_path(monkeypatch):
 # K 704, Q5_0), 32 experts (not 128: the fp32 references run on the CPU), top-8
 
 _E, _K8, _F, _H = 32, 8, 704, 2816
+# Qwen3.5-35B-A3B's (gate_up 2 x 512 rows of K 2048, Q4_K; down 2048 rows of K 512, Q4_K; SiLU)
+_QWEN = (2048, 512, T.Q4_K, "silu")
+_GEMMA = (_H, _F, T.Q5_0, "gelu_tanh")
 _GPU_REFS: dict = {}
 
 
-def _gpu_case(m: int):
-    if m not in _GPU_REFS:
-        gu = _experts(T.Q4_K, _E, 2 * _F, _H, seed=1)
-        dn = _experts(T.Q5_0, _E, _H, _F, seed=2)
-        x = _x((m, _H), mx.bfloat16, 3, gu, T.Q4_K)
+def _gpu_case(m: int, shape: tuple = _GEMMA):
+    H, F, t_dn, act = shape
+    if (m, shape) not in _GPU_REFS:
+        gu = _experts(T.Q4_K, _E, 2 * F, H, seed=1)
+        dn = _experts(t_dn, _E, H, F, seed=2)
+        x = _x((m, H), mx.bfloat16, 3, gu, T.Q4_K)
         ids, wts = TD._route(m, _K8, _E, seed=4 + m)
-        h = TD._h((m, _K8, _F), mx.bfloat16, 5)
+        h = TD._h((m, _K8, F), mx.bfloat16, 5)
         refs = (
-            _glu_ref(x, gu, ids, T.Q4_K, _H, "gelu_tanh"),
-            _glu_same_dtype(x, gu, ids, T.Q4_K, _H, "gelu_tanh"),
-            _down_ref(h, dn, ids, wts, T.Q5_0, _F),
-            _down_same_dtype(h, dn, ids, wts, T.Q5_0, _F),
+            _glu_ref(x, gu, ids, T.Q4_K, H, act),
+            _glu_same_dtype(x, gu, ids, T.Q4_K, H, act),
+            _down_ref(h, dn, ids, wts, t_dn, F),
+            _down_same_dtype(h, dn, ids, wts, t_dn, F),
         )
-        _GPU_REFS[m] = (gu, dn, x, ids, wts, h, refs)
-    return _GPU_REFS[m]
+        _GPU_REFS[m, shape] = (gu, dn, x, ids, wts, h, refs)
+    return _GPU_REFS[m, shape]
 
 
 @requires_gpu
@@ -303,3 +500,40 @@ def test_gpu_prefill_paths_match_fp32(monkeypatch, m):
         mx.eval(y, yd)
         _assert_within(y, g_ref, g_same)
         _assert_within(yd, d_ref, d_same)
+
+
+@requires_gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the grouped kernels are CUDA only")
+@pytest.mark.parametrize("shape", [_GEMMA, _QWEN], ids=["26b-q5_0-down", "35b-q4_k-down"])
+@pytest.mark.parametrize("m", [33, 100, 512])
+def test_gpu_grouped_matches_dequant32(monkeypatch, m, shape):
+    """ "grouped" (slice copies on) at T tokens, Q4_K gate/up and Q5_0 / Q4_K down: the GLU and
+    the down within the bound against fp32 math; their difference from dequant32's output at
+    most the bound plus dequant32's own error; the slices' bits (first two, last) those of the
+    grouped kernels on each slice alone (a slice read at the wrong offset differs first there)."""
+    H, F, t_dn, act = shape
+    gu, dn, x, ids, wts, h, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
+    wg, wd = mx.array(gu), mx.array(dn)
+    monkeypatch.setattr(EXM, "GROUPED_SLICE_COPY", True)
+    outs = {}
+    for mode in ("dequant32", "grouped"):
+        monkeypatch.setattr(EXM, "PREFILL", mode)
+        outs[mode] = (G.expert_glu(x, wg, ids, T.Q4_K, H, act),
+                      D.expert_down(h, wd, ids, wts, t_dn, F))  # fmt: skip
+        mx.eval(*outs[mode])
+    (y, yd), (y32, yd32) = outs["grouped"], outs["dequant32"]
+    for got, d32, ref, same in ((y, y32, g_ref, g_same), (yd, yd32, d_ref, d_same)):
+        diff = _rel(got, np.array(d32.astype(mx.float32)).astype(np.float64))
+        bound = 2 * _rel(same, ref) + _rel(d32, ref)
+        assert diff <= bound, f"grouped vs dequant32: {diff:.3g} > {bound:.3g}"
+        _assert_within(got, ref, same)
+    for i, j in _slices(m, _K8):
+        xi, ii, hi, wi = (_fresh(a[i:j]) for a in (x, ids, h, wts))
+        if j - i == 32:
+            want = EM.grouped_expert_glu(xi, wg, ii, T.Q4_K, H, act)
+            want_d = EM.grouped_expert_down(hi, wd, ii, wi, t_dn, F)
+        else:
+            want = G.expert_glu(xi, wg, ii, T.Q4_K, H, act)
+            want_d = D.expert_down(hi, wd, ii, wi, t_dn, F)
+        assert np.array_equal(_bits(y[i:j]), _bits(want)), f"GLU tokens {i}:{j}"
+        assert np.array_equal(_bits(yd[i:j]), _bits(want_d)), f"down tokens {i}:{j}"
