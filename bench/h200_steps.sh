@@ -58,7 +58,8 @@ step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --ac
 step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
 # the grouped-kernel MoE prefill with its token slices copied (default) or as views (issue 14)
 step moe-prefill-grouped 180 "python3 bench/moe_prefill.py --paths dequant32 grouped grouped-view --tokens 64 256 1024 --rounds 5 --json $OUT/moe_prefill_grouped.json"
-step prefill-gpu-tests 120 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py"
+step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
+step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

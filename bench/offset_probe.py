@@ -13,7 +13,7 @@ import mlx.core as mx
 
 
 def copy_kernel():
-    src = "uint i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n[0]) out[i] = x[i];"
+    src = "unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n[0]) out[i] = x[i];"
     return mx.fast.cuda_kernel(name="offset_probe_copy", input_names=["x", "n"],
                                output_names=["out"], source=src)  # fmt: skip
 

@@ -24,15 +24,17 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # "dequant32": every expert dequantized to fp32, gather_mm in fp32 (reference precision);
 # "dequant": every expert dequantized to x.dtype, PREFILL_DEQ_CHUNK elements at a time, gather_mm
 # in x.dtype (the dense layers' many-rows precision; ~40 % less peak memory, 2-9 % slower on the
-# H200, docs/kernel_notes.md); "grouped" (experimental): expert_glu / expert_down run the grouped
+# H200, docs/kernel_notes.md); "grouped": expert_glu / expert_down run the grouped
 # tensor-core kernels over slices of 32 tokens ("dequant" where those do not cover the call);
 # "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
 PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped")
 PREFILL = os.environ.get("HF2Q_EXPERT_PREFILL", "auto")
-PREFILL_AUTO = "dequant32"  # until "grouped" is verified on the H200 (docs/kernel_notes.md)
+# "grouped": correct on the H200 and 1.8-5.8x dequant32 at 64-1,024 tokens (session 13)
+PREFILL_AUTO = "grouped"
 # HF2Q_GROUPED_SLICE_COPY: "grouped"'s token slices copied into buffers of their own (owned_rows;
-# default) or passed as views ("0": only to reproduce the views' wrong output on a GPU). Read at
-# each call.
+# default) or passed as views ("0"). Both are right on the H200 (bench/offset_probe.py: MLX's
+# CUDA kernels read views at their offset; session 12's wrong output was gather_mm's, below);
+# the views save a copy per slice (~10 % at 64 tokens). Read at each call.
 GROUPED_SLICE_COPY = os.environ.get("HF2Q_GROUPED_SLICE_COPY", "1").strip() != "0"
 # elements of dequantized expert weight alive at once on the "dequant" path (512 MB in bf16):
 # one or two slices per projection at the 26B-A4B and 35B-A3B shapes
@@ -114,7 +116,11 @@ def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul) -> mx.array:
     ids = expert_ids.flatten()
     order = mx.argsort(ids)
     src = order if xs.shape[-2] == k else order // k  # shared x: pair p reads token p // k
-    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], True).squeeze(-2)
+    # MLX 0.32.4's CUDA gather_mm with sorted_indices=True returns wrong rows (relative error
+    # 0.4-1.4 on the H200, bench/prefill_probe.py); the same sorted pairs with the flag off are
+    # right, so CUDA keeps the order (each expert's rows together) and drops the flag
+    flag = backend() != "cuda"
+    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], flag).squeeze(-2)
     return out[mx.argsort(order)].reshape(*expert_ids.shape, -1)  # back to (token, slot)
 
 

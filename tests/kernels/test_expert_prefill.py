@@ -169,7 +169,7 @@ def test_prefill_mode_parses_and_rejects(monkeypatch):
     monkeypatch.setattr(EXM, "PREFILL", " Grouped ")
     assert EXM.prefill_mode() == "grouped"
     monkeypatch.setattr(EXM, "PREFILL", "auto")
-    assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "dequant32"
+    assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "grouped"
     for bad in ("fp8", "", "dequant16", "grouped-view"):
         monkeypatch.setattr(EXM, "PREFILL", bad)
         with pytest.raises(InvalidArgumentError, match="HF2Q_EXPERT_PREFILL"):
@@ -181,7 +181,7 @@ def test_env_var_sets_the_default():
     code = (
         "from hf2q_mlx.custom_kernels import expert_matmul as m; print(m.PREFILL, m.prefill_mode())"
     )
-    for value, want in (("dequant", "dequant dequant"), (None, "auto dequant32")):
+    for value, want in (("dequant", "dequant dequant"), (None, "auto grouped")):
         env = {k: v for k, v in os.environ.items() if k != "HF2Q_EXPERT_PREFILL"}
         if value is not None:
             env["HF2Q_EXPERT_PREFILL"] = value
@@ -523,10 +523,10 @@ def test_gpu_grouped_matches_dequant32(monkeypatch, m, shape):
         mx.eval(*outs[mode])
     (y, yd), (y32, yd32) = outs["grouped"], outs["dequant32"]
     for got, d32, ref, same in ((y, y32, g_ref, g_same), (yd, yd32, d_ref, d_same)):
+        _assert_within(got, ref, same)
         diff = _rel(got, np.array(d32.astype(mx.float32)).astype(np.float64))
         bound = 2 * _rel(same, ref) + _rel(d32, ref)
         assert diff <= bound, f"grouped vs dequant32: {diff:.3g} > {bound:.3g}"
-        _assert_within(got, ref, same)
     for i, j in _slices(m, _K8):
         xi, ii, hi, wi = (_fresh(a[i:j]) for a in (x, ids, h, wts))
         if j - i == 32:
