@@ -116,12 +116,20 @@ def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul) -> mx.array:
     ids = expert_ids.flatten()
     order = mx.argsort(ids)
     src = order if xs.shape[-2] == k else order // k  # shared x: pair p reads token p // k
-    # MLX 0.32.4's CUDA gather_mm with sorted_indices=True returns wrong rows (relative error
-    # 0.4-1.4 on the H200, bench/prefill_probe.py); the same sorted pairs with the flag off are
-    # right, so CUDA keeps the order (each expert's rows together) and drops the flag
-    flag = backend() != "cuda"
-    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], flag).squeeze(-2)
+    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], _sorted_flag_ok()).squeeze(-2)
     return out[mx.argsort(order)].reshape(*expert_ids.shape, -1)  # back to (token, slot)
+
+
+def _sorted_flag_ok() -> bool:
+    """Whether gather_mm / gather_qmm may be told the pairs are sorted on the device they run on.
+
+    MLX 0.32.4's CUDA gather_mm with sorted_indices=True returns wrong rows (relative error
+    0.4-1.4 on the H200, bench/prefill_probe.py); the same sorted pairs with the flag off are
+    right, so CUDA keeps the order (each expert's rows together) and drops the flag. The CPU
+    needs the flag: its unsorted gather_mm takes fp32 only. Asked of the device itself, not of
+    backend(), which also says None for the references run on a CUDA GPU.
+    """
+    return not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available())
 
 
 def _gather_dense(x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:
