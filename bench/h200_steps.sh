@@ -41,7 +41,7 @@ step prefill 300 "python3 bench/prefill.py $OUT/prefill.json --shapes ${PREFILL_
 # the experts' slot-parallel down kernel (off by default): parity, kernel sweep, whole step
 step down-slots-tests ${SLOT_TEST_CAP:-200} "python3 -m pytest -q -x -p no:cacheprovider -k gpu_slot tests/kernels/test_expert_down.py"
 step down-slots-sweep 300 "python3 bench/expert_sweep.py --kernels down down_slots --budget 240 --json $OUT/expert_sweep_down_slots.json"
-step decode-26b-slots 240 "python3 bench/decode_step.py $OUT/decode_26b_slots.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants slots --down-slots-ab"
+step decode-26b-slots ${SLOTS_CAP:-420} "python3 bench/decode_step.py $OUT/decode_26b_slots.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants slots --down-slots-ab"
 # where a B = 1 step's kernel time goes (CUPTI), today's defaults and the candidate mappings
 step profile-26b 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b.json"
 step profile-26b-var 240 "HF2Q_DOWN_SLOTS=8 HF2Q_ATTN_SPLIT=${ATTN_SPLIT:-4,8} HF2Q_ROUTER_SPLIT=1 python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_var.json"
