@@ -358,7 +358,7 @@ def _slices(m: int, k: int = K_SLOTS) -> list[tuple[int, int]]:
 
 @pytest.mark.usefixtures("fake_gpu")
 @pytest.mark.parametrize("copy", [True, False])
-@pytest.mark.parametrize("m", [33, 100, 256])
+@pytest.mark.parametrize("m", [33, 96, 100])
 def test_grouped_glu_slices(monkeypatch, m, copy):
     """PREFILL "grouped": slices of 32 tokens through the grouped kernel (each slice's bits
     those of grouped_expert_glu on it alone: the first two and the last), a short tail through
@@ -388,7 +388,7 @@ def test_grouped_glu_slices(monkeypatch, m, copy):
 
 @pytest.mark.usefixtures("fake_gpu")
 @pytest.mark.parametrize("copy", [True, False])
-@pytest.mark.parametrize("m", [33, 100, 256])
+@pytest.mark.parametrize("m", [33, 96, 100])
 def test_grouped_down_slices(monkeypatch, m, copy):
     """The down with PREFILL "grouped": within the bf16 bound per token, the 32-token slices'
     bits (the first two, the last) those of grouped_expert_down on each alone, a tail's those of
