@@ -46,10 +46,13 @@ step decode-26b-slots ${SLOTS_CAP:-420} "python3 bench/decode_step.py $OUT/decod
 step profile-26b 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b.json"
 step profile-26b-var 240 "HF2Q_DOWN_SLOTS=8 HF2Q_ATTN_SPLIT=${ATTN_SPLIT:-4,8} HF2Q_ROUTER_SPLIT=1 python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_var.json"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
+# issue 15's table (ours Q4_K / MLX 4-bit against mlx-lm: decode, prefill, kernels, busy), one
+# shape per call: SHAPES one of gemma4:26b-a4b, gemma4:31b, qwen3_5:35b-a3b, qwen3_5:9b
+step speed-table 540 "python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --rounds 5 --tokens 32"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
 step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_35b.json"
-step serve-26b-mlx 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams 1,8,32 --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b_mlx4.json"
+step serve-26b-mlx 540 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams ${STREAMS:-1,8,32} ${MLX_ONLY:+--mlx-lm-only} --gen 128 --prefill-chunk 4096 --time-cap 480 --json $OUT/serve_26b_mlx4.json"
 # speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)
 step replay-9b 300 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds ${ROUNDS:-5} --tokens 128 --json $OUT/replay_9b.json"
 step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --json $OUT/replay_35b.json"

@@ -197,7 +197,8 @@ def run_mlx_lm(model, n: int, gen: int, vocab: int) -> dict:
         stamps = {u: [] for u in uids}
         finished = 0
         while finished < len(uids):
-            responses = bg.next()
+            # mlx-lm 0.32: next() -> (prompt, generation) responses; next_generated() the latter
+            responses = bg.next_generated() if hasattr(bg, "next_generated") else bg.next()
             now = time.perf_counter()
             for r in responses:
                 stamps[r.uid].append(now)
@@ -235,6 +236,11 @@ def main() -> None:
     p.add_argument("--streams", default="1,2,4,8,16,32")
     p.add_argument("--gen", type=int, default=128, help="tokens per stream (128)")
     p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument(
+        "--mlx-lm-only",
+        action="store_true",
+        help="with mlx4: the mlx-lm column alone (ours skipped)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk (512)")
     p.add_argument("--step", choices=["auto", "compiled", "sequential"], default="auto",
                    help="decode step: auto = DecodeStep on a GPU")  # fmt: skip
@@ -262,7 +268,7 @@ def main() -> None:
                 continue
             model, config, family = build(shape, fmt, dtype)
             vocab = config["vocab_size"]
-            impls = [("ours", model)]
+            impls = [] if a.mlx_lm_only and fmt == "mlx4" else [("ours", model)]
             if fmt == "mlx4" and not a.no_mlx_lm:
                 try:
                     twin = mlx_lm_twin(family, config, model)

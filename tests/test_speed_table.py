@@ -1,0 +1,81 @@
+"""bench/speed_table.py (issue 15's table command): a CPU smoke run writes every column it
+promises, and the bar checks flag what misses them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import speed_table as st  # noqa: E402
+
+
+def test_tiny_run_writes_every_column(tmp_path):
+    out = tmp_path / "table.json"
+    st.main([str(out), "--tiny", "--shapes", "qwen3_5:tiny", "--rounds", "2", "--tokens", "2",
+             "--profile-steps", "2", "--prompt", "24", "--chunk", "16", "--no-mlx-lm"])  # fmt: skip
+    res = json.loads(out.read_text())["shapes"][0]
+    assert res["shape"] == "qwen3_5:tiny" and res["decode_path"] == "eager"  # the CPU's path
+    assert set(res["variants"]) == {"ours q4_k", "ours mlx4"}
+    for row in res["variants"].values():
+        for what in ("decode", "prefill"):
+            s = row[what]
+            assert len(s["values"]) == 2 and 0 < s["min"] <= s["median"] <= s["max"]
+        assert row["profile"]["python_ms"] > 0 and row["profile"]["wall_ms"] > 0
+        assert "weight_gb_s" in row and "decode_ratio" not in row  # dense; no mlx-lm column
+
+
+def _row(decode_ratio: float, spread_values: list[float]) -> dict:
+    return {"decode": st.stats(spread_values), "prefill": st.stats([100.0]),
+            "decode_ratio": st.stats([decode_ratio]), "prefill_ratio": st.stats([1.2]),
+            "profile": {"python_ms": 0.5, "kernels": 240.0, "kernels_per_layer": 8.0,
+                        "gpu_busy": 0.9}}  # fmt: skip
+
+
+def test_report_flags_missed_bars():
+    res = {
+        "shape": "s",
+        "layers": 30,
+        "moe": True,
+        "prompt": 8,
+        "tokens": 2,
+        "decode_path": "compiled",
+        "first_prefill_s": {},
+        "variants": {
+            "ours q4_k": _row(2.4, [100.0, 100.0]),  # below 2.5x on a MoE shape
+            "ours mlx4": _row(3.0, [100.0, 100.0, 120.0]),  # 20 % spread
+            "mlx-lm mlx4": _row(1.0, [10.0, 30.0]),
+        },
+    }  # not ours: never flagged
+    missed = st.report(res, None)
+    assert missed == [
+        "s ours q4_k: decode x mlx-lm 2.4 (bar 2.5)",
+        "s ours mlx4: spread 0.2 (bar 0.15)",
+    ]
+    res["moe"] = False  # dense: 1.5x is the bar
+    assert st.report(res, None) == ["s ours mlx4: spread 0.2 (bar 0.15)"]
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(10, 4)
+        self.proj = nn.Linear(4, 4, bias=False)
+
+
+class _Untied(_Tied):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(4, 10, bias=False)
+
+
+def test_weight_bytes_counts_a_tied_table_once_as_the_head():
+    tied, untied = _Tied(), _Untied()
+    mx.eval(tied.parameters(), untied.parameters())
+    assert st.weight_bytes(tied) == (40 + 16) * 4  # the table is read whole as the head
+    assert st.weight_bytes(untied) == (16 + 40) * 4  # the head, not the gathered table
