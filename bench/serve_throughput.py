@@ -228,7 +228,7 @@ def row_text(r: dict) -> str:
             f"{r['steady_itl_p99_ms']:>10.2f}")  # fmt: skip
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="gemma4-26b-a4b,qwen3.5-35b-a3b")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
@@ -247,7 +247,7 @@ def main() -> None:
     p.add_argument("--time-cap", type=float, default=None,
                    help="seconds: start no new row past this (what ran is kept)")  # fmt: skip
     p.add_argument("--json", default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     t_start = time.perf_counter()
     out = a.json or f"bench/results/serve_throughput_{time.strftime('%Y-%m-%d_%H%M')}.json"
     shapes = ["tiny-gemma4", "tiny-qwen3.5"] if a.tiny else a.shapes.split(",")
