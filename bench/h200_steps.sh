@@ -59,8 +59,8 @@ step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acce
 step replay-9b-p 190 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_9b_pipelined.json"
 step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --kinds fixed,pipelined,pipelined-adaptive --json $OUT/replay_35b_pipelined.json"
 step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
-# the grouped-kernel MoE prefill with its token slices copied (default) or as views (issue 14)
-step moe-prefill-grouped 180 "python3 bench/moe_prefill.py --paths dequant32 grouped grouped-view --tokens 64 256 1024 --rounds 5 --json $OUT/moe_prefill_grouped.json"
+# the grouped-kernel MoE prefill: 32-token slices (the default) against one launch per 512 tokens (grouped-wide)
+step moe-prefill-grouped 240 "python3 bench/moe_prefill.py --paths dequant32 grouped grouped-wide --tokens 64 256 1024 4096 --rounds 5 --json $OUT/moe_prefill_grouped.json"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from

@@ -13,7 +13,9 @@ Paths: dequant32 (every expert dequantized to fp32, gather_mm in fp32: the path 
 dequant (to bf16 in row slices, gather_mm in bf16; GPU only), grouped (the grouped tensor-core
 kernels over slices of 32 tokens, each slice's inputs copied into buffers of their own; CUDA)
 and grouped-view (the same with the slices passed as views, HF2Q_GROUPED_SLICE_COPY=0: the
-session-12 path, kept to show whether the views' offsets are what made it wrong). A path the
+session-12 path, kept to show whether the views' offsets are what made it wrong) and
+grouped-wide (the grouped kernels with a list of 4,096 pairs: one launch per 512 tokens at
+top-8, each chosen expert read once per launch instead of once per 32 tokens). A path the
 device cannot run prints "n/a". ``rel_err`` is each path's relative 2-norm difference from
 dequant32's output on the warm-up call's ids (bf16 rounding: ~1e-3; a wrong path: ~1).
 
@@ -40,10 +42,11 @@ from hf2q_mlx.models import ops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_launches import SHAPES, ggml_experts  # noqa: E402  (bench/moe_launches.py)
 
-PATHS = ("dequant32", "dequant", "grouped", "grouped-view")
+PATHS = ("dequant32", "dequant", "grouped", "grouped-view", "grouped-wide")
 # path -> (EXM.PREFILL, EXM.GROUPED_SLICE_COPY)
 SWITCHES = {"dequant32": ("dequant32", True), "dequant": ("dequant", True),
-            "grouped": ("grouped", True), "grouped-view": ("grouped", False)}  # fmt: skip
+            "grouped": ("grouped", True), "grouped-view": ("grouped", False),
+            "grouped-wide": ("grouped-wide", True)}  # fmt: skip
 TINY = {"tiny": (256, 8, 2, 64, "silu")}  # hidden, experts, top-k, expert width, activation
 
 

@@ -14,6 +14,7 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS, expert_run_config, grouped_slice_tokens
 from hf2q_mlx.custom_kernels.expert_matmul import (
+    GROUPED_MODES,
     expert_matmul,
     expert_matmul_reference,
     ids_and_weights,
@@ -286,11 +287,13 @@ def kernel_covers(h, w, expert_ids, weights, ggml_type) -> bool:
     )
 
 
-def _grouped_prefill(h, w, expert_ids, weights, ggml_type: int, K: int) -> mx.array | None:
+def _grouped_prefill(h, w, expert_ids, weights, ggml_type: int, K: int,
+                     wide: bool) -> mx.array | None:  # fmt: skip
     """HF2Q_EXPERT_PREFILL=grouped, more than MAX_TOKENS tokens: this dispatcher over slices of
     ``grouped_slice_tokens`` tokens (the grouped kernels; a short last slice takes whichever
     kernel its size takes), each slice's h, ids and weights ``owned_rows`` (not views at an
-    offset). None where the grouped kernels do not cover a full slice."""
+    offset); ``wide`` (grouped-wide): every slice one launch of the wide kernels. None where
+    the grouped kernels do not cover a full slice."""
     lead, k = expert_ids.shape[:-1], expert_ids.shape[-1]
     n_tok = math.prod(lead)
     if (
@@ -302,14 +305,17 @@ def _grouped_prefill(h, w, expert_ids, weights, ggml_type: int, K: int) -> mx.ar
         return None
     hs = h.reshape(n_tok, k, h.shape[-1])
     ids, wts = expert_ids.reshape(n_tok, k), weights.reshape(n_tok, k)
-    step = grouped_slice_tokens(k)
-    if not expert_mma.covers(hs[:step], w, ids[:step], ggml_type, glu=False):
+    step = grouped_slice_tokens(k, wide)
+    if not expert_mma.covers(hs[:step], w, ids[:step], ggml_type, glu=False, wide=wide):
         return None
     parts = []
     for i in range(0, n_tok, step):
         j = min(i + step, n_tok)
-        parts.append(expert_down(owned_rows(hs, i, j), w, owned_rows(ids, i, j),
-                                 owned_rows(wts, i, j), ggml_type, K))  # fmt: skip
+        hi, ii, wi = owned_rows(hs, i, j), owned_rows(ids, i, j), owned_rows(wts, i, j)
+        if wide:
+            parts.append(expert_mma.expert_down(hi, w, ii, wi, ggml_type, K, True))
+        else:
+            parts.append(expert_down(hi, w, ii, wi, ggml_type, K))
     return mx.concatenate(parts).reshape(*lead, w.shape[1])
 
 
@@ -352,9 +358,10 @@ def expert_down(
         and h.dtype == mx.bfloat16
         and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS
         and backend() is not None
-        and prefill_mode() == "grouped"
+        and prefill_mode() in GROUPED_MODES
     ):
-        y = _grouped_prefill(h, w, expert_ids, weights, ggml_type, in_features)
+        wide = prefill_mode() == "grouped-wide"
+        y = _grouped_prefill(h, w, expert_ids, weights, ggml_type, in_features, wide)
         if y is not None:
             return y
     y = expert_matmul(h, w, expert_ids, ggml_type, in_features)  # (..., k, N)

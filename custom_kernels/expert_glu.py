@@ -13,6 +13,7 @@ from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import (
+    GROUPED_MODES,
     check_expert_blocks,
     expert_matmul,
     expert_matmul_reference,
@@ -470,17 +471,23 @@ def _kernel_covers(x, w, w_up, expert_ids, ggml_type) -> bool:
     )
 
 
-def grouped_slice_tokens(k: int) -> int:
-    """Tokens per slice of a grouped prefill of k slots: as many as one grouped launch takes."""
+def grouped_slice_tokens(k: int, wide: bool = False) -> int:
+    """Tokens per slice of a grouped prefill of k slots: as many as one grouped launch takes
+    (``wide``: one launch of the prefill's kernels, expert_mma.WIDE_PAIRS pairs)."""
+    if wide:
+        return max(1, min(expert_mma.WIDE_PAIRS, expert_mma.WIDE_LIST) // k)
     return max(1, min(expert_mma.MAX_TOKENS, expert_mma.MAX_PAIRS // k))
 
 
-def _grouped_prefill(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str):
+def _grouped_prefill(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str,
+                     wide: bool):  # fmt: skip
     """HF2Q_EXPERT_PREFILL=grouped, more than MAX_TOKENS tokens: this dispatcher over slices of
     ``grouped_slice_tokens`` tokens (the grouped kernels; a short last slice takes whichever
     kernel its size takes), each slice reading its selected experts once, each slice's x and
-    ids ``owned_rows`` (not views at an offset). None where the grouped kernels do not cover a
-    full slice (x broadcast, a type they lack, switched off)."""
+    ids ``owned_rows`` (not views at an offset). ``wide`` (grouped-wide): slices of
+    WIDE_PAIRS // k tokens, each one launch of the wide kernel, the last one too. None where
+    the grouped kernels do not cover a full slice (x broadcast, a type they lack, switched
+    off)."""
     lead, k = expert_ids.shape[:-1], expert_ids.shape[-1]
     n_tok = math.prod(lead)
     per_slot = x.ndim == expert_ids.ndim + 1
@@ -489,14 +496,17 @@ def _grouped_prefill(x, w, w_up, expert_ids, ggml_type: int, K: int, activation:
     D = x.shape[-1]
     xs = x.reshape(n_tok, k, D) if per_slot else x.reshape(n_tok, D)
     ids = expert_ids.reshape(n_tok, k)
-    step = grouped_slice_tokens(k)
-    if not expert_mma.covers(xs[:step], w, ids[:step], ggml_type, w_up=w_up):
+    step = grouped_slice_tokens(k, wide)
+    if not expert_mma.covers(xs[:step], w, ids[:step], ggml_type, w_up=w_up, wide=wide):
         return None
     parts = []
     for i in range(0, n_tok, step):
         j = min(i + step, n_tok)
-        parts.append(expert_glu(owned_rows(xs, i, j), w, owned_rows(ids, i, j), ggml_type, K,
-                                activation, w_up))  # fmt: skip
+        xi, ii = owned_rows(xs, i, j), owned_rows(ids, i, j)
+        if wide:
+            parts.append(expert_mma.expert_glu(xi, w, ii, ggml_type, K, activation, w_up, True))
+        else:
+            parts.append(expert_glu(xi, w, ii, ggml_type, K, activation, w_up))
     return mx.concatenate(parts).reshape(*expert_ids.shape, parts[0].shape[-1])
 
 
@@ -542,9 +552,10 @@ def expert_glu(
         and be is not None
         and x.dtype == mx.bfloat16
         and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS
-        and prefill_mode() == "grouped"
+        and prefill_mode() in GROUPED_MODES
     ):
-        y = _grouped_prefill(x, w, w_up, expert_ids, ggml_type, in_features, activation)
+        wide = prefill_mode() == "grouped-wide"
+        y = _grouped_prefill(x, w, w_up, expert_ids, ggml_type, in_features, activation, wide)
         if y is not None:
             return y
     if w_up is None:

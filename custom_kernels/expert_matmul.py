@@ -26,8 +26,11 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # in x.dtype (the dense layers' many-rows precision; ~40 % less peak memory, 2-9 % slower on the
 # H200, docs/kernel_notes.md); "grouped": expert_glu / expert_down run the grouped
 # tensor-core kernels over slices of 32 tokens ("dequant" where those do not cover the call);
-# "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
-PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped")
+# "grouped-wide": the grouped kernels with a pair list of expert_mma.WIDE_LIST, over slices of
+# 512 tokens at top-8 (each chosen expert read once per 512 tokens, not per 32; not yet run on a
+# GPU); "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
+PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped", "grouped-wide")
+GROUPED_MODES = ("grouped", "grouped-wide")
 PREFILL = os.environ.get("HF2Q_EXPERT_PREFILL", "auto")
 # "grouped": correct on the H200 and 1.8-5.8x dequant32 at 64-1,024 tokens (session 13)
 PREFILL_AUTO = "grouped"
@@ -43,7 +46,8 @@ PREFILL_DEQ_CHUNK = 1 << 28
 
 def prefill_mode() -> str:
     """The prefill path HF2Q_EXPERT_PREFILL (``PREFILL``) names, "auto" resolved:
-    "dequant32", "dequant" or "grouped". Raises InvalidArgumentError for any other value."""
+    "dequant32", "dequant", "grouped" or "grouped-wide". Raises InvalidArgumentError for any
+    other value."""
     mode = PREFILL.strip().lower()
     if mode not in PREFILL_MODES:
         raise InvalidArgumentError(

@@ -33,6 +33,12 @@ ENABLED = MODE != "0"
 MIN_TOKENS = 1 if MODE == "1" else 16
 MAX_TOKENS = MM.GLU_MAX_ROWS  # tokens per call (32: the n-tiles' columns)
 MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
+# The prefill's kernels ("wide"): the same loop with a pair list of WIDE_LIST entries, so one
+# launch takes up to WIDE_PAIRS pairs (512 tokens at top-8) and reads each chosen expert once
+# for all of them, where the 32-token kernels read it once per 32 tokens. A pair's bits are the
+# same in both (see below). WIDE_PAIRS is read at each call (tests lower it to cut slices).
+WIDE_LIST = 4096
+WIDE_PAIRS = WIDE_LIST
 
 # --------------------------------------------------------------------------------------------
 # Kernel: qmatmul_mma's loop (16 rows of H row sets against up to 8 NT columns of x) with the
@@ -116,7 +122,7 @@ _EDITS = [
 ]  # fmt: skip
 
 
-def _body(ggml_type: int, halves: int, epilogue: str, out_t: str) -> str:
+def _body(ggml_type: int, halves: int, epilogue: str, out_t: str, max_pairs: int) -> str:
     """The grouped body: _PREFIX, then qmatmul_mma's loop edited (_EDITS) inside the column-group
     loop, with ``epilogue`` writing pair ex_pairs[ex_c0 + col]'s row0 + r."""
     body = MM._BODY
@@ -127,7 +133,7 @@ def _body(ggml_type: int, halves: int, epilogue: str, out_t: str) -> str:
             raise RuntimeError(f"expert_mma: qmatmul_mma's loop no longer has {old.strip()!r}")
         body = body.replace(old, new)
     ngr, mmg = MM._GROUPS[ggml_type]
-    body = _PREFIX.replace("@MAX_PAIRS@", str(MAX_PAIRS)) + body.rstrip("\n") + "\n" + _GROUP_TAIL
+    body = _PREFIX.replace("@MAX_PAIRS@", str(max_pairs)) + body.rstrip("\n") + "\n" + _GROUP_TAIL
     body = (
         body.replace("@NGR@", str(ngr))
         .replace("@MMG@", str(mmg))
@@ -151,9 +157,9 @@ _GLU_EPILOGUE = r"""    {
 _DOWN_EPILOGUE = "    out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = v[0];\n"
 
 
-def _make_kernel(ggml_type: int, glu: bool) -> Kernel:
+def _make_kernel(ggml_type: int, glu: bool, wide: bool = False) -> Kernel:
     """The grouped GLU (gate and up row sets, act(gate) * up in x's dtype) or the grouped down
-    projections (one row set, fp32 per pair) of a type."""
+    projections (one row set, fp32 per pair) of a type; ``wide``: a pair list of WIDE_LIST."""
     act = [{"ACT": 0}, {"ACT": 1}] if glu else [{}, {}]
     examples = [
         Example(
@@ -169,11 +175,12 @@ def _make_kernel(ggml_type: int, glu: bool) -> Kernel:
         )  # fmt: skip
         for (nt, u), a in zip(((1, 1), (4, 2)), act)
     ]
-    kind = "glu" if glu else "down"
+    kind = ("glu" if glu else "down") + ("_wide" if wide else "")
+    cap = WIDE_LIST if wide else MAX_PAIRS
     body = (
-        _body(ggml_type, 2, _GLU_EPILOGUE, "T")
+        _body(ggml_type, 2, _GLU_EPILOGUE, "T", cap)
         if glu
-        else _body(ggml_type, 1, _DOWN_EPILOGUE, "float")
+        else _body(ggml_type, 1, _DOWN_EPILOGUE, "float", cap)
     )
     return Kernel(
         f"ggml_grouped_{kind}_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
@@ -187,6 +194,8 @@ def _make_kernel(ggml_type: int, glu: bool) -> Kernel:
 
 _GLU_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=True) for t in MM.MMA_TYPES}
 _DOWN_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=False) for t in MM.MMA_TYPES}
+_GLU_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=True, wide=True) for t in MM.MMA_TYPES}
+_DOWN_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=False, wide=True) for t in MM.MMA_TYPES}
 
 _SLOT_SUM_BODY = r"""
   // Thread mapping: one thread per output (token, feature n): the token's k slot rows of y
@@ -236,11 +245,12 @@ def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
 
 
 def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,
-                  out_dtype, cfg: dict, template: dict) -> LaunchPlan:  # fmt: skip
+                  out_dtype, cfg: dict, template: dict, wide: bool) -> LaunchPlan:  # fmt: skip
     """The grouped launch: (ceil(N / 16), E + 1) threadgroups of W SIMD groups."""
     E, P = w.shape[0], expert_ids.size
     k = expert_ids.shape[-1]
-    if not 1 <= P <= MAX_PAIRS or not 1 <= cfg["NT"] <= 4 or not 1 <= cfg["W"] <= MM.MAX_SIMD:
+    cap = WIDE_LIST if wide else MAX_PAIRS
+    if not 1 <= P <= cap or not 1 <= cfg["NT"] <= 4 or not 1 <= cfg["W"] <= MM.MAX_SIMD:
         raise ValueError(f"config {cfg} or {P} pairs: not a grouped launch")
     per_row = k if x.ndim == expert_ids.ndim else 1  # pairs per row of x
     if w_up is None:  # fused [gate | up] (E, 2N, ...) or down (E, N, ...)
@@ -258,21 +268,22 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
     )
 
 
-def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config):
+def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config,
+              wide: bool = False):  # fmt: skip
     F = w.shape[1] if w_up is not None else w.shape[1] // 2
     cfg = config or grouped_config(ggml_type, K)
     act = {"ACT": activations.ACTIVATIONS.index(activation)}
-    return _grouped_plan(_GLU_KERNELS[ggml_type], x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg,
-                         act)  # fmt: skip
+    kernel = (_GLU_WIDE if wide else _GLU_KERNELS)[ggml_type]
+    return _grouped_plan(kernel, x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg, act, wide)
 
 
-def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config):
+def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config, wide: bool = False):
     N = w.shape[1]
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
     cfg = config or grouped_config(ggml_type, K)
-    proj = _grouped_plan(_DOWN_KERNELS[ggml_type], h, w, None, expert_ids, K, N, 1, mx.float32,
-                         cfg, {})  # fmt: skip
+    kernel = (_DOWN_WIDE if wide else _DOWN_KERNELS)[ggml_type]
+    proj = _grouped_plan(kernel, h, w, None, expert_ids, K, N, 1, mx.float32, cfg, {}, wide)
     total = LaunchPlan(
         _SLOT_SUM,
         [tokens, N, k],
@@ -285,11 +296,12 @@ def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config):
     return proj, total
 
 
-def _check_kernel_args(x, ggml_type: int, K: int, expert_ids) -> None:
+def _check_kernel_args(x, ggml_type: int, K: int, expert_ids, wide: bool) -> None:
     if not MM.has_kernel(ggml_type, x.dtype) or x.shape[-1] != K:
         raise ValueError(f"no grouped kernel for {ggml_type} with {x.dtype} x of {x.shape}")
-    if expert_ids.size > MAX_PAIRS:
-        raise ValueError(f"{expert_ids.size} (token, slot) pairs: at most {MAX_PAIRS}")
+    cap = WIDE_LIST if wide else MAX_PAIRS
+    if expert_ids.size > cap:
+        raise ValueError(f"{expert_ids.size} (token, slot) pairs: at most {cap}")
 
 
 def grouped_expert_glu(
@@ -303,14 +315,16 @@ def grouped_expert_glu(
     *,
     config: dict[str, int] | None = None,
     init_value: float | None = None,
+    wide: bool = False,
 ) -> mx.array:
     """act(gate) * up per (token, slot), the contract of expert_glu_reference: bf16 x (..., K)
-    or (..., k, K), ids (..., k) (at most MAX_PAIRS in all), w the fused [gate | up] blocks
-    (E, 2F, row_bytes) (or the gate rows with ``w_up``) of a qmatmul_mma type -> (..., k, F).
-    One launch; each expert's rows are read once for all the pairs that chose it. An id >= E
-    gives NaN rows. ``config``: NT, U, W; ``init_value`` pre-fills the output."""
-    _check_kernel_args(x, ggml_type, in_features, expert_ids)
-    plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
+    or (..., k, K), ids (..., k) (at most MAX_PAIRS in all; WIDE_LIST with ``wide``, the
+    prefill's kernel), w the fused [gate | up] blocks (E, 2F, row_bytes) (or the gate rows with
+    ``w_up``) of a qmatmul_mma type -> (..., k, F). One launch; each expert's rows are read once
+    for all the pairs that chose it. An id >= E gives NaN rows. ``config``: NT, U, W;
+    ``init_value`` pre-fills the output."""
+    _check_kernel_args(x, ggml_type, in_features, expert_ids, wide)
+    plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config, wide)
     wu = w if w_up is None else w_up
     return plan.call(x, w, wu, uint32_ids(expert_ids), init_value=init_value)
 
@@ -325,14 +339,15 @@ def grouped_expert_down(
     *,
     config: dict[str, int] | None = None,
     init_value: float | None = None,
+    wide: bool = False,
 ) -> mx.array:
     """sum over slots of weights[s] * (W[ids[s]] @ h[s]), the contract of expert_down_reference:
     bf16 h (..., k, F), ids and weights (..., k), w (E, N, row_bytes) -> (..., N) in h.dtype.
     Two launches: the grouped down projections (fp32 per (token, slot)), then their weighted
     sum in slot order 0..k-1. An id >= E gives a NaN row. ``config``: NT, U, W of the first;
-    ``init_value`` pre-fills both outputs."""
-    _check_kernel_args(h, ggml_type, in_features, expert_ids)
-    proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, config)
+    ``init_value`` pre-fills both outputs; ``wide``: the prefill's kernel (WIDE_LIST pairs)."""
+    _check_kernel_args(h, ggml_type, in_features, expert_ids, wide)
+    proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, config, wide)
     ids, wts = ids_and_weights(expert_ids, weights)
     y = proj.call(h, w, w, ids, init_value=init_value)
     return total.call(y, wts, init_value=init_value)
@@ -351,22 +366,25 @@ def covers(
     *,
     glu: bool = True,
     w_up: mx.array | None = None,
+    wide: bool = False,
 ) -> bool:
     """Whether the grouped kernels take this call: CUDA, bf16 x, a type in GLU_GPU_VERIFIED
     (``glu``) or GPU_VERIFIED (down) unless qmatmul_mma.ALL_TYPES, MIN_TOKENS..32 tokens of at most
-    MAX_PAIRS pairs, x one row per token or per pair (down: per pair), uint8 expert blocks."""
+    MAX_PAIRS pairs (``wide``, the prefill's kernels: any tokens of at most WIDE_PAIRS pairs), x
+    one row per token or per pair (down: per pair), uint8 expert blocks."""
     if ggml_type is None or backend() != "cuda" or not MM.supports(ggml_type, x.dtype, glu=glu):
         return False
-    if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= MAX_PAIRS:
+    cap = min(WIDE_PAIRS, WIDE_LIST) if wide else MAX_PAIRS
+    if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= cap:
         return False
     tokens = math.prod(expert_ids.shape[:-1])
-    if tokens < MIN_TOKENS:
+    if tokens < (1 if wide else MIN_TOKENS):
         return False
     per_pair = x.ndim == expert_ids.ndim + 1 and tuple(x.shape[:-1]) == tuple(expert_ids.shape)
     per_token = x.ndim == expert_ids.ndim and tuple(x.shape[:-1]) == tuple(expert_ids.shape[:-1])
     rb = row_bytes(ggml_type, x.shape[-1])
     return (
-        1 <= tokens <= MAX_TOKENS
+        (wide or tokens <= MAX_TOKENS)
         and (per_pair or (glu and per_token))
         and w.ndim == 3
         and w.dtype == mx.uint8
@@ -390,20 +408,23 @@ def expert_glu(
     in_features: int,
     activation: str,
     w_up: mx.array | None = None,
+    wide: bool = False,
 ) -> mx.array | None:
     """expert_glu.expert_glu's grouped path: grouped_expert_glu through a plan cached per call
-    shape where ``covers`` (caller errors raise as expert_glu's), else None."""
+    shape where ``covers`` (caller errors raise as expert_glu's), else None; ``wide``: the
+    prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, ggml_type, in_features, activation, x.shape, x.dtype,
-           w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
-           expert_ids.dtype)  # fmt: skip
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and WIDE_PAIRS, ggml_type, in_features, activation,
+           x.shape, x.dtype, w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype),
+           expert_ids.shape, expert_ids.dtype)  # fmt: skip
     if key in _GLU_CALLS:
         plan = _GLU_CALLS[key]
     else:
         plan = None
-        if covers(x, w, expert_ids, ggml_type, w_up=w_up):
+        if covers(x, w, expert_ids, ggml_type, w_up=w_up, wide=wide):
             check_expert_blocks(x, w, w_up, ggml_type, in_features)
-            plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None)
+            plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None,
+                             wide)  # fmt: skip
             plan.resolve(x.dtype, mx.uint8, mx.uint8, mx.uint32)
         _GLU_CALLS[key] = plan
     if plan is None:
@@ -418,22 +439,26 @@ def expert_down(
     weights: mx.array,
     ggml_type: int | None,
     in_features: int,
+    wide: bool = False,
 ) -> mx.array | None:
     """expert_down.expert_down's grouped path: grouped_expert_down through plans cached per
-    call shape where ``covers`` (and the weights match the ids), else None."""
+    call shape where ``covers`` (and the weights match the ids), else None; ``wide``: the
+    prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, ggml_type, in_features, h.shape, h.dtype, w.shape, w.dtype,
-           expert_ids.shape, expert_ids.dtype, weights.shape)  # fmt: skip
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and WIDE_PAIRS, ggml_type, in_features, h.shape,
+           h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
+           weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:
         plans = _DOWN_CALLS[key]
     else:
         plans = None
-        if covers(h, w, expert_ids, ggml_type, glu=False) and weights.shape == expert_ids.shape:
+        ok = covers(h, w, expert_ids, ggml_type, glu=False, wide=wide)
+        if ok and weights.shape == expert_ids.shape:
             if h.shape[-1] != in_features:
                 raise WeightMismatchError(
                     f"h has {h.shape[-1]} features, the experts {in_features}"
                 )
-            proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, None)
+            proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, None, wide)
             proj.resolve(h.dtype, mx.uint8, mx.uint8, mx.uint32)
             total.resolve(mx.float32, mx.float32)
             plans = (proj, total)

@@ -163,11 +163,13 @@ def _count_dequant(monkeypatch) -> list:
 def test_prefill_mode_parses_and_rejects(monkeypatch):
     """Each mode as named (case and spaces ignored), "auto" as PREFILL_AUTO; any other value an
     InvalidArgumentError naming the variable."""
-    for mode in ("dequant32", "dequant", "grouped"):
+    for mode in ("dequant32", "dequant", "grouped", "grouped-wide"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         assert EXM.prefill_mode() == mode
     monkeypatch.setattr(EXM, "PREFILL", " Grouped ")
     assert EXM.prefill_mode() == "grouped"
+    monkeypatch.setattr(EXM, "PREFILL", "GROUPED-WIDE")
+    assert EXM.prefill_mode() == "grouped-wide"
     monkeypatch.setattr(EXM, "PREFILL", "auto")
     assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "grouped"
     for bad in ("fp8", "", "dequant16", "grouped-view"):
@@ -300,10 +302,10 @@ def test_fp32_x_keeps_its_fp32_path(monkeypatch):
     t, K = T.Q4_K, 512
     raw = mx.array(_experts(t, E_EMU, 2 * F_EMU, K, seed=0))
     x, ids = mx.random.normal((40, K)), _ids(40, K_SLOTS, E_EMU, seed=1)
-    for mode in ("dequant32", "dequant", "grouped"):
+    for mode in ("dequant32", "dequant", "grouped", "grouped-wide"):
         monkeypatch.setattr(EXM, "PREFILL", mode)
         G.expert_glu(x, raw, ids, t, K)
-    assert seen == [mx.float32] * 3 and not calls
+    assert seen == [mx.float32] * 4 and not calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,6 +416,76 @@ def test_grouped_down_slices(monkeypatch, m, copy):
         else:
             want = D.expert_down(hi, w, ii, wi, t, K)
         assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
+
+
+def _by_32(m: int) -> list[tuple[int, int]]:
+    return [(i, min(i + 32, m)) for i in range(0, m, 32)]
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("m", [33, 100])
+def test_grouped_wide_glu(monkeypatch, m):
+    """PREFILL "grouped-wide": slices of WIDE_PAIRS // k tokens (lowered here to 40), each one
+    launch of the wide kernel, the last one too; no 32-token kernel, no dequantization. Every
+    32 tokens' bits are those of the 32-token grouped kernel on them alone (a pair's bits do
+    not depend on which pairs share its expert, so the wide list changes no number); within
+    the bf16 bound of fp32 math."""
+    t = T.Q4_K
+    raw, x, ids, K = _grouped_case(t, m, seed=140 + m)
+    w = mx.array(raw)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
+    monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
+    calls = _count_dequant(monkeypatch)
+    launched = _recording(monkeypatch)
+    y = G.expert_glu(x, w, ids, t, K, "silu")
+    names = [n for n, _ in launched]
+    assert not calls and y.shape == (m, K_SLOTS, F_EMU)
+    assert names == [EM._GLU_WIDE[t].name] * -(-m // 40), names
+    _check(y, x, raw[:, :F_EMU], raw[:, F_EMU:], ids, t, K, "silu")
+    for i, j in _by_32(m):
+        want = EM.grouped_expert_glu(_fresh(x[i:j]), w, _fresh(ids[i:j]), t, K, "silu")
+        assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("m", [33, 100])
+def test_grouped_wide_down(monkeypatch, m):
+    """The down with PREFILL "grouped-wide": one wide projection launch (and its slot sum) per
+    slice of 40 tokens here; every 32 tokens' bits those of the 32-token grouped kernels on
+    them alone; within the bf16 bound."""
+    t, K = T.Q4_K, 512
+    raw = _experts(t, E_EMU, F_EMU, K, seed=13)
+    ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=14 + m)
+    h = TD._h((m, K_SLOTS, K), mx.bfloat16, 15 + m)
+    w = mx.array(raw)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
+    monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
+    calls = _count_dequant(monkeypatch)
+    launched = _recording(monkeypatch)
+    y = D.expert_down(h, w, ids, wts, t, K)
+    names = [n for n, _ in launched]
+    assert not calls and y.shape == (m, F_EMU)
+    assert names.count(EM._DOWN_WIDE[t].name) == -(-m // 40)
+    assert EM._DOWN_KERNELS[t].name not in names
+    TD._check(y, h, raw, ids, wts, t, K)
+    for i, j in _by_32(m):
+        hi, ii, wi = (_fresh(a[i:j]) for a in (h, ids, wts))
+        want = EM.grouped_expert_down(hi, w, ii, wi, t, K)
+        assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
+
+
+def test_wide_kernel_capacity():
+    """One wide launch takes WIDE_LIST pairs (512 tokens at top-8), not one more; the 32-token
+    kernels MAX_PAIRS; the slice length follows WIDE_PAIRS."""
+    assert G.grouped_slice_tokens(8, wide=True) == EM.WIDE_LIST // 8 == 512
+    assert G.grouped_slice_tokens(8) == 32
+    x = mx.zeros((EM.WIDE_LIST // 8 + 1, 256), mx.bfloat16)
+    ids = mx.zeros((x.shape[0], 8), mx.uint32)
+    with pytest.raises(ValueError, match="at most 4096"):
+        EM._check_kernel_args(x, T.Q4_K, 256, ids, wide=True)
+    EM._check_kernel_args(x[:-1], T.Q4_K, 256, ids[:-1], wide=True)
+    with pytest.raises(ValueError, match="at most 256"):
+        EM._check_kernel_args(x[:33], T.Q4_K, 256, ids[:33], wide=False)
 
 
 @pytest.mark.usefixtures("fake_gpu")
@@ -537,3 +609,29 @@ def test_gpu_grouped_matches_dequant32(monkeypatch, m, shape):
             want_d = D.expert_down(hi, wd, ii, wi, t_dn, F)
         assert np.array_equal(_bits(y[i:j]), _bits(want)), f"GLU tokens {i}:{j}"
         assert np.array_equal(_bits(yd[i:j]), _bits(want_d)), f"down tokens {i}:{j}"
+
+
+@requires_gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the grouped kernels are CUDA only")
+@pytest.mark.parametrize("shape", [_GEMMA, _QWEN], ids=["26b-q5_0-down", "35b-q4_k-down"])
+@pytest.mark.parametrize("m", [100, 512, 1000])
+def test_gpu_grouped_wide_matches_grouped(monkeypatch, m, shape):
+    """ "grouped-wide" (one launch per 512 tokens) at T tokens: within the bound against fp32
+    math, and every full 32 tokens' bits those of "grouped" (the 32-token kernels), since a
+    pair's bits do not depend on the pairs sharing its expert (its tail of < 32 tokens takes
+    another kernel there, so only the bound holds for it)."""
+    H, F, t_dn, act = shape
+    gu, dn, x, ids, wts, h, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
+    wg, wd = mx.array(gu), mx.array(dn)
+    outs = {}
+    for mode in ("grouped", "grouped-wide"):
+        monkeypatch.setattr(EXM, "PREFILL", mode)
+        outs[mode] = (G.expert_glu(x, wg, ids, T.Q4_K, H, act),
+                      D.expert_down(h, wd, ids, wts, t_dn, F))  # fmt: skip
+        mx.eval(*outs[mode])
+    (y, yd), (y32, yd32) = outs["grouped-wide"], outs["grouped"]
+    _assert_within(y, g_ref, g_same)
+    _assert_within(yd, d_ref, d_same)
+    full = m // 32 * 32
+    assert np.array_equal(_bits(y[:full]), _bits(y32[:full]))
+    assert np.array_equal(_bits(yd[:full]), _bits(yd32[:full]))
