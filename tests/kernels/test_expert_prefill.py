@@ -503,16 +503,17 @@ def test_grouped_falls_back_where_not_covered(monkeypatch):
 
 
 @pytest.mark.usefixtures("fake_gpu")
-def test_models_ops_reach_the_grouped_prefill(monkeypatch):
+@pytest.mark.parametrize("mode", ["grouped", "grouped-wide"])
+def test_models_ops_reach_the_grouped_prefill(monkeypatch, mode):
     """models/ops.expert_glu and expert_down on ExpertLinear modules (the models' call) take the
-    grouped slices at 40 tokens: the dispatchers' bits, a grouped kernel launched."""
+    grouped slices at 40 tokens: the dispatchers' bits, a grouped kernel (the mode's) launched."""
     import hf2q_mlx.custom_kernels as ck
     from hf2q_mlx.models import ops
     from hf2q_mlx.models.experts import ExpertLinear
 
     monkeypatch.setattr(ck, "backend", lambda: "cuda")  # ops.use_kernels()
     launched = _recording(monkeypatch)
-    monkeypatch.setattr(EXM, "PREFILL", "grouped")
+    monkeypatch.setattr(EXM, "PREFILL", mode)
     t_gu, t_dn, H, F, m = T.Q4_K, T.Q8_0, 512, 32, 40  # down rows of K = F: Q8_0 (32-blocks)
     gate_up, down = ExpertLinear(E_EMU, H, 2 * F, t_gu), ExpertLinear(E_EMU, F, H, t_dn)
     gate_up.weight = mx.array(_experts(t_gu, E_EMU, 2 * F, H, seed=90))
@@ -521,11 +522,13 @@ def test_models_ops_reach_the_grouped_prefill(monkeypatch):
     ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=93)
     h = ops.expert_glu(x, ids, gate_up, None, "silu")
     names = [n for n, _ in launched]
-    assert EM._GLU_KERNELS[t_gu].name in names
+    wide = mode == "grouped-wide"
+    glu_k, down_k = (EM._GLU_WIDE, EM._DOWN_WIDE) if wide else (EM._GLU_KERNELS, EM._DOWN_KERNELS)
+    assert glu_k[t_gu].name in names
     assert np.array_equal(_bits(h), _bits(G.expert_glu(x, gate_up.weight, ids, t_gu, H)))
     y = ops.expert_down(h, ids, wts, down)
     names = [n for n, _ in launched]
-    assert EM._DOWN_KERNELS[t_dn].name in names
+    assert down_k[t_dn].name in names
     assert np.array_equal(_bits(y), _bits(D.expert_down(h, down.weight, ids, wts, t_dn, F)))
 
 
