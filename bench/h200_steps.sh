@@ -61,6 +61,8 @@ step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --ac
 step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
 # the grouped-kernel MoE prefill: 32-token slices (the default) against one launch per 512 tokens (grouped-wide)
 step moe-prefill-grouped 240 "python3 bench/moe_prefill.py --paths dequant32 grouped grouped-wide --tokens 64 256 1024 4096 --rounds 5 --json $OUT/moe_prefill_grouped.json"
+# whole-model prefill: the default (grouped) against dequant32 and grouped-wide, one process
+step prefill-wide 300 "python3 bench/prefill.py $OUT/prefill_wide.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --rounds 3 --env HF2Q_EXPERT_PREFILL=dequant32 --env HF2Q_EXPERT_PREFILL=grouped-wide"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from

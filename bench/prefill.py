@@ -33,16 +33,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders, the mlx-lm twin)
 
+from hf2q_mlx.custom_kernels import expert_matmul as EXM  # noqa: E402
+
+# switches a module reads from the environment once, at import: a variant sets the module's
+# attribute too (session 13's `--env HF2Q_EXPERT_PREFILL=dequant32` set only the environment,
+# so its "dequant32" rows ran the default path)
+IMPORT_TIME = {
+    "HF2Q_EXPERT_PREFILL": (EXM, "PREFILL", str),
+    "HF2Q_GROUPED_SLICE_COPY": (EXM, "GROUPED_SLICE_COPY", lambda v: v.strip() != "0"),
+}
+
 
 class Variant:
-    """A model prefilling prompts into new caches, ``env`` set while it runs."""
+    """A model prefilling prompts into new caches, ``env`` set while it runs (in the environment,
+    and in the module attribute of a switch read at import)."""
 
     def __init__(self, model, env: dict[str, str], chunk: int):
         self.model, self.env, self.chunk = model, env, chunk
 
     def prefill(self, prompt: mx.array) -> float:
         old = {k: os.environ.get(k) for k in self.env}
+        attrs = {k: IMPORT_TIME[k] for k in self.env if k in IMPORT_TIME}
+        saved = {k: getattr(m, a) for k, (m, a, _) in attrs.items()}
         os.environ.update(self.env)
+        for k, (m, a, parse) in attrs.items():
+            setattr(m, a, parse(self.env[k]))
         try:
             cache = self.model.make_cache()
             tic = time.perf_counter()
@@ -54,6 +69,8 @@ class Variant:
             mx.eval(logits[:, -1, :])
             return time.perf_counter() - tic
         finally:
+            for k, (m, a, _) in attrs.items():
+                setattr(m, a, saved[k])
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
