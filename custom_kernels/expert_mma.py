@@ -21,7 +21,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
-from hf2q_mlx.errors import WeightMismatchError
+from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 # HF2Q_GROUPED_EXPERTS: "auto" (default) takes the grouped kernels from MIN_TOKENS tokens per
 # call (a serving step's rows; on the H200 they are 1.7x the per-pair kernels at 32 tokens,
@@ -39,6 +39,11 @@ MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32
 # same in both (see below). WIDE_PAIRS is read at each call (tests lower it to cut slices).
 WIDE_LIST = 4096
 WIDE_PAIRS = WIDE_LIST
+# n-tiles of 8 columns per column group in the wide kernels (HF2Q_GROUPED_WIDE_NT: 1, 2 or 4;
+# read at import, the plan caches key on it): an expert's weight tile is decoded once per
+# group, and a 512-token launch gives an expert ~16 (35B-A3B) to ~32 (26B-A4B) pairs. Not
+# timed yet; NT changes no bits (U and W alone set a column's sum).
+WIDE_NT = int(os.environ.get("HF2Q_GROUPED_WIDE_NT", "2"))
 
 # --------------------------------------------------------------------------------------------
 # Kernel: qmatmul_mma's loop (16 rows of H row sets against up to 8 NT columns of x) with the
@@ -244,6 +249,13 @@ def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
     return MM._config(dict.fromkeys((32, 256), GROUPED_RUN), ggml_type, 1, K)
 
 
+def wide_config(ggml_type: int, K: int) -> dict[str, int]:
+    """NT, U, W of the wide kernels: the 32-token kernels' U and W, WIDE_NT n-tiles."""
+    if WIDE_NT not in (1, 2, 4):
+        raise InvalidArgumentError(f"HF2Q_GROUPED_WIDE_NT={WIDE_NT}: expected 1, 2 or 4")
+    return {**grouped_config(ggml_type, K), "NT": WIDE_NT}
+
+
 def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,
                   out_dtype, cfg: dict, template: dict, wide: bool) -> LaunchPlan:  # fmt: skip
     """The grouped launch: (ceil(N / 16), E + 1) threadgroups of W SIMD groups."""
@@ -271,7 +283,7 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
 def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config,
               wide: bool = False):  # fmt: skip
     F = w.shape[1] if w_up is not None else w.shape[1] // 2
-    cfg = config or grouped_config(ggml_type, K)
+    cfg = config or (wide_config if wide else grouped_config)(ggml_type, K)
     act = {"ACT": activations.ACTIVATIONS.index(activation)}
     kernel = (_GLU_WIDE if wide else _GLU_KERNELS)[ggml_type]
     return _grouped_plan(kernel, x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg, act, wide)
@@ -281,7 +293,7 @@ def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config, wide: bool = F
     N = w.shape[1]
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
-    cfg = config or grouped_config(ggml_type, K)
+    cfg = config or (wide_config if wide else grouped_config)(ggml_type, K)
     kernel = (_DOWN_WIDE if wide else _DOWN_KERNELS)[ggml_type]
     proj = _grouped_plan(kernel, h, w, None, expert_ids, K, N, 1, mx.float32, cfg, {}, wide)
     total = LaunchPlan(
@@ -414,9 +426,10 @@ def expert_glu(
     shape where ``covers`` (caller errors raise as expert_glu's), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and WIDE_PAIRS, ggml_type, in_features, activation,
-           x.shape, x.dtype, w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype),
-           expert_ids.shape, expert_ids.dtype)  # fmt: skip
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, WIDE_NT), ggml_type, in_features,
+           activation, x.shape, x.dtype, w.shape, w.dtype,
+           None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
+           expert_ids.dtype)  # fmt: skip
     if key in _GLU_CALLS:
         plan = _GLU_CALLS[key]
     else:
@@ -445,8 +458,8 @@ def expert_down(
     call shape where ``covers`` (and the weights match the ids), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and WIDE_PAIRS, ggml_type, in_features, h.shape,
-           h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, WIDE_NT), ggml_type, in_features,
+           h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
            weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:
         plans = _DOWN_CALLS[key]

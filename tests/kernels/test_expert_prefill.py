@@ -423,16 +423,17 @@ def _by_32(m: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.usefixtures("fake_gpu")
-@pytest.mark.parametrize("m", [33, 100])
-def test_grouped_wide_glu(monkeypatch, m):
+@pytest.mark.parametrize("m,nt", [(33, 2), (100, 1), (100, 2), (100, 4)])
+def test_grouped_wide_glu(monkeypatch, m, nt):
     """PREFILL "grouped-wide": slices of WIDE_PAIRS // k tokens (lowered here to 40), each one
     launch of the wide kernel, the last one too; no 32-token kernel, no dequantization. Every
     32 tokens' bits are those of the 32-token grouped kernel on them alone (a pair's bits do
-    not depend on which pairs share its expert, so the wide list changes no number); within
-    the bf16 bound of fp32 math."""
+    not depend on which pairs share its expert, nor on the n-tiles per column group: the wide
+    kernels run WIDE_NT of them, the 32-token ones 1); within the bf16 bound of fp32 math."""
     t = T.Q4_K
     raw, x, ids, K = _grouped_case(t, m, seed=140 + m)
     w = mx.array(raw)
+    monkeypatch.setattr(EM, "WIDE_NT", nt)
     monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
     monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
     calls = _count_dequant(monkeypatch)
@@ -472,6 +473,13 @@ def test_grouped_wide_down(monkeypatch, m):
         hi, ii, wi = (_fresh(a[i:j]) for a in (h, ids, wts))
         want = EM.grouped_expert_down(hi, w, ii, wi, t, K)
         assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
+
+
+def test_wide_nt_must_be_1_2_or_4(monkeypatch):
+    assert EM.wide_config(T.Q4_K, 512)["NT"] == EM.WIDE_NT == 2  # the default
+    monkeypatch.setattr(EM, "WIDE_NT", 3)
+    with pytest.raises(InvalidArgumentError, match="HF2Q_GROUPED_WIDE_NT"):
+        EM.wide_config(T.Q4_K, 512)
 
 
 def test_wide_kernel_capacity():
