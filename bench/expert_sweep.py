@@ -3,7 +3,9 @@
 Times the per-pair kernels (custom_kernels/expert_glu.py gate/up + activation,
 custom_kernels/expert_down.py down + weighted sum) over a grid of (R, U, W), the down kernel's
 slot-parallel mapping ("down_slots": a token's k slots over S teams of W SIMD groups) over
-(R, U, W, S), and the grouped tensor-core ones (custom_kernels/expert_mma.py) over (NT, U, W),
+(R, U, W, S), and the grouped tensor-core ones (custom_kernels/expert_mma.py) over (NT, U, W)
+(the prefill's wide ones, "wide_glu" / "wide_down", up to 512 tokens: per-pair kernels only run
+to 32 tokens, the 32-token grouped ones to 256 pairs),
 each against its kernel's default configuration ("down_slots" against the per-pair down
 kernel's default, today's mapping), on random Q4_K / Q5_0 experts (the bench/moe_launches.py
 recipe) and random top-k ids. Weights rotate over COPIES layers' worth and each call draws
@@ -21,11 +23,14 @@ sees, not the kernel's duration alone.
     python3 bench/expert_sweep.py --json bench/results/expert_sweep_h200.json
     python3 bench/expert_sweep.py --shapes gemma4:26b-a4b --batch 1 --budget 60
     python3 bench/expert_sweep.py --kernels down down_slots --json OUT.json  # old vs new down
+    python3 bench/expert_sweep.py --kernels grouped_glu grouped_down wide_glu wide_down \
+        --batch 32 512 --json OUT.json                      # the prefill's wide kernels
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -52,7 +57,9 @@ GROUPED = [dict(NT=n, U=u, W=w) for n, u, w in itertools.product((1, 2), (1, 2),
 SLOTS = [dict(R=r, U=u, W=w, S=s)
          for r, u, w, s in itertools.product((2, 4, 8), (1, 2), (1, 2), (2, 4, 8))
          if w * s <= 8]  # fmt: skip
-KERNELS = ("glu", "down", "down_slots", "grouped_glu", "grouped_down")
+# the prefill's wide grouped kernels (a 4,096-pair list; HF2Q_EXPERT_PREFILL=grouped-wide)
+WIDE = [dict(NT=n, U=u, W=w) for n, u, w in itertools.product((1, 2, 4), (1, 2), (2, 4))]
+KERNELS = ("glu", "down", "down_slots", "grouped_glu", "grouped_down", "wide_glu", "wide_down")
 
 
 def experts(E: int, rows: int, cols: int, seed: int) -> tuple[mx.array, int]:
@@ -110,14 +117,19 @@ def sweep_shape(
         down = calls(X.grouped_expert_down, D.expert_down_kernel,
                      [(h, d[0], i, w, t_dn, F) for d, i, w in zip(dn, ids, wts)])  # fmt: skip
         slots = [c for c in SLOTS if c["S"] <= k]  # more teams than slots would idle
-        kernels = [("glu", glu, PER_PAIR, False), ("down", down, PER_PAIR, False),
-                   ("down_slots", down, slots, False)]  # fmt: skip
-        if (
-            B * k <= X.MAX_PAIRS
-            and MM.supports(t_gu, mx.bfloat16, glu=True)
-            and MM.supports(t_dn, mx.bfloat16)
-        ):
+        kernels = []
+        if B <= G.MAX_TOKENS:  # the per-pair kernels' reach
+            kernels += [("glu", glu, PER_PAIR, False), ("down", down, PER_PAIR, False),
+                        ("down_slots", down, slots, False)]  # fmt: skip
+        mma_ok = MM.supports(t_gu, mx.bfloat16, glu=True) and MM.supports(t_dn, mx.bfloat16)
+        if B * k <= X.MAX_PAIRS and mma_ok:
             kernels += [("grouped_glu", glu, GROUPED, True), ("grouped_down", down, GROUPED, True)]
+        if B * k <= X.WIDE_LIST and mma_ok:
+            wglu = calls(functools.partial(X.grouped_expert_glu, wide=True), None,
+                         [(x, g[0], i, t_gu, H, act) for g, i in zip(gu, ids)])  # fmt: skip
+            wdown = calls(functools.partial(X.grouped_expert_down, wide=True), None,
+                          [(h, d[0], i, w, t_dn, F) for d, i, w in zip(dn, ids, wts)])  # fmt: skip
+            kernels += [("wide_glu", wglu, WIDE, True), ("wide_down", wdown, WIDE, True)]
         for name, make, grid, grouped in kernels:
             if name not in which:
                 continue
@@ -147,7 +159,7 @@ def summarize(rows: list[dict]) -> None:
     B at its best R or NT), against the defaults' sum."""
     for shape, kernel in sorted({(r["shape"], r["kernel"]) for r in rows}):
         mine = [r for r in rows if r["shape"] == shape and r["kernel"] == kernel]
-        inner = ("NT",) if kernel.startswith("grouped") else ("R",)
+        inner = ("NT",) if kernel.startswith(("grouped", "wide")) else ("R",)
         inner += ("S",) if kernel == "down_slots" else ()
         totals = {}
         for r in mine:

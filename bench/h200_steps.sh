@@ -31,6 +31,7 @@ step step-parity 300 "python3 -m pytest -q -x -p no:cacheprovider tests/test_ste
 step moe-grouped 240 "HF2Q_GROUPED_EXPERTS=0 python3 bench/moe_launches.py --formats q4_k --batch 1 8 32 && HF2Q_GROUPED_EXPERTS=1 python3 bench/moe_launches.py --formats q4_k --batch 1 8 32"
 # launch configurations of the routed-expert kernels (issues 14, 15), and their GPU parity
 step expert-gpu-tests 300 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_expert_mma.py tests/kernels/test_expert_glu.py tests/kernels/test_expert_down.py"
+step wide-sweep 300 "python3 bench/expert_sweep.py --kernels grouped_glu grouped_down wide_glu wide_down --batch 32 512 --budget 240 --json $OUT/expert_sweep_wide.json"
 step expert-sweep 300 "python3 bench/expert_sweep.py --budget 240 --json $OUT/expert_sweep.json"
 # whole-model decode against mlx-lm, B = 1 (issue 15); the router split's parity and A/B
 step router-tests 100 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_moe_router.py"
