@@ -49,7 +49,10 @@ step profile-26b-var 240 "HF2Q_DOWN_SLOTS=8 HF2Q_ATTN_SPLIT=${ATTN_SPLIT:-4,8} H
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # issue 15's table (ours Q4_K / MLX 4-bit against mlx-lm: decode, prefill, kernels, busy), one
 # shape per call: SHAPES one of gemma4:26b-a4b, gemma4:31b, qwen3_5:35b-a3b, qwen3_5:9b
-step speed-table 540 "python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --rounds 5 --tokens 32"
+# (LLAMA=1: with llama.cpp on the same GGUF, the bundle copied into ../.device as for llama-peer)
+PEER_UNPACK="mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } &&"
+PEER_ARGS="--llama /tmp/peer/cuda/run.sh --llama-args '-ngl 99' --gguf-dir /tmp"
+step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --rounds 5 --tokens 32 ${LLAMA:+$PEER_ARGS}"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
 step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,2,4,8,16,32 --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_35b.json"

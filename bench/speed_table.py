@@ -19,9 +19,17 @@ token and per layer, Python ms per token, GPU busy; for dense shapes the weight-
 (parameter bytes a token reads x tok/s) against this device's copy bandwidth (``--copy-gib``
 read and written by one elementwise op). Writes JSON after every shape.
 
+``--llama PATH`` (a llama.cpp bin folder or the CUDA bundle's run.sh, ../shared/peers) adds
+llama.cpp as the second peer on the same GGUF: the shape's random weights are written as a
+GGUF (bench/random_gguf.py), ours Q4_K is loaded from that file (``hf2q_mlx.load``) instead of
+built in memory, and every round ends with one ``llama-bench -p PROMPT -n TOKENS -r 1`` on it;
+the table then carries llama.cpp's row and ours / llama.cpp round by round.
+
     python3 bench/speed_table.py OUT.json     # all four real shapes: 26B-A4B, 31B, 35B-A3B, 9B
     python3 bench/speed_table.py OUT.json --shapes qwen3_5:9b --rounds 5 --time-cap 400
     python3 bench/speed_table.py OUT.json --tiny --rounds 2 --tokens 4   # CPU smoke run
+    python3 bench/speed_table.py OUT.json --shapes gemma4:26b-a4b --llama /tmp/peer/cuda/run.sh \
+        --llama-args "-ngl 99"                        # H200, with llama.cpp on the same GGUF
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_profile as dp  # noqa: E402  (bench/decode_profile.py: CUPTI kernel list)
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders, the mlx-lm twin)
+import llama_peer  # noqa: E402  (bench/llama_peer.py: llama-bench's JSON)
+import random_gguf  # noqa: E402  (bench/random_gguf.py: the shapes as GGUF files)
 
+import hf2q_mlx  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.generation import decode_mode  # noqa: E402
 
@@ -174,9 +186,18 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
     max_len = a.prompt + a.tokens + a.profile_steps + 16
     variants: dict[str, Variant] = {}
     wbytes = {}
+    gguf = None
+    if a.llama:
+        gguf = Path(a.gguf_dir or tempfile.mkdtemp()) / f"{name.replace(':', '_')}.gguf"
+        tic = time.perf_counter()
+        random_gguf.write_random_gguf(name, gguf)
+        print(f"{name}: wrote {gguf} in {time.perf_counter() - tic:.1f} s", flush=True)
     for fmt in a.formats:
         tic = time.perf_counter()
-        model = ds.build(name, config, fmt)
+        if gguf is not None and fmt == "q4_k":  # llama.cpp's file, through our loader
+            model = hf2q_mlx.load(gguf)[0]
+        else:
+            model = ds.build(name, config, fmt)
         twin = ds.mlx_lm_twin(name, config, model) if fmt == "mlx4" and not a.no_mlx_lm else None
         model.fuse_projections()  # as the loader does
         print(f"{name} {fmt}: built in {time.perf_counter() - tic:.1f} s", flush=True)
@@ -194,30 +215,45 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
         print(f"  first {a.prompt}-token prefill, {k}: {first[k]:.2f} s", flush=True)
     dec = {k: [] for k in variants}
     pre = {k: [] for k in variants}
+    if gguf is not None:
+        dec["llama.cpp"], pre["llama.cpp"] = [], []
     for r in range(a.rounds):
         key, sub = mx.random.split(key)
         prompt = mx.random.randint(0, vocab, (1, a.prompt), key=sub)
         for k, v in variants.items():
             pre[k].append(a.prompt / v.prefill(prompt))
             dec[k].append(a.tokens / v.decode(a.tokens))
+        if gguf is not None:
+            mx.clear_cache()  # our freed buffers back to the device before llama.cpp allocates
+            peer = llama_peer.run_llama_bench(a.llama, gguf, a.prompt, a.tokens, 1,
+                                              a.llama_args.split())  # fmt: skip
+            pre["llama.cpp"].append(peer["pp_tok_s"])
+            dec["llama.cpp"].append(peer["tg_tok_s"])
         print(f"{name} round {r}: " + ", ".join(
-            f"{k} decode {dec[k][-1]:.1f} prefill {pre[k][-1]:.0f}" for k in variants),
+            f"{k} decode {dec[k][-1]:.1f} prefill {pre[k][-1]:.0f}" for k in dec),
             flush=True)  # fmt: skip
     out = {"shape": name, "layers": layers, "moe": moe, "prompt": a.prompt, "tokens": a.tokens,
            "decode_path": "compiled" if compiled else "eager", "first_prefill_s": first,
-           "variants": {}}  # fmt: skip
+           "gguf": None if gguf is None else str(gguf), "variants": {}}  # fmt: skip
     ref = "mlx-lm mlx4" if "mlx-lm mlx4" in variants else None
     for k, v in variants.items():
         row = {"decode": stats(dec[k]), "prefill": stats(pre[k])}
         if ref:
             row["decode_ratio"] = stats([x / y for x, y in zip(dec[k], dec[ref])])
             row["prefill_ratio"] = stats([x / y for x, y in zip(pre[k], pre[ref])])
+        if gguf is not None:
+            row["decode_ratio_llama"] = stats([x / y for x, y in zip(dec[k], dec["llama.cpp"])])
+            row["prefill_ratio_llama"] = stats([x / y for x, y in zip(pre[k], pre["llama.cpp"])])
         row["profile"] = p = v.profile(a.profile_steps, use_cuda)
         if "kernels" in p:
             p["kernels_per_layer"] = p["kernels"] / layers
         if not moe:
             row["weight_gb_s"] = wbytes[k] * row["decode"]["median"] / 1e9
         out["variants"][k] = row
+    if gguf is not None:
+        out["llama.cpp"] = {"decode": stats(dec["llama.cpp"]), "prefill": stats(pre["llama.cpp"])}
+        if not a.keep_gguf:
+            gguf.unlink(missing_ok=True)
     del variants
     gc.collect()
     mx.clear_cache()
@@ -265,6 +301,14 @@ def report(res: dict, copy_gb_s: float | None) -> list[str]:
         for what, got, want, sign in checks:
             if got is not None and (got - want) * sign < 0:
                 missed.append(f"{res['shape']} {k}: {what} {got:.3g} (bar {want})")
+    peer = res.get("llama.cpp")
+    if peer:
+        print(f"  llama.cpp, same GGUF: decode {_fmt(peer['decode'], '.1f')}, prefill "
+              f"{_fmt(peer['prefill'], '.0f')} tok/s")  # fmt: skip
+        for k, r in res["variants"].items():
+            if "decode_ratio_llama" in r:
+                print(f"    {k} / llama.cpp: decode {_fmt(r['decode_ratio_llama'], '.2f')}, "
+                      f"prefill {_fmt(r['prefill_ratio_llama'], '.2f')}")  # fmt: skip
     for k, s in res["first_prefill_s"].items():
         print(f"  first prefill (kernels compiled) {k}: {s:.2f} s")
     return missed
@@ -284,6 +328,10 @@ def main(argv=None) -> None:
     p.add_argument("--copy-gib", type=float, default=4.0, help="GiB of the copy-bandwidth probe")
     p.add_argument("--no-mlx-lm", action="store_true")
     p.add_argument("--time-cap", type=float, default=None, help="start no shape past this (s)")
+    p.add_argument("--llama", default=None, help="llama.cpp bin folder or run.sh: the peer column")
+    p.add_argument("--llama-args", default="", help="more llama-bench arguments ('-ngl 99 -t 2')")
+    p.add_argument("--gguf-dir", default=None, help="where --llama's GGUFs go (default: a tmp dir)")
+    p.add_argument("--keep-gguf", action="store_true", help="keep --llama's GGUF files")
     a = p.parse_args(argv)
     a.formats = a.formats.split(",")
     if a.rounds < 1 or a.tokens < 1 or a.prompt < 1 or a.profile_steps < 1 or a.chunk < 1:

@@ -4,11 +4,13 @@ promises, and the bar checks flag what misses them."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -79,3 +81,26 @@ def test_weight_bytes_counts_a_tied_table_once_as_the_head():
     mx.eval(tied.parameters(), untied.parameters())
     assert st.weight_bytes(tied) == (40 + 16) * 4  # the table is read whole as the head
     assert st.weight_bytes(untied) == (16 + 40) * 4  # the head, not the gathered table
+
+
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "llama-cpu-x86_64.tar.xz"
+
+
+def test_llama_cpp_column_on_the_same_gguf(tmp_path):
+    """--llama: the shape written as a GGUF, ours Q4_K loaded from it, llama-bench once per
+    round on it; the peer's row and ours / llama.cpp per round; the file removed after."""
+    if not PEERS.is_file():
+        pytest.skip(f"no llama.cpp CPU bundle at {PEERS}")
+    subprocess.run(["tar", "-xJf", str(PEERS), "-C", str(tmp_path)], check=True)
+    out, gguf_dir = tmp_path / "table.json", tmp_path / "gguf"
+    gguf_dir.mkdir()
+    args = "--tiny --shapes qwen3_5:tiny --formats q4_k --rounds 2 --tokens 3 --prompt 16"
+    llama = ["--llama", str(tmp_path / "bin"), "--llama-args", "-t 2", "--gguf-dir", str(gguf_dir)]
+    st.main([str(out), *args.split(), "--profile-steps", "2", "--no-mlx-lm", *llama])
+    res = json.loads(out.read_text())["shapes"][0]
+    peer, ours = res["llama.cpp"], res["variants"]["ours q4_k"]
+    assert len(peer["decode"]["values"]) == 2 and peer["decode"]["min"] > 0
+    assert peer["prefill"]["min"] > 0
+    ratio = ours["decode_ratio_llama"]["values"]
+    assert ratio == [x / y for x, y in zip(ours["decode"]["values"], peer["decode"]["values"])]
+    assert res["gguf"].startswith(str(gguf_dir)) and not list(gguf_dir.iterdir())
