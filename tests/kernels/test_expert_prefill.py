@@ -569,6 +569,20 @@ def _gpu_case(m: int, shape: tuple = _GEMMA):
     return _GPU_REFS[m, shape]
 
 
+def _by_mode(monkeypatch, modes: tuple, m: int, shape: tuple) -> dict:
+    """mode -> (GLU, down) of the GPU case at each HF2Q_EXPERT_PREFILL mode, evaluated."""
+    H, F, t_dn, act = shape
+    gu, dn, x, ids, wts, h, _ = _gpu_case(m, shape)
+    wg, wd = mx.array(gu), mx.array(dn)
+    outs = {}
+    for mode in modes:
+        monkeypatch.setattr(EXM, "PREFILL", mode)
+        outs[mode] = (G.expert_glu(x, wg, ids, T.Q4_K, H, act),
+                      D.expert_down(h, wd, ids, wts, t_dn, F))  # fmt: skip
+        mx.eval(*outs[mode])
+    return outs
+
+
 @requires_gpu
 @pytest.mark.parametrize("m", [33, 100, 512])
 def test_gpu_prefill_paths_match_fp32(monkeypatch, m):
@@ -598,12 +612,7 @@ def test_gpu_grouped_matches_dequant32(monkeypatch, m, shape):
     gu, dn, x, ids, wts, h, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
     wg, wd = mx.array(gu), mx.array(dn)
     monkeypatch.setattr(EXM, "GROUPED_SLICE_COPY", True)
-    outs = {}
-    for mode in ("dequant32", "grouped"):
-        monkeypatch.setattr(EXM, "PREFILL", mode)
-        outs[mode] = (G.expert_glu(x, wg, ids, T.Q4_K, H, act),
-                      D.expert_down(h, wd, ids, wts, t_dn, F))  # fmt: skip
-        mx.eval(*outs[mode])
+    outs = _by_mode(monkeypatch, ("dequant32", "grouped"), m, shape)
     (y, yd), (y32, yd32) = outs["grouped"], outs["dequant32"]
     for got, d32, ref, same in ((y, y32, g_ref, g_same), (yd, yd32, d_ref, d_same)):
         _assert_within(got, ref, same)
@@ -631,15 +640,8 @@ def test_gpu_grouped_wide_matches_grouped(monkeypatch, m, shape):
     math, and every full 32 tokens' bits those of "grouped" (the 32-token kernels), since a
     pair's bits do not depend on the pairs sharing its expert (its tail of < 32 tokens takes
     another kernel there, so only the bound holds for it)."""
-    H, F, t_dn, act = shape
-    gu, dn, x, ids, wts, h, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
-    wg, wd = mx.array(gu), mx.array(dn)
-    outs = {}
-    for mode in ("grouped", "grouped-wide"):
-        monkeypatch.setattr(EXM, "PREFILL", mode)
-        outs[mode] = (G.expert_glu(x, wg, ids, T.Q4_K, H, act),
-                      D.expert_down(h, wd, ids, wts, t_dn, F))  # fmt: skip
-        mx.eval(*outs[mode])
+    *_, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
+    outs = _by_mode(monkeypatch, ("grouped", "grouped-wide"), m, shape)
     (y, yd), (y32, yd32) = outs["grouped-wide"], outs["grouped"]
     _assert_within(y, g_ref, g_same)
     _assert_within(yd, d_ref, d_same)
