@@ -43,7 +43,7 @@ WIDE_PAIRS = WIDE_LIST
 # read at import, the plan caches key on it): an expert's weight tile is decoded once per
 # group, and a 512-token launch gives an expert ~16 (35B-A3B) to ~32 (26B-A4B) pairs. Not
 # timed yet; NT changes no bits (U and W alone set a column's sum).
-WIDE_NT = int(os.environ.get("HF2Q_GROUPED_WIDE_NT", "2"))
+WIDE_NT = os.environ.get("HF2Q_GROUPED_WIDE_NT", "2")  # parsed by wide_config
 
 # --------------------------------------------------------------------------------------------
 # Kernel: qmatmul_mma's loop (16 rows of H row sets against up to 8 NT columns of x) with the
@@ -251,9 +251,10 @@ def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
 
 def wide_config(ggml_type: int, K: int) -> dict[str, int]:
     """NT, U, W of the wide kernels: the 32-token kernels' U and W, WIDE_NT n-tiles."""
-    if WIDE_NT not in (1, 2, 4):
-        raise InvalidArgumentError(f"HF2Q_GROUPED_WIDE_NT={WIDE_NT}: expected 1, 2 or 4")
-    return {**grouped_config(ggml_type, K), "NT": WIDE_NT}
+    nt = str(WIDE_NT).strip()
+    if nt not in ("1", "2", "4"):
+        raise InvalidArgumentError(f"HF2Q_GROUPED_WIDE_NT={WIDE_NT!r}: expected 1, 2 or 4")
+    return {**grouped_config(ggml_type, K), "NT": int(nt)}
 
 
 def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,

@@ -476,10 +476,19 @@ def test_grouped_wide_down(monkeypatch, m):
 
 
 def test_wide_nt_must_be_1_2_or_4(monkeypatch):
-    assert EM.wide_config(T.Q4_K, 512)["NT"] == EM.WIDE_NT == 2  # the default
-    monkeypatch.setattr(EM, "WIDE_NT", 3)
-    with pytest.raises(InvalidArgumentError, match="HF2Q_GROUPED_WIDE_NT"):
-        EM.wide_config(T.Q4_K, 512)
+    """HF2Q_GROUPED_WIDE_NT: 2 unset; 1, 2, 4 taken (spaces ignored); anything else an
+    InvalidArgumentError naming the variable at the first wide launch, never at import."""
+    assert EM.wide_config(T.Q4_K, 512)["NT"] == 2 and EM.WIDE_NT == "2"  # the default
+    monkeypatch.setattr(EM, "WIDE_NT", " 4 ")
+    assert EM.wide_config(T.Q4_K, 512)["NT"] == 4
+    for bad in ("3", "x", "", "2.0"):
+        monkeypatch.setattr(EM, "WIDE_NT", bad)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_GROUPED_WIDE_NT"):
+            EM.wide_config(T.Q4_K, 512)
+    code = "from hf2q_mlx.custom_kernels import expert_mma as m; print(m.WIDE_NT)"
+    env = {**os.environ, "HF2Q_GROUPED_WIDE_NT": "x"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "x", out.stderr
 
 
 def test_wide_kernel_capacity():
