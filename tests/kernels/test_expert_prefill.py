@@ -358,9 +358,12 @@ def _slices(m: int, k: int = K_SLOTS) -> list[tuple[int, int]]:
     return every[:2] + every[2:][-1:]
 
 
+# slice copies on at every size, off (views) at one: both right on the H200 (session 13)
+SLICE_CASES = [(33, True), (96, True), (100, True), (100, False)]
+
+
 @pytest.mark.usefixtures("fake_gpu")
-@pytest.mark.parametrize("copy", [True, False])
-@pytest.mark.parametrize("m", [33, 96, 100])
+@pytest.mark.parametrize("m,copy", SLICE_CASES)
 def test_grouped_glu_slices(monkeypatch, m, copy):
     """PREFILL "grouped": slices of 32 tokens through the grouped kernel (each slice's bits
     those of grouped_expert_glu on it alone: the first two and the last), a short tail through
@@ -389,8 +392,7 @@ def test_grouped_glu_slices(monkeypatch, m, copy):
 
 
 @pytest.mark.usefixtures("fake_gpu")
-@pytest.mark.parametrize("copy", [True, False])
-@pytest.mark.parametrize("m", [33, 96, 100])
+@pytest.mark.parametrize("m,copy", SLICE_CASES)
 def test_grouped_down_slices(monkeypatch, m, copy):
     """The down with PREFILL "grouped": within the bf16 bound per token, the 32-token slices'
     bits (the first two, the last) those of grouped_expert_down on each alone, a tail's those of
@@ -423,7 +425,7 @@ def _by_32(m: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.usefixtures("fake_gpu")
-@pytest.mark.parametrize("m,nt", [(33, 2), (100, 1), (100, 2), (100, 4)])
+@pytest.mark.parametrize("m,nt", [(33, 1), (33, 4), (100, 2)])
 def test_grouped_wide_glu(monkeypatch, m, nt):
     """PREFILL "grouped-wide": slices of WIDE_PAIRS // k tokens (lowered here to 40), each one
     launch of the wide kernel, the last one too; no 32-token kernel, no dequantization. Every
