@@ -301,9 +301,8 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     threadgroup of 32 groups (1024 threads) leaves 64 registers per thread, past which the
     launch fails."""
     forced = _override()
-    parts = max(1, min(32, TARGET_GROUPS // max(heads, 1), span // 16))
-    if forced is not None:
-        parts = max(1, min(32, forced[0], span // 16))
+    want = forced[0] if forced is not None else TARGET_GROUPS // max(heads, 1)
+    parts = max(1, min(32, want, span // 16))
     chunk = -(-span // parts)
     most = 32 if head_dim <= 128 else 16 if head_dim <= 256 else 8
     if forced is not None:

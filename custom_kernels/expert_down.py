@@ -18,8 +18,8 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
     ids_and_weights,
-    owned_rows,
     prefill_mode,
+    run_slices,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
@@ -308,15 +308,13 @@ def _grouped_prefill(h, w, expert_ids, weights, ggml_type: int, K: int,
     step = grouped_slice_tokens(k, wide)
     if not expert_mma.covers(hs[:step], w, ids[:step], ggml_type, glu=False, wide=wide):
         return None
-    parts = []
-    for i in range(0, n_tok, step):
-        j = min(i + step, n_tok)
-        hi, ii, wi = owned_rows(hs, i, j), owned_rows(ids, i, j), owned_rows(wts, i, j)
+
+    def launch(hi, ii, wi):  # one slice
         if wide:
-            parts.append(expert_mma.expert_down(hi, w, ii, wi, ggml_type, K, True))
-        else:
-            parts.append(expert_down(hi, w, ii, wi, ggml_type, K))
-    return mx.concatenate(parts).reshape(*lead, w.shape[1])
+            return expert_mma.expert_down(hi, w, ii, wi, ggml_type, K, True)
+        return expert_down(hi, w, ii, wi, ggml_type, K)
+
+    return mx.concatenate(run_slices((hs, ids, wts), step, launch)).reshape(*lead, w.shape[1])
 
 
 def expert_down(
@@ -329,7 +327,8 @@ def expert_down(
 ) -> mx.array:
     """Dispatcher with the contract of :func:`expert_down_reference`: on a GPU, GGML experts
     and 1..32 tokens, one kernel; past 32 tokens with HF2Q_EXPERT_PREFILL=grouped, the grouped
-    kernels over slices of 32 tokens; otherwise the path the models ran before (expert_matmul,
+    kernels over slices of 32 tokens (grouped-wide: the wide kernels, 512 tokens a slice at
+    top-8); otherwise the path the models ran before (expert_matmul,
     then the weighted sum in h's dtype)."""
     if expert_mma.ENABLED:  # each expert read once for its pairs (from MIN_TOKENS tokens on)
         y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
@@ -358,9 +357,9 @@ def expert_down(
         and h.dtype == mx.bfloat16
         and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS
         and backend() is not None
-        and prefill_mode() in GROUPED_MODES
+        and (mode := prefill_mode()) in GROUPED_MODES
     ):
-        wide = prefill_mode() == "grouped-wide"
+        wide = mode == "grouped-wide"
         y = _grouped_prefill(h, w, expert_ids, weights, ggml_type, in_features, wide)
         if y is not None:
             return y

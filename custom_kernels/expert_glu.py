@@ -17,8 +17,8 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     check_expert_blocks,
     expert_matmul,
     expert_matmul_reference,
-    owned_rows,
     prefill_mode,
+    run_slices,
     uint32_ids,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
@@ -499,14 +499,13 @@ def _grouped_prefill(x, w, w_up, expert_ids, ggml_type: int, K: int, activation:
     step = grouped_slice_tokens(k, wide)
     if not expert_mma.covers(xs[:step], w, ids[:step], ggml_type, w_up=w_up, wide=wide):
         return None
-    parts = []
-    for i in range(0, n_tok, step):
-        j = min(i + step, n_tok)
-        xi, ii = owned_rows(xs, i, j), owned_rows(ids, i, j)
+
+    def launch(xi, ii):  # one slice
         if wide:
-            parts.append(expert_mma.expert_glu(xi, w, ii, ggml_type, K, activation, w_up, True))
-        else:
-            parts.append(expert_glu(xi, w, ii, ggml_type, K, activation, w_up))
+            return expert_mma.expert_glu(xi, w, ii, ggml_type, K, activation, w_up, True)
+        return expert_glu(xi, w, ii, ggml_type, K, activation, w_up)
+
+    parts = run_slices((xs, ids), step, launch)
     return mx.concatenate(parts).reshape(*expert_ids.shape, parts[0].shape[-1])
 
 
@@ -521,7 +520,8 @@ def expert_glu(
 ) -> mx.array:
     """Dispatcher with the contract of :func:`expert_glu_reference`: on a GPU, GGML experts and
     1..32 tokens, one kernel; past 32 tokens with HF2Q_EXPERT_PREFILL=grouped, those kernels
-    over slices of 32 tokens; otherwise the two-step path the models ran before (expert_matmul
+    over slices of 32 tokens (grouped-wide: the wide kernels, 512 tokens a slice at top-8);
+    otherwise the two-step path the models ran before (expert_matmul
     of the gate_up rows, then ``activations.gated_activation``), rounding the projections to
     x.dtype in between."""
     if activation not in ACTIVATIONS:
@@ -552,9 +552,9 @@ def expert_glu(
         and be is not None
         and x.dtype == mx.bfloat16
         and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS
-        and prefill_mode() in GROUPED_MODES
+        and (mode := prefill_mode()) in GROUPED_MODES
     ):
-        wide = prefill_mode() == "grouped-wide"
+        wide = mode == "grouped-wide"
         y = _grouped_prefill(x, w, w_up, expert_ids, ggml_type, in_features, activation, wide)
         if y is not None:
             return y

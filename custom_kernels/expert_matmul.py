@@ -67,6 +67,13 @@ def owned_rows(a: mx.array, i: int, j: int) -> mx.array:
     return mx.take(a, mx.arange(i, j), axis=0)
 
 
+def run_slices(arrays: tuple[mx.array, ...], step: int, call) -> list[mx.array]:
+    """``call(*slices)`` over consecutive ``step``-row slices of ``arrays`` (same leading size),
+    each slice ``owned_rows`` -> the calls' outputs in order (a grouped prefill's launches)."""
+    n = arrays[0].shape[0]
+    return [call(*(owned_rows(a, i, min(i + step, n)) for a in arrays)) for i in range(0, n, step)]
+
+
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's
 # weight is read once per call (gather_mm's sorted path) instead of once per pair.
 SORT_THRESHOLD = 64
@@ -321,7 +328,8 @@ def _fp32_by_slices(
 def _dequant_by_rows(
     x: mx.array, w: mx.array, expert_ids: mx.array, ggml_type: int, K: int
 ) -> mx.array:
-    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant" or "grouped"):
+    """fp16/bf16 x past the kernels on a GPU (HF2Q_EXPERT_PREFILL "dequant", or a grouped mode
+    where the grouped kernels do not cover the call):
     every expert dequantized to x.dtype by the GPU kernel, in slices of rows (all experts'
     rows r .. r + n, PREFILL_DEQ_CHUNK elements at most), each slice multiplied with gather_mm
     in x.dtype over the expert-sorted pairs; the slices' outputs are disjoint columns. Not the
