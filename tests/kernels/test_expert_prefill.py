@@ -178,30 +178,31 @@ def test_prefill_mode_parses_and_rejects(monkeypatch):
             EXM.prefill_mode()
 
 
+def _printed_at_import(code: str, var: str, value: str | None) -> str:
+    """What ``code`` prints in a fresh interpreter with ``var`` set to ``value`` (None: unset);
+    the switches below are read once, at import."""
+    env = {k: v for k, v in os.environ.items() if k != var}
+    if value is not None:
+        env[var] = value
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_env_var_sets_the_default():
     """HF2Q_EXPERT_PREFILL is read at import; unset: "auto"."""
     code = (
         "from hf2q_mlx.custom_kernels import expert_matmul as m; print(m.PREFILL, m.prefill_mode())"
     )
     for value, want in (("dequant", "dequant dequant"), (None, "auto grouped")):
-        env = {k: v for k, v in os.environ.items() if k != "HF2Q_EXPERT_PREFILL"}
-        if value is not None:
-            env["HF2Q_EXPERT_PREFILL"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == want
+        assert _printed_at_import(code, "HF2Q_EXPERT_PREFILL", value) == want
 
 
 def test_slice_copy_env_var():
     """HF2Q_GROUPED_SLICE_COPY is read at import: "0" off, unset or "1" on."""
     code = "from hf2q_mlx.custom_kernels import expert_matmul as m; print(m.GROUPED_SLICE_COPY)"
     for value, want in (("0", "False"), ("1", "True"), (None, "True")):
-        env = {k: v for k, v in os.environ.items() if k != "HF2Q_GROUPED_SLICE_COPY"}
-        if value is not None:
-            env["HF2Q_GROUPED_SLICE_COPY"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == want
+        assert _printed_at_import(code, "HF2Q_GROUPED_SLICE_COPY", value) == want
 
 
 def _ptr(a: mx.array) -> int:
@@ -488,9 +489,7 @@ def test_wide_nt_must_be_1_2_or_4(monkeypatch):
         with pytest.raises(InvalidArgumentError, match="HF2Q_GROUPED_WIDE_NT"):
             EM.wide_config(T.Q4_K, 512)
     code = "from hf2q_mlx.custom_kernels import expert_mma as m; print(m.WIDE_NT)"
-    env = {**os.environ, "HF2Q_GROUPED_WIDE_NT": "x"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "x", out.stderr
+    assert _printed_at_import(code, "HF2Q_GROUPED_WIDE_NT", "x") == "x"
 
 
 def test_wide_kernel_capacity():
