@@ -12,8 +12,8 @@ mx.get_peak_memory after mx.reset_peak_memory, less the memory active before it.
 Paths: dequant32 (every expert dequantized to fp32, gather_mm in fp32: the path before),
 dequant (to bf16 in row slices, gather_mm in bf16; GPU only), grouped (the grouped tensor-core
 kernels over slices of 32 tokens, each slice's inputs copied into buffers of their own; CUDA)
-and grouped-view (the same with the slices passed as views, HF2Q_GROUPED_SLICE_COPY=0: the
-session-12 path, kept to show whether the views' offsets are what made it wrong) and
+grouped-view (the same with the slices passed as views, HF2Q_GROUPED_SLICE_COPY=0: the
+session-12 path, kept to show whether the views' offsets are what made it wrong), and
 grouped-wide (the grouped kernels with a list of 4,096 pairs: one launch per 512 tokens at
 top-8, each chosen expert read once per launch instead of once per 32 tokens). A path the
 device cannot run prints "n/a". ``rel_err`` is each path's relative 2-norm difference from

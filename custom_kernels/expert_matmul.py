@@ -58,10 +58,11 @@ def prefill_mode() -> str:
 
 def owned_rows(a: mx.array, i: int, j: int) -> mx.array:
     """Rows i:j (axis 0) of ``a`` as a kernel input of the grouped prefill: with
-    GROUPED_SLICE_COPY a gather, so a buffer of its own at offset 0; otherwise the view a[i:j].
-    Why: a row slice is row-contiguous, so neither ensure_row_contiguous nor mx.contiguous copies
-    it, and it lies at an offset into its parent's buffer, which a custom kernel on MLX's CUDA
-    back end may be handed without (reading the parent's first rows)."""
+    GROUPED_SLICE_COPY a gather, so a buffer of its own at offset 0; otherwise the view a[i:j]
+    (row-contiguous, so no kernel input check copies it; it lies at an offset into its parent's
+    buffer). The copy was a guard against kernels reading views from the parent's start, which
+    bench/offset_probe.py ruled out on the H200; it stays the default until the views have
+    their GPU run against the fixed dequant32."""
     if not GROUPED_SLICE_COPY:
         return a[i:j]
     return mx.take(a, mx.arange(i, j), axis=0)
