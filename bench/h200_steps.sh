@@ -69,8 +69,9 @@ step moe-prefill-grouped 240 "python3 bench/moe_prefill.py --paths dequant32 gro
 step prefill-wide 300 "python3 bench/prefill.py $OUT/prefill_wide.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --rounds 3 --env HF2Q_EXPERT_PREFILL=dequant32 --env HF2Q_EXPERT_PREFILL=grouped-wide"
 # issue 15's "first 512-token prefill under 2 s including compilation": a fresh process twice,
 # the second with MLX's PTX disk cache warm (MLX keeps it in /tmp/mlx/<version>/ptx by default,
-# so a user's second run is the warm case; the first run on a new machine is the cold one)
-step first-prefill 300 "for run in cold warm; do echo \$run; python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i first; done"
+# so a user's second run is the warm case; the first run on a new machine is the cold one). Its
+# own empty PTX and CUDA driver caches make the cold run cold whatever steps ran before it.
+step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first; for run in cold warm; do echo \$run; MLX_PTX_CACHE_DIR=/tmp/ptx-first CUDA_CACHE_PATH=/tmp/cuda-first python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i first; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
