@@ -72,6 +72,9 @@ step prefill-wide 300 "python3 bench/prefill.py $OUT/prefill_wide.json --shapes 
 # so a user's second run is the warm case; the first run on a new machine is the cold one). Its
 # own empty PTX and CUDA driver caches make the cold run cold whatever steps ran before it.
 step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first; for run in cold warm; do echo \$run; MLX_PTX_CACHE_DIR=/tmp/ptx-first CUDA_CACHE_PATH=/tmp/cuda-first python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i first; done"
+# where the first prefill's time goes, per model class and ops function (bench/first_prefill.py),
+# cold (its own empty PTX and CUDA driver caches) and then warm
+step first-prefill-profile 300 "rm -rf /tmp/ptx-fpp /tmp/cuda-fpp; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpp CUDA_CACHE_PATH=/tmp/cuda-fpp python3 bench/first_prefill.py $OUT/first_prefill_profile_\$run.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 25; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from

@@ -27,13 +27,14 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # H200, docs/kernel_notes.md); "grouped": expert_glu / expert_down run the grouped
 # tensor-core kernels over slices of 32 tokens ("dequant" where those do not cover the call);
 # "grouped-wide": the grouped kernels with a pair list of expert_mma.WIDE_LIST, over slices of
-# 512 tokens at top-8 (each chosen expert read once per 512 tokens, not per 32; not yet run on a
-# GPU); "auto": PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
+# 512 tokens at top-8 (each chosen expert read once per 512 tokens, not per 32); "auto":
+# PREFILL_AUTO. Read at each call: a benchmark flips PREFILL in one process.
 PREFILL_MODES = ("auto", "dequant32", "dequant", "grouped", "grouped-wide")
 GROUPED_MODES = ("grouped", "grouped-wide")
 PREFILL = os.environ.get("HF2Q_EXPERT_PREFILL", "auto")
-# "grouped": correct on the H200 and 1.8-5.8x dequant32 at 64-1,024 tokens (session 13)
-PREFILL_AUTO = "grouped"
+# "grouped-wide": right on the H200 (the GPU parity tests) and 1.1-2.6x "grouped" at 64-4,096
+# tokens on the 26B-A4B and 35B-A3B layers (session 15, docs/kernel_notes.md)
+PREFILL_AUTO = "grouped-wide"
 # HF2Q_GROUPED_SLICE_COPY: "grouped"'s token slices copied into buffers of their own (owned_rows;
 # default) or passed as views ("0"). Both are right on the H200 (bench/offset_probe.py: MLX's
 # CUDA kernels read views at their offset; session 12's wrong output was gather_mm's, below);

@@ -171,7 +171,7 @@ def test_prefill_mode_parses_and_rejects(monkeypatch):
     monkeypatch.setattr(EXM, "PREFILL", "GROUPED-WIDE")
     assert EXM.prefill_mode() == "grouped-wide"
     monkeypatch.setattr(EXM, "PREFILL", "auto")
-    assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "grouped"
+    assert EXM.prefill_mode() == EXM.PREFILL_AUTO == "grouped-wide"
     for bad in ("fp8", "", "dequant16", "grouped-view"):
         monkeypatch.setattr(EXM, "PREFILL", bad)
         with pytest.raises(InvalidArgumentError, match="HF2Q_EXPERT_PREFILL"):
@@ -194,7 +194,7 @@ def test_env_var_sets_the_default():
     code = (
         "from hf2q_mlx.custom_kernels import expert_matmul as m; print(m.PREFILL, m.prefill_mode())"
     )
-    for value, want in (("dequant", "dequant dequant"), (None, "auto grouped")):
+    for value, want in (("dequant", "dequant dequant"), (None, "auto grouped-wide")):
         assert _printed_at_import(code, "HF2Q_EXPERT_PREFILL", value) == want
 
 
