@@ -75,6 +75,9 @@ step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first; for run in cold w
 # where the first prefill's time goes, per model class and ops function (bench/first_prefill.py),
 # cold (its own empty PTX and CUDA driver caches) and then warm
 step first-prefill-profile 300 "rm -rf /tmp/ptx-fpp /tmp/cuda-fpp; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpp CUDA_CACHE_PATH=/tmp/cuda-fpp python3 bench/first_prefill.py $OUT/first_prefill_profile_\$run.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 25; done"
+# what a fresh process pays on the first GPU call of single ops (bench/jit_probe.py), cold then
+# warm on one PTX cache, then warm with the CUDA driver loading every module at start
+step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp; for run in cold warm eager; do echo \$run; [ \$run = eager ] && export CUDA_MODULE_LOADING=EAGER; MLX_PTX_CACHE_DIR=/tmp/ptx-jp CUDA_CACHE_PATH=/tmp/cuda-jp python3 bench/jit_probe.py --json $OUT/jit_probe_\$run.json; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
