@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders)
 
+from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.models import ops  # noqa: E402
 
 
@@ -197,6 +198,8 @@ def main() -> None:
     print("\nmodules with the largest one-time cost (s, first - second, exclusive)")
     for r in res["paths"]:
         print(f"  {r['path']:<50}{r['first']:>9.3f}{r['second']:>9.3f}{r['one_time']:>9.3f}")
+    res["cuda_cache"] = cuda_cache.status()
+    print(f"cuda_cache: {res['cuda_cache']}")
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {a.out}")
 

@@ -3,8 +3,9 @@
 Session 15's first-prefill profile (bench/first_prefill.py) put ~1.5 s on the first call of
 each of several ops, with MLX's PTX disk cache warm as much as cold. This times single ops the
 first and the second time in one process: a large first allocation, a cuBLAS matmul, cuDNN
-attention, a trivial custom kernel, and some of ours (softcap, post_norm_residual). It then
-lists MLX's PTX cache: a file written by this process in a warm run is a cache miss. Run it
+attention, a trivial ``mx.fast.cuda_kernel``, and some of ours (softcap, post_norm_residual,
+through custom_kernels/cuda_cache unless HF2Q_CUDA_KERNEL_CACHE=0). It then lists MLX's PTX
+cache (session 15: MLX 0.32.4 writes none for custom kernels) and cuda_cache's status. Run it
 twice with the same MLX_PTX_CACHE_DIR (cold, then warm); inputs are made and evaluated before
 each timed call, so a time is the op's alone.
 
@@ -24,6 +25,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.custom_kernels.post_norm_residual import post_norm_residual  # noqa: E402
 from hf2q_mlx.custom_kernels.softcap import softcap  # noqa: E402
 
@@ -137,8 +139,11 @@ def main() -> None:
           f"{len(listing['written_now'])}")  # fmt: skip
     for n in listing["written_now"]:
         print(f"  {n}")
+    ours = cuda_cache.status()
+    print(f"hf2q cuda_cache: {ours}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "cache": listing}, indent=1))
+        Path(a.json).write_text(json.dumps({"rows": rows, "cache": listing, "cuda_cache": ours},
+                                           indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

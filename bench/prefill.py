@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders, the mlx-lm twin)
 
+from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.custom_kernels import expert_matmul as EXM  # noqa: E402
 
 # switches a module reads from the environment once, at import: a variant sets the module's
@@ -163,6 +164,7 @@ def main() -> None:
         report(results[-1])
         Path(a.out).write_text(json.dumps({"device": str(mx.default_device()),
                                            "results": results}, indent=1))  # fmt: skip
+    print(f"cuda_cache: {cuda_cache.status()}")
     print(f"wrote {a.out}")
 
 

@@ -55,6 +55,7 @@ here to whole threadgroups, so both launch the same threads: guard the edges in 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ from functools import partial
 from typing import Union
 
 import mlx.core as mx
+
+from hf2q_mlx.custom_kernels import cuda_cache
 
 TemplateValue = Union[int, bool, mx.Dtype]
 
@@ -400,6 +403,13 @@ def gpu_backend() -> str | None:
     return None
 
 
+def _launch_precompiled(*, inputs, name, blob, **launch) -> list[mx.array]:
+    """A launch of a cuda_cache cubin: MLX passes the inputs' pointers, then the outputs'."""
+    return mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=blob, inputs=inputs, scalars=[], **launch
+    )
+
+
 def _norm_template(template: Mapping[str, TemplateValue] | Sequence | None) -> list:
     items = list(template.items()) if isinstance(template, Mapping) else list(template or ())
     out = []
@@ -494,8 +504,11 @@ class Kernel:
         vocab = {"metal": METAL_HEADER, "cuda": CUDA_HEADER}[backend]
         return vocab + "\n" + self.header_extra + "\n"
 
-    def render(self, backend: str, example: Example | None = None) -> str:
-        """The full translation unit MLX generates for ``example`` (default: the first one).
+    def render(
+        self, backend: str, example: Example | None = None, precompiled: bool = False
+    ) -> str:
+        """The full translation unit MLX generates for ``example`` (default: the first one);
+        ``precompiled`` (CUDA): the one cuda_cache compiles instead.
 
         MLX's own headers (Metal utils, mlx/backend/cuda/device/utils.cuh) are not inlined.
         """
@@ -505,14 +518,18 @@ class Kernel:
         outputs = list(ex.outputs.items())
         src, fname = self.source(backend), f"custom_kernel_{self.name}"
         if backend == "cuda":
-            return self._render_cuda(fname, src, inputs, outputs, template)
+            return self._render_cuda(fname, src, inputs, outputs, template, precompiled)
         if backend == "metal":
             return self._render_metal(fname, src, inputs, outputs, template)
         raise ValueError(f"unknown backend {backend!r}")
 
-    def _render_cuda(self, fname, src, inputs, outputs, template) -> str:
-        lines = [CUDA_MLX_PRELUDE + self.header("cuda"), "namespace mlx::core::cu {\n"]
-        lines.append("namespace cg = cooperative_groups;\n")
+    def _render_cuda(self, fname, src, inputs, outputs, template, precompiled=False) -> str:
+        """MLX's translation unit for cuda_kernel; ``precompiled``: ours for cuda_cache (its
+        prelude instead of MLX's, the kernel ``extern "C"`` so its symbol is ``fname``)."""
+        prelude = cuda_cache.PRELUDE if precompiled else CUDA_MLX_PRELUDE
+        lines = [prelude + self.header("cuda"), "namespace mlx::core::cu {\n"]
+        if not precompiled:
+            lines.append("namespace cg = cooperative_groups;\n")
         params = []
         for name, dt, size in inputs:
             params.append(f"    const {_CUDA_TYPES[dt]}* {name}")
@@ -524,7 +541,8 @@ class Kernel:
                 if f"{name}_ndim" in src:
                     params.append(f"    const __grid_constant__ int {name}_ndim")
         params += [f"    {_CUDA_TYPES[dt]}* {name}" for name, dt in outputs]
-        lines.append(f"__global__ void {fname}(\n" + ",\n".join(params) + ") {")
+        linkage = 'extern "C" ' if precompiled else ""
+        lines.append(f"{linkage}__global__ void {fname}(\n" + ",\n".join(params) + ") {")
         for name, v in template:
             if isinstance(v, mx.Dtype):
                 lines.append(f"  using {name} = {_CUDA_TYPES[v]};")
@@ -618,6 +636,21 @@ class Kernel:
             _SHORT[d] + ("s" if i in scalar_inputs else "") for i, d in enumerate(input_dtypes)
         )
         sig += "__" + "_".join(_SHORT[d] for d in output_dtypes)
+        if backend == "cuda":
+            pre = self._precompiled(input_dtypes, scalar_inputs, output_dtypes, template, sig)
+            if pre is not None:
+                name, blob = pre
+                return partial(
+                    _launch_precompiled,
+                    name=name,
+                    blob=blob,
+                    grid=gr,
+                    threadgroup=tg,
+                    output_shapes=[tuple(int(n) for n in s) for s in output_shapes],
+                    output_dtypes=list(output_dtypes),
+                    init_value=init_value,
+                    ensure_row_contiguous=self.ensure_row_contiguous,
+                )
         return partial(
             self._kernel_for(backend, sig),
             template=_norm_template(template) or None,
@@ -628,6 +661,28 @@ class Kernel:
             init_value=init_value,
             verbose=verbose,
         )
+
+    def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
+        """(kernel name, cubin) through cuda_cache, or None (MLX's cuda_kernel then: also for a
+        body reading an input's shape, strides or ndim, which only MLX's launch passes)."""
+        src = self.source("cuda")
+        if any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim")):
+            return None
+        tmpl = _norm_template(template)
+        # the module name MLX keys its loaded modules by: one per distinct translation unit
+        tkey = hashlib.sha256(repr(tmpl).encode()).hexdigest()[:12] if tmpl else "0"
+        name = f"hq_{self.name}_{sig}_{tkey}"
+        if ("precompiled", name) in self._built:
+            return self._built[("precompiled", name)]
+        inputs = [
+            (n, dt, 0 if i in scalar_inputs else 1 << 20)
+            for i, (n, dt) in enumerate(zip(self.inputs, input_dtypes))
+        ]
+        outputs = list(zip(self.outputs, output_dtypes))
+        blob = cuda_cache.cubin(name, self._render_cuda(name, src, inputs, outputs, tmpl, True))
+        # a failed compile is not retried in this process (MLX's path serves it)
+        self._built[("precompiled", name)] = out = None if blob is None else (name, blob)
+        return out
 
     def __call__(
         self,

@@ -32,8 +32,11 @@ def _all_kernels() -> list[_render.Kernel]:
     return sorted(_render.registered_kernels(), key=lambda k: k.name)
 
 
-def _translation_unit(backend: str, kernels: list[_render.Kernel]) -> str:
-    """Every example of every kernel, each in its own namespace: one g++ run per back end."""
+def _translation_unit(
+    backend: str, kernels: list[_render.Kernel], precompiled: bool = False
+) -> str:
+    """Every example of every kernel, each in its own namespace: one g++ run per back end;
+    ``precompiled``: the CUDA units custom_kernels/cuda_cache compiles."""
     parts = []
     for k in kernels:
         for i, ex in enumerate(k.examples):
@@ -44,15 +47,25 @@ def _translation_unit(backend: str, kernels: list[_render.Kernel]) -> str:
                     "namespace mlx { namespace core { namespace cu { "
                     "using ::mlx::core::cu::Shape; using ::mlx::core::cu::Strides; } } }\n"
                 )
-            parts.append(f"namespace {ns} {{\n{shim}{k.render(backend, ex)}\n}}  // {ns}\n")
+            src = k.render(backend, ex, precompiled) if precompiled else k.render(backend, ex)
+            parts.append(f"namespace {ns} {{\n{shim}{src}\n}}  // {ns}\n")
     return "\n".join(parts)
 
 
 def _syntax_check(source: str, include: Path, std: str, tmp_path: Path) -> None:
     inc = tmp_path / "inc"
-    for rel in ("metal_stdlib", "mlx/backend/cuda/device/utils.cuh", "cooperative_groups.h"):
+    for rel in ("metal_stdlib", "mlx/backend/cuda/device/utils.cuh", "cooperative_groups.h",
+                "cuda_fp16.h", "cuda_bf16.h"):  # fmt: skip
         (inc / rel).parent.mkdir(parents=True, exist_ok=True)
         (inc / rel).touch()
+    # cuda_cache's prelude takes the fixed-width integers from CCCL (no include guard: each
+    # case's namespace gets its own copy)
+    (inc / "cuda/std").mkdir(parents=True, exist_ok=True)
+    (inc / "cuda/std/cstdint").write_text(
+        "namespace cuda { namespace std { using ::int8_t; using ::int16_t; using ::int32_t; "
+        "using ::int64_t; using ::uint8_t; using ::uint16_t; using ::uint32_t; "
+        "using ::uint64_t; } }\n"
+    )
     src = tmp_path / "kernel.cpp"
     src.write_text(source)
     cmd = [
@@ -84,6 +97,22 @@ def test_registry_is_not_empty():
 def test_every_kernel_parses(backend, include, std, tmp_path):
     """Errors name the failing kernel through its namespace, case_<kernel name>_<example>."""
     _syntax_check(_translation_unit(backend, _all_kernels()), include, std, tmp_path)
+
+
+def test_every_precompiled_cuda_unit_parses(tmp_path):
+    """The units custom_kernels/cuda_cache compiles (its prelude, no MLX header): the kernels
+    that read no input's shape (those keep MLX's cuda_kernel)."""
+
+    def reads_shape(k):
+        src = k.source("cuda")
+        return any(f"{n}_{a}" in src for n in k.inputs for a in ("shape", "strides", "ndim"))
+
+    kernels = [k for k in _all_kernels() if not reads_shape(k)]
+    assert len(kernels) > 20
+    src = _translation_unit("cuda", kernels, precompiled=True)
+    assert "cooperative_groups" not in src and "mlx/backend/cuda" not in src
+    assert src.count('extern "C" __global__ void') == sum(len(k.examples) for k in kernels)
+    _syntax_check(src, CUDA_EMU, "c++17", tmp_path)
 
 
 def test_syntax_check_catches_errors(tmp_path):

@@ -1,0 +1,232 @@
+"""Our CUDA kernels compiled once per machine, not once per process.
+
+MLX 0.32.4 compiles every ``mx.fast.cuda_kernel`` with NVRTC in each new process and keeps no
+disk copy: ~1.5 s a kernel on the H200 (most of it MLX's own prelude headers), so a fresh
+process's first 26B-A4B prefill took 17.7 s with every other cache warm (session 15,
+``bench/jit_probe.py``, ``bench/first_prefill.py``). Here the translation unit is ours (the
+kernel text MLX would build, with a two-header prelude instead of MLX's), NVRTC is called
+through ctypes, the cubin lands in ``<cache>/cuda_kernels/`` keyed by a hash of source, options,
+NVRTC version and GPU, and ``mx.fast.precompiled_cuda_kernel`` launches it. Anything missing
+(no NVRTC library, no CUDA headers, a compile error) returns None and the caller keeps MLX's
+``cuda_kernel``: the same kernel text, compiled MLX's way. ``HF2Q_CUDA_KERNEL_CACHE=0`` turns
+this off. ``status()`` says what happened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+
+ENABLED = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "1").strip() != "0"
+
+# Before the kernel text: the half types, fixed-width integers from CCCL (which MLX ships), and
+# MLX's ``inf``. The bodies use nothing else of MLX's prelude (the CPU emulator's header,
+# tests/kernels/cuda_emu.h, lists what they use).
+PRELUDE = """
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>
+using cuda::std::int8_t; using cuda::std::int16_t; using cuda::std::int32_t;
+using cuda::std::int64_t; using cuda::std::uint8_t; using cuda::std::uint16_t;
+using cuda::std::uint32_t; using cuda::std::uint64_t;
+#define inf __int_as_float(0x7f800000)
+"""
+
+_lock = threading.Lock()
+_state: dict = {"checked": False, "nvrtc": None, "arch": None, "options": None, "why": None}
+_counts = {"compiled": 0, "from_disk": 0, "failed": 0}
+_last_error: list[str] = []
+
+
+def _cuda_home() -> str | None:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return "/usr/local/cuda" if os.path.isdir("/usr/local/cuda") else None
+
+
+def _cccl_dir() -> str | None:
+    """MLX's CCCL headers: <site>/mlx/include/cccl next to libmlx, as MLX finds them."""
+    here = Path(mx.__file__).resolve().parent / "include" / "cccl"
+    if here.is_dir():
+        return str(here)
+    env = os.environ.get("MLX_CCCL_DIR")
+    return env if env and os.path.isdir(env) else None
+
+
+def _loaded_libs(stem: str) -> list[str]:
+    """Paths of already-loaded shared libraries whose name starts with ``stem``."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if f"/{stem}" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(stem))
+
+
+def _nvrtc_candidates() -> list[str]:
+    found = _loaded_libs("libnvrtc.so")
+    for base in sys.path:  # the nvidia-* wheels
+        found += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*")))
+        found += sorted(glob.glob(os.path.join(base, "nvidia", "*", "*", "lib", "libnvrtc.so*")))
+    home = _cuda_home()
+    if home:
+        found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    name = ctypes.util.find_library("nvrtc")
+    if name:
+        found.append(name)
+    return [p for p in dict.fromkeys(found) if "builtins" not in os.path.basename(p)]
+
+
+def _compute_capability() -> tuple[int, int] | None:
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        return None
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0:
+        return None
+    if cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0:
+        return None
+    return major.value, minor.value
+
+
+def _setup() -> None:
+    """Find NVRTC, the GPU's architecture and the include paths once; ``why`` when not."""
+    _state["checked"] = True
+    if not ENABLED:
+        _state["why"] = "HF2Q_CUDA_KERNEL_CACHE=0"
+        return
+    if not mx.cuda.is_available():
+        _state["why"] = "no CUDA back end"
+        return
+    cc = _compute_capability()
+    if cc is None:
+        _state["why"] = "no compute capability from libcuda"
+        return
+    lib = None
+    for path in _nvrtc_candidates():
+        try:
+            lib = ctypes.CDLL(path)
+            lib.nvrtcVersion  # noqa: B018  (raises AttributeError when not NVRTC)
+            break
+        except (OSError, AttributeError):
+            lib = None
+    if lib is None:
+        _state["why"] = "no NVRTC library found"
+        return
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    includes = [p for p in (_cccl_dir(), _cuda_home() and os.path.join(_cuda_home(), "include"))
+                if p and os.path.isdir(p)]  # fmt: skip
+    _state.update(
+        nvrtc=lib,
+        arch=f"sm_{cc[0]}{cc[1]}",
+        version=f"{major.value}.{minor.value}",
+        options=[f"--gpu-architecture=sm_{cc[0]}{cc[1]}", "--std=c++17"]
+        + [f"--include-path={p}" for p in includes],
+    )
+
+
+def cache_dir() -> Path:
+    """$HF2Q_MLX_CACHE, else $XDG_CACHE_HOME/hf2q_mlx, else ~/.cache/hf2q_mlx (as the model
+    cache), then cuda_kernels/."""
+    if os.environ.get("HF2Q_MLX_CACHE"):
+        root = Path(os.environ["HF2Q_MLX_CACHE"]).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "hf2q_mlx"
+    else:
+        root = Path.home() / ".cache" / "hf2q_mlx"
+    return root / "cuda_kernels"
+
+
+def _nvrtc_compile(lib, source: str, name: str, options: list[str]) -> bytes:
+    """NVRTC source -> cubin; RuntimeError with the compile log on failure."""
+    prog = ctypes.c_void_p()
+    err = lib.nvrtcCreateProgram(
+        ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
+    )
+    if err != 0:
+        raise RuntimeError(f"nvrtcCreateProgram failed ({err})")
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        if lib.nvrtcCompileProgram(prog, len(options), opts) != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(log.value.decode(errors="replace")[:2000])
+        size = ctypes.c_size_t()
+        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) != 0 or size.value == 0:
+            raise RuntimeError("no cubin from NVRTC")
+        buf = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, buf) != 0:
+            raise RuntimeError("nvrtcGetCUBIN failed")
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def cubin(name: str, source: str) -> bytes | None:
+    """The cubin of ``source`` (a translation unit defining ``extern "C"`` kernel ``name``):
+    from the disk cache, else compiled and stored. None when this path is unavailable or the
+    compile fails (the caller falls back to MLX's cuda_kernel)."""
+    with _lock:
+        if not _state["checked"]:
+            _setup()
+        lib = _state["nvrtc"]
+        if lib is None:
+            return None
+        options = _state["options"]
+        key = hashlib.sha256(
+            "\0".join([source, *options, _state["version"], mx.__version__]).encode()
+        ).hexdigest()[:32]
+        path = cache_dir() / _state["arch"] / f"{name[:80]}_{key}.cubin"
+        try:
+            data = path.read_bytes()
+            if data:
+                _counts["from_disk"] += 1
+                return data
+        except OSError:
+            pass
+        try:
+            data = _nvrtc_compile(lib, source, name, options)
+        except RuntimeError as err:
+            _counts["failed"] += 1
+            _last_error[:] = [f"{name}: {err}"]
+            return None
+        _counts["compiled"] += 1
+        try:  # written whole or not at all: another process may read it now
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache costs the next process a compile, nothing else
+        return data
+
+
+def status() -> dict:
+    """What this process did: kernels compiled, read from disk, failed (the last error), and
+    why the path is off when it is."""
+    return {
+        **_counts,
+        "enabled": _state["nvrtc"] is not None,
+        "why_off": _state["why"],
+        "arch": _state["arch"],
+        "cache": str(cache_dir()),
+        "last_error": _last_error[0] if _last_error else None,
+    }

@@ -1,0 +1,217 @@
+"""custom_kernels/cuda_cache: our CUDA kernels compiled once per machine and launched through
+``mx.fast.precompiled_cuda_kernel``; MLX's ``cuda_kernel`` wherever that path is off or fails.
+
+On the CPU: the disk cache (NVRTC faked), the fallbacks, and the launcher's routing with MLX's
+launch recorded. On a CUDA GPU: a kernel built both ways gives the same bits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from hf2q_mlx.custom_kernels import _render, cuda_cache
+
+BODY = """
+  // One thread per element: out = x * scale + D
+  const uint i = pos_x;
+  if (i >= uint(n[0])) return;
+  out[i] = from_float<T>(to_float(x[i]) * 3.0f + float(D));
+"""
+
+
+def _kernel(body: str = BODY) -> _render.Kernel:
+    ex = _render.Example(
+        {"x": mx.float32, "n": (mx.int32, 0)}, {"out": mx.float32}, {"T": mx.float32, "D": 2}
+    )
+    return _render.Kernel("cache_demo", ["x", "n"], ["out"], body, examples=[ex], register=False)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    """cuda_cache as in a new process, its cache under tmp_path."""
+    monkeypatch.setattr(cuda_cache, "_state", {"checked": False, "nvrtc": None, "arch": None,
+                                               "options": None, "why": None})  # fmt: skip
+    monkeypatch.setattr(cuda_cache, "_counts", {"compiled": 0, "from_disk": 0, "failed": 0})
+    monkeypatch.setattr(cuda_cache, "_last_error", [])
+    monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path))
+
+
+@pytest.fixture
+def fake_nvrtc(fresh_state, monkeypatch):
+    """A found NVRTC whose compiles are recorded: the cubin is the source's bytes."""
+    cuda_cache._state.update(checked=True, nvrtc=object(), arch="sm_90", version="13.0",
+                             options=["--gpu-architecture=sm_90"])  # fmt: skip
+    compiles = []
+
+    def compile_(lib, source, name, options):
+        compiles.append(name)
+        if "BROKEN" in source:
+            raise RuntimeError("error: identifier BROKEN is undefined")
+        return source.encode()
+
+    monkeypatch.setattr(cuda_cache, "_nvrtc_compile", compile_)
+    return compiles
+
+
+# --------------------------------------------------------------------------------------------
+# When the path is off
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="checks the CPU's answer")
+def test_off_without_cuda(fresh_state):
+    assert cuda_cache.cubin("k", "src") is None
+    st = cuda_cache.status()
+    assert st["why_off"] == "no CUDA back end" and not st["enabled"]
+    assert st["compiled"] == st["from_disk"] == 0
+
+
+def test_switch_read_at_import():
+    code = "from hf2q_mlx.custom_kernels import cuda_cache as c; print(c.ENABLED)"
+    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "HF2Q_CUDA_KERNEL_CACHE"}
+        if value is not None:
+            env["HF2Q_CUDA_KERNEL_CACHE"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want
+
+
+def test_switch_off_says_so(fresh_state, monkeypatch):
+    monkeypatch.setattr(cuda_cache, "ENABLED", False)
+    assert cuda_cache.cubin("k", "src") is None
+    assert cuda_cache.status()["why_off"] == "HF2Q_CUDA_KERNEL_CACHE=0"
+
+
+# --------------------------------------------------------------------------------------------
+# The disk cache
+
+
+def test_compiled_once_then_read_from_disk(fake_nvrtc, tmp_path):
+    a = cuda_cache.cubin("k", "source A")
+    assert a == b"source A" and fake_nvrtc == ["k"]
+    files = list((tmp_path / "cuda_kernels" / "sm_90").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("k_") and files[0].suffix == ".cubin"
+    # a later process: nothing compiled, the same bytes
+    cuda_cache._counts.update(compiled=0, from_disk=0)
+    assert cuda_cache.cubin("k", "source A") == a and fake_nvrtc == ["k"]
+    assert cuda_cache.status()["from_disk"] == 1
+    # other source, other options: compiled again, each in a file of its own
+    assert cuda_cache.cubin("k", "source B") == b"source B"
+    cuda_cache._state["options"] = ["--gpu-architecture=sm_90", "-lineinfo"]
+    cuda_cache.cubin("k", "source A")
+    assert fake_nvrtc == ["k", "k", "k"]
+    names = sorted(p.name for p in (tmp_path / "cuda_kernels" / "sm_90").iterdir())
+    assert len(names) == 3 and not any(n.endswith(".tmp") for n in names)
+
+
+def test_compile_error_returns_none_and_says_why(fake_nvrtc):
+    assert cuda_cache.cubin("bad", "BROKEN") is None
+    st = cuda_cache.status()
+    assert st["failed"] == 1 and "BROKEN is undefined" in st["last_error"]
+    assert st["last_error"].startswith("bad:")
+
+
+def test_unwritable_cache_still_gives_the_cubin(fake_nvrtc, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HF2Q_MLX_CACHE", str(blocker))
+    assert cuda_cache.cubin("k", "source") == b"source"
+    assert cuda_cache.cubin("k", "source") == b"source"  # compiled again: nothing was stored
+    assert fake_nvrtc == ["k", "k"]
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher's routing
+
+
+def test_launcher_launches_the_cubin(fake_nvrtc, monkeypatch):
+    launches = []
+
+    def precompiled(**kw):
+        launches.append(kw)
+        return ["out"]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    k = _kernel()
+    units = []
+    real = cuda_cache.cubin
+    monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: units.append((n, s)) or real(n, s))
+    args = dict(grid=(100, 3), threadgroup=(64,), output_shapes=[(100,)],
+                output_dtypes=[mx.float16], template={"T": mx.float16, "D": 2, "F": True},
+                backend="cuda", scalar_inputs=[1])  # fmt: skip
+    launch = k.launcher([mx.float32, mx.int32], **args)
+    x, n = mx.ones((100,)), mx.array(100, dtype=mx.int32)
+    assert launch(inputs=[x, n]) == ["out"]
+    (name, unit), kw = units[0], launches[0]
+    assert name.startswith("hq_cache_demo_f32_i32s__f16_") and kw["name"] == name
+    assert kw["compiled_source"] == unit.encode()  # the fake cubin: the unit's text
+    assert kw["grid"] == (128, 3, 1) and kw["threadgroup"] == (64, 1, 1)
+    assert kw["scalars"] == [] and kw["ensure_row_contiguous"] is True
+    assert kw["output_shapes"] == [(100,)] and kw["output_dtypes"] == [mx.float16]
+    assert kw["inputs"][0] is x and kw["inputs"][1] is n
+    assert unit.startswith(cuda_cache.PRELUDE)
+    assert f'extern "C" __global__ void {name}(' in unit
+    assert "const float* x" in unit and "const int32_t* n" in unit and "__half* out" in unit
+    assert "using T = __half;" in unit and "constexpr int D = 2;" in unit
+    assert "constexpr int F = 1;" in unit and "cooperative_groups" not in unit
+    # the same build again: no second unit; another template value: another kernel name
+    k.launcher([mx.float32, mx.int32], **args)
+    assert len(units) == 1
+    k.launcher([mx.float32, mx.int32], **{**args, "template": {"T": mx.float16, "D": 3, "F": 1}})
+    assert len(units) == 2 and units[1][0] != name
+
+
+def test_mlx_build_where_the_cubin_is_missing(fresh_state, monkeypatch):
+    """No cubin (path off, compile failed) or a body reading an input's shape: MLX's build."""
+    built = []
+
+    def mlx_kernel(**kw):
+        return ["mlx"]
+
+    monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: None)
+    for body in (BODY, BODY.replace("uint(n[0])", "uint(x_shape[0])")):
+        k = _kernel(body)
+        monkeypatch.setattr(k, "_kernel_for", lambda be, sig: built.append(sig) or mlx_kernel)
+        launch = k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
+                            output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
+        assert launch.func is mlx_kernel
+    assert built == ["f32_i32__f32", "f32_i32__f32"]
+    calls = []
+    monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: calls.append(n) or b"x")
+    k = _kernel(BODY.replace("uint(n[0])", "uint(x_shape[0])"))
+    monkeypatch.setattr(k, "_kernel_for", lambda be, sig: mlx_kernel)
+    k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
+               output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
+    assert calls == []  # a shape-reading body never asks for a cubin
+
+
+# --------------------------------------------------------------------------------------------
+# On a CUDA GPU
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_precompiled_matches_mlx_build(monkeypatch):
+    """Bit-equal outputs from our cubin and from MLX's build of the same kernel text; the
+    precompiled launch's output poisoned with NaN first (an unwritten element fails)."""
+    x = mx.random.normal((1000,), key=mx.random.key(3)).astype(mx.bfloat16)
+    n = mx.array(1000, dtype=mx.int32)
+    args = dict(grid=1000, threadgroup=128, output_shapes=[(1000,)], output_dtypes=[mx.bfloat16],
+                template={"T": mx.bfloat16, "D": 5}, backend="cuda", scalar_inputs=[1])  # fmt: skip
+    ours = _kernel().launcher([mx.bfloat16, mx.int32], init_value=float("nan"), **args)
+    st = cuda_cache.status()
+    if not st["enabled"]:
+        pytest.skip(f"cuda_cache off here: {st['why_off']}")
+    assert st["last_error"] is None, st["last_error"]
+    assert (
+        isinstance(ours, __import__("functools").partial)
+        and ours.func is _render._launch_precompiled
+    )
+    monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: None)
+    mlx_build = _kernel().launcher([mx.bfloat16, mx.int32], **args)
+    a, b = ours(inputs=[x, n])[0], mlx_build(inputs=[x, n])[0]
+    want = (x.astype(mx.float32) * 3 + 5).astype(mx.bfloat16)
+    assert mx.array_equal(a, b).item() and mx.array_equal(a, want).item()
