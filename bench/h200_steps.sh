@@ -82,6 +82,8 @@ step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp \$HF2Q_MLX_CACHE/cuda_kernel
 # our kernels through custom_kernels/cuda_cache's cubins: its own GPU test and the GPU tests of
 # the kernels a 26B-A4B prefill and decode run
 step cache-gpu-tests 240 "python3 -m pytest -q -p no:cacheprovider --maxfail=5 -k gpu tests/kernels/test_cuda_cache.py tests/kernels/test_post_norm_residual.py tests/kernels/test_norm_rope.py tests/kernels/test_activations.py tests/kernels/test_moe_router.py tests/kernels/test_expert_prefill.py tests/kernels/test_decode_attention.py tests/kernels/test_sampling_kernels.py --tb=line"
+# B = 1 decode of 26B-A4B with custom_kernels/cuda_cache on and off, alternating processes
+step decode-cache-ab 240 "for i in 1 2; do for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c; HF2Q_CUDA_KERNEL_CACHE=\$c python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 128 --prefill-chunk 4096 | grep -m1 DecodeStep; done; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from

@@ -617,7 +617,7 @@ def test_gpu_split_matches_one_group_per_row(kind, rows, D, E, k, dtype):
 
 @requires_gpu
 @pytest.mark.parametrize("kind", ["gemma", "qwen_q8"])
-def test_gpu_split_in_a_dependent_chain(kind):
+def test_gpu_split_in_a_dependent_chain(kind, monkeypatch):
     """A decode's pattern: 30 dependent router calls of one plan in one graph, each x made from
     the previous call's outputs, as G = 1 computes them; afterwards each call's counter set
     (one per call, in turn) holds G for each row (never reset: a multiple of G), the rest 0."""
@@ -625,6 +625,7 @@ def test_gpu_split_in_a_dependent_chain(kind):
     a = _args(kind, D, E, mx.bfloat16, mx.bfloat16, seed=21)
     x0 = _x(rows, D, mx.bfloat16, seed=21)
     w = a.pop("w")
+    monkeypatch.setattr(R, "SPLIT", True)  # off by default since session 12
     g = R.split_config(rows, E, D)[0]
     assert g > 1
     plans = {s: R._plan(x0, w, k, a, None, s) for s in (1, g)}
