@@ -404,30 +404,42 @@ def gpu_backend() -> str | None:
 
 
 class _Cubin:
-    """A cuda_cache cubin and whether MLX has loaded it: MLX keeps a process-wide module per
-    kernel name and reads ``compiled_source`` only to load it, so once a launch of it has run
-    the later ones pass no bytes (copying a cubin into every launch cost a B = 1 decode of
-    26B-A4B 40 % of its speed on the H200, session 15)."""
+    """A cuda_cache cubin and what MLX made of it. MLX keeps one process-wide module per kernel
+    name and reads ``compiled_source`` only to load it, so once a launch has run (``loaded``)
+    the later ones pass no bytes: a launch copies the bytes it is given (one serving run that
+    copied every cubin into every launch decoded 26B-A4B at 116 tok/s against 191 without the
+    cubins; not settled, docs/kernel_notes.md session 15). ``failed``: MLX could not load it;
+    MLX's own build serves the kernel from then on."""
 
-    __slots__ = ("name", "blob", "loaded")
+    __slots__ = ("name", "blob", "loaded", "failed")
 
     def __init__(self, name: str, blob: bytes):
-        self.name, self.blob, self.loaded = name, blob, False
+        self.name, self.blob, self.loaded, self.failed = name, blob, False, False
 
 
-def _launch_precompiled(*, inputs, cubin: _Cubin, **launch) -> list[mx.array]:
-    """A launch of a cuda_cache cubin: MLX passes the inputs' pointers, then the outputs'."""
-    blob = b"" if cubin.loaded else cubin.blob
-    outs = mx.fast.precompiled_cuda_kernel(
-        name=cubin.name, compiled_source=blob, inputs=inputs, scalars=[], **launch
-    )
-    if not cubin.loaded:
-        try:  # run this first launch now, so the module is loaded before any bare launch
-            mx.eval(outs)
-            cubin.loaded = True
-        except ValueError:  # inside mx.compile's trace: a later launch loads it
-            pass
-    return outs
+def _launch_precompiled(*, inputs, cubin: _Cubin, fallback, **launch) -> list[mx.array]:
+    """A launch of a cuda_cache cubin (MLX passes the inputs' pointers, then the outputs');
+    ``fallback()``: the launch of MLX's build of the same kernel, for a cubin MLX cannot load."""
+    if cubin.failed:
+        return fallback()(inputs=inputs)
+    try:
+        outs = mx.fast.precompiled_cuda_kernel(
+            name=cubin.name, compiled_source=b"" if cubin.loaded else cubin.blob,
+            inputs=inputs, scalars=[], **launch,
+        )  # fmt: skip
+        if not cubin.loaded:
+            try:  # run this first launch now, so the module is loaded before any bare launch
+                mx.eval(outs)
+                cubin.loaded = True
+            except ValueError:  # inside mx.compile's trace: a later launch loads it
+                pass
+        return outs
+    except RuntimeError as err:
+        if cubin.loaded or not any(s in str(err) for s in ("load", "kernel named")):
+            raise
+        cubin.failed = True
+        cuda_cache.record_failure(cubin.name, str(err))
+        return fallback()(inputs=inputs)
 
 
 def _norm_template(template: Mapping[str, TemplateValue] | Sequence | None) -> list:
@@ -656,29 +668,35 @@ class Kernel:
             _SHORT[d] + ("s" if i in scalar_inputs else "") for i, d in enumerate(input_dtypes)
         )
         sig += "__" + "_".join(_SHORT[d] for d in output_dtypes)
+        shapes = [tuple(int(n) for n in s) for s in output_shapes]
+
+        def mlx_build():
+            return partial(
+                self._kernel_for(backend, sig),
+                template=_norm_template(template) or None,
+                grid=gr,
+                threadgroup=tg,
+                output_shapes=shapes,
+                output_dtypes=list(output_dtypes),
+                init_value=init_value,
+                verbose=verbose,
+            )
+
         if backend == "cuda":
             pre = self._precompiled(input_dtypes, scalar_inputs, output_dtypes, template, sig)
             if pre is not None:
                 return partial(
                     _launch_precompiled,
                     cubin=pre,
+                    fallback=mlx_build,
                     grid=gr,
                     threadgroup=tg,
-                    output_shapes=[tuple(int(n) for n in s) for s in output_shapes],
+                    output_shapes=shapes,
                     output_dtypes=list(output_dtypes),
                     init_value=init_value,
                     ensure_row_contiguous=self.ensure_row_contiguous,
                 )
-        return partial(
-            self._kernel_for(backend, sig),
-            template=_norm_template(template) or None,
-            grid=gr,
-            threadgroup=tg,
-            output_shapes=[tuple(int(n) for n in s) for s in output_shapes],
-            output_dtypes=list(output_dtypes),
-            init_value=init_value,
-            verbose=verbose,
-        )
+        return mlx_build()
 
     def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
         """The _Cubin from cuda_cache, or None (MLX's cuda_kernel then: also for a

@@ -42,6 +42,7 @@ using cuda::std::uint32_t; using cuda::std::uint64_t;
 """
 
 _lock = threading.Lock()
+_notifier: list = []  # set_notifier's callable: told once per process, at its first compile
 _state: dict = {"checked": False, "nvrtc": None, "arch": None, "options": None, "why": None}
 _counts = {"compiled": 0, "from_disk": 0, "failed": 0}
 _last_error: list[str] = []
@@ -133,6 +134,7 @@ def _setup() -> None:
                 if p and os.path.isdir(p)]  # fmt: skip
     _state.update(
         nvrtc=lib,
+        nvrtc_path=path,
         arch=f"sm_{cc[0]}{cc[1]}",
         version=f"{major.value}.{minor.value}",
         options=[f"--gpu-architecture=sm_{cc[0]}{cc[1]}", "--std=c++17"]
@@ -201,6 +203,11 @@ def cubin(name: str, source: str) -> bytes | None:
                 return data
         except OSError:
             pass
+        if _notifier and _counts["compiled"] == _counts["failed"] == 0:
+            _notifier[0](
+                f"compiling CUDA kernels for {_state['arch']} into {cache_dir()} "
+                "(once per machine; later runs read them)"
+            )
         try:
             data = _nvrtc_compile(lib, source, name, options)
         except RuntimeError as err:
@@ -219,6 +226,19 @@ def cubin(name: str, source: str) -> bytes | None:
         return data
 
 
+def set_notifier(fn) -> None:
+    """``fn(message)`` is called once per process, before its first kernel compile (the
+    command line prints it, so a first run's wait is explained); None: silent."""
+    _notifier[:] = [fn] if fn is not None else []
+
+
+def record_failure(name: str, error: str) -> None:
+    """A cubin MLX could not load (counted as failed; MLX's own build serves that kernel)."""
+    with _lock:
+        _counts["failed"] += 1
+        _last_error[:] = [f"{name}: {error[:2000]}"]
+
+
 def status() -> dict:
     """What this process did: kernels compiled, read from disk, failed (the last error), and
     why the path is off when it is."""
@@ -227,6 +247,7 @@ def status() -> dict:
         "enabled": _state["nvrtc"] is not None,
         "why_off": _state["why"],
         "arch": _state["arch"],
+        "nvrtc": _state.get("nvrtc_path"),
         "cache": str(cache_dir()),
         "last_error": _last_error[0] if _last_error else None,
     }

@@ -127,9 +127,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _load(path: str | None, quiet: bool = False, chat: bool = False):
     """(model, tokenizer): PATH, a name from `hf2q-mlx models`, or the default for the command
     (the instruction-tuned chat model for ``chat``, the base demo model otherwise)."""
+    from hf2q_mlx.custom_kernels import cuda_cache
     from hf2q_mlx.io import default_model
     from hf2q_mlx.io.loader import load
 
+    if not quiet:  # a new machine's first run compiles the GPU kernels: say why it waits
+        cuda_cache.set_notifier(lambda msg: print(msg, file=sys.stderr, flush=True))
     if path is None:
         name = default_model.DEFAULT_CHAT_MODEL if chat else default_model.DEMO_MODEL
         return load(default_model.known_model_path(name, progress=not quiet))

@@ -108,6 +108,18 @@ def test_compiled_once_then_read_from_disk(fake_nvrtc, tmp_path):
     assert len(names) == 3 and not any(n.endswith(".tmp") for n in names)
 
 
+def test_notifier_told_once_at_the_first_compile(fake_nvrtc, monkeypatch):
+    told = []
+    monkeypatch.setattr(cuda_cache, "_notifier", [])
+    cuda_cache.set_notifier(told.append)
+    cuda_cache.cubin("a", "source A")
+    cuda_cache.cubin("b", "source B")
+    cuda_cache.cubin("a", "source A")  # from disk
+    assert len(told) == 1 and "sm_90" in told[0] and "once per machine" in told[0]
+    cuda_cache.set_notifier(None)
+    assert cuda_cache._notifier == []
+
+
 def test_compile_error_returns_none_and_says_why(fake_nvrtc):
     assert cuda_cache.cubin("bad", "BROKEN") is None
     st = cuda_cache.status()
@@ -222,3 +234,37 @@ def test_gpu_precompiled_matches_mlx_build(monkeypatch):
     want2 = ((x * 2).astype(mx.float32) * 3 + 5).astype(mx.bfloat16)
     assert mx.array_equal(a, b).item() and mx.array_equal(a, want).item()
     assert mx.array_equal(again, want2).item()
+
+
+def test_unloadable_cubin_falls_back_to_mlx_build(fake_nvrtc, monkeypatch):
+    """A cubin MLX cannot load: counted as failed, and MLX's build serves that kernel from then
+    on; any other error of the launch reaches the caller."""
+    tried, mlx_calls = [], []
+    error = ["Failed to load compiled hq_cache_demo kernel: device kernel image is invalid."]
+
+    def precompiled(**kw):
+        tried.append(kw["name"])
+        raise RuntimeError(error[0])
+
+    def mlx_kernel(**kw):
+        mlx_calls.append(kw)
+        return ["mlx"]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    k = _kernel()
+    monkeypatch.setattr(k, "_kernel_for", lambda be, sig: mlx_kernel)
+    launch = k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
+                        output_dtypes=[mx.float32], backend="cuda",
+                        template={"T": mx.float32, "D": 1})  # fmt: skip
+    x, n = mx.ones((4,)), mx.array([4], dtype=mx.int32)
+    assert launch(inputs=[x, n]) == ["mlx"] and launch(inputs=[x, n]) == ["mlx"]
+    assert len(tried) == 1 and len(mlx_calls) == 2
+    assert mlx_calls[0]["template"] == [("T", mx.float32), ("D", 1)]
+    st = cuda_cache.status()
+    assert st["failed"] == 1 and "device kernel image is invalid" in st["last_error"]
+    error[0] = "[malloc] out of memory"
+    other = k.launcher([mx.float32, mx.int32], grid=8, threadgroup=4, output_shapes=[(8,)],
+                       output_dtypes=[mx.float32], backend="cuda",
+                       template={"T": mx.float32, "D": 2})  # fmt: skip
+    with pytest.raises(RuntimeError, match="out of memory"):
+        other(inputs=[x, n])
