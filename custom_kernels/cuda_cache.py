@@ -42,6 +42,7 @@ using cuda::std::uint32_t; using cuda::std::uint64_t;
 """
 
 _lock = threading.Lock()
+_paths: dict[str, Path] = {}  # kernel name -> its cubin's file, for record_failure
 _notifier: list = []  # set_notifier's callable: told once per process, at its first compile
 _state: dict = {"checked": False, "nvrtc": None, "arch": None, "options": None, "why": None}
 _counts = {"compiled": 0, "from_disk": 0, "failed": 0}
@@ -196,6 +197,7 @@ def cubin(name: str, source: str) -> bytes | None:
             "\0".join([source, *options, _state["version"], mx.__version__]).encode()
         ).hexdigest()[:32]
         path = cache_dir() / _state["arch"] / f"{name[:80]}_{key}.cubin"
+        _paths[name] = path
         try:
             data = path.read_bytes()
             if data:
@@ -233,10 +235,15 @@ def set_notifier(fn) -> None:
 
 
 def record_failure(name: str, error: str) -> None:
-    """A cubin MLX could not load (counted as failed; MLX's own build serves that kernel)."""
+    """A cubin MLX could not load: counted as failed, its file deleted (the next process
+    compiles it again); MLX's own build serves that kernel in this one."""
     with _lock:
         _counts["failed"] += 1
         _last_error[:] = [f"{name}: {error[:2000]}"]
+        try:
+            _paths.pop(name).unlink()
+        except (KeyError, OSError):
+            pass
 
 
 def status() -> dict:

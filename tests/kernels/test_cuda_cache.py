@@ -236,7 +236,7 @@ def test_gpu_precompiled_matches_mlx_build(monkeypatch):
     assert mx.array_equal(again, want2).item()
 
 
-def test_unloadable_cubin_falls_back_to_mlx_build(fake_nvrtc, monkeypatch):
+def test_unloadable_cubin_falls_back_to_mlx_build(fake_nvrtc, monkeypatch, tmp_path):
     """A cubin MLX cannot load: counted as failed, and MLX's build serves that kernel from then
     on; any other error of the launch reaches the caller."""
     tried, mlx_calls = [], []
@@ -262,6 +262,8 @@ def test_unloadable_cubin_falls_back_to_mlx_build(fake_nvrtc, monkeypatch):
     assert mlx_calls[0]["template"] == [("T", mx.float32), ("D", 1)]
     st = cuda_cache.status()
     assert st["failed"] == 1 and "device kernel image is invalid" in st["last_error"]
+    # the unloadable file is gone: the next process compiles it again
+    assert not list((tmp_path / "cuda_kernels" / "sm_90").glob("hq_cache_demo_*"))
     error[0] = "[malloc] out of memory"
     other = k.launcher([mx.float32, mx.int32], grid=8, threadgroup=4, output_shapes=[(8,)],
                        output_dtypes=[mx.float32], backend="cuda",
