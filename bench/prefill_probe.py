@@ -3,12 +3,16 @@
 Random Q4_K experts at 26B-A4B's gate/up widths (E 128, 2F 1408, K 2816), bf16 x, T tokens with
 top-8 ids. Prints the relative 2-norm error, against a numpy fp32 product over the same
 dequantized weights, of: the GPU dequantizer; gather_mm on the expert-sorted pairs (the path);
-gather_mm unsorted; a per-expert matmul loop; and the whole expert_matmul dispatcher.
+gather_mm unsorted; a per-expert matmul loop; and the whole expert_matmul dispatcher. Then the
+same for MLX affine 4-bit experts (the MLX 4-bit models' prefill, and mlx-lm's): gather_qmm over
+the expert-sorted pairs with sorted_indices on and off (the CUDA path drops the flag since
+session 13, which mlx-lm keeps), with the time of each.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -81,6 +85,40 @@ def main() -> None:
             f"  sorted, contiguous b {rel(cont_back, want):.3e}"
             f"  matmul loop {rel(loop, want):.3e}"
             f"  dispatcher ({EXM.prefill_mode()}) {rel(disp, want):.3e}"
+        )
+    affine_probe(ref_w)
+
+
+def affine_probe(ref_w: mx.array, k: int = 8) -> None:
+    """gather_qmm over sorted pairs, the flag on and off, against fp32 math on the same
+    (dequantized affine) weights; the median of 5 timed runs of each."""
+    E, N, K = ref_w.shape
+    wq, scales, biases = mx.quantize(ref_w, group_size=64, bits=4)
+    W = np.array(mx.dequantize(wq, scales, biases, group_size=64, bits=4))  # (E, N, K)
+    for T in (33, 512, 2048):
+        rng = np.random.default_rng(T + 7)
+        x = mx.array(rng.standard_normal((T, K)).astype(np.float32)).astype(mx.bfloat16)
+        ids = mx.array(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), mx.int32)
+        want = np.einsum("tk,tsnk->tsn", np.array(x.astype(mx.float32)), W[np.array(ids)])
+        flat = ids.flatten()
+        order = mx.argsort(flat)
+        rows = x[order // k][:, None, :]
+        out, took = {}, {}
+        for flag in (True, False):
+            times = []
+            for _ in range(6):
+                tic = time.perf_counter()
+                y = mx.gather_qmm(
+                    rows, wq, scales, biases, rhs_indices=flat[order], transpose=True,
+                    group_size=64, bits=4, sorted_indices=flag,
+                )  # fmt: skip
+                mx.eval(y)
+                times.append(time.perf_counter() - tic)
+            out[flag] = y.squeeze(-2)[mx.argsort(order)].reshape(T, k, N)
+            took[flag] = sorted(times[1:])[2] * 1e6
+        print(
+            f"T={T:4d} gather_qmm sorted flag on {rel(out[True], want):.3e} "
+            f"({took[True]:.0f} us)  flag off {rel(out[False], want):.3e} ({took[False]:.0f} us)"
         )
 
 
