@@ -116,9 +116,9 @@ def expert_matmul_reference(
     return out.astype(x.dtype)
 
 
-def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul) -> mx.array:
-    """Runs ``matmul(rows (..., 1, K), ids, sorted_indices) -> (..., 1, N)`` (a gather_mm or
-    gather_qmm over the experts) for every (token, slot) pair -> (..., k, N).
+def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul, quantized: bool = False) -> mx.array:
+    """Runs ``matmul(rows (..., 1, K), ids, sorted_indices) -> (..., 1, N)`` (a gather_mm or,
+    ``quantized``, a gather_qmm over the experts) for every (token, slot) pair -> (..., k, N).
 
     With many pairs they are sorted by expert first, so each expert's weight is read once.
     """
@@ -129,7 +129,8 @@ def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul) -> mx.array:
     ids = expert_ids.flatten()
     order = mx.argsort(ids)
     src = order if xs.shape[-2] == k else order // k  # shared x: pair p reads token p // k
-    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], _sorted_flag_ok()).squeeze(-2)
+    flag = _sorted_flag_ok() or (quantized and os.environ.get("HF2Q_QMM_SORTED", "0") == "1")
+    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], flag).squeeze(-2)
     return out[mx.argsort(order)].reshape(*expert_ids.shape, -1)  # back to (token, slot)
 
 
@@ -141,6 +142,9 @@ def _sorted_flag_ok() -> bool:
     right, so CUDA keeps the order (each expert's rows together) and drops the flag. The CPU
     needs the flag: its unsorted gather_mm takes fp32 only. Asked of the device itself, not of
     backend(), which also says None for the references run on a CUDA GPU.
+    ``HF2Q_QMM_SORTED=1`` (read at each call) gives gather_qmm the flag on CUDA too: MLX's
+    sorted gather_qmm is a different kernel, mlx-lm uses it, and whether it is right there is
+    what ``bench/prefill_probe.py`` checks (not yet run on a GPU).
     """
     return not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available())
 

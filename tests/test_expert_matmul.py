@@ -135,3 +135,30 @@ def test_expert_linear_module():
     many = routing(SORT_THRESHOLD, k, seed=11)  # sorted gather_qmm path
     xm = mx.random.normal((SORT_THRESHOLD, K), key=mx.random.key(12))
     assert_close(q(xm, many), oracle(np.array(xm), np.array(deq), np.array(many)), 1e-5)
+
+
+def test_sorted_flag_on_a_cuda_device(monkeypatch):
+    """Where the device drops the sorted flag (CUDA), gather_mm never gets it and gather_qmm gets
+    it only with HF2Q_QMM_SORTED=1 (read at each call); below the threshold nobody does."""
+    import hf2q_mlx.custom_kernels.expert_matmul as EXM
+
+    seen = []
+
+    def matmul(rows, ids, flag):
+        seen.append(flag)
+        return mx.zeros((*rows.shape[:-1], N))
+
+    monkeypatch.setattr(EXM, "_sorted_flag_ok", lambda: False)
+    x = mx.random.normal((SORT_THRESHOLD, 8), key=mx.random.key(3))
+    many = routing(SORT_THRESHOLD, 2, seed=4)
+    for quantized, env, want in ((False, "1", False), (True, None, False), (True, "1", True),
+                                 (True, "0", False)):  # fmt: skip
+        if env is None:
+            monkeypatch.delenv("HF2Q_QMM_SORTED", raising=False)
+        else:
+            monkeypatch.setenv("HF2Q_QMM_SORTED", env)
+        out = EXM.gathered_matmul(x, many, matmul, quantized=quantized)
+        assert out.shape == (SORT_THRESHOLD, 2, N) and seen[-1] is want
+    monkeypatch.setenv("HF2Q_QMM_SORTED", "1")
+    EXM.gathered_matmul(x[:2], many[:2], matmul, quantized=True)
+    assert seen[-1] is False
