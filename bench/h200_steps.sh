@@ -72,19 +72,20 @@ step prefill-mlx4-sorted 400 "python3 bench/prefill.py $OUT/prefill_mlx4_sorted.
 step prefill-wide 300 "python3 bench/prefill.py $OUT/prefill_wide.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --rounds 3 --env HF2Q_EXPERT_PREFILL=dequant32 --env HF2Q_EXPERT_PREFILL=grouped"
 # issue 15's "first 512-token prefill under 2 s including compilation": a fresh process twice,
 # the second with MLX's PTX disk cache warm (MLX keeps it in /tmp/mlx/<version>/ptx by default,
-# so a user's second run is the warm case; the first run on a new machine is the cold one). Its
+# so a user's second run is the warm case; the first run on a new machine is the cold one), with
+# custom_kernels/cuda_cache on (KERNEL_CACHE=0: MLX's build, the default). Its
 # own empty PTX and CUDA driver caches (and no cuda_cache cubins) make the cold run cold
 # whatever steps ran before it.
-step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do echo \$run; MLX_PTX_CACHE_DIR=/tmp/ptx-first CUDA_CACHE_PATH=/tmp/cuda-first python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i 'first\|cuda_cache'; done"
+step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do echo \$run; MLX_PTX_CACHE_DIR=/tmp/ptx-first CUDA_CACHE_PATH=/tmp/cuda-first HF2Q_CUDA_KERNEL_CACHE=\${KERNEL_CACHE:-1} python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i 'first\|cuda_cache'; done"
 # where the first prefill's time goes, per model class and ops function (bench/first_prefill.py),
 # cold (its own empty PTX and CUDA driver caches) and then warm
 step first-prefill-profile 300 "rm -rf /tmp/ptx-fpp /tmp/cuda-fpp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpp CUDA_CACHE_PATH=/tmp/cuda-fpp python3 bench/first_prefill.py $OUT/first_prefill_profile_\$run.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 25; done"
 # what a fresh process pays on the first GPU call of single ops (bench/jit_probe.py), cold then
 # warm on one PTX cache, then warm with the CUDA driver loading every module at start
-step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm eager; do echo \$run; [ \$run = eager ] && export CUDA_MODULE_LOADING=EAGER; MLX_PTX_CACHE_DIR=/tmp/ptx-jp CUDA_CACHE_PATH=/tmp/cuda-jp python3 bench/jit_probe.py --json $OUT/jit_probe_\$run.json; done"
-# our kernels through custom_kernels/cuda_cache's cubins: its own GPU test and the GPU tests of
-# the kernels a 26B-A4B prefill and decode run
-step cache-gpu-tests 240 "python3 -m pytest -q -p no:cacheprovider --maxfail=5 -k gpu tests/kernels/test_cuda_cache.py tests/kernels/test_post_norm_residual.py tests/kernels/test_norm_rope.py tests/kernels/test_activations.py tests/kernels/test_moe_router.py tests/kernels/test_expert_prefill.py tests/kernels/test_decode_attention.py tests/kernels/test_sampling_kernels.py --tb=line"
+step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm eager; do echo \$run; [ \$run = eager ] && export CUDA_MODULE_LOADING=EAGER; MLX_PTX_CACHE_DIR=/tmp/ptx-jp CUDA_CACHE_PATH=/tmp/cuda-jp HF2Q_CUDA_KERNEL_CACHE=1 python3 bench/jit_probe.py --json $OUT/jit_probe_\$run.json; done"
+# our kernels through custom_kernels/cuda_cache's cubins (turned on here; off by default): its own
+# GPU test and the GPU tests of the kernels a 26B-A4B prefill and decode run
+step cache-gpu-tests 240 "HF2Q_CUDA_KERNEL_CACHE=1 python3 -m pytest -q -p no:cacheprovider --maxfail=5 -k gpu tests/kernels/test_cuda_cache.py tests/kernels/test_post_norm_residual.py tests/kernels/test_norm_rope.py tests/kernels/test_activations.py tests/kernels/test_moe_router.py tests/kernels/test_expert_prefill.py tests/kernels/test_decode_attention.py tests/kernels/test_sampling_kernels.py --tb=line"
 # B = 1 decode of 26B-A4B with custom_kernels/cuda_cache on and off, alternating processes
 step decode-cache-ab 240 "for i in 1 2; do for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c; HF2Q_CUDA_KERNEL_CACHE=\$c python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 128 --prefill-chunk 4096 | grep -m1 DecodeStep; done; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""

@@ -4,7 +4,7 @@ Session 15's first-prefill profile (bench/first_prefill.py) put ~1.5 s on the fi
 each of several ops, with MLX's PTX disk cache warm as much as cold. This times single ops the
 first and the second time in one process: a large first allocation, a cuBLAS matmul, cuDNN
 attention, a trivial ``mx.fast.cuda_kernel``, and some of ours (softcap, post_norm_residual,
-through custom_kernels/cuda_cache unless HF2Q_CUDA_KERNEL_CACHE=0). It then lists MLX's PTX
+through custom_kernels/cuda_cache when HF2Q_CUDA_KERNEL_CACHE=1). It then lists MLX's PTX
 cache (session 15: MLX 0.32.4 writes none for custom kernels) and cuda_cache's status. Run it
 twice with the same MLX_PTX_CACHE_DIR (cold, then warm); inputs are made and evaluated before
 each timed call, so a time is the op's alone.

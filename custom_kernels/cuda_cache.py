@@ -8,8 +8,10 @@ kernel text MLX would build, with a two-header prelude instead of MLX's), NVRTC 
 through ctypes, the cubin lands in ``<cache>/cuda_kernels/`` keyed by a hash of source, options,
 NVRTC version and GPU, and ``mx.fast.precompiled_cuda_kernel`` launches it. Anything missing
 (no NVRTC library, no CUDA headers, a compile error) returns None and the caller keeps MLX's
-``cuda_kernel``: the same kernel text, compiled MLX's way. ``HF2Q_CUDA_KERNEL_CACHE=0`` turns
-this off. ``status()`` says what happened.
+``cuda_kernel``: the same kernel text, compiled MLX's way. Off unless
+``HF2Q_CUDA_KERNEL_CACHE=1``: one serving run with it decoded 26B-A4B at 116 tok/s against 191
+without (not side by side; not settled, docs/kernel_notes.md session 15), so it waits for an
+A/B on the GPU before it becomes the default. ``status()`` says what happened.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ENABLED = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "1").strip() != "0"
+ENABLED = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "0").strip() == "1"
 
 # Before the kernel text: the half types, fixed-width integers from CCCL (which MLX ships), and
 # MLX's ``inf``. The bodies use nothing else of MLX's prelude (the CPU emulator's header,
@@ -109,7 +111,7 @@ def _setup() -> None:
     """Find NVRTC, the GPU's architecture and the include paths once; ``why`` when not."""
     _state["checked"] = True
     if not ENABLED:
-        _state["why"] = "HF2Q_CUDA_KERNEL_CACHE=0"
+        _state["why"] = "HF2Q_CUDA_KERNEL_CACHE is not 1"
         return
     if not mx.cuda.is_available():
         _state["why"] = "no CUDA back end"
