@@ -77,6 +77,23 @@ def _loaded_libs(stem: str) -> list[str]:
     return sorted(p for p in paths if os.path.basename(p).startswith(stem))
 
 
+def _cuda_major() -> str | None:
+    """The CUDA major version MLX runs on, from its loaded runtime libraries (None: unknown)."""
+    for stem in ("libcudart.so.", "libcublas.so.", "libnvrtc.so."):
+        for path in _loaded_libs(stem):
+            major = os.path.basename(path)[len(stem) :].split(".")[0]
+            if major.isdigit():
+                return major
+    return None
+
+
+def _prefer_major(paths: list[str], major: str | None) -> list[str]:
+    """``paths`` with the libnvrtc.so.<major>* ones first (MLX's own compiler version)."""
+    if major is None:
+        return paths
+    return sorted(paths, key=lambda p: not os.path.basename(p).startswith(f"libnvrtc.so.{major}"))
+
+
 def _nvrtc_candidates() -> list[str]:
     found = _loaded_libs("libnvrtc.so")
     for base in sys.path:  # the nvidia-* wheels
@@ -88,7 +105,8 @@ def _nvrtc_candidates() -> list[str]:
     name = ctypes.util.find_library("nvrtc")
     if name:
         found.append(name)
-    return [p for p in dict.fromkeys(found) if "builtins" not in os.path.basename(p)]
+    found = [p for p in dict.fromkeys(found) if "builtins" not in os.path.basename(p)]
+    return _prefer_major(found, _cuda_major())
 
 
 def _compute_capability() -> tuple[int, int] | None:

@@ -87,6 +87,20 @@ def test_switch_off_says_so(fresh_state, monkeypatch):
     assert cuda_cache.status()["why_off"] == "HF2Q_CUDA_KERNEL_CACHE is not 1"
 
 
+def test_nvrtc_of_mlx_cuda_version_first(monkeypatch):
+    """Of the NVRTC libraries found, the one of the CUDA major version MLX has loaded first (a
+    torch wheel's CUDA 12 NVRTC may sit on sys.path beside MLX's CUDA 13)."""
+    maps = {"libcudart.so.": ["/x/nvidia/cu13/lib/libcudart.so.13"], "libcublas.so.": [],
+            "libnvrtc.so.": [], "libnvrtc.so": []}  # fmt: skip
+    monkeypatch.setattr(cuda_cache, "_loaded_libs", lambda stem: maps.get(stem, []))
+    assert cuda_cache._cuda_major() == "13"
+    paths = ["/a/libnvrtc.so.12", "/b/libnvrtc.so.13.0.48", "/c/libnvrtc.so"]
+    assert cuda_cache._prefer_major(paths, "13") == [paths[1], paths[0], paths[2]]
+    assert cuda_cache._prefer_major(paths, None) == paths
+    maps["libcudart.so."] = []
+    assert cuda_cache._cuda_major() is None
+
+
 # --------------------------------------------------------------------------------------------
 # The disk cache
 
