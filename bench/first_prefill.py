@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders)
+import prefill as pf  # noqa: E402  (bench/prefill.py: one timed prefill into a new cache)
 
 from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.models import ops  # noqa: E402
@@ -59,7 +60,8 @@ class CallTimer:
         self._patched = []
         self._funcs = []
         self._stack = ["model"]  # module paths of the open calls, for the ops' records
-        owners = {c for m in self._modules(model) for c in type(m).__mro__ if "__call__" in vars(c)}
+        mods = [m for _, m in model.named_modules()]
+        owners = {c for m in mods for c in type(m).__mro__ if "__call__" in vars(c)}
         for cls in owners:
             if cls.__module__.startswith(("hf2q_mlx", "models")) or cls is type(model):
                 self._patch(cls)
@@ -68,10 +70,6 @@ class CallTimer:
             if public and callable(f) and getattr(f, "__module__", None) == ops.__name__:
                 self._funcs.append((fname, f))
                 setattr(ops, fname, self._wrap(f, f"ops.{fname}"))
-
-    @staticmethod
-    def _modules(model):
-        return [m for _, m in model.named_modules()]
 
     def _wrap(self, orig, label: str | None):
         """``orig`` timed; ``label`` None: a method, labelled by its object's class and path."""
@@ -112,15 +110,6 @@ class CallTimer:
             cls.__call__ = orig
         for fname, f in self._funcs:
             setattr(ops, fname, f)
-
-
-def prefill(model, prompt: mx.array, chunk: int) -> float:
-    cache = model.make_cache()
-    tic = time.perf_counter()
-    for i in range(0, prompt.shape[1], chunk):
-        logits = model(prompt[:, i : i + chunk], cache)
-        mx.eval(logits[:, -1, :], ds.cache_arrays(cache))
-    return time.perf_counter() - tic
 
 
 def summarize(first: list, second: list, top: int) -> dict:
@@ -181,7 +170,7 @@ def main() -> None:
     runs, recs = [], []
     for i, prompt in enumerate(prompts):
         timer.on, timer.records = i < 2, []
-        runs.append(prefill(model, prompt, a.chunk))
+        runs.append(pf.Variant(model, {}, a.chunk).prefill(prompt))
         recs.append(timer.records)
     timer.restore()
     res = {"device": str(mx.default_device()), "shape": name, "format": a.format,

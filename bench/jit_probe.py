@@ -23,32 +23,21 @@ from pathlib import Path
 
 import mlx.core as mx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offset_probe import copy_kernel, run  # noqa: E402  (a one-line mx.fast.cuda_kernel)
 
 from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.custom_kernels.post_norm_residual import post_norm_residual  # noqa: E402
 from hf2q_mlx.custom_kernels.softcap import softcap  # noqa: E402
 
 
-def trivial_kernel():
-    src = "unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n[0]) out[i] = x[i] + 1;"
-    k = mx.fast.cuda_kernel(name="jit_probe_add", input_names=["x", "n"], output_names=["out"],
-                            source=src)  # fmt: skip
-
-    def run(x):
-        n = x.size
-        grid = (-(-n // 256) * 256, 1, 1)
-        return k(inputs=[x, mx.array([n], dtype=mx.uint32)], grid=grid, threadgroup=(256, 1, 1),
-                 output_shapes=[x.shape], output_dtypes=[x.dtype])[0]  # fmt: skip
-
-    return run
-
-
 def cases():
     """(label, inputs maker, op): the maker's arrays are evaluated before the op is timed."""
     bf = mx.bfloat16
     rn = mx.random.normal
-    add = trivial_kernel() if mx.cuda.is_available() else None
+    copy = copy_kernel() if mx.cuda.is_available() else None
     H = 2816
 
     def pnr(a):
@@ -78,8 +67,8 @@ def cases():
             lambda: [rn((1, 16, 512, 512)).astype(bf)] * 3,
             lambda a: mx.fast.scaled_dot_product_attention(*a, scale=1.0, mask="causal"),
         ),  # fmt: skip
-        ("trivial custom kernel", lambda: [rn((4096,))], lambda a: add(a[0])),
-        ("trivial custom kernel again", lambda: [rn((8192,))], lambda a: add(a[0])),
+        ("trivial custom kernel", lambda: [rn((4096,))], lambda a: run(copy, a[0])),
+        ("trivial custom kernel again", lambda: [rn((8192,))], lambda a: run(copy, a[0])),
         (
             "softcap (1,512,2816) bf16",
             lambda: [rn((1, 512, H)).astype(bf)],

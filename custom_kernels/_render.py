@@ -698,11 +698,16 @@ class Kernel:
                 )
         return mlx_build()
 
-    def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
-        """The _Cubin from cuda_cache, or None (MLX's cuda_kernel then: also for a
-        body reading an input's shape, strides or ndim, which only MLX's launch passes)."""
+    def reads_input_shape(self) -> bool:
+        """Whether the CUDA body reads an input's ``_shape``, ``_strides`` or ``_ndim`` (MLX's
+        cuda_kernel adds those parameters; a precompiled launch passes none)."""
         src = self.source("cuda")
-        if any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim")):
+        return any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim"))
+
+    def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
+        """The _Cubin from cuda_cache, or None (MLX's cuda_kernel then: also for a body that
+        ``reads_input_shape``)."""
+        if self.reads_input_shape():
             return None
         tmpl = _norm_template(template)
         # the module name MLX keys its loaded modules by: one per distinct translation unit
@@ -715,7 +720,8 @@ class Kernel:
             for i, (n, dt) in enumerate(zip(self.inputs, input_dtypes))
         ]
         outputs = list(zip(self.outputs, output_dtypes))
-        blob = cuda_cache.cubin(name, self._render_cuda(name, src, inputs, outputs, tmpl, True))
+        unit = self._render_cuda(name, self.source("cuda"), inputs, outputs, tmpl, True)
+        blob = cuda_cache.cubin(name, unit)
         # a failed compile is not retried in this process (MLX's path serves it)
         self._built[("precompiled", name)] = out = None if blob is None else _Cubin(name, blob)
         return out

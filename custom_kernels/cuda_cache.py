@@ -151,7 +151,8 @@ def _setup() -> None:
         return
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    includes = [p for p in (_cccl_dir(), _cuda_home() and os.path.join(_cuda_home(), "include"))
+    home = _cuda_home()
+    includes = [p for p in (_cccl_dir(), home and os.path.join(home, "include"))
                 if p and os.path.isdir(p)]  # fmt: skip
     _state.update(
         nvrtc=lib,

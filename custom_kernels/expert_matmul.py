@@ -121,6 +121,10 @@ def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul, quantized: bool =
     ``quantized``, a gather_qmm over the experts) for every (token, slot) pair -> (..., k, N).
 
     With many pairs they are sorted by expert first, so each expert's weight is read once.
+    ``HF2Q_QMM_SORTED=1`` (read at each call) gives gather_qmm the sorted flag on CUDA too:
+    MLX's sorted gather_qmm is a different kernel from the wrong sorted gather_mm, mlx-lm uses
+    it, and whether it is right there is what ``bench/prefill_probe.py`` checks (not yet run
+    on a GPU).
     """
     xs = _per_slot(x, expert_ids)
     k, K = expert_ids.shape[-1], xs.shape[-1]
@@ -142,9 +146,6 @@ def _sorted_flag_ok() -> bool:
     right, so CUDA keeps the order (each expert's rows together) and drops the flag. The CPU
     needs the flag: its unsorted gather_mm takes fp32 only. Asked of the device itself, not of
     backend(), which also says None for the references run on a CUDA GPU.
-    ``HF2Q_QMM_SORTED=1`` (read at each call) gives gather_qmm the flag on CUDA too: MLX's
-    sorted gather_qmm is a different kernel, mlx-lm uses it, and whether it is right there is
-    what ``bench/prefill_probe.py`` checks (not yet run on a GPU).
     """
     return not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available())
 

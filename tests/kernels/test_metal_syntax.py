@@ -103,11 +103,7 @@ def test_every_precompiled_cuda_unit_parses(tmp_path):
     """The units custom_kernels/cuda_cache compiles (its prelude, no MLX header): the kernels
     that read no input's shape (those keep MLX's cuda_kernel)."""
 
-    def reads_shape(k):
-        src = k.source("cuda")
-        return any(f"{n}_{a}" in src for n in k.inputs for a in ("shape", "strides", "ndim"))
-
-    kernels = [k for k in _all_kernels() if not reads_shape(k)]
+    kernels = [k for k in _all_kernels() if not k.reads_input_shape()]
     assert len(kernels) > 20
     src = _translation_unit("cuda", kernels, precompiled=True)
     assert "cooperative_groups" not in src and "mlx/backend/cuda" not in src
