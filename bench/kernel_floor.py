@@ -1,0 +1,178 @@
+"""Why do small decode kernels take 20-35 us each inside the compiled 26B-A4B step (issue 15)?
+
+The step's CUPTI profile (`bench/decode_profile.py`) gives the decode attention ~30 us a call
+whatever its split (16 parts x 16 SIMD groups, i.e. two slots per group, and 4 x 8, seventeen
+slots per group, both ~30 us) and the router ~22 us for a 720 KB weight. This probe times the
+same kernels alone, at the 26B-A4B shapes, under CUPTI: ``--chain`` independent calls (fresh
+inputs) evaluated at once, so the GPU runs them back to back. Per variant: the kernels' median
+CUPTI duration and the wall time per call. Variants move one thing at a time: the attention
+span (slots actually read), its (parts, groups) mapping and head size; the router alone; a
+one-line copy kernel and an MLX add as the floor of any launch.
+
+If the kernels are ~30 us alone too, the time is in their bodies (fixed cost, not the slots);
+if they are a few us alone, the step's 30 us come from the graph around them (kernels running
+side by side in MLX's CUDA graph, clocks).
+
+    python3 bench/kernel_floor.py --json /tmp/out/kernel_floor.json     # H200 (needs torch+CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import offset_probe  # noqa: E402  (bench/offset_probe.py: a one-line CUDA copy kernel)
+
+from hf2q_mlx.custom_kernels import decode_attention as DA  # noqa: E402
+from hf2q_mlx.custom_kernels import moe_router as MR  # noqa: E402
+
+
+def attention_case(Hq, Hk, D, cap, window, pos, span, split=None):
+    """A callable making one decode attention call on fresh q (the cache arrays fixed)."""
+    k = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
+    v = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
+    p = mx.array([pos], dtype=mx.int32)
+    mx.eval(k, v, p)
+
+    def call():
+        DA.SPLIT_OVERRIDE = "" if split is None else f"{split[0]},{split[1]}"
+        DA._plan.cache_clear()
+        q = mx.random.normal((1, Hq, 1, D)).astype(mx.bfloat16)
+        return DA.decode_attention(q, k, v, p, D**-0.5, span, window, True)
+
+    return call
+
+
+def router_case(D=2816, E=128, k=8):
+    w = (mx.random.normal((E, D)) * D**-0.5).astype(mx.bfloat16)
+    scale = mx.random.uniform(shape=(D,)).astype(mx.bfloat16)
+    escale = mx.random.uniform(shape=(E,)).astype(mx.bfloat16)
+    norm = mx.random.uniform(shape=(D,)).astype(mx.bfloat16)
+    mx.eval(w, scale, escale, norm)
+
+    def call():
+        x = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
+        ids, weights, xn = MR.moe_router(
+            x, w, k, pre_scale=scale, pre_mult=D**-0.5, expert_scale=escale, post_norm=norm
+        )
+        return [ids, weights, xn]
+
+    return call
+
+
+def copy_case(n=2816):
+    kern = []  # built at the first call (MLX has no cuda_kernel without CUDA)
+
+    def call():
+        kern[:] = kern or [offset_probe.copy_kernel()]
+        return offset_probe.run(kern[0], mx.random.normal((n,)).astype(mx.bfloat16))
+
+    return call
+
+
+def add_case(n=2816):
+    def call():
+        return mx.random.normal((n,)).astype(mx.bfloat16) + 1
+
+    return call
+
+
+def cases() -> dict:
+    s = (16, 8, 256, 544, 1024)  # 26B-A4B sliding layer, 512-token prompt + 32 (the profile)
+    g = (16, 2, 512, 544, None)  # its global layer
+    return {
+        "copy kernel (floor)": copy_case(),
+        "mlx add (floor)": add_case(),
+        "router 2816->128 top-8": router_case(),
+        "attn sliding span 544 default": attention_case(*s, 512, 544),
+        "attn sliding span 544 split 1,1": attention_case(*s, 512, 544, (1, 1)),
+        "attn sliding span 544 split 4,8": attention_case(*s, 512, 544, (4, 8)),
+        "attn sliding span 544 split 16,16": attention_case(*s, 512, 544, (16, 16)),
+        "attn sliding span 544 split 32,16": attention_case(*s, 512, 544, (32, 16)),
+        "attn full span 16 default": attention_case(16, 8, 256, 544, None, 8, 16),
+        "attn full span 16 split 1,1": attention_case(16, 8, 256, 544, None, 8, 16, (1, 1)),
+        "attn full span 128 default": attention_case(16, 8, 256, 544, None, 100, 128),
+        "attn global span 544 default": attention_case(*g, 512, 544),
+        "attn D=64 span 544 default": attention_case(16, 8, 64, 544, None, 512, 544),
+    }
+
+
+def cuda_kernels(prof) -> list[tuple[str, float]]:
+    from torch.autograd import DeviceType
+
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == DeviceType.CUDA]  # fmt: skip
+
+
+def measure(call, chain: int, use_cupti: bool) -> dict:
+    for _ in range(3):  # builds, first loads
+        mx.eval(call())
+    mx.synchronize()
+    prof = None
+    if use_cupti:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    outs = [call() for _ in range(chain)]  # built first: the GPU then runs them back to back
+    tic = time.perf_counter()
+    mx.eval(outs)
+    mx.synchronize()
+    wall = (time.perf_counter() - tic) / chain * 1e6
+    out = {"wall_us_per_call": wall}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        by = {}
+        for name, us in cuda_kernels(prof):
+            by.setdefault(name[:90], []).append(us)
+        out["kernels"] = {
+            n: {"per_call": len(v) / chain, "median_us": statistics.median(v),
+                "min_us": min(v), "max_us": max(v)}
+            for n, v in sorted(by.items(), key=lambda kv: -sum(kv[1]))
+        }  # fmt: skip
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chain", type=int, default=64)
+    ap.add_argument("--only", default="", help="comma list of case-name substrings")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if not mx.cuda.is_available():
+        print("no CUDA device: nothing to probe")
+        return 0
+    use_cupti = importlib.util.find_spec("torch") is not None
+    if use_cupti:
+        import torch
+
+        use_cupti = torch.cuda.is_available()
+    print(f"MLX {mx.__version__}, chain {a.chain}, CUPTI {'on' if use_cupti else 'off'}")
+    results = {}
+    for name, call in cases().items():
+        if a.only and not any(s in name for s in a.only.split(",")):
+            continue
+        r = results[name] = measure(call, a.chain, use_cupti)
+        print(f"{name:38s} wall {r['wall_us_per_call']:7.1f} us/call", flush=True)
+        for kname, s in r.get("kernels", {}).items():
+            print(f"    x{s['per_call']:.2f} {s['median_us']:6.1f} us [{s['min_us']:.1f}-"
+                  f"{s['max_us']:.1f}]  {kname}", flush=True)  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "chain": a.chain,
+                                            "results": results}, indent=1))  # fmt: skip
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
