@@ -210,6 +210,11 @@ def main() -> None:
     r.update(model=a.model, format=a.format, step=a.step, batch=a.batch)
     r["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     r["device"] = str(mx.default_device())
+    if mx.cuda.is_available():
+        from hf2q_mlx.custom_kernels import cuda_cache
+
+        r["cuda_cache"] = cuda_cache.status()
+        print(f"cuda_cache: {r['cuda_cache']}")
     b_ms, s_ms = r["graph_build_ms_per_token"], r["eval_submit_ms_per_token"]
     print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall (Python graph build "
           f"{b_ms:.2f}, MLX eval submit {s_ms:.2f})", end="")  # fmt: skip

@@ -87,13 +87,13 @@ step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp \$HF2Q_MLX_CACHE/cuda_kernel
 # GPU test and the GPU tests of the kernels a 26B-A4B prefill and decode run
 step cache-gpu-tests 240 "HF2Q_CUDA_KERNEL_CACHE=1 python3 -m pytest -q -p no:cacheprovider --maxfail=5 -k gpu tests/kernels/test_cuda_cache.py tests/kernels/test_post_norm_residual.py tests/kernels/test_norm_rope.py tests/kernels/test_activations.py tests/kernels/test_moe_router.py tests/kernels/test_expert_prefill.py tests/kernels/test_decode_attention.py tests/kernels/test_sampling_kernels.py --tb=line"
 # B = 1 decode of 26B-A4B with custom_kernels/cuda_cache on and off, alternating processes
-step decode-cache-ab 240 "for i in 1 2; do for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c; HF2Q_CUDA_KERNEL_CACHE=\$c python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 128 --prefill-chunk 4096 | grep -m1 DecodeStep; done; done"
+step decode-cache-ab 240 "for i in 1 2; do for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c; HF2Q_CUDA_KERNEL_CACHE=\$c python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 128 --prefill-chunk 4096 | grep -a 'DecodeStep\\|cuda_cache'; done; done"
 # where a gap between them would come from: the compiled B = 1 step under CUPTI, kernel time and
 # host time per token, with the cache on and then off
 step decode-cache-profile 300 "for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c; HF2Q_CUDA_KERNEL_CACHE=\$c python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_cache\$c.json | tail -25; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
-step kernel-floor 150 "python3 bench/kernel_floor.py --json $OUT/kernel_floor.json"
+step kernel-floor 150 "python3 bench/kernel_floor.py --only \"${ONLY:-}\" --json $OUT/kernel_floor.json"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

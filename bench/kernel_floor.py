@@ -53,7 +53,7 @@ def attention_case(Hq, Hk, D, cap, window, pos, span, split=None):
     return call
 
 
-def router_case(D=2816, E=128, k=8):
+def router_case(D=2816, E=128, k=8, split=None):
     w = (mx.random.normal((E, D)) * D**-0.5).astype(mx.bfloat16)
     scale = mx.random.uniform(shape=(D,)).astype(mx.bfloat16)
     escale = mx.random.uniform(shape=(E,)).astype(mx.bfloat16)
@@ -62,9 +62,11 @@ def router_case(D=2816, E=128, k=8):
 
     def call():
         x = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
-        ids, weights, xn = MR.moe_router(
-            x, w, k, pre_scale=scale, pre_mult=D**-0.5, expert_scale=escale, post_norm=norm
-        )
+        opts = dict(pre_scale=scale, pre_mult=D**-0.5, expert_scale=escale, post_norm=norm)
+        if split is None:
+            ids, weights, xn = MR.moe_router(x, w, k, **opts)
+        else:  # HF2Q_ROUTER_SPLIT's mapping: G threadgroups per row, SIMD groups each
+            ids, weights, xn = MR.moe_router_kernel(x, w, k, split=split, **opts)
         return [ids, weights, xn]
 
     return call
@@ -94,6 +96,9 @@ def cases() -> dict:
         "copy kernel (floor)": copy_case(),
         "mlx add (floor)": add_case(),
         "router 2816->128 top-8": router_case(),
+        "router split 32x4": router_case(split=(32, 4)),
+        "router split 16x8": router_case(split=(16, 8)),
+        "router split 64x2": router_case(split=(64, 2)),
         "attn sliding span 544 default": attention_case(*s, 512, 544),
         "attn sliding span 544 split 1,1": attention_case(*s, 512, 544, (1, 1)),
         "attn sliding span 544 split 4,8": attention_case(*s, 512, 544, (4, 8)),

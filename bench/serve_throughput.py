@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemma4 as g4bench  # noqa: E402  (bench/gemma4.py: model builders at the real shapes)
 import qwen3_5 as q35bench  # noqa: E402
 
+from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
 from hf2q_mlx.serving.batch_sampler import SamplingParams  # noqa: E402
@@ -312,6 +313,8 @@ def main(argv=None) -> None:
     print("\n" + HEADER + "\n" + "\n".join(row_text(r) for r in rows))
     save(out, a.gen, rows)
     print(f"wrote {out}")
+    if mx.cuda.is_available():
+        print(f"cuda_cache: {cuda_cache.status()}")
 
 
 def save(path: str, gen: int, rows: list[dict]) -> None:

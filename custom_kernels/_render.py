@@ -404,12 +404,15 @@ def gpu_backend() -> str | None:
 
 
 class _Cubin:
-    """A cuda_cache cubin and what MLX made of it. MLX keeps one process-wide module per kernel
-    name and reads ``compiled_source`` only to load it, so once a launch has run (``loaded``)
-    the later ones pass no bytes: a launch copies the bytes it is given (one serving run that
-    copied every cubin into every launch decoded 26B-A4B at 116 tok/s against 191 without the
-    cubins; not settled, docs/kernel_notes.md session 15). ``failed``: MLX could not load it;
-    MLX's own build serves the kernel from then on."""
+    """A cuda_cache cubin and what MLX made of it: ``loaded`` once a launch has run, ``failed``
+    when MLX could not load it (MLX's own build serves the kernel from then on).
+
+    MLX 0.32.4's ``CustomKernel::eval_gpu`` keys a precompiled kernel's module by its name and
+    a hash of the image (``std::_Hash_bytes`` over the whole cubin), on every evaluation of
+    every launch, compiled steps included; its ``cuda_kernel`` path keys by name only. So each
+    launch of a cubin costs the host a copy-free hash of its bytes (~0.15 us per KiB measured
+    on an x86 host; docs/kernel_notes.md, session 16), which is why the cache is off by default.
+    """
 
     __slots__ = ("name", "blob", "loaded", "failed")
 
@@ -423,12 +426,13 @@ def _launch_precompiled(*, inputs, cubin: _Cubin, fallback, **launch) -> list[mx
     if cubin.failed:
         return fallback()(inputs=inputs)
     try:
+        # the bytes go with every launch: MLX 0.32.4 finds the loaded module by name + a hash
+        # of the image (an empty one is another key, which it then fails to load)
         outs = mx.fast.precompiled_cuda_kernel(
-            name=cubin.name, compiled_source=b"" if cubin.loaded else cubin.blob,
-            inputs=inputs, scalars=[], **launch,
-        )  # fmt: skip
+            name=cubin.name, compiled_source=cubin.blob, inputs=inputs, scalars=[], **launch
+        )
         if not cubin.loaded:
-            try:  # run this first launch now, so the module is loaded before any bare launch
+            try:  # run this first launch now: a cubin MLX cannot load falls back here
                 mx.eval(outs)
                 cubin.loaded = True
             except ValueError:  # inside mx.compile's trace: a later launch loads it

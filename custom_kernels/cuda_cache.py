@@ -12,6 +12,10 @@ NVRTC version and GPU, and ``mx.fast.precompiled_cuda_kernel`` launches it. Anyt
 ``HF2Q_CUDA_KERNEL_CACHE=1``: one serving run with it decoded 26B-A4B at 116 tok/s against 191
 without (not side by side; not settled, docs/kernel_notes.md session 15), so it waits for an
 A/B on the GPU before it becomes the default. ``status()`` says what happened.
+
+Why a loss is plausible: MLX 0.32.4 keys a precompiled kernel's loaded module by its name and a
+hash of the whole cubin, computed on every evaluation of every launch (``_render._Cubin``); its
+``cuda_kernel`` path keys by name only. ``status()`` reports the cubins' sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ using cuda::std::uint32_t; using cuda::std::uint64_t;
 
 _lock = threading.Lock()
 _paths: dict[str, Path] = {}  # kernel name -> its cubin's file, for record_failure
+_sizes: dict[str, int] = {}  # kernel name -> its cubin's bytes (each launch hashes them)
 _notifier: list = []  # set_notifier's callable: told once per process, at its first compile
 _state: dict = {"checked": False, "nvrtc": None, "arch": None, "options": None, "why": None}
 _counts = {"compiled": 0, "from_disk": 0, "failed": 0}
@@ -223,6 +228,7 @@ def cubin(name: str, source: str) -> bytes | None:
             data = path.read_bytes()
             if data:
                 _counts["from_disk"] += 1
+                _sizes[name] = len(data)
                 return data
         except OSError:
             pass
@@ -238,6 +244,7 @@ def cubin(name: str, source: str) -> bytes | None:
             _last_error[:] = [f"{name}: {err}"]
             return None
         _counts["compiled"] += 1
+        _sizes[name] = len(data)
         try:  # written whole or not at all: another process may read it now
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -278,4 +285,7 @@ def status() -> dict:
         "nvrtc": _state.get("nvrtc_path"),
         "cache": str(cache_dir()),
         "last_error": _last_error[0] if _last_error else None,
+        # what each launch of these kernels hashes on the host (MLX 0.32.4, _render._Cubin)
+        "cubin_kib_mean": round(sum(_sizes.values()) / len(_sizes) / 1024, 1) if _sizes else 0,
+        "cubin_kib_max": round(max(_sizes.values()) / 1024, 1) if _sizes else 0,
     }
