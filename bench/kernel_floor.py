@@ -3,11 +3,12 @@
 The step's CUPTI profile (`bench/decode_profile.py`) gives the decode attention ~30 us a call
 whatever its split (16 parts x 16 SIMD groups, i.e. two slots per group, and 4 x 8, seventeen
 slots per group, both ~30 us) and the router ~22 us for a 720 KB weight. This probe times the
-same kernels alone, at the 26B-A4B shapes, under CUPTI: ``--chain`` independent calls (fresh
-inputs) evaluated at once, so the GPU runs them back to back. Per variant: the kernels' median
-CUPTI duration and the wall time per call. Variants move one thing at a time: the attention
-span (slots actually read), its (parts, groups) mapping and head size; the router alone; a
-one-line copy kernel and an MLX add as the floor of any launch.
+same kernels alone, at the 26B-A4B shapes, under CUPTI: a chain of ``--chain`` calls, each
+fed the previous one's output (so no two kernels run side by side), built first and evaluated
+at once. Per variant: the kernels' median CUPTI duration and the wall time per call. Variants
+move one thing at a time: the attention span (slots actually read), its (parts, groups)
+mapping and head size; the router and its split mappings; a one-line copy kernel and an MLX
+add as the floor of any launch.
 
 If the kernels are ~30 us alone too, the time is in their bodies (fixed cost, not the slots);
 if they are a few us alone, the step's 30 us come from the graph around them (kernels running
@@ -38,55 +39,53 @@ from hf2q_mlx.custom_kernels import moe_router as MR  # noqa: E402
 
 
 def attention_case(Hq, Hk, D, cap, window, pos, span, split=None):
-    """A callable making one decode attention call on fresh q (the cache arrays fixed)."""
+    """(first q, step): one decode attention call whose output is the next call's q."""
     k = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
     p = mx.array([pos], dtype=mx.int32)
-    mx.eval(k, v, p)
+    q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.bfloat16)
+    mx.eval(k, v, p, q0)
 
-    def call():
+    def step(q):
         DA.SPLIT_OVERRIDE = "" if split is None else f"{split[0]},{split[1]}"
         DA._plan.cache_clear()
-        q = mx.random.normal((1, Hq, 1, D)).astype(mx.bfloat16)
-        return DA.decode_attention(q, k, v, p, D**-0.5, span, window, True)
+        out = DA.decode_attention(q, k, v, p, D**-0.5, span, window, True)  # (1, 1, Hq * D)
+        return out.reshape(1, Hq, 1, D)
 
-    return call
+    return q0, step
 
 
 def router_case(D=2816, E=128, k=8, split=None):
+    """(first x, step): one router call whose normalized x is the next call's x."""
     w = (mx.random.normal((E, D)) * D**-0.5).astype(mx.bfloat16)
     scale = mx.random.uniform(shape=(D,)).astype(mx.bfloat16)
     escale = mx.random.uniform(shape=(E,)).astype(mx.bfloat16)
     norm = mx.random.uniform(shape=(D,)).astype(mx.bfloat16)
-    mx.eval(w, scale, escale, norm)
+    x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
+    mx.eval(w, scale, escale, norm, x0)
+    opts = dict(pre_scale=scale, pre_mult=D**-0.5, expert_scale=escale, post_norm=norm)
 
-    def call():
-        x = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
-        opts = dict(pre_scale=scale, pre_mult=D**-0.5, expert_scale=escale, post_norm=norm)
+    def step(x):
         if split is None:
-            ids, weights, xn = MR.moe_router(x, w, k, **opts)
-        else:  # HF2Q_ROUTER_SPLIT's mapping: G threadgroups per row, SIMD groups each
-            ids, weights, xn = MR.moe_router_kernel(x, w, k, split=split, **opts)
-        return [ids, weights, xn]
+            return MR.moe_router(x, w, k, **opts)[2]
+        # HF2Q_ROUTER_SPLIT's mapping: G threadgroups per row, SIMD groups each
+        return MR.moe_router_kernel(x, w, k, split=split, **opts)[2]
 
-    return call
+    return x0, step
 
 
 def copy_case(n=2816):
     kern = []  # built at the first call (MLX has no cuda_kernel without CUDA)
 
-    def call():
+    def step(x):
         kern[:] = kern or [offset_probe.copy_kernel()]
-        return offset_probe.run(kern[0], mx.random.normal((n,)).astype(mx.bfloat16))
+        return offset_probe.run(kern[0], x)
 
-    return call
+    return mx.random.normal((n,)).astype(mx.bfloat16), step
 
 
 def add_case(n=2816):
-    def call():
-        return mx.random.normal((n,)).astype(mx.bfloat16) + 1
-
-    return call
+    return mx.random.normal((n,)).astype(mx.bfloat16), lambda x: x + 1
 
 
 def cases() -> dict:
@@ -104,6 +103,7 @@ def cases() -> dict:
         "attn sliding span 544 split 4,8": attention_case(*s, 512, 544, (4, 8)),
         "attn sliding span 544 split 16,16": attention_case(*s, 512, 544, (16, 16)),
         "attn sliding span 544 split 32,16": attention_case(*s, 512, 544, (32, 16)),
+        "attn sliding span 544 split 32,4": attention_case(*s, 512, 544, (32, 4)),
         "attn full span 16 default": attention_case(16, 8, 256, 544, None, 8, 16),
         "attn full span 16 split 1,1": attention_case(16, 8, 256, 544, None, 8, 16, (1, 1)),
         "attn full span 128 default": attention_case(16, 8, 256, 544, None, 100, 128),
@@ -119,9 +119,11 @@ def cuda_kernels(prof) -> list[tuple[str, float]]:
             if e.device_type == DeviceType.CUDA]  # fmt: skip
 
 
-def measure(call, chain: int, use_cupti: bool) -> dict:
+def measure(case, chain: int, use_cupti: bool) -> dict:
+    x, step = case
     for _ in range(3):  # builds, first loads
-        mx.eval(call())
+        x = step(x)
+        mx.eval(x)
     mx.synchronize()
     prof = None
     if use_cupti:
@@ -129,9 +131,10 @@ def measure(call, chain: int, use_cupti: bool) -> dict:
 
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
-    outs = [call() for _ in range(chain)]  # built first: the GPU then runs them back to back
+    for _ in range(chain):  # a dependent chain, built first: the GPU runs it kernel by kernel
+        x = step(x)
     tic = time.perf_counter()
-    mx.eval(outs)
+    mx.eval(x)
     mx.synchronize()
     wall = (time.perf_counter() - tic) / chain * 1e6
     out = {"wall_us_per_call": wall}
@@ -164,10 +167,10 @@ def main(argv=None) -> int:
         use_cupti = torch.cuda.is_available()
     print(f"MLX {mx.__version__}, chain {a.chain}, CUPTI {'on' if use_cupti else 'off'}")
     results = {}
-    for name, call in cases().items():
+    for name, case in cases().items():
         if a.only and not any(s in name for s in a.only.split(",")):
             continue
-        r = results[name] = measure(call, a.chain, use_cupti)
+        r = results[name] = measure(case, a.chain, use_cupti)
         print(f"{name:38s} wall {r['wall_us_per_call']:7.1f} us/call", flush=True)
         for kname, s in r.get("kernels", {}).items():
             print(f"    x{s['per_call']:.2f} {s['median_us']:6.1f} us [{s['min_us']:.1f}-"
