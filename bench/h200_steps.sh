@@ -65,9 +65,6 @@ step replay-35b-p 220 "python3 bench/speculative.py replay --shapes 35b-a3b --ac
 step moe-prefill 100 "python3 bench/moe_prefill.py --tokens 256 1024 4096 --json $OUT/moe_prefill.json"
 # the grouped-kernel MoE prefill: 32-token slices (the default) against one launch per 512 tokens (grouped-wide)
 step moe-prefill-grouped 240 "python3 bench/moe_prefill.py --paths dequant32 grouped grouped-wide --tokens 64 256 1024 4096 --rounds 5 --json $OUT/moe_prefill_grouped.json"
-# MLX 4-bit prefill: the affine experts' gather_qmm with the sorted flag (HF2Q_QMM_SORTED=1, off on
-# CUDA since session 13) against without, and mlx-lm, one process; run prefill-probe first (is it right?)
-step prefill-mlx4-sorted 400 "python3 bench/prefill.py $OUT/prefill_mlx4_sorted.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats mlx4 --rounds 3 --env HF2Q_QMM_SORTED=1"
 # whole-model prefill: the default (grouped-wide) against dequant32 and grouped, one process
 step prefill-wide 300 "python3 bench/prefill.py $OUT/prefill_wide.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --rounds 3 --env HF2Q_EXPERT_PREFILL=dequant32 --env HF2Q_EXPERT_PREFILL=grouped"
 # issue 15's "first 512-token prefill under 2 s including compilation": a fresh process twice,

@@ -116,15 +116,14 @@ def expert_matmul_reference(
     return out.astype(x.dtype)
 
 
-def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul, quantized: bool = False) -> mx.array:
-    """Runs ``matmul(rows (..., 1, K), ids, sorted_indices) -> (..., 1, N)`` (a gather_mm or,
-    ``quantized``, a gather_qmm over the experts) for every (token, slot) pair -> (..., k, N).
+def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul) -> mx.array:
+    """Runs ``matmul(rows (..., 1, K), ids, sorted_indices) -> (..., 1, N)`` (a gather_mm or a
+    gather_qmm over the experts) for every (token, slot) pair -> (..., k, N).
 
-    With many pairs they are sorted by expert first, so each expert's weight is read once.
-    ``HF2Q_QMM_SORTED=1`` (read at each call) gives gather_qmm the sorted flag on CUDA too:
-    MLX's sorted gather_qmm is a different kernel from the wrong sorted gather_mm, mlx-lm uses
-    it, and whether it is right there is what ``bench/prefill_probe.py`` checks (not yet run
-    on a GPU).
+    With many pairs they are sorted by expert first, so each expert's weight is read once. The
+    sorted flag goes only where the device takes it (``_sorted_flag_ok``): on the H200 MLX's
+    sorted gather_qmm was right but no faster than with the flag off (26B-A4B experts, 33 and
+    512 tokens, bench/prefill_probe.py, session 16), so CUDA keeps the order and drops the flag.
     """
     xs = _per_slot(x, expert_ids)
     k, K = expert_ids.shape[-1], xs.shape[-1]
@@ -133,8 +132,7 @@ def gathered_matmul(x: mx.array, expert_ids: mx.array, matmul, quantized: bool =
     ids = expert_ids.flatten()
     order = mx.argsort(ids)
     src = order if xs.shape[-2] == k else order // k  # shared x: pair p reads token p // k
-    flag = _sorted_flag_ok() or (quantized and os.environ.get("HF2Q_QMM_SORTED", "0") == "1")
-    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], flag).squeeze(-2)
+    out = matmul(xs.reshape(-1, K)[src][:, None, :], ids[order], _sorted_flag_ok()).squeeze(-2)
     return out[mx.argsort(order)].reshape(*expert_ids.shape, -1)  # back to (token, slot)
 
 

@@ -71,4 +71,4 @@ class QuantizedExpertLinear(nn.Module):
                 sorted_indices=sorted_indices,
             )  # fmt: skip
 
-        return gathered_matmul(x, expert_ids, matmul, quantized=True)
+        return gathered_matmul(x, expert_ids, matmul)

@@ -138,27 +138,24 @@ def test_expert_linear_module():
 
 
 def test_sorted_flag_on_a_cuda_device(monkeypatch):
-    """Where the device drops the sorted flag (CUDA), gather_mm never gets it and gather_qmm gets
-    it only with HF2Q_QMM_SORTED=1 (read at each call); below the threshold nobody does."""
+    """Where the device drops the sorted flag (CUDA), neither gather_mm nor gather_qmm gets it,
+    though the pairs still arrive sorted by expert; where it takes it, they get it past the
+    threshold only."""
     import hf2q_mlx.custom_kernels.expert_matmul as EXM
 
     seen = []
 
     def matmul(rows, ids, flag):
-        seen.append(flag)
+        seen.append((flag, np.array(ids).ravel().tolist()))
         return mx.zeros((*rows.shape[:-1], N))
 
-    monkeypatch.setattr(EXM, "_sorted_flag_ok", lambda: False)
     x = mx.random.normal((SORT_THRESHOLD, 8), key=mx.random.key(3))
     many = routing(SORT_THRESHOLD, 2, seed=4)
-    for quantized, env, want in ((False, "1", False), (True, None, False), (True, "1", True),
-                                 (True, "0", False)):  # fmt: skip
-        if env is None:
-            monkeypatch.delenv("HF2Q_QMM_SORTED", raising=False)
-        else:
-            monkeypatch.setenv("HF2Q_QMM_SORTED", env)
-        out = EXM.gathered_matmul(x, many, matmul, quantized=quantized)
-        assert out.shape == (SORT_THRESHOLD, 2, N) and seen[-1] is want
-    monkeypatch.setenv("HF2Q_QMM_SORTED", "1")
-    EXM.gathered_matmul(x[:2], many[:2], matmul, quantized=True)
-    assert seen[-1] is False
+    for device_takes_it in (False, True):
+        monkeypatch.setattr(EXM, "_sorted_flag_ok", lambda v=device_takes_it: v)
+        out = EXM.gathered_matmul(x, many, matmul)
+        flag, ids = seen[-1]
+        assert out.shape == (SORT_THRESHOLD, 2, N) and flag is device_takes_it
+        assert ids == sorted(ids)
+        EXM.gathered_matmul(x[:2], many[:2], matmul)
+        assert seen[-1][0] is False
