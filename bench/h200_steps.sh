@@ -88,6 +88,9 @@ step decode-cache-ab 240 "for i in 1 2; do for c in 1 0; do echo HF2Q_CUDA_KERNE
 # where a gap between them would come from: the compiled B = 1 step under CUPTI, kernel time and
 # host time per token, with the cache on and then off
 step decode-cache-profile 300 "for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c; HF2Q_CUDA_KERNEL_CACHE=\$c python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_cache\$c.json | tail -25; done"
+# the MoE router over G threadgroups per row (HF2Q_ROUTER_SPLIT) off and on, under CUPTI: its
+# kernel time inside the compiled B = 1 step, and the step's
+step profile-26b-split 200 "for s in 0 1; do echo HF2Q_ROUTER_SPLIT=\$s; HF2Q_ROUTER_SPLIT=\$s python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_split\$s.json | grep -a 'ms/token\\|moe_router\\|qmv_mma_q4_k'; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 step kernel-floor 150 "python3 bench/kernel_floor.py --only \"${ONLY:-}\" --json $OUT/kernel_floor.json"

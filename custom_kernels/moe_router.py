@@ -355,8 +355,10 @@ MAX_ROWS = 32  # token rows per call the kernel takes (decode); prefill runs the
 WARPS = 16
 # The split mapping (G > 1): SIMD groups per threadgroup, and about how many SIMD groups the
 # GPU holds at once (H200: 132 SMs x ~40 at this kernel's 48-54 registers a thread, NVRTC
-# sm_90), past which each SIMD group takes more experts rather than the grid growing a wave
-SPLIT_WARPS = 4
+# sm_90), past which each SIMD group takes more experts rather than the grid growing a wave.
+# 8: alone on the H200 at 26B-A4B's router (2816 -> 128, top 8), CUPTI medians of 64 dependent
+# calls: G = 1 21.8 us, 16 x 8 11.1 us, 32 x 4 14.8 us, 64 x 2 22.7 us (bench/kernel_floor.py)
+SPLIT_WARPS = 8
 RESIDENT_WARPS = 4096
 SPLIT_MIN_WEIGHTS = 1 << 16  # E * D below this: one threadgroup per row is as fast
 # HF2Q_ROUTER_SPLIT=1 (read at import) turns the split mapping on. Off by default: on the

@@ -364,11 +364,11 @@ def test_split_config(monkeypatch):
     switch off."""
     monkeypatch.setattr(R, "SPLIT", True)  # whatever HF2Q_ROUTER_SPLIT says
     assert R.RESIDENT_WARPS == 4096  # the numbers below assume it
-    assert R.split_config(1, 128, 2816) == (32, 4)  # Gemma-4-26B-A4B: 128 SIMD groups
-    assert R.split_config(32, 128, 2816) == (32, 4)  # 4096 SIMD groups
-    assert R.split_config(1, 256, 2048) == (64, 4)  # Qwen3.5-35B-A3B
-    assert R.split_config(16, 256, 2048) == (64, 4)
-    assert R.split_config(32, 256, 2048) == (32, 4)  # two experts per SIMD group
+    assert R.split_config(1, 128, 2816) == (16, 8)  # Gemma-4-26B-A4B: 128 SIMD groups
+    assert R.split_config(32, 128, 2816) == (16, 8)  # 4096 SIMD groups
+    assert R.split_config(1, 256, 2048) == (32, 8)  # Qwen3.5-35B-A3B
+    assert R.split_config(16, 256, 2048) == (32, 8)
+    assert R.split_config(32, 256, 2048) == (16, 8)  # two experts per SIMD group
     assert R.split_config(3, 33, 77) == (1, 16)  # E * D < SPLIT_MIN_WEIGHTS
     for rows in range(1, 33):
         for E, D in ((128, 2816), (256, 2048), (67, 1024), (8, 8192), (1024, 64)):
@@ -508,12 +508,12 @@ def test_split_counter_wraps_on_the_emulator(monkeypatch):
 
 @needs_gxx
 def test_split_dispatcher_on_the_emulator(monkeypatch):
-    """The dispatcher splits a wide router (Qwen's 64 experts x 2064 here: G = 16) in one
+    """The dispatcher splits a wide router (Qwen's 64 experts x 2064 here: G = 8) in one
     launch, rotating its counter sets; HF2Q_ROUTER_SPLIT=0's switch sends it to one group per
     row, same outputs."""
     kind, dt, wdt, rows, D, E, k, _ = _SPLIT_CASES[4]
     monkeypatch.setattr(R, "SPLIT", True)
-    assert R.split_config(rows, E, D) == (16, 4)
+    assert R.split_config(rows, E, D) == (8, 8)
     a = _args(kind, D, E, dt, wdt, seed=11)
     x = _x(rows, D, dt, seed=11)
     monkeypatch.setattr(R, "backend", lambda: "cuda")
@@ -538,8 +538,8 @@ def test_split_dispatcher_on_the_emulator(monkeypatch):
 @needs_gxx
 @pytest.mark.parametrize("shape", ["gemma4", "qwen3_5"])
 def test_split_at_the_models_shapes_on_the_emulator(shape, monkeypatch):
-    """Gemma-4-26B-A4B's router (bf16, pre-norm, expert scale, post-norm; G = 32) and
-    Qwen3.5-35B-A3B's (fp32 weight under bf16 x; G = 64) split as the dispatcher splits them:
+    """Gemma-4-26B-A4B's router (bf16, pre-norm, expert scale, post-norm; G = 16) and
+    Qwen3.5-35B-A3B's (fp32 weight under bf16 x; G = 32) split as the dispatcher splits them:
     the one-group-per-row outputs bit for bit."""
     kind, D, E, k, dt, wdt, rows = {
         "gemma4": ("gemma", 2816, 128, 8, mx.bfloat16, mx.bfloat16, 2),
@@ -549,7 +549,7 @@ def test_split_at_the_models_shapes_on_the_emulator(shape, monkeypatch):
     x = _x(rows, D, dt, seed=12)
     monkeypatch.setattr(R, "SPLIT", True)
     split = R.split_config(rows, E, D)
-    assert split[0] == E // 4
+    assert split == (E // R.SPLIT_WARPS, R.SPLIT_WARPS)
     monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
     monkeypatch.setenv("HF2Q_EMU_SHUFFLE", "5")
     got = R.moe_router_kernel(x, k=k, split=split, **a)
