@@ -35,7 +35,7 @@ step wide-sweep 300 "python3 bench/expert_sweep.py --kernels grouped_glu grouped
 step expert-sweep 300 "python3 bench/expert_sweep.py --budget 240 --json $OUT/expert_sweep.json"
 # whole-model decode against mlx-lm, B = 1 (issue 15); the router split's parity and A/B
 step router-tests 100 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_moe_router.py"
-step decode-26b-split 240 "python3 bench/decode_step.py $OUT/decode_26b_split.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants split --router-split-ab"
+step decode-26b-split 420 "python3 bench/decode_step.py $OUT/decode_26b_split.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants split --router-split-ab"
 step attention-sweep 150 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json"
 # prefill against mlx-lm, with the delta-net and routed-experts prefill switches (issues 14, 15)
 step prefill 300 "python3 bench/prefill.py $OUT/prefill.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b} --rounds 3 ${PREFILL_ENV:---env HF2Q_GDN_PREFILL=chunked}"
