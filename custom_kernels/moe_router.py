@@ -362,9 +362,10 @@ SPLIT_WARPS = 8
 RESIDENT_WARPS = 4096
 SPLIT_MIN_WEIGHTS = 1 << 16  # E * D below this: one threadgroup per row is as fast
 # HF2Q_ROUTER_SPLIT=1 (read at import) turns the split mapping on. Off by default: on the
-# H200 (2026-12-02) it was bit-identical to G = 1 in 18 bench cases and 0.55-1.2x its time
-# per call in a dependent chain (bench/router_split.py), but its GPU tests were cut by the
-# call's time cap and no whole-model decode has run with it (docs/kernel_notes.md).
+# H200 it is bit-identical to G = 1 (18 bench cases, 2026-12-02) and halves the router's
+# kernel time inside the compiled 26B-A4B step (829 -> 479 us a token, CUPTI, 2026-12-03), but
+# no whole-model decode A/B in interleaved rounds has shown the step faster yet
+# (bench/decode_step.py --router-split-ab; docs/kernel_notes.md, sessions 12 and 16).
 SPLIT = os.environ.get("HF2Q_ROUTER_SPLIT", "0").strip() == "1"
 COUNTER_SETS = 256  # the split's ticket counters rotate over this many sets per plan (_Plan)
 MAX_K = 32  # the top-k rounds keep one lane per chosen expert
