@@ -32,6 +32,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import decode_profile as dp  # noqa: E402  (bench/decode_profile.py: CUPTI kernel list)
 import offset_probe  # noqa: E402  (bench/offset_probe.py: a one-line CUDA copy kernel)
 
 from hf2q_mlx.custom_kernels import decode_attention as DA  # noqa: E402
@@ -112,13 +113,6 @@ def cases() -> dict:
     }
 
 
-def cuda_kernels(prof) -> list[tuple[str, float]]:
-    from torch.autograd import DeviceType
-
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-            if e.device_type == DeviceType.CUDA]  # fmt: skip
-
-
 def measure(case, chain: int, use_cupti: bool) -> dict:
     x, step = case
     for _ in range(3):  # builds, first loads
@@ -141,7 +135,7 @@ def measure(case, chain: int, use_cupti: bool) -> dict:
     if prof is not None:
         prof.__exit__(None, None, None)
         by = {}
-        for name, us in cuda_kernels(prof):
+        for name, us in dp._cuda_kernels(prof):
             by.setdefault(name[:90], []).append(us)
         out["kernels"] = {
             n: {"per_call": len(v) / chain, "median_us": statistics.median(v),

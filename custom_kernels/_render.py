@@ -410,7 +410,7 @@ class _Cubin:
     MLX 0.32.4's ``CustomKernel::eval_gpu`` keys a precompiled kernel's module by its name and
     a hash of the image (``std::_Hash_bytes`` over the whole cubin), on every evaluation of
     every launch, compiled steps included; its ``cuda_kernel`` path keys by name only. So each
-    launch of a cubin costs the host a copy-free hash of its bytes (~0.15 us per KiB measured
+    launch of a cubin costs the host a hash of its bytes (~0.15 us per KiB, copy + hash timed
     on an x86 host; docs/kernel_notes.md, session 16), which is why the cache is off by default.
     """
 
