@@ -35,6 +35,7 @@ step wide-sweep 300 "python3 bench/expert_sweep.py --kernels grouped_glu grouped
 step expert-sweep 300 "python3 bench/expert_sweep.py --budget 240 --json $OUT/expert_sweep.json"
 # whole-model decode against mlx-lm, B = 1 (issue 15); the router split's parity and A/B
 step router-tests 100 "python3 -m pytest -q -x -p no:cacheprovider -k gpu tests/kernels/test_moe_router.py"
+step router-split-tests 150 "python3 -m pytest -q -x -p no:cacheprovider -k gpu_split tests/kernels/test_moe_router.py"
 step decode-26b-split 420 "python3 bench/decode_step.py $OUT/decode_26b_split.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants split --router-split-ab"
 step attention-sweep 150 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json"
 # prefill against mlx-lm, with the delta-net and routed-experts prefill switches (issues 14, 15)
@@ -93,7 +94,7 @@ step decode-cache-profile 300 "for c in 1 0; do echo HF2Q_CUDA_KERNEL_CACHE=\$c;
 step profile-26b-split 200 "for s in 0 1; do echo HF2Q_ROUTER_SPLIT=\$s; HF2Q_ROUTER_SPLIT=\$s python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_split\$s.json | grep -a 'ms/token\\|moe_router\\|qmv_mma_q4_k'; done"
 step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu tests/kernels/test_expert_prefill.py 2>&1 | grep -v \"^    \\|^E  \\|^$\""
 step prefill-probe 120 "python3 bench/prefill_probe.py"
-step kernel-floor 150 "python3 bench/kernel_floor.py --only \"${ONLY:-}\" --json $OUT/kernel_floor.json"
+step kernel-floor 240 "python3 bench/kernel_floor.py --only \"${ONLY:-}\" --json $OUT/kernel_floor.json"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

@@ -37,9 +37,51 @@ import offset_probe  # noqa: E402  (bench/offset_probe.py: a one-line CUDA copy 
 
 from hf2q_mlx.custom_kernels import decode_attention as DA  # noqa: E402
 from hf2q_mlx.custom_kernels import moe_router as MR  # noqa: E402
+from hf2q_mlx.custom_kernels._render import Kernel  # noqa: E402
+
+DEFAULT_ATTENTION = DA._kernel
 
 
-def attention_case(Hq, Hk, D, cap, window, pos, span, split=None):
+# Body variants of the decode attention, each removing one section (the split case's cost):
+# no slot loop (prologue + epilogue only); no shared-memory merge (SIMD group 0 writes its own
+# state, the other groups still walk their slots).
+_LOOP = "for (int s = part * CHUNK + int(simd_id); s < last; s += W) {"
+_MERGE_FROM = "  if (lane == 0) {\n    wm[simd_id] = m;"
+_OWN_STATE = """  const uint64_t prow = uint64_t(row) * P + part;
+  if (simd_id == 0) {
+    if (lane == 0) { pm[prow] = m; pl[prow] = den; }
+    UNROLL for (int e = 0; e < EV; ++e) {
+      const int i = int(lane) + 32 * e;
+      if (i < DV) {
+        if (P == 1) out[uint64_t(row) * DV + i] = from_float<T>(o[e]);
+        else po[prow * DV + i] = o[e];
+      }
+    }
+  }
+"""
+BODY_VARIANTS = {
+    "no_loop": lambda b: b.replace(_LOOP, "for (int s = last; s < last; s += W) {"),
+    "no_merge": lambda b: b[: b.index(_MERGE_FROM)] + _OWN_STATE,
+}
+_variant_kernels = {}
+
+
+def _attention_kernel(variant):
+    """The dispatcher's kernel, or a copy of it with one section removed (its own name: MLX
+    keys JIT modules by name)."""
+    if variant is None:
+        return DEFAULT_ATTENTION
+    if variant not in _variant_kernels:
+        base = DEFAULT_ATTENTION
+        body = BODY_VARIANTS[variant](base.body)
+        assert body != base.body, variant
+        _variant_kernels[variant] = Kernel(f"decode_attention_{variant}", base.inputs,
+                                           base.outputs, body, examples=base.examples,
+                                           register=False)  # fmt: skip
+    return _variant_kernels[variant]
+
+
+def attention_case(Hq, Hk, D, cap, window, pos, span, split=None, variant=None):
     """(first q, step): one decode attention call whose output is the next call's q."""
     k = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
@@ -49,6 +91,7 @@ def attention_case(Hq, Hk, D, cap, window, pos, span, split=None):
 
     def step(q):
         DA.SPLIT_OVERRIDE = "" if split is None else f"{split[0]},{split[1]}"
+        DA._kernel = _attention_kernel(variant)
         DA._plan.cache_clear()
         out = DA.decode_attention(q, k, v, p, D**-0.5, span, window, True)  # (1, 1, Hq * D)
         return out.reshape(1, Hq, 1, D)
@@ -90,10 +133,14 @@ def add_case(n=2816):
 
 
 def cases() -> dict:
+    """name -> (first input, step, evaluate after each call)."""
     s = (16, 8, 256, 544, 1024)  # 26B-A4B sliding layer, 512-token prompt + 32 (the profile)
     g = (16, 2, 512, 544, None)  # its global layer
-    return {
+    chained = {
         "copy kernel (floor)": copy_case(),
+        "copy 1 MiB": copy_case(1 << 19),
+        "copy 8 MiB": copy_case(1 << 22),
+        "copy 64 MiB": copy_case(1 << 25),
         "mlx add (floor)": add_case(),
         "router 2816->128 top-8": router_case(),
         "router split 32x4": router_case(split=(32, 4)),
@@ -101,20 +148,29 @@ def cases() -> dict:
         "router split 64x2": router_case(split=(64, 2)),
         "attn sliding span 544 default": attention_case(*s, 512, 544),
         "attn sliding span 544 split 1,1": attention_case(*s, 512, 544, (1, 1)),
+        "attn sliding span 544 split 1,16": attention_case(*s, 512, 544, (1, 16)),
         "attn sliding span 544 split 4,8": attention_case(*s, 512, 544, (4, 8)),
         "attn sliding span 544 split 16,16": attention_case(*s, 512, 544, (16, 16)),
         "attn sliding span 544 split 32,16": attention_case(*s, 512, 544, (32, 16)),
         "attn sliding span 544 split 32,4": attention_case(*s, 512, 544, (32, 4)),
+        "attn sliding default no_loop": attention_case(*s, 512, 544, None, "no_loop"),
+        "attn sliding default no_merge": attention_case(*s, 512, 544, None, "no_merge"),
+        "attn sliding 1,16 no_loop": attention_case(*s, 512, 544, (1, 16), "no_loop"),
         "attn full span 16 default": attention_case(16, 8, 256, 544, None, 8, 16),
         "attn full span 16 split 1,1": attention_case(16, 8, 256, 544, None, 8, 16, (1, 1)),
         "attn full span 128 default": attention_case(16, 8, 256, 544, None, 100, 128),
         "attn global span 544 default": attention_case(*g, 512, 544),
         "attn D=64 span 544 default": attention_case(16, 8, 64, 544, None, 512, 544),
     }
+    out = {name: (*case, False) for name, case in chained.items()}
+    # evaluated call by call: outputs come from MLX's buffer cache instead of new allocations
+    for name in ("copy 8 MiB", "attn sliding span 544 default", "attn sliding span 544 split 1,16"):
+        out[name + " (eval each)"] = (*chained[name], True)
+    return out
 
 
 def measure(case, chain: int, use_cupti: bool) -> dict:
-    x, step = case
+    x, step, eval_each = case
     for _ in range(3):  # builds, first loads
         x = step(x)
         mx.eval(x)
@@ -125,9 +181,13 @@ def measure(case, chain: int, use_cupti: bool) -> dict:
 
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
+    tic = time.perf_counter()
     for _ in range(chain):  # a dependent chain, built first: the GPU runs it kernel by kernel
         x = step(x)
-    tic = time.perf_counter()
+        if eval_each:
+            mx.eval(x)
+    if not eval_each:
+        tic = time.perf_counter()  # the chain's evaluation only, not its graph building
     mx.eval(x)
     mx.synchronize()
     wall = (time.perf_counter() - tic) / chain * 1e6
@@ -139,10 +199,15 @@ def measure(case, chain: int, use_cupti: bool) -> dict:
             by.setdefault(name[:90], []).append(us)
         out["kernels"] = {
             n: {"per_call": len(v) / chain, "median_us": statistics.median(v),
-                "min_us": min(v), "max_us": max(v)}
+                "min_us": min(v), "max_us": max(v), "p10_us": _pct(v, 0.1), "p90_us": _pct(v, 0.9)}
             for n, v in sorted(by.items(), key=lambda kv: -sum(kv[1]))
         }  # fmt: skip
     return out
+
+
+def _pct(v, q):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def main(argv=None) -> int:
@@ -168,7 +233,8 @@ def main(argv=None) -> int:
         print(f"{name:38s} wall {r['wall_us_per_call']:7.1f} us/call", flush=True)
         for kname, s in r.get("kernels", {}).items():
             print(f"    x{s['per_call']:.2f} {s['median_us']:6.1f} us [{s['min_us']:.1f}-"
-                  f"{s['max_us']:.1f}]  {kname}", flush=True)  # fmt: skip
+                  f"{s['max_us']:.1f}, p10-p90 {s['p10_us']:.1f}-{s['p90_us']:.1f}]  {kname}",
+                  flush=True)  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "chain": a.chain,
                                             "results": results}, indent=1))  # fmt: skip
