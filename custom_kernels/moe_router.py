@@ -361,12 +361,18 @@ WARPS = 16
 SPLIT_WARPS = 8
 RESIDENT_WARPS = 4096
 SPLIT_MIN_WEIGHTS = 1 << 16  # E * D below this: one threadgroup per row is as fast
-# HF2Q_ROUTER_SPLIT=1 (read at import) turns the split mapping on. Off by default: on the
-# H200 it is bit-identical to G = 1 (18 bench cases, 2026-12-02) and halves the router's
-# kernel time inside the compiled 26B-A4B step (829 -> 479 us a token, CUPTI, 2026-12-03), but
-# no whole-model decode A/B in interleaved rounds has shown the step faster yet
-# (bench/decode_step.py --router-split-ab; docs/kernel_notes.md, sessions 12 and 16).
-SPLIT = os.environ.get("HF2Q_ROUTER_SPLIT", "0").strip() == "1"
+# HF2Q_ROUTER_SPLIT (read at import): 1 on, 0 off, unset: on for CUDA only. On the H200 the
+# split is bit-identical to G = 1 (29 GPU tests at 16 x 8, 2026-12-03) and halves the router's
+# kernel time inside the compiled 26B-A4B step (829 -> 479 us a token, CUPTI, 2026-12-03); on
+# Metal its atomics are syntax-checked only, never run (docs/kernel_notes.md, session 17).
+SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("HF2Q_ROUTER_SPLIT", "").strip())
+
+
+def split_enabled() -> bool:
+    """Whether the dispatcher splits wide routers: ``SPLIT``, or when unset, a CUDA back end."""
+    return SPLIT if SPLIT is not None else backend() == "cuda"
+
+
 COUNTER_SETS = 256  # the split's ticket counters rotate over this many sets per plan (_Plan)
 MAX_K = 32  # the top-k rounds keep one lane per chosen expert
 MAX_E = 1024  # `taken` holds 32 experts per lane
@@ -436,7 +442,7 @@ def split_config(rows: int, E: int, D: int) -> tuple[int, int]:
     per row, SIMD groups per threadgroup). G = 1 is one threadgroup of min(WARPS, E) SIMD
     groups per row; G > 1 (a power of two) spreads a row's experts over G threadgroups of at
     most SPLIT_WARPS, one expert per SIMD group while the grid fits about one wave."""
-    if not SPLIT or E * D < SPLIT_MIN_WEIGHTS:
+    if not split_enabled() or E * D < SPLIT_MIN_WEIGHTS:
         return 1, min(WARPS, E)
     per_warp = -(-rows * E // RESIDENT_WARPS)  # experts per SIMD group
     g = 1 << (max(1, E // (SPLIT_WARPS * per_warp)).bit_length() - 1)  # a power of two
@@ -573,7 +579,7 @@ def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
     sig = [(a.shape, a.dtype) for a in _arrays(x, w, opts)]
     quant = opts.get("quant")
     scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
-    return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], SPLIT,
+    return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], split_enabled(),
             *(opts.get(n) is None for n in _OPTIONAL))  # fmt: skip
 
 
