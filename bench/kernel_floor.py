@@ -161,6 +161,13 @@ def cases() -> dict:
         "attn full span 128 default": attention_case(16, 8, 256, 544, None, 100, 128),
         "attn global span 544 default": attention_case(*g, 512, 544),
         "attn D=64 span 544 default": attention_case(16, 8, 64, 544, None, 512, 544),
+        # the cache's head stride: C slots x D x 2 bytes (512 KiB at 1024 slots)
+        "attn stride sliding cap 1040": attention_case(16, 8, 256, 1040, 1024, 512, 544),
+        "attn stride sliding cap 1024": attention_case(16, 8, 256, 1024, 1024, 512, 544),
+        "attn stride full cap 544": attention_case(16, 8, 256, 544, None, 512, 544),
+        "attn stride full cap 1024": attention_case(16, 8, 256, 1024, None, 512, 544),
+        "attn stride full cap 2048": attention_case(16, 8, 256, 2048, None, 512, 544),
+        "attn stride full cap 2056": attention_case(16, 8, 256, 2056, None, 512, 544),
     }
     out = {name: (*case, False) for name, case in chained.items()}
     # evaluated call by call: outputs come from MLX's buffer cache instead of new allocations
