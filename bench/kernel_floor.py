@@ -99,6 +99,25 @@ def attention_case(Hq, Hk, D, cap, window, pos, span, split=None, variant=None):
     return q0, step
 
 
+def mlx_attention_case(Hq, Hk, D, slots, fast=True):
+    """(first q, step): MLX's own attention over the same cache shape (no mask, every slot
+    visible): mx.fast.scaled_dot_product_attention, or two matmuls and a softmax."""
+    k = mx.random.normal((1, Hk, slots, D)).astype(mx.bfloat16)
+    v = mx.random.normal((1, Hk, slots, D)).astype(mx.bfloat16)
+    q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.bfloat16)
+    mx.eval(k, v, q0)
+    rep = Hq // Hk
+
+    def step(q):
+        if fast:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+        qg = q.reshape(1, Hk, rep, D) * D**-0.5  # (B, Hk, REP, D): a KV head's query heads
+        p = mx.softmax((qg @ k.transpose(0, 1, 3, 2)).astype(mx.float32), axis=-1)
+        return (p.astype(v.dtype) @ v).reshape(1, Hq, 1, D)
+
+    return q0, step
+
+
 def router_case(D=2816, E=128, k=8, split=None):
     """(first x, step): one router call whose normalized x is the next call's x."""
     w = (mx.random.normal((E, D)) * D**-0.5).astype(mx.bfloat16)
@@ -161,6 +180,9 @@ def cases() -> dict:
         "attn full span 128 default": attention_case(16, 8, 256, 544, None, 100, 128),
         "attn global span 544 default": attention_case(*g, 512, 544),
         "attn D=64 span 544 default": attention_case(16, 8, 64, 544, None, 512, 544),
+        "attn mlx sdpa 544 slots": mlx_attention_case(16, 8, 256, 544),
+        "attn mlx sdpa 16 slots": mlx_attention_case(16, 8, 256, 16),
+        "attn mlx matmuls 544 slots": mlx_attention_case(16, 8, 256, 544, fast=False),
         # the cache's head stride: C slots x D x 2 bytes (512 KiB at 1024 slots)
         "attn stride sliding cap 1040": attention_case(16, 8, 256, 1040, 1024, 512, 544),
         "attn stride sliding cap 1024": attention_case(16, 8, 256, 1024, 1024, 512, 544),
