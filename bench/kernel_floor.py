@@ -59,7 +59,72 @@ _OWN_STATE = """  const uint64_t prow = uint64_t(row) * P + part;
     }
   }
 """
+# CUDA only, D = DV = 256: lane j loads elements 8j..8j+7 of a slot's key and value as one
+# 16-byte load each (8 two-byte loads each in the kernel); SIMD group 0 writes its own state.
+_VEC_LOOP = """
+  const int Hq = int(dims[0]);
+  const int row = int(gid_x);
+  const int part = int(gid_y);
+  const int l = row % L;
+  const int h = (row / L) % Hq;
+  const int b = row / (L * Hq);
+  const int hk = h / REP;
+  const int Hk = Hq / REP;
+  const float sc = scale[0];
+  const int p0 = int(pos[b]);
+  const int end = p0 + L;
+  const int qp = p0 + l;
+  float qv[8];
+  float o[8];
+  UNROLL for (int j = 0; j < 8; ++j) {
+    qv[j] = to_float(q[uint64_t(row) * D + 8 * lane + j]) * sc;
+    o[j] = 0.0f;
+  }
+  float m = -INF_F;
+  float den = 0.0f;
+  const uint64_t kbase = uint64_t(b * Hk + hk) * CAP;
+  const int last = (part + 1) * CHUNK < SPAN ? (part + 1) * CHUNK : SPAN;
+  for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
+    int kp;
+    if (RING) {
+      int r = (end - 1 - s) % CAP;
+      if (r < 0) r += CAP;
+      kp = end - 1 - r;
+    } else {
+      kp = s < end ? s : -1;
+    }
+    if (kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN)) continue;
+    const uint4 kw = reinterpret_cast<const uint4*>(keys + (kbase + uint64_t(s)) * D)[lane];
+    const uint4 vw = reinterpret_cast<const uint4*>(values + (kbase + uint64_t(s)) * DV)[lane];
+    const unsigned kk[4] = {kw.x, kw.y, kw.z, kw.w};
+    const unsigned vk[4] = {vw.x, vw.y, vw.z, vw.w};
+    float vv[8];
+    float part_dot = 0.0f;
+    UNROLL for (int j = 0; j < 4; ++j) {
+      part_dot += qv[2 * j] * __uint_as_float(kk[j] << 16);
+      part_dot += qv[2 * j + 1] * __uint_as_float(kk[j] & 0xffff0000u);
+      vv[2 * j] = __uint_as_float(vk[j] << 16);
+      vv[2 * j + 1] = __uint_as_float(vk[j] & 0xffff0000u);
+    }
+    const float score = simd_sum(part_dot);
+    const float m2 = max_f(m, score);
+    const float fix = exp_f(m - m2);
+    const float p = exp_f(score - m2);
+    den = den * fix + p;
+    UNROLL for (int j = 0; j < 8; ++j) o[j] = o[j] * fix + p * vv[j];
+    m = m2;
+  }
+  const uint64_t prow = uint64_t(row) * P + part;
+  if (simd_id == 0) {
+    if (lane == 0 && P > 1) { pm[prow] = m; pl[prow] = den; }
+    UNROLL for (int j = 0; j < 8; ++j) {
+      if (P == 1) out[uint64_t(row) * DV + 8 * lane + j] = from_float<T>(o[j]);
+      else po[prow * DV + 8 * lane + j] = o[j];
+    }
+  }
+"""
 BODY_VARIANTS = {
+    "vec16": lambda b: _VEC_LOOP,
     "no_loop": lambda b: b.replace(_LOOP, "for (int s = last; s < last; s += W) {"),
     "no_merge": lambda b: b[: b.index(_MERGE_FROM)] + _OWN_STATE,
 }
@@ -175,6 +240,10 @@ def cases() -> dict:
         "attn sliding default no_loop": attention_case(*s, 512, 544, None, "no_loop"),
         "attn sliding default no_merge": attention_case(*s, 512, 544, None, "no_merge"),
         "attn sliding 1,16 no_loop": attention_case(*s, 512, 544, (1, 16), "no_loop"),
+        "attn sliding default vec16": attention_case(*s, 512, 544, None, "vec16"),
+        "attn sliding 1,16 vec16": attention_case(*s, 512, 544, (1, 16), "vec16"),
+        "attn sliding 1,16 no_merge": attention_case(*s, 512, 544, (1, 16), "no_merge"),
+        "attn full span 16 vec16": attention_case(16, 8, 256, 544, None, 8, 16, None, "vec16"),
         "attn full span 16 default": attention_case(16, 8, 256, 544, None, 8, 16),
         "attn full span 16 split 1,1": attention_case(16, 8, 256, 544, None, 8, 16, (1, 1)),
         "attn full span 128 default": attention_case(16, 8, 256, 544, None, 100, 128),
