@@ -123,7 +123,37 @@ _VEC_LOOP = """
     }
   }
 """
+
+
+def _no_scalars(b: str) -> str:
+    """The 26B-A4B probe's pos (512), scale (1/16) and head count (16) as constants: no read of
+    MLX's one-element arrays (a small pool of managed memory)."""
+    for a, c in (("int(dims[0])", "16"), ("scale[0]", "0.0625f"), ("int(pos[b])", "512")):
+        assert a in b, a
+        b = b.replace(a, c)
+    return b
+
+
+def _no_softmax(b: str) -> str:
+    """Scores summed into the output without the running max and exponentials."""
+    a = """    const float m2 = max_f(m, score);
+    const float fix = exp_f(m - m2);
+    const float p = exp_f(score - m2);
+    den = den * fix + p;
+    UNROLL for (int e = 0; e < EV; ++e) o[e] = o[e] * fix + p * vv[e];
+    m = m2;"""
+    assert a in b
+    return b.replace(
+        a,
+        """    den += score;
+    m = 0.0f;
+    UNROLL for (int e = 0; e < EV; ++e) o[e] += score * vv[e];""",
+    )
+
+
 BODY_VARIANTS = {
+    "no_scalars": _no_scalars,
+    "no_softmax": _no_softmax,
     "vec16": lambda b: _VEC_LOOP,
     "no_loop": lambda b: b.replace(_LOOP, "for (int s = last; s < last; s += W) {"),
     "no_merge": lambda b: b[: b.index(_MERGE_FROM)] + _OWN_STATE,
@@ -241,6 +271,10 @@ def cases() -> dict:
         "attn sliding default no_merge": attention_case(*s, 512, 544, None, "no_merge"),
         "attn sliding 1,16 no_loop": attention_case(*s, 512, 544, (1, 16), "no_loop"),
         "attn sliding default vec16": attention_case(*s, 512, 544, None, "vec16"),
+        "attn sliding default no_scalars": attention_case(*s, 512, 544, None, "no_scalars"),
+        "attn sliding default no_softmax": attention_case(*s, 512, 544, None, "no_softmax"),
+        "attn sliding 1,16 no_scalars": attention_case(*s, 512, 544, (1, 16), "no_scalars"),
+        "attn sliding 1,16 no_softmax": attention_case(*s, 512, 544, (1, 16), "no_softmax"),
         "attn sliding 1,16 vec16": attention_case(*s, 512, 544, (1, 16), "vec16"),
         "attn sliding 1,16 no_merge": attention_case(*s, 512, 544, (1, 16), "no_merge"),
         "attn full span 16 vec16": attention_case(16, 8, 256, 544, None, 8, 16, None, "vec16"),
