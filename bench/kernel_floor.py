@@ -36,6 +36,7 @@ import decode_profile as dp  # noqa: E402  (bench/decode_profile.py: CUPTI kerne
 import offset_probe  # noqa: E402  (bench/offset_probe.py: a one-line CUDA copy kernel)
 
 from hf2q_mlx.custom_kernels import decode_attention as DA  # noqa: E402
+from hf2q_mlx.custom_kernels import device_array  # noqa: E402
 from hf2q_mlx.custom_kernels import moe_router as MR  # noqa: E402
 from hf2q_mlx.custom_kernels._render import Kernel  # noqa: E402
 
@@ -176,18 +177,33 @@ def _attention_kernel(variant):
     return _variant_kernels[variant]
 
 
-def attention_case(Hq, Hk, D, cap, window, pos, span, split=None, variant=None):
-    """(first q, step): one decode attention call whose output is the next call's q."""
+_applied = []  # the (split, body) the dispatcher's plan cache was last cleared for
+
+
+def attention_case(
+    Hq, Hk, D, cap, window, pos, span, split=None, variant=None, host=None, pos_padded=False
+):
+    """(first q, step): one decode attention call whose output is the next call's q. Before
+    session 17 every call cleared the dispatcher's plan cache, so each call's constants (scale,
+    head count) were new one-element arrays, written by the host into MLX's small pool; now the
+    plan is made once per case. ``host``: a host write per call first, into the small pool
+    ("small": a new (1,) int32), or outside it ("padded": 16 bytes), or the old plan clearing
+    ("replan"). ``pos_padded``: the position array outside the small pool."""
     k = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
-    p = mx.array([pos], dtype=mx.int32)
+    p = device_array([pos], mx.int32) if pos_padded else mx.array([pos], dtype=mx.int32)
     q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.bfloat16)
     mx.eval(k, v, p, q0)
+    junk = []
 
     def step(q):
-        DA.SPLIT_OVERRIDE = "" if split is None else f"{split[0]},{split[1]}"
-        DA._kernel = _attention_kernel(variant)
-        DA._plan.cache_clear()
+        want = ("" if split is None else f"{split[0]},{split[1]}", _attention_kernel(variant))
+        if _applied != [want] or host == "replan":
+            DA.SPLIT_OVERRIDE, DA._kernel = want
+            DA._plan.cache_clear()
+            _applied[:] = [want]
+        if host in ("small", "padded"):
+            junk.append(mx.array([len(junk)] * (1 if host == "small" else 4), dtype=mx.int32))
         out = DA.decode_attention(q, k, v, p, D**-0.5, span, window, True)  # (1, 1, Hq * D)
         return out.reshape(1, Hq, 1, D)
 
@@ -271,6 +287,11 @@ def cases() -> dict:
         "attn sliding default no_merge": attention_case(*s, 512, 544, None, "no_merge"),
         "attn sliding 1,16 no_loop": attention_case(*s, 512, 544, (1, 16), "no_loop"),
         "attn sliding default vec16": attention_case(*s, 512, 544, None, "vec16"),
+        "attn host replan": attention_case(*s, 512, 544, host="replan"),
+        "attn host small": attention_case(*s, 512, 544, host="small"),
+        "attn host padded": attention_case(*s, 512, 544, host="padded"),
+        "attn host small pos padded": attention_case(*s, 512, 544, host="small", pos_padded=True),
+        "attn host none": attention_case(*s, 512, 544, host="none"),
         "attn sliding default no_scalars": attention_case(*s, 512, 544, None, "no_scalars"),
         "attn sliding default no_softmax": attention_case(*s, 512, 544, None, "no_softmax"),
         "attn sliding 1,16 no_scalars": attention_case(*s, 512, 544, (1, 16), "no_scalars"),

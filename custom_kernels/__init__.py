@@ -18,6 +18,10 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 __all__ = ["backend", "reference_only", "reference_forced", "refresh", "ENV_VAR"]
 
@@ -91,3 +95,36 @@ def backend() -> str | None:
     if kind is None or default_device() != device:
         return None
     return kind
+
+
+# MLX's CUDA allocator serves every allocation of 8 bytes or less from one small pool of
+# managed memory advised read-mostly: a host write anywhere in it (a new one-element array)
+# drops the GPU's copy, and the next kernel that reads any array there stalls on a page fault
+# (H200, bench/kernel_floor.py: the 26B-A4B decode attention 27.5 us with its scale, head count
+# and position in that pool, 5.7 us without; docs/kernel_notes.md, session 17). So the small
+# arrays kernels read are made 16 bytes or more.
+MIN_DEVICE_BYTES = 16
+
+
+def device_array(values, dtype) -> mx.array:
+    """``values`` (a list) as a 1-D array of ``len(values)`` elements; with MLX's CUDA back end
+    its buffer holds at least ``MIN_DEVICE_BYTES`` (zeros after them: a view of a longer array).
+    Elsewhere a plain array (Metal puts inputs of under 8 elements in its constant space)."""
+    import mlx.core as mx
+
+    n = len(values)
+    pad = max(0, -(-MIN_DEVICE_BYTES // dtype.size) - n) if mx.cuda.is_available() else 0
+    a = mx.array(list(values) + [0] * pad, dtype=dtype)
+    return a[:n] if pad else a
+
+
+def off_small_pool(a: mx.array) -> mx.array:
+    """``a`` itself, or with MLX's CUDA back end and at most 8 bytes, the same values as a view
+    of a 16-byte buffer (one concatenation): an array the host reads back every step (a decode
+    step's token ids) must not share the small pool with the arrays kernels read."""
+    import mlx.core as mx
+
+    if a.nbytes > 8 or not mx.cuda.is_available():
+        return a
+    pad = mx.zeros((-(-MIN_DEVICE_BYTES // a.dtype.size) - a.size,), dtype=a.dtype)
+    return mx.concatenate([a.reshape(-1), pad])[: a.size].reshape(a.shape)

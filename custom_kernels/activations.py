@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -121,7 +121,7 @@ def _plan(kernel, be, shape, dtype, usig, kind):
         template={"T": dtype, "ACT": ACTIVATIONS.index(kind), "FUSED": fused},
         backend=be,
     )
-    return launch, mx.array([n, I], dtype=mx.uint32)
+    return launch, device_array([n, I], mx.uint32)
 
 
 def silu_mul(gate: mx.array, up: mx.array | None = None) -> mx.array:

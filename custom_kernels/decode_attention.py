@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -349,5 +349,5 @@ def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig, flat
             template={"T": dt, "DV": Dv, "P": parts},
             backend=be,
         )
-    consts = (mx.array([scale], dtype=mx.float32), mx.array([Hq], dtype=mx.int32))
+    consts = (device_array([scale], mx.float32), device_array([Hq], mx.int32))
     return launch, finish, consts

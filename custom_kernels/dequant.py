@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import (
     BLOCK_FORMATS,
@@ -249,7 +249,7 @@ def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dt
         )
         if len(_PLANS) >= 512:  # one per prompt length on the lookup path: stay bounded
             _PLANS.clear()
-        plan = _PLANS[key] = (launch, mx.array([n, in_features], dtype=mx.int32))
+        plan = _PLANS[key] = (launch, device_array([n, in_features], mx.int32))
     launch, dims = plan
     return launch(inputs=[w_raw, dims])[0]
 

@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
 from hf2q_mlx.custom_kernels.expert_glu_affine import Affine, affine_experts_covered
@@ -175,7 +175,7 @@ def expert_down_affine_kernel(
     """The GPU kernel alone, the contract of :func:`expert_down_affine_reference`; a token with
     an id >= E gives a NaN row; ``init_value`` pre-fills the output (tests poison it)."""
     launch, edims = _launch(h, down, expert_ids, group_size, bits)
-    inputs = _inputs(h, down, expert_ids, weights, mx.array(edims, dtype=mx.int32))
+    inputs = _inputs(h, down, expert_ids, weights, device_array(list(edims), mx.int32))
     return _kernel(inputs, init_value=init_value, **launch)[0]
 
 
@@ -208,5 +208,5 @@ def expert_down_affine(
         return expert_down_affine_reference(h, down, expert_ids, weights, group_size, bits)
     launch, edims = _launch(h, down, expert_ids, group_size, bits)
     dtypes = [h.dtype, *(a.dtype for a in down), mx.uint32, mx.float32, mx.int32]
-    _CALLS[key] = (_kernel.launcher(dtypes, **launch), mx.array(edims, mx.int32))
+    _CALLS[key] = (_kernel.launcher(dtypes, **launch), device_array(list(edims), mx.int32))
     return expert_down_affine(h, down, expert_ids, weights, group_size, bits)

@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import activations, backend
+from hf2q_mlx.custom_kernels import activations, backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.expert_glu import ACTIVATIONS, MAX_TOKENS
 from hf2q_mlx.custom_kernels.expert_matmul import uint32_ids
@@ -224,7 +224,7 @@ def expert_glu_affine_kernel(
     gives NaN rows; ``init_value`` pre-fills the output (tests poison it with NaN)."""
     launch, edims = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
     upa = gate_up if up is None else up
-    inputs = [x, *gate_up, *upa, uint32_ids(expert_ids), mx.array(edims, dtype=mx.int32)]
+    inputs = [x, *gate_up, *upa, uint32_ids(expert_ids), device_array(list(edims), mx.int32)]
     return _kernel(inputs, init_value=init_value, **launch)[0]
 
 
@@ -262,7 +262,7 @@ def expert_glu_affine(
     launch, edims = _launch(x, gate_up, up, expert_ids, group_size, bits, activation)
     dtypes = [x.dtype, *(a.dtype for a in gate_up), *(a.dtype for a in (up or gate_up)),
               mx.uint32, mx.int32]  # fmt: skip
-    plan = _CALLS[key] = (_kernel.launcher(dtypes, **launch), mx.array(edims, mx.int32))
+    plan = _CALLS[key] = (_kernel.launcher(dtypes, **launch), device_array(list(edims), mx.int32))
     return _run(plan, x, gate_up, up, expert_ids)
 
 

@@ -19,7 +19,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -351,7 +351,7 @@ _STEPS: dict[int, mx.array] = {}
 def _steps(T: int) -> mx.array:
     """The run-time step count as a 1-element array, made once per T (no per-call upload)."""
     if T not in _STEPS:
-        _STEPS[T] = mx.array([T], dtype=mx.int32)
+        _STEPS[T] = device_array([T], mx.int32)
     return _STEPS[T]
 
 

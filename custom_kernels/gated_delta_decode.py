@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update_reference
 from hf2q_mlx.errors import InvalidArgumentError
@@ -372,7 +372,7 @@ def _plan(
         init_value=init_value,
         backend=be,
     )  # fmt: skip
-    return launch, mx.array([eps], dtype=mx.float32), mx.array([True])
+    return launch, device_array([eps], mx.float32), device_array([True], mx.bool_)
 
 
 def gated_delta_decode(

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import device_array
 from hf2q_mlx.custom_kernels._render import Kernel, TemplateValue
 
 
@@ -39,7 +40,7 @@ class LaunchPlan:
         self.output_shapes = output_shapes
         self.output_dtypes = output_dtypes
         self.template = template
-        self.dims = mx.array(dims, dtype=mx.int32)
+        self.dims = device_array(list(dims), mx.int32)
         self.launch: Callable[..., list[mx.array]] | None = None  # set by resolve()
 
     def _values(self) -> dict:

@@ -8,7 +8,7 @@ from functools import lru_cache
 import mlx.core as mx
 from gguf import GGMLQuantizationType as GT
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference, row_bytes
 from hf2q_mlx.custom_kernels.qmatmul import ggml_matmul
@@ -315,7 +315,7 @@ _SHARED_FLOATS = 8192  # 32 KB
 
 @lru_cache(maxsize=64)
 def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    return mx.array(values, dtype=dtype)
+    return device_array(list(values), dtype)
 
 
 def _format(weight: mx.array, ggml_type: int | None, H: int) -> int | None:

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 
@@ -225,4 +225,4 @@ def _plan(kernel, be, shape, sig, two, n2, eps):
                   "SCALED": scale_dt is not None, "N2": n2},
         backend=be,
     )  # fmt: skip
-    return launch, mx.array([eps], dtype=mx.float32), mx.zeros((1,), dtype=dt)
+    return launch, device_array([eps], mx.float32), device_array([0], dt)

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError, UnsupportedArchitectureError
 
@@ -270,7 +270,7 @@ _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 @lru_cache(maxsize=64)
 def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
     """Small parameter arrays, made once per distinct value set (no upload per decode step)."""
-    return mx.array(values, dtype=dtype)
+    return device_array(list(values), dtype)
 
 
 def _pos_key(offset, positions) -> tuple:
@@ -404,7 +404,7 @@ def _pos_array(offset, positions) -> mx.array:
     """The kernel's ``pos`` input (int32, 1-d) without copies when it already is one."""
     p = positions if positions is not None else offset
     if not isinstance(p, mx.array):
-        return mx.array([int(p)], dtype=mx.int32)
+        return device_array([int(p)], mx.int32)
     if p.dtype != mx.int32:
         p = p.astype(mx.int32)
     return p if p.ndim == 1 else p.reshape(-1)

@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 MAX_K = 64
@@ -148,7 +148,7 @@ _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 @lru_cache(maxsize=64)
 def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    return mx.array(values, dtype=dtype)
+    return device_array(list(values), dtype)
 
 
 def first_pass_plan(V: int, k: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import device_array, off_small_pool
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
@@ -254,7 +255,8 @@ class DecodeStep(RowSlots):
         logits = self.model(tokens, cache=self.caches)  # (B, L, V)
         if tokens.shape[1] == 1:
             logits = logits[:, -1, :]
-        out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits
+        # the token ids the host reads: kept out of the small pool that the kernels' inputs avoid
+        out = off_small_pool(mx.argmax(logits, axis=-1).astype(mx.int32)) if greedy else logits
         recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
         history = [s.history for s in recurrent] if tokens.shape[1] > 1 else []
         return out, [s.arrays for s in self.caches], history
@@ -268,9 +270,9 @@ class DecodeStep(RowSlots):
         span = self._span(longest)
         self._traced.add((L, span, greedy))
         lazy = self.lazy_positions is not None
-        pos = self.lazy_positions if lazy else mx.array(self.positions, dtype=mx.int32)
+        pos = self.lazy_positions if lazy else device_array(self.positions, mx.int32)
         out, arrays, history = self._compiled(
-            tokens.astype(mx.int32), pos, mx.array(active),
+            tokens.astype(mx.int32), pos, device_array(active, mx.bool_),
             [s.arrays for s in self.caches], span, greedy,
         )  # fmt: skip
         for s, a in zip(self.caches, arrays):
@@ -404,7 +406,7 @@ class DecodeStep(RowSlots):
         (for the span bucket and the max_len check) until ``rollback_known`` tells the host what
         the device did, and exact again at ``end_lazy``."""
         if self.lazy_positions is None:
-            self.lazy_positions = mx.array(self.positions, dtype=mx.int32)
+            self.lazy_positions = device_array(self.positions, mx.int32)
 
     def rollback_lazy(self, counts: mx.array) -> None:
         """``rollback_rows`` of the latest verify with ``counts`` (B,) int32 on the device

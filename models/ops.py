@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hf2q_mlx import custom_kernels
-from hf2q_mlx.custom_kernels import activations, gated_delta
+from hf2q_mlx.custom_kernels import activations, device_array, gated_delta
 from hf2q_mlx.custom_kernels import expert_down as expert_down_kernel
 from hf2q_mlx.custom_kernels import expert_down_affine as affine_down_kernel
 from hf2q_mlx.custom_kernels import expert_glu as expert_glu_kernel
@@ -50,7 +50,7 @@ def positions(cache) -> mx.array:
     tree = getattr(cache, "tree", None)
     if tree is not None:  # a token tree (speculative verify): (1, L), offset + depth per token
         return tree.positions
-    return mx.array([cache.offset if cache is not None else 0], dtype=mx.int32)
+    return device_array([cache.offset if cache is not None else 0], mx.int32)
 
 
 # ---- norms -------------------------------------------------------------------------------------
