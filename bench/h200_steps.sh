@@ -96,6 +96,8 @@ step prefill-gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k gpu test
 step prefill-probe 120 "python3 bench/prefill_probe.py"
 step kernel-floor 240 "python3 bench/kernel_floor.py --only \"${ONLY:-}\" --json $OUT/kernel_floor.json"
 step clock-probe 90 "python3 bench/clock_probe.py --json $OUT/clock_probe.json"
+# the kernels whose constants left the small pool (session 17), and the decode step that pads its inputs
+step small-pool-tests 200 "python3 -m pytest -q -p no:cacheprovider --maxfail=3 -k 'gpu or compiled' tests/kernels/test_decode_attention.py tests/kernels/test_post_norm_residual.py tests/kernels/test_norm_rope.py tests/kernels/test_activations.py tests/kernels/test_sampling_kernels.py tests/test_dequant.py tests/kernels/test_gated_delta_decode.py tests/test_decode_step.py --tb=line"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"
