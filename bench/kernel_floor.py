@@ -188,7 +188,9 @@ def attention_case(
     head count) were new one-element arrays, written by the host into MLX's small pool; now the
     plan is made once per case. ``host``: a host write per call first, into the small pool
     ("small": a new (1,) int32), or outside it ("padded": 16 bytes), or the old plan clearing
-    ("replan"). ``pos_padded``: the position array outside the small pool."""
+    ("replan"); or the position itself, a new 16-byte array per call ("pos_each"), read through
+    a GPU-written copy ("pos_each_copied"). ``pos_padded``: the position array outside the
+    small pool."""
     k = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
     v = mx.random.normal((1, Hk, cap, D)).astype(mx.bfloat16)
     p = device_array([pos], mx.int32) if pos_padded else mx.array([pos], dtype=mx.int32)
@@ -204,7 +206,11 @@ def attention_case(
             _applied[:] = [want]
         if host in ("small", "padded"):
             junk.append(mx.array([len(junk)] * (1 if host == "small" else 4), dtype=mx.int32))
-        out = DA.decode_attention(q, k, v, p, D**-0.5, span, window, True)  # (1, 1, Hq * D)
+        pp = p
+        if host in ("pos_each", "pos_each_copied"):  # the position written by the host per call
+            pp = device_array([pos], mx.int32)
+            pp = pp + 0 if host == "pos_each_copied" else pp  # a GPU-written copy (small pool)
+        out = DA.decode_attention(q, k, v, pp, D**-0.5, span, window, True)  # (1, 1, Hq * D)
         return out.reshape(1, Hq, 1, D)
 
     return q0, step
@@ -292,6 +298,8 @@ def cases() -> dict:
         "attn host padded": attention_case(*s, 512, 544, host="padded"),
         "attn host small pos padded": attention_case(*s, 512, 544, host="small", pos_padded=True),
         "attn host none": attention_case(*s, 512, 544, host="none"),
+        "attn host pos_each": attention_case(*s, 512, 544, host="pos_each"),
+        "attn host pos_each_copied": attention_case(*s, 512, 544, host="pos_each_copied"),
         "attn sliding default no_scalars": attention_case(*s, 512, 544, None, "no_scalars"),
         "attn sliding default no_softmax": attention_case(*s, 512, 544, None, "no_softmax"),
         "attn sliding 1,16 no_scalars": attention_case(*s, 512, 544, (1, 16), "no_scalars"),
