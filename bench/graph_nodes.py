@@ -87,7 +87,7 @@ def count(model, batch: int = 1, max_len: int = 64, dot: str | None = None) -> d
         tokens = mx.zeros((batch, 1), mx.int32)
         pos, active = mx.array(st.positions, dtype=mx.int32), mx.array([True] * batch)
         arrays = [s.arrays for s in st.caches]
-        out, arrays, _ = st._step(tokens, pos, active, arrays, min(MIN_SPAN, max_len), True)
+        out, arrays, _, _ = st._step(tokens, pos, active, arrays, min(MIN_SPAN, max_len), True)
         inputs = [a for c in LAUNCHES for a in c]
         # the stubs' outputs are leaves: the graph behind each kernel is reached through its
         # inputs

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import device_array, off_small_pool
+from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
@@ -105,6 +105,13 @@ class DecodeStep(RowSlots):
         # pipelined rounds (hf2q_mlx/pipelined_rounds.py): the positions the compiled step reads,
         # on the device, updated lazily by rollback_lazy; self.positions are then upper bounds
         self.lazy_positions: mx.array | None = None
+        # the rows' positions and active flags as the step reads them: padded past MLX's CUDA
+        # small pool (custom_kernels.MIN_DEVICE_BYTES), and kept on the device between steps
+        # (each step returns the next positions), so a steady decode uploads nothing: a host
+        # write to a buffer the GPU then reads costs a page fault (docs/kernel_notes.md, s. 17)
+        self._rows = max(max_batch, -(-MIN_DEVICE_BYTES // 4))  # on every back end: one code path
+        self._device_pos: tuple[tuple[int, ...], mx.array] | None = None
+        self._device_active: tuple[tuple[bool, ...], mx.array] | None = None
         self.busy = False
         # what speculation learned about round times on this step, per (drafter, K), kept
         # for the step's next request (speculative.round_costs)
@@ -246,7 +253,10 @@ class DecodeStep(RowSlots):
 
     # ---- the compiled step ---------------------------------------------------------------------
 
-    def _step(self, tokens, pos, active, arrays, span: int, greedy: bool):
+    def _step(self, tokens, pos_rows, active_rows, arrays, span: int, greedy: bool):
+        B, L = tokens.shape
+        pos, active = pos_rows[:B], active_rows[:B]  # views of the padded buffers
+        next_rows = pos_rows + L * active_rows.astype(mx.int32)
         shared: dict = {}  # write slots, computed once per step for every layer
         for s, a in zip(self.caches, arrays):
             s.arrays, s.pos, s.active, s.shared = a, pos, active, shared
@@ -255,11 +265,14 @@ class DecodeStep(RowSlots):
         logits = self.model(tokens, cache=self.caches)  # (B, L, V)
         if tokens.shape[1] == 1:
             logits = logits[:, -1, :]
-        # the token ids the host reads: kept out of the small pool that the kernels' inputs avoid
-        out = off_small_pool(mx.argmax(logits, axis=-1).astype(mx.int32)) if greedy else logits
+        out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits
         recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
         history = [s.history for s in recurrent] if tokens.shape[1] > 1 else []
-        return out, [s.arrays for s in self.caches], history
+        return out, [s.arrays for s in self.caches], history, next_rows
+
+    def _padded(self, values: list, dtype: mx.Dtype) -> mx.array:
+        """(rows,) array of ``values`` then zeros (the step's padded input)."""
+        return mx.array(list(values) + [0] * (self._rows - len(values)), dtype=dtype)
 
     def _run(self, tokens: mx.array, active: list[bool], greedy: bool) -> mx.array:
         """tokens (B, L) through the compiled step; rows advance by L where active."""
@@ -270,17 +283,28 @@ class DecodeStep(RowSlots):
         span = self._span(longest)
         self._traced.add((L, span, greedy))
         lazy = self.lazy_positions is not None
-        pos = self.lazy_positions if lazy else device_array(self.positions, mx.int32)
-        out, arrays, history = self._compiled(
-            tokens.astype(mx.int32), pos, device_array(active, mx.bool_),
+        flags = tuple(bool(a) for a in active)
+        if self._device_active is None or self._device_active[0] != flags:
+            self._device_active = (flags, self._padded(flags, mx.bool_))
+        if lazy:
+            pad = self._rows - self.max_batch
+            pos = self.lazy_positions
+            pos = mx.concatenate([pos, mx.zeros((pad,), mx.int32)]) if pad else pos
+        elif self._device_pos is not None and self._device_pos[0] == tuple(self.positions):
+            pos = self._device_pos[1]  # the previous step's output: nothing to upload
+        else:
+            pos = self._padded(self.positions, mx.int32)
+        out, arrays, history, next_pos = self._compiled(
+            tokens.astype(mx.int32), pos, self._device_active[1],
             [s.arrays for s in self.caches], span, greedy,
         )  # fmt: skip
         for s, a in zip(self.caches, arrays):
             s.arrays = a
         self._history = history
         self.positions = [p + L * a for p, a in zip(self.positions, active)]
+        self._device_pos = None if lazy else (tuple(self.positions), next_pos)
         if lazy:  # the device positions advance as the host's upper bounds do
-            self.lazy_positions = pos + L * mx.array(active, dtype=mx.int32)
+            self.lazy_positions = next_pos[: self.max_batch]
         if self.recurrent:  # states kept per token by this verify only
             self._verified = [L * a if L > 1 else 0 for a in active]
         else:  # a ring keeps reserve + 1 tokens behind its window; an idle write uses L of them

@@ -307,7 +307,7 @@ def test_write_slots_are_computed_once_per_step():
         step.prefill(row, ids)
     pos = mx.array(step.positions, dtype=mx.int32)
     arrays = [s.arrays for s in step.caches]
-    out, new, _ = step._step(mx.array([[1], [2]]), pos, mx.array([True, True]), arrays, 64, True)
+    out, new, _, _ = step._step(mx.array([[1], [2]]), pos, mx.array([True, True]), arrays, 64, True)
     buf = io.StringIO()
     mx.export_to_dot(buf, out, *[a for arrs in new for a in arrs])
     labels = re.findall(r'label ="([^"]+)"', buf.getvalue())

@@ -385,7 +385,7 @@ def test_decode_step_takes_one_launch_per_delta_net_layer(fused, L, monkeypatch)
             tokens, mx.array(step.positions), mx.array([True, False, True]),
             before, step.max_len, False,
         )  # fmt: skip
-        want, want_arrays, want_hist = step._step(*call)  # the CPU: the reference path
+        want, want_arrays, want_hist, _ = step._step(*call)  # the CPU: the reference path
         mx.eval(want, want_arrays, want_hist)
         # kernels on: this CPU plays the GPU; only the decode kernel runs (on the emulator)
         monkeypatch.setattr(ck, "_gpu", ("cuda", mx.default_device(), mx.default_device))
@@ -397,7 +397,7 @@ def test_decode_step_takes_one_launch_per_delta_net_layer(fused, L, monkeypatch)
                 mod = importlib.import_module(f"{ck.__name__}.{info.name}")
                 if mod is not gdd and hasattr(mod, "backend"):
                     m.setattr(mod, "backend", lambda: None)
-            got, got_arrays, got_hist = step._step(*call)
+            got, got_arrays, got_hist, _ = step._step(*call)
             mx.eval(got, got_arrays, got_hist)
     linear = [isinstance(s, StaticRecurrentCache) for s in step.caches]
     assert emu.launches == sum(linear) == 3
