@@ -14,7 +14,6 @@ imply (cycles / time), with nvidia-smi's SM clock read before and after.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -57,11 +56,7 @@ def main(argv=None) -> int:
     if not mx.cuda.is_available():
         print("no CUDA device: nothing to probe")
         return 0
-    use_cupti = importlib.util.find_spec("torch") is not None
-    if use_cupti:
-        import torch
-
-        use_cupti = torch.cuda.is_available()
+    use_cupti = dp.cupti_available()
     kern = mx.fast.cuda_kernel(name="clock_probe_fma", input_names=["x"],
                                output_names=["out", "cycles"], source=_SRC)  # fmt: skip
 

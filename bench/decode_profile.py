@@ -70,6 +70,15 @@ def build(family: str, shape: str, fmt: str, dtype: mx.Dtype, layers: int | None
     raise SystemExit(f"unknown model family {family!r}: gemma4 or qwen3_5")
 
 
+def cupti_available() -> bool:
+    """Whether torch.profiler can give CUDA kernel times here (a GPU, torch with CUDA)."""
+    if mx.default_device().type != mx.DeviceType.gpu or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _cuda_kernels(prof) -> list[tuple[str, float]]:
     from torch.autograd import DeviceType
 

@@ -20,7 +20,6 @@ side by side in MLX's CUDA graph, clocks).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -62,39 +61,18 @@ _OWN_STATE = """  const uint64_t prow = uint64_t(row) * P + part;
 """
 # CUDA only, D = DV = 256: lane j loads elements 8j..8j+7 of a slot's key and value as one
 # 16-byte load each (8 two-byte loads each in the kernel); SIMD group 0 writes its own state.
-_VEC_LOOP = """
-  const int Hq = int(dims[0]);
-  const int row = int(gid_x);
-  const int part = int(gid_y);
-  const int l = row % L;
-  const int h = (row / L) % Hq;
-  const int b = row / (L * Hq);
-  const int hk = h / REP;
-  const int Hk = Hq / REP;
-  const float sc = scale[0];
-  const int p0 = int(pos[b]);
-  const int end = p0 + L;
-  const int qp = p0 + l;
+_VEC_LOOP = (
+    DA._BODY[DA._BODY.index("  const int Hq") : DA._BODY.index("  float qv[EK];")]
+    + """
   float qv[8];
   float o[8];
   UNROLL for (int j = 0; j < 8; ++j) {
     qv[j] = to_float(q[uint64_t(row) * D + 8 * lane + j]) * sc;
     o[j] = 0.0f;
   }
-  float m = -INF_F;
-  float den = 0.0f;
-  const uint64_t kbase = uint64_t(b * Hk + hk) * CAP;
-  const int last = (part + 1) * CHUNK < SPAN ? (part + 1) * CHUNK : SPAN;
-  for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
-    int kp;
-    if (RING) {
-      int r = (end - 1 - s) % CAP;
-      if (r < 0) r += CAP;
-      kp = end - 1 - r;
-    } else {
-      kp = s < end ? s : -1;
-    }
-    if (kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN)) continue;
+"""
+    + DA._BODY[DA._BODY.index("  float m = -INF_F;") : DA._BODY.index("    const uint64_t ko")]
+    + """
     const uint4 kw = reinterpret_cast<const uint4*>(keys + (kbase + uint64_t(s)) * D)[lane];
     const uint4 vw = reinterpret_cast<const uint4*>(values + (kbase + uint64_t(s)) * DV)[lane];
     const unsigned kk[4] = {kw.x, kw.y, kw.z, kw.w};
@@ -124,6 +102,7 @@ _VEC_LOOP = """
     }
   }
 """
+)
 
 
 def _no_scalars(b: str) -> str:
@@ -380,11 +359,7 @@ def main(argv=None) -> int:
     if not mx.cuda.is_available():
         print("no CUDA device: nothing to probe")
         return 0
-    use_cupti = importlib.util.find_spec("torch") is not None
-    if use_cupti:
-        import torch
-
-        use_cupti = torch.cuda.is_available()
+    use_cupti = dp.cupti_available()
     print(f"MLX {mx.__version__}, chain {a.chain}, CUPTI {'on' if use_cupti else 'off'}")
     results = {}
     for name, case in cases().items():

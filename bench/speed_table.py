@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import statistics
 import sys
@@ -137,14 +136,6 @@ class Variant:
             gpu_ms = sum(us for _, us in kernels) / 1e3 / n
             out.update(kernels=len(kernels) / n, kernel_ms=gpu_ms, gpu_busy=gpu_ms / wall)
         return out
-
-
-def cupti_available() -> bool:
-    if mx.default_device().type != mx.DeviceType.gpu or importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def copy_bandwidth(gib: float) -> float | None:
@@ -341,7 +332,7 @@ def main(argv=None) -> None:
     unknown = [n for n in names if n not in shapes]
     if unknown:
         p.error(f"unknown shapes {unknown}; known: {', '.join(shapes)}")
-    use_cuda = cupti_available()
+    use_cuda = dp.cupti_available()
     copy_gb_s = copy_bandwidth(a.copy_gib)
     print(
         f"mlx {mx.__version__} on {mx.default_device()}, CUPTI {'on' if use_cuda else 'off'}"
