@@ -256,7 +256,7 @@ class DecodeStep(RowSlots):
     def _step(self, tokens, pos_rows, active_rows, arrays, span: int, greedy: bool):
         B, L = tokens.shape
         pos, active = pos_rows[:B], active_rows[:B]  # views of the padded buffers
-        next_rows = pos_rows + L * active_rows.astype(mx.int32)
+        next_rows = pos_rows + L * active_rows[: pos_rows.shape[0]].astype(mx.int32)
         shared: dict = {}  # write slots, computed once per step for every layer
         for s, a in zip(self.caches, arrays):
             s.arrays, s.pos, s.active, s.shared = a, pos, active, shared
@@ -271,8 +271,10 @@ class DecodeStep(RowSlots):
         return out, [s.arrays for s in self.caches], history, next_rows
 
     def _padded(self, values: list, dtype: mx.Dtype) -> mx.array:
-        """(rows,) array of ``values`` then zeros (the step's padded input)."""
-        return mx.array(list(values) + [0] * (self._rows - len(values)), dtype=dtype)
+        """``values`` then zeros: at least ``rows`` elements and MIN_DEVICE_BYTES (the step's
+        padded inputs: 4 int32 positions, 16 bool flags at B <= 4)."""
+        n = max(self._rows, -(-MIN_DEVICE_BYTES // dtype.size))
+        return mx.array(list(values) + [0] * (n - len(values)), dtype=dtype)
 
     def _run(self, tokens: mx.array, active: list[bool], greedy: bool) -> mx.array:
         """tokens (B, L) through the compiled step; rows advance by L where active."""

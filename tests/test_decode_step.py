@@ -319,6 +319,65 @@ def test_write_slots_are_computed_once_per_step():
     assert len(shared) == 1 and len(step.caches[0].shared) == 2  # (L, full) and (L, ring)
 
 
+def test_steady_decode_uploads_no_positions(monkeypatch):
+    """The step reads positions and active flags from padded arrays (16 bytes or more: MLX's
+    CUDA small pool stalls kernels that read it) and a steady decode reuses the positions the
+    previous step returned: the host uploads positions only after it changed them itself (a
+    prefill, a rollback), active flags only when they change; the tokens stay those of a
+    DecodeStep that uploads every step."""
+    model = tiny_model("gemma3")
+    uploads = []
+    padded = DecodeStep._padded
+
+    def counting(self, values, dtype):
+        out = padded(self, values, dtype)
+        uploads.append((list(values), dtype, out.nbytes))
+        return out
+
+    def run(step, counted):
+        for row, ids in enumerate(prompts([3, 7])):
+            step.prefill(row, ids)
+        toks, seen = [], []
+        y = mx.array([1, 2], dtype=mx.int32)
+        for t in range(6):
+            if t == 3:
+                step.decode(y, greedy=True)  # one more token, then forget it
+                step.rollback_rows([1, 1])
+            y = step.decode(y, active=[True, t != 4], greedy=True)
+            toks.append(np.array(y).tolist())
+            seen.append(len(counted))
+        return toks, seen
+
+    monkeypatch.setattr(DecodeStep, "_padded", counting)
+    step = DecodeStep(model, 2, 64)
+    assert step._rows == 4  # 4 int32 rows: 16 bytes
+    toks, seen = run(step, uploads)
+    pos_uploads = [v for v, dt, _ in uploads if dt == mx.int32]
+    flag_uploads = [v for v, dt, _ in uploads if dt == mx.bool_]
+    assert all(n == 16 for _, _, n in uploads), uploads  # 4 int32 positions, 16 bool flags
+    # positions: the first decode after the prefills, and the one after the rollback (t = 3)
+    assert pos_uploads == [[3, 7], [6, 10]], pos_uploads
+    # flags: all active, then row 1 idle at t = 4, then all active again
+    assert flag_uploads == [[True, True], [True, False], [True, True]], flag_uploads
+    assert seen[1] == seen[0] and seen[2] == seen[1]  # t = 1, 2: nothing uploaded
+
+    # the same tokens when every step uploads its positions
+    monkeypatch.setattr(DecodeStep, "_padded", padded)
+    fresh = DecodeStep(model, 2, 64)
+    fresh_toks = []
+    for row, ids in enumerate(prompts([3, 7])):
+        fresh.prefill(row, ids)
+    y = mx.array([1, 2], dtype=mx.int32)
+    for t in range(6):
+        fresh._device_pos = None  # forces an upload
+        if t == 3:
+            fresh.decode(y, greedy=True)
+            fresh.rollback_rows([1, 1])
+        y = fresh.decode(y, active=[True, t != 4], greedy=True)
+        fresh_toks.append(np.array(y).tolist())
+    assert toks == fresh_toks and step.positions == fresh.positions == [9, 12]
+
+
 # ---- speculative verify: L tokens per row, then an exact rollback -------------------------------
 
 # Gemma 4's tiny random models amplify rounding: their own eager L-token forward differs from

@@ -315,3 +315,23 @@ def test_gpu_greedy_kernels_match_reference(name, monkeypatch):
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "no-cuda"])
+def test_device_array_keeps_values_and_pads_on_cuda(cuda, monkeypatch):
+    """Kernel constants: the given values, dtype and length; with CUDA a view of a zero-padded
+    16-byte buffer (out of MLX's small pool), the pad never visible. Longer lists are kept."""
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    for values, dt in (([3], mx.int32), ([1.5, -2.25], mx.float32), ([True], mx.bool_),
+                       ([0.5], mx.bfloat16), (list(range(6)), mx.uint32)):  # fmt: skip
+        a = ck.device_array(values, dt)
+        assert a.dtype == dt and a.shape == (len(values),)
+        assert a.tolist() == values
+    import io
+
+    # the padded parent is what a kernel's pointer sees: the (unevaluated) array is a slice
+    for values, dt, sliced in (([7], mx.int32, cuda), ([1, 2, 3, 4], mx.int32, False),
+                               ([True] * 3, mx.bool_, cuda)):  # fmt: skip
+        buf = io.StringIO()
+        mx.export_to_dot(buf, ck.device_array(values, dt))
+        assert ("Slice" in buf.getvalue()) == sliced, (values, buf.getvalue())
