@@ -3,8 +3,10 @@
 ``DecodeStep(model, max_batch, max_len)`` preallocates every layer's cache for ``max_batch`` rows
 (``models/static_cache.py``) and compiles ``model(tokens, caches)`` once per attention-span bucket
 (full-attention layers read the first 256, 512, 1024, ... slots, whichever covers the longest
-row). Per token the host passes the rows' positions and which rows advance, and gets lazy logits
-(or greedy token ids) back; it never reads a value from the device in between.
+row). Per token the host says which rows advance and gets lazy logits (or greedy token ids) back;
+it never reads a value from the device in between. The rows' positions stay on the device from
+step to step (each step returns the next ones); the host uploads them only after changing them
+itself (a prefill, a reset, a rollback).
 
 Prompts go in through ``prefill(row, ids)``: the model's ordinary per-sequence caches, viewing the
 row's slots, run the chunk eagerly and are copied back. ``save_row`` / ``load_row`` move a row's
