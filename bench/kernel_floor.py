@@ -10,9 +10,12 @@ move one thing at a time: the attention span (slots actually read), its (parts, 
 mapping and head size; the router and its split mappings; a one-line copy kernel and an MLX
 add as the floor of any launch.
 
-If the kernels are ~30 us alone too, the time is in their bodies (fixed cost, not the slots);
-if they are a few us alone, the step's 30 us come from the graph around them (kernels running
-side by side in MLX's CUDA graph, clocks).
+Also: the attention body with one section removed or changed (``BODY_VARIANTS``: no slot loop,
+no shared-memory merge, 16-byte loads, no softmax, its one-element inputs as constants), MLX's
+own attention over the same cache, head strides, and host writes between calls. The answer
+(session 17, docs/kernel_notes.md): the one-element inputs. MLX's CUDA allocator keeps arrays
+of 8 bytes or less in a small pool of managed memory whose reads stall kernels; the dispatchers
+now pad them (``custom_kernels.device_array``), and the attention takes ~6 us here.
 
     python3 bench/kernel_floor.py --json /tmp/out/kernel_floor.json     # H200 (needs torch+CUDA)
 """
