@@ -98,11 +98,11 @@ def backend() -> str | None:
 
 
 # MLX's CUDA allocator serves every allocation of 8 bytes or less from one small pool of
-# managed memory advised read-mostly: a host write anywhere in it (a new one-element array)
-# drops the GPU's copy, and the next kernel that reads any array there stalls on a page fault
-# (H200, bench/kernel_floor.py: the 26B-A4B decode attention 27.5 us with its scale, head count
-# and position in that pool, 5.7 us without; docs/kernel_notes.md, session 17). So the small
-# arrays kernels read are made 16 bytes or more.
+# managed memory advised read-mostly, and a kernel that reads an array there stalls once the
+# host has touched the pool (H200, bench/kernel_floor.py: the 26B-A4B decode attention 27.5 us
+# with its scale, head count and position in that pool, 5.7 us without; docs/kernel_notes.md,
+# session 17; why the driver makes those reads slow was not measured). So the small arrays
+# kernels read are made 16 bytes or more.
 MIN_DEVICE_BYTES = 16
 
 
@@ -116,15 +116,3 @@ def device_array(values, dtype) -> mx.array:
     pad = max(0, -(-MIN_DEVICE_BYTES // dtype.size) - n) if mx.cuda.is_available() else 0
     a = mx.array(list(values) + [0] * pad, dtype=dtype)
     return a[:n] if pad else a
-
-
-def off_small_pool(a: mx.array) -> mx.array:
-    """``a`` itself, or with MLX's CUDA back end and at most 8 bytes, the same values as a view
-    of a 16-byte buffer (one concatenation): an array the host reads back every step (a decode
-    step's token ids) must not share the small pool with the arrays kernels read."""
-    import mlx.core as mx
-
-    if a.nbytes > 8 or not mx.cuda.is_available():
-        return a
-    pad = mx.zeros((-(-MIN_DEVICE_BYTES // a.dtype.size) - a.size,), dtype=a.dtype)
-    return mx.concatenate([a.reshape(-1), pad])[: a.size].reshape(a.shape)
