@@ -109,8 +109,8 @@ class DecodeStep(RowSlots):
         self.lazy_positions: mx.array | None = None
         # the rows' positions and active flags as the step reads them: padded past MLX's CUDA
         # small pool (custom_kernels.MIN_DEVICE_BYTES), and kept on the device between steps
-        # (each step returns the next positions), so a steady decode uploads nothing: a host
-        # write to a buffer the GPU then reads costs a page fault (docs/kernel_notes.md, s. 17)
+        # (each step returns the next positions), so a steady decode uploads nothing: the ops
+        # that first read a host-written buffer took 12-24 us each (docs/kernel_notes.md, s. 17)
         self._rows = max(max_batch, -(-MIN_DEVICE_BYTES // 4))  # on every back end: one code path
         self._device_pos: tuple[tuple[int, ...], mx.array] | None = None
         self._device_active: tuple[tuple[bool, ...], mx.array] | None = None
