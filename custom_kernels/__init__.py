@@ -115,4 +115,11 @@ def device_array(values, dtype) -> mx.array:
     n = len(values)
     pad = max(0, -(-MIN_DEVICE_BYTES // dtype.size) - n) if mx.cuda.is_available() else 0
     a = mx.array(list(values) + [0] * pad, dtype=dtype)
-    return a[:n] if pad else a
+    if not pad:
+        return a
+    # the view evaluated now, on the CPU stream (no wait on queued GPU work): a Slice node left
+    # in a compiled graph would run on every call
+    with mx.stream(mx.cpu):
+        view = a[:n]
+        mx.eval(view)
+    return view

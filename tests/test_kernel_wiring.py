@@ -329,9 +329,23 @@ def test_device_array_keeps_values_and_pads_on_cuda(cuda, monkeypatch):
         assert a.tolist() == values
     import io
 
-    # the padded parent is what a kernel's pointer sees: the (unevaluated) array is a slice
-    for values, dt, sliced in (([7], mx.int32, cuda), ([1, 2, 3, 4], mx.int32, False),
-                               ([True] * 3, mx.bool_, cuda)):  # fmt: skip
+    # the padded parent is what a kernel's pointer sees; the view comes back evaluated, so no
+    # Slice node joins a compiled graph that builds the constant while tracing
+    made = []
+    real_array = mx.array
+
+    def spy(values, dtype=None):
+        made.append(len(values) * dtype.size)
+        return real_array(values, dtype=dtype)
+
+    monkeypatch.setattr(mx, "array", spy)
+    for values, dt in (([7], mx.int32), ([1, 2, 3, 4], mx.int32), ([True] * 3, mx.bool_)):
+        made.clear()
+        n_bytes = len(values) * dt.size
+        traced = mx.compile(lambda x, v=values, d=dt: x + ck.device_array(v, d).astype(x.dtype))
+        out = traced(real_array([1.0] * len(values)))
         buf = io.StringIO()
-        mx.export_to_dot(buf, ck.device_array(values, dt))
-        assert ("Slice" in buf.getvalue()) == sliced, (values, buf.getvalue())
+        mx.export_to_dot(buf, out)
+        assert "Slice" not in buf.getvalue(), buf.getvalue()
+        assert out.tolist() == [1.0 + float(v) for v in values]
+        assert made == [max(16, n_bytes) if cuda else n_bytes], (values, made)
