@@ -284,10 +284,19 @@ class _CountStep(RowSlots):
         return mx.eye(self.V)[(tokens + 1) % self.V] * 10.0  # (B, V)
 
 
-def test_overlapped_steps_drop_an_ended_row_one_step_late_without_emitting():
+def test_overlapped_steps_drop_an_ended_row_one_step_late_without_emitting(monkeypatch):
     """The engine submits step k before reading step k - 1: a row that hits EOS in k - 1 has a
     token in flight that is discarded, a max_tokens row launches exactly max_tokens steps, and a
-    row reused right away starts from its own prompt, not the discarded device token."""
+    row reused right away starts from its own prompt, not the discarded device token. Token ids
+    are uploaded only in a step where a row starts; the others feed the device's last ids."""
+    uploads = []
+    real_device_array = engine_module.device_array
+
+    def counting(values, dtype):
+        uploads.append((list(values), dtype))
+        return real_device_array(values, dtype)
+
+    monkeypatch.setattr(engine_module, "device_array", counting)
     step = _CountStep(2, 50)
     engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_queue=4, max_len=64,
                     prefix_cache_bytes=0, step=step)  # fmt: skip
@@ -321,6 +330,9 @@ def test_overlapped_steps_drop_an_ended_row_one_step_late_without_emitting():
     # row 0: a fed 3, 4, 5, 6 (the step after EOS ran, its token 7 was dropped), then c's
     # prompt end 30 and 31; row 1: b's three steps, never a fourth
     assert fed == {0: [3, 4, 5, 6, 30, 31], 1: [10, 11, 12]}
+    # ids uploaded twice: a and b's prompt ends (one step), then c's; every other step chained
+    assert [v for v, dt in uploads if dt == mx.int32] == [[3, 10], [30, 0]], uploads
+    assert len(step.fed) > 2
 
 
 def test_an_engine_falling_idle_releases_memory(monkeypatch):

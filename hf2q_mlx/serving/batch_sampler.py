@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.errors import SamplingOptionsError
 from hf2q_mlx.generation import check_generation_arguments, is_int
@@ -109,6 +109,7 @@ class BatchSampler:
         self.keys = mx.zeros((max_batch, 2), mx.uint32)  # one random key per row
         self.counts: mx.array | None = None  # (B, V) generated-token counts, for penalties
         self._rows: dict[str, mx.array] | None = None
+        self._masks: dict[str, tuple[tuple, mx.array]] = {}
         self.candidates = backend() is not None if candidates is None else candidates
         mx.eval(self.keys)  # lazy arrays cannot cross threads: the engine thread samples
 
@@ -128,20 +129,30 @@ class BatchSampler:
         # per-row option vectors, rebuilt only when a row changes
         if self._rows is None:
             ps = [p or SamplingParams() for p in self.params]
+            f32 = mx.float32
             self._rows = {
-                "inv_temp": mx.array(
-                    [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in ps]
+                "inv_temp": device_array(
+                    [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in ps], f32
                 ),
-                "greedy": mx.array([p.temperature == 0 for p in ps]),
-                "top_k": mx.array([p.top_k if p.top_k > 0 else self.V for p in ps], mx.int32),
-                "top_p": mx.array([float(p.top_p) for p in ps]),
-                "log_min_p": mx.array(
-                    [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps]
+                "greedy": device_array([p.temperature == 0 for p in ps], mx.bool_),
+                "top_k": device_array([p.top_k if p.top_k > 0 else self.V for p in ps], mx.int32),
+                "top_p": device_array([float(p.top_p) for p in ps], f32),
+                "log_min_p": device_array(
+                    [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps], f32
                 ),
-                "presence": mx.array([float(p.presence_penalty) for p in ps]),
-                "frequency": mx.array([float(p.frequency_penalty) for p in ps]),
+                "presence": device_array([float(p.presence_penalty) for p in ps], f32),
+                "frequency": device_array([float(p.frequency_penalty) for p in ps], f32),
             }
         return self._rows
+
+    def _mask(self, name: str, values: Sequence, dtype: mx.Dtype) -> mx.array:
+        # a per-row mask uploaded only when it changes: the first GPU read of a buffer the host
+        # wrote costs 12-24 us on the H200 (docs/kernel_notes.md, session 17)
+        key = tuple(values)
+        kept = self._masks.get(name)
+        if kept is None or kept[0] != key:
+            kept = self._masks[name] = (key, device_array(list(key), dtype))
+        return kept[1]
 
     def sample(self, logits: mx.array, active: Sequence[bool]) -> SampledBatch:
         """logits (B, V) -> one token per row (inactive rows: meaningless values)."""
@@ -165,9 +176,10 @@ class BatchSampler:
             drawn = [p for p, s in zip(self.params, sampled) if s]
             draw = self._draw(logprobs, r, drawn, split[:, 1])
             tokens = mx.where(r["greedy"], tokens, draw)
-            self.keys = mx.where(mx.array(sampled)[:, None], split[:, 0], self.keys)
+            chosen = self._mask("sampled", sampled, mx.bool_)
+            self.keys = mx.where(chosen[:, None], split[:, 0], self.keys)
         if self.counts is not None:
-            on = mx.array([bool(a) for a in active], mx.float32)
+            on = self._mask("active", [float(bool(a)) for a in active], mx.float32)
             self.counts = mx.put_along_axis(
                 self.counts,
                 tokens[:, None],
