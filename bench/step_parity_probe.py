@@ -32,6 +32,18 @@ def main() -> None:
             batched = parity._rows(DecodeStep(model, B, 64, reserve=reserve), prompts, conts)
             again = parity._rows(DecodeStep(model, B, 64, reserve=reserve), prompts, conts)
             print(f"{name}: batched run twice bit-identical: {bool((batched == again).all())}")
+            head = getattr(model, "lm_head", None)
+            if head is None:  # a tied head
+                head = model.model.embed_tokens.as_linear
+            D = model.args.hidden_size
+            h = mx.random.normal((B, 1, D), key=mx.random.key(7)).astype(mx.bfloat16)
+            together = np.array(head(h).astype(mx.float32))
+            for r in range(B):
+                alone = np.array(head(h[r : r + 1]).astype(mx.float32))[0]
+                print(
+                    f"  head alone==batched, row {r}: {bool((alone == together[r]).all())} "
+                    f"({type(head).__name__}, {int((alone != together[r]).sum())} differing)"
+                )
             for r in range(B):
                 runs = [
                     parity._rows(
