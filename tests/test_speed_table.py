@@ -104,3 +104,23 @@ def test_llama_cpp_column_on_the_same_gguf(tmp_path):
     ratio = ours["decode_ratio_llama"]["values"]
     assert ratio == [x / y for x, y in zip(ours["decode"]["values"], peer["decode"]["values"])]
     assert res["gguf"].startswith(str(gguf_dir)) and not list(gguf_dir.iterdir())
+
+
+def test_env_ab_gives_each_setting_its_own_worker(tmp_path):
+    """bench/mlx_env_ab.py: every setting reaches its own worker process's environment (MLX
+    reads them once per process), and each gets a rate per round and a ratio to the first."""
+    out = tmp_path / "env.json"
+    cmd = [sys.executable, str(Path(st.__file__).with_name("mlx_env_ab.py")), str(out), "--tiny",
+           "--env", "", "--env", "MLX_MAX_OPS_PER_BUFFER=7,MLX_BFS_MAX_WIDTH=3",
+           "--tokens", "2", "--rounds", "2", "--prompt", "16"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    label = "MLX_MAX_OPS_PER_BUFFER=7,MLX_BFS_MAX_WIDTH=3"
+    assert list(res["settings"]) == ["default", label]
+    assert "'MLX_MAX_OPS_PER_BUFFER': '7'" in res["workers"][label]
+    assert "'MLX_BFS_MAX_WIDTH': '3'" in res["workers"][label]
+    for row in res["settings"].values():
+        assert len(row["tok_s"]) == 2 and all(r > 0 for r in row["tok_s"])
+    assert res["settings"]["default"]["ratios"] == [1.0, 1.0]
+    bad = subprocess.run(cmd[:3] + ["--env", "NOVALUE"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "expected NAME=VALUE" in bad.stderr
