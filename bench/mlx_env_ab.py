@@ -124,8 +124,12 @@ def main() -> None:
     p.add_argument("out", help="JSON file to write")
     p.add_argument("--shape", default="gemma4:26b-a4b")
     p.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4"])
-    p.add_argument("--env", action="append", default=None,
-                   help='a setting: "NAME=VALUE[,NAME=VALUE]"; "" = the environment as is')  # fmt: skip
+    p.add_argument(
+        "--env",
+        action="append",
+        default=None,
+        help='a setting: "NAME=VALUE[,NAME=VALUE]"; "" = the environment as is',
+    )
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--prompt", type=int, default=512)
