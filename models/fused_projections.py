@@ -15,15 +15,16 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def heads_plan(groups, n_heads: int, n_kv_heads: int):
-    """((attribute, head split points), ...) and the order that puts the outputs back as q, k, v."""
+def heads_plan(groups, n_heads: int, n_kv_heads: int, names: tuple[str, ...] = QKV):
+    """((attribute, head split points), ...) and the order that puts the outputs back as
+    ``names`` (q, k, v; or q, k where V is K)."""
     heads = {"q_proj": n_heads, "k_proj": n_kv_heads, "v_proj": n_kv_heads}
     plan, produced = [], []
     for attr, members in groups:
         counts = [heads[m] for m in members]
         plan.append((attr, tuple(itertools.accumulate(counts[:-1]))))
         produced.extend(members)
-    return tuple(plan), tuple(produced.index(name) for name in QKV)
+    return tuple(plan), tuple(produced.index(name) for name in names)
 
 
 class FusedQKV:
@@ -31,14 +32,17 @@ class FusedQKV:
     ``n_kv_heads`` and ``head_dim``: projects through whichever layers hold q/k/v after
     ``fuse_projections`` (one matmul per weight kind)."""
 
-    def _set_qkv_plan(self, groups=tuple((name, (name,)) for name in QKV)) -> None:
+    def _set_qkv_plan(self, groups=None, names: tuple[str, ...] = QKV) -> None:
+        groups = tuple((name, (name,)) for name in names) if groups is None else groups
+        plan = heads_plan(groups, self.n_heads, self.n_kv_heads, names)
         # a plain attribute (object.__setattr__), outside the parameter tree
-        object.__setattr__(self, "_qkv_plan", heads_plan(groups, self.n_heads, self.n_kv_heads))
+        object.__setattr__(self, "_qkv_plan", plan)
 
-    def fuse_projections(self) -> None:
-        """q/k/v as one matmul where their weights stack (``quantized.fuse_linear_groups``)."""
-        if all(name in self for name in QKV):  # not fused yet
-            self._set_qkv_plan(fuse_linear_groups(self, QKV))
+    def fuse_projections(self, names: tuple[str, ...] = QKV) -> None:
+        """The ``names`` projections (q/k/v, or q/k where V is K) as one matmul where their
+        weights stack (``quantized.fuse_linear_groups``)."""
+        if all(name in self for name in names):  # not fused yet
+            self._set_qkv_plan(fuse_linear_groups(self, names), names)
 
     def project_heads(self, x: mx.array, transpose: bool = True) -> list[mx.array]:
         """q, k, v as (B, H, L, D) (``transpose`` False: (B, L, H, D)): one reshape (and
@@ -56,9 +60,10 @@ class FusedQKV:
         return [outs[i] for i in order]
 
     def project_packed(self, x: mx.array) -> list[Heads]:
-        """q, k, v as ``Heads`` of the matmul outputs (B, L, N), unsplit, for ``ops.norm_rope`` /
-        ``ops.qk_norm_rope``: their kernel reads the heads in place, so a decode graph holds no
-        reshape or split node between the matmul and the kernel (the reference splits)."""
+        """q, k, v (q, k where V is K) as ``Heads`` of the matmul outputs (B, L, N), unsplit,
+        for ``ops.norm_rope`` / ``ops.qk_norm_rope``: their kernel reads the heads in place, so
+        a decode graph holds no reshape or split node between the matmul and the kernel (the
+        reference splits)."""
         groups, order = self._qkv_plan
         outs = []
         for attr, splits in groups:

@@ -15,7 +15,7 @@ from hf2q_mlx.models import gemma4_gguf, ops
 from hf2q_mlx.models.base import BaseModelArgs
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, causal_mask
 from hf2q_mlx.models.contract import Architecture, LayerRoPE
-from hf2q_mlx.models.fused_projections import FusedQKV, fuse_gate_up, gated_mlp_hidden
+from hf2q_mlx.models.fused_projections import QKV, FusedQKV, fuse_gate_up, gated_mlp_hidden
 from hf2q_mlx.models.gemma4_moe import Experts, Router
 from hf2q_mlx.models.ops import RMSNorm
 
@@ -167,15 +167,17 @@ class Attention(FusedQKV, nn.Module):
         self.rope = RoPE(args.rope_parameters[args.layer_types[i]], D)
 
     def fuse_projections(self) -> None:
-        """q/k/v as one matmul where their weights stack; not where V is K or is shared."""
-        if not self.shares_kv and not self.k_eq_v:
-            FusedQKV.fuse_projections(self)
+        """q/k/v (q/k where V is K) as one matmul where their weights stack; not in a layer
+        that reads another layer's K/V."""
+        if not self.shares_kv:
+            FusedQKV.fuse_projections(self, ("q_proj", "k_proj") if self.k_eq_v else QKV)
 
     def __call__(self, x, pos: mx.array, cache=None, shared_kv=None, mask=None):
         """-> (output, (keys, values, mask)) so later shared layers can attend the same K/V."""
         fused = "q_proj" not in self
         if fused:  # Heads of the fused output(s): the norm + RoPE kernel reads them in place
-            q, k, v = self.project_packed(x)  # (B, L, H, D) each, unsplit
+            q, k, *v = self.project_packed(x)  # (B, L, H, D) each, unsplit
+            v = k if self.k_eq_v else v[0]
         else:  # separate projections: Heads too, no reshape node
             q = Heads(self.q_proj(x), 0, self.n_heads, self.head_dim)
         if shared_kv is not None:

@@ -321,8 +321,8 @@ GEMMA4 = dict(
 def test_norm_rope_kernel_reads_fused_qkv(monkeypatch, arch):
     """The fused q/k/v output goes to the norm + RoPE kernel (CUDA rendering on the CPU
     emulator) unsplit (Gemma 4's sliding layer; every Gemma 3 layer, v only laid out): logits
-    bit-identical to the reshape + split inputs. Gemma 4's k_eq_v global layer keeps its own
-    q/k projections, whose outputs the kernel reads unreshaped too."""
+    bit-identical to the reshape + split inputs. Gemma 4's k_eq_v global layer fuses q and k
+    (V is K), read unsplit too."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
     import kernel_emulator
 
@@ -334,7 +334,7 @@ def test_norm_rope_kernel_reads_fused_qkv(monkeypatch, arch):
         params = dict(tree_flatten(model.parameters()))
         model.load_weights([(k, 0.2 * mx.random.normal(v.shape)) for k, v in params.items()])
         model.fuse_projections()
-        assert "qkv_proj" in model.layers[0].self_attn and "q_proj" in model.layers[1].self_attn
+        assert "qkv_proj" in model.layers[0].self_attn and "qk_proj" in model.layers[1].self_attn
         ndims = [[3, 3, 3], [3, 3, 3]]  # per layer: the q, k, v inputs' ndim
     else:
         model = tiny_model("gemma3", seed=3)
@@ -365,8 +365,8 @@ def test_norm_rope_kernel_reads_fused_qkv(monkeypatch, arch):
         FusedQKV, "project_packed", lambda self, x: self.project_heads(x, transpose=False)
     )
     assert mx.array_equal(packed, logits()).item()
-    # the reshape + split form: fused layers' inputs 4-D (Gemma 4's global layer as before)
-    split = [[4, 4, 4], [3, 3, 3]] if arch == "gemma4" else [[4, 4, 4]] * 3
+    # the reshape + split form: fused layers' inputs 4-D
+    split = [[4, 4, 4]] * (2 if arch == "gemma4" else 3)
     assert seen == split * 3
 
 
