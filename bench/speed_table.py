@@ -15,9 +15,10 @@ under CUPTI (torch.profiler, where torch with CUDA is installed) the GPU kernels
 
 Prints per shape: median [min-max] decode and prefill tok/s, the ratio to mlx-lm taken round
 by round (median [min-max]), the round-to-round spread ((max - min) / median), kernels per
-token and per layer, Python ms per token, GPU busy; for dense shapes the weight-read rate
-(parameter bytes a token reads x tok/s) against this device's copy bandwidth (``--copy-gib``
-read and written by one elementwise op). Writes JSON after every shape.
+token and per layer, host ms per token in the step's call and in MLX's submit, kernel ms, GPU
+busy; for dense shapes the weight-read rate (parameter bytes a token reads x tok/s) against
+this device's copy bandwidth (``--copy-gib`` read and written by one elementwise op). Writes
+JSON after every shape.
 
 ``--llama PATH`` (a llama.cpp bin folder or the CUDA bundle's run.sh, ../shared/peers) adds
 llama.cpp as the second peer on the same GGUF: the shape's random weights are written as a
@@ -262,7 +263,7 @@ def report(res: dict, copy_gb_s: float | None) -> list[str]:
     print(f"\n{res['shape']} ({res['layers']} layers, decode path {res['decode_path']}): "
           f"{res['prompt']}-token prompt, {res['tokens']} decode tokens per round")  # fmt: skip
     cols = ("variant", "decode tok/s", "x mlx-lm", "spread", "prefill tok/s", "x mlx-lm",
-            "kern/tok", "/layer", "py ms", "busy")  # fmt: skip
+            "kern/tok", "/layer", "py ms", "submit ms", "kernel ms", "busy")  # fmt: skip
     print("  " + " | ".join(cols))
     missed = []
     bar = TARGETS["moe_ratio"] if res["moe"] else TARGETS["dense_ratio"]
@@ -274,6 +275,8 @@ def report(res: dict, copy_gb_s: float | None) -> list[str]:
                  f"{p['kernels']:.0f}" if "kernels" in p else "-",
                  f"{p['kernels_per_layer']:.1f}" if "kernels" in p else "-",
                  f"{p['python_ms']:.2f}",
+                 f"{p['submit_ms']:.2f}" if "submit_ms" in p else "-",
+                 f"{p['kernel_ms']:.2f}" if "kernel_ms" in p else "-",
                  f"{100 * p['gpu_busy']:.0f} %" if "gpu_busy" in p else "-"]  # fmt: skip
         print("  " + " | ".join(cells))
         if not k.startswith("ours"):
