@@ -100,6 +100,9 @@ step clock-probe 90 "python3 bench/clock_probe.py --json $OUT/clock_probe.json"
 step small-pool-tests 200 "python3 -m pytest -q -p no:cacheprovider --maxfail=3 -k 'gpu or compiled' tests/kernels/test_decode_attention.py tests/kernels/test_post_norm_residual.py tests/kernels/test_norm_rope.py tests/kernels/test_activations.py tests/kernels/test_sampling_kernels.py tests/test_dequant.py tests/kernels/test_gated_delta_decode.py tests/test_decode_step.py --tb=line"
 # MLX's per-process settings in the compiled 26B-A4B decode: one worker each, interleaved rounds
 step env-ab 300 "python3 bench/mlx_env_ab.py $OUT/env_ab.json --shape ${SHAPE:-gemma4:26b-a4b} --rounds 9 --tokens 64 --time-cap 200 --env '' --env MLX_MAX_OPS_PER_BUFFER=100 --env MLX_MAX_OPS_PER_BUFFER=500,MLX_MAX_MB_PER_BUFFER=4096 --env MLX_USE_CUDA_GRAPHS=0 --env MLX_CUDA_GRAPH_CACHE_SIZE=4096"
+# session 18's device_array change (padded views returned evaluated) on the GPU: the test that found
+# the Slice, the compiled step's GPU tests, the kernel wiring
+step device-array-check 240 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_gated_delta_decode.py::test_gpu_block_decode_is_one_launch tests/test_decode_step.py tests/test_kernel_wiring.py --tb=short"
 # which rows / steps differ alone and batched, and whether alone runs repeat (GPU diagnostic)
 step parity-probe 200 "python3 bench/step_parity_probe.py ${PROBE:-llama:tiny gemma3:tiny}"
 # one in 30 cases of every GPU test function (tests/conftest.py, HF2Q_GPU_SAMPLE); the files
