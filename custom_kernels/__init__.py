@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -123,3 +124,10 @@ def device_array(values, dtype) -> mx.array:
         view = a[:n]
         mx.eval(view)
     return view
+
+
+@lru_cache(maxsize=320)
+def device_constant(values: tuple, dtype) -> mx.array:
+    """``device_array`` of ``values``, made once per distinct (values, dtype): a kernel's small
+    parameter arrays, shared by every call that passes the same ones (no upload per step)."""
+    return device_array(list(values), dtype)

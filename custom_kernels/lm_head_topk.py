@@ -3,12 +3,10 @@ then the finalists' logits recomputed exactly and re-ranked."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import mlx.core as mx
 from gguf import GGMLQuantizationType as GT
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference, row_bytes
 from hf2q_mlx.custom_kernels.qmatmul import ggml_matmul
@@ -313,11 +311,6 @@ _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _SHARED_FLOATS = 8192  # 32 KB
 
 
-@lru_cache(maxsize=64)
-def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    return device_array(list(values), dtype)
-
-
 def _format(weight: mx.array, ggml_type: int | None, H: int) -> int | None:
     """Kernel weight format, or None where the kernels do not read this weight."""
     if ggml_type in (None, GT.F32, GT.F16, GT.BF16):
@@ -376,7 +369,7 @@ def lm_head_topk(
     n_tg = -(-V // (8 * rpw))
     cap = (float(softcap) if softcap is not None else 1.0,)
     cand_v, cand_i = _partial_kernel(
-        [xr, weight, _const((V, rpw, B, kc), mx.uint32), _const(cap, mx.float32)],
+        [xr, weight, device_constant((V, rpw, B, kc), mx.uint32), device_constant(cap, mx.float32)],
         grid=(n_tg * 256, 1, -(-B // bg)),
         threadgroup=(256, 1, 1),
         output_shapes=[(B, n_tg, kc), (B, n_tg, kc)],
@@ -387,7 +380,8 @@ def lm_head_topk(
     vals, idx = merge_candidates(cand_v.reshape(B, n_tg * kc), cand_i.reshape(B, n_tg * kc), kc)
     if rerank:
         vals, idx = _rerank_kernel(
-            [xr, weight, idx, _const((V, B, kc, k), mx.uint32), _const(cap, mx.float32)],
+            [xr, weight, idx, device_constant((V, B, kc, k), mx.uint32),
+             device_constant(cap, mx.float32)],
             grid=(B * 32 * kc,),
             threadgroup=(32 * kc,),
             output_shapes=[(B, k), (B, k)],

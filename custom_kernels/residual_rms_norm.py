@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 
@@ -84,11 +84,6 @@ _kernel = Kernel(
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
-@lru_cache(maxsize=64)
-def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    return device_array(list(values), dtype)
-
-
 def threads_for(H: int) -> int:
     """Threads per row: about 8 elements each, 64..1024 (a multiple of 32)."""
     return max(64, min(1024, -(-H // 8 // 32) * 32))
@@ -150,4 +145,8 @@ def _plan(kernel, be, shape, dtype, res_shape, res_dtype, wsig, eps, woff):
                   "HAS_W": wsig is not None},
         backend=be,
     )  # fmt: skip
-    return launch, _const((0.0,) * 8, dtype), _const((float(eps), float(woff)), mx.float32)
+    return (
+        launch,
+        device_constant((0.0,) * 8, dtype),
+        device_constant((float(eps), float(woff)), mx.float32),
+    )

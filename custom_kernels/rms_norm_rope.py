@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_array, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError, UnsupportedArchitectureError
 
@@ -267,12 +267,6 @@ _kernel = Kernel(
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
-@lru_cache(maxsize=64)
-def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    """Small parameter arrays, made once per distinct value set (no upload per decode step)."""
-    return device_array(list(values), dtype)
-
-
 def _pos_key(offset, positions) -> tuple:
     """How positions arrive: ("p", shape, dtype) positions, ("o", shape, dtype) an offset array,
     ("i",) a Python int."""
@@ -462,12 +456,14 @@ def _plan(kernel, be, xsig, wsig, rope, norm, fsig, pkey, eps, scale, woff, D, t
     pad = (0,) * (3 - n)
     normed = sum(1 << i for i, nm in enumerate(norm) if nm)
     layout = (*strides, *pad, *starts, *pad, normed)
-    params = _const((B, L, *heads, *pad, *pitch, *(D,) * (3 - n), *flags, *layout), mx.int32)
-    fparams = _const((float(eps), float(scale), float(woff)), mx.float32)
+    params = device_constant(
+        (B, L, *heads, *pad, *pitch, *(D,) * (3 - n), *flags, *layout), mx.int32
+    )
+    fparams = device_constant((float(eps), float(scale), float(woff)), mx.float32)
     consts = (
-        _const((0,) * 8, mx.int32),
-        _const((0.0,) * 8, mx.float32),
-        _const((0.0,) * 8, T),
+        device_constant((0,) * 8, mx.int32),
+        device_constant((0.0,) * 8, mx.float32),
+        device_constant((0.0,) * 8, T),
         params,
         fparams,
     )

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 MAX_K = 64
@@ -146,11 +144,6 @@ _kernel = Kernel(
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
-@lru_cache(maxsize=64)
-def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    return device_array(list(values), dtype)
-
-
 def first_pass_plan(V: int, k: int) -> tuple[int, int]:
     """(threads, values per thread) of the pass over the logits: 256 threads; 16 values each
     for large k (fewer groups to merge), 4 for small k (more groups in flight)."""
@@ -168,7 +161,7 @@ def _select(vals, idx, n, k, tg, ept, cand, out_dtype):
     R = vals.shape[0]
     G = -(-n // (tg * ept))
     ov, oi = _kernel(
-        [vals, idx, _const((n, k), mx.uint32)],
+        [vals, idx, device_constant((n, k), mx.uint32)],
         grid=(G * tg, R),
         threadgroup=(tg, 1),
         output_shapes=[(R, G, k), (R, G, k)],
@@ -202,7 +195,7 @@ def topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     if backend() is None or logits.dtype not in _FLOATS or k > MAX_K or R == 0 or V >= 2**31:
         return topk_reference(logits, k)
     tg, ept = first_pass_plan(V, k)
-    dummy = _const((0,) * 8, mx.uint32)  # no candidate indices on the first pass
+    dummy = device_constant((0,) * 8, mx.uint32)  # no candidate indices on the first pass
     vals, idx, G = _select(logits.reshape(R, V), dummy, V, k, tg, ept, False, logits.dtype)
     if G > 1:
         vals, idx = merge_candidates(vals, idx, k, logits.dtype)

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 
@@ -35,11 +35,6 @@ _kernel = Kernel(
 )
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
-
-
-@lru_cache(maxsize=64)
-def _const(values: tuple, dtype: mx.Dtype) -> mx.array:
-    return device_array(list(values), dtype)
 
 
 def softcap(x: mx.array, cap: float) -> mx.array:
@@ -70,4 +65,4 @@ def _plan(kernel, be, shape, dtype, cap):
         template={"T": dtype},
         backend=be,
     )
-    return launch, _const((float(cap),), mx.float32), _const((size,), mx.uint32)
+    return launch, device_constant((float(cap),), mx.float32), device_constant((size,), mx.uint32)
