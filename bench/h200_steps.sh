@@ -108,6 +108,8 @@ step parity-probe 200 "python3 bench/step_parity_probe.py ${PROBE:-llama:tiny ge
 # one in 30 cases of every GPU test function (tests/conftest.py, HF2Q_GPU_SAMPLE); the files
 # session 18's run did not reach first
 step gpu-sample 270 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-30} python3 -m pytest -q -p no:cacheprovider --maxfail=5 -rf tests/kernels/test_expert_mma.py tests/kernels/test_expert_prefill.py tests/kernels/test_dense_glu_mma.py tests/kernels/test_qmatmul_mma.py tests/kernels/test_tq_kernels.py tests/test_kernel_wiring.py tests/kernels/test_gated_delta_decode.py tests/test_decode_step.py tests/kernels/test_decode_attention.py tests/kernels/test_post_norm_residual.py tests/kernels/test_moe_router.py tests/kernels/test_qmatmul.py tests/kernels/test_expert_glu_affine.py tests/kernels/test_expert_down.py tests/kernels/test_expert_glu.py tests/kernels/test_expert_matmul_kernel.py tests/kernels/test_sampling_kernels.py tests/kernels/test_activations.py tests/kernels/test_norm_rope.py tests/kernels/test_gated_delta.py --tb=short"
+# our kernels from a CUDA graph of our own next to MLX: pointers, one launch, a replayed chain
+step graph-probe 90 "python3 bench/cuda_graph_probe.py --json $OUT/graph_probe.json"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

@@ -130,12 +130,16 @@ def _compute_capability() -> tuple[int, int] | None:
     return major.value, minor.value
 
 
-def _setup() -> None:
-    """Find NVRTC, the GPU's architecture and the include paths once; ``why`` when not."""
+def _setup(force: bool = False) -> None:
+    """Find NVRTC, the GPU's architecture and the include paths once; ``why`` when not.
+    ``force``: also when the cache is switched off (the CUDA graph step compiles its own)."""
     _state["checked"] = True
-    if not ENABLED:
+    if not ENABLED and not force:
         _state["why"] = "HF2Q_CUDA_KERNEL_CACHE is not 1"
         return
+    _state["why"] = None
+    # found for the graph step only: cuda_kernel launches keep MLX's build
+    _state["forced_only"] = not ENABLED
     if not mx.cuda.is_available():
         _state["why"] = "no CUDA back end"
         return
@@ -208,13 +212,16 @@ def _nvrtc_compile(lib, source: str, name: str, options: list[str]) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def cubin(name: str, source: str) -> bytes | None:
+def cubin(name: str, source: str, force: bool = False) -> bytes | None:
     """The cubin of ``source`` (a translation unit defining ``extern "C"`` kernel ``name``):
     from the disk cache, else compiled and stored. None when this path is unavailable or the
-    compile fails (the caller falls back to MLX's cuda_kernel)."""
+    compile fails (the caller falls back to MLX's cuda_kernel). ``force``: even with
+    ``HF2Q_CUDA_KERNEL_CACHE`` off (the CUDA graph step launches cubins itself)."""
     with _lock:
-        if not _state["checked"]:
-            _setup()
+        if not _state["checked"] or (force and _state["nvrtc"] is None and not ENABLED):
+            _setup(force)
+        if _state.get("forced_only") and not force:
+            return None
         lib = _state["nvrtc"]
         if lib is None:
             return None
@@ -279,7 +286,7 @@ def status() -> dict:
     why the path is off when it is."""
     return {
         **_counts,
-        "enabled": _state["nvrtc"] is not None,
+        "enabled": _state["nvrtc"] is not None and not _state.get("forced_only"),
         "why_off": _state["why"],
         "arch": _state["arch"],
         "nvrtc": _state.get("nvrtc_path"),

@@ -1,0 +1,212 @@
+"""The few CUDA driver calls a replayed decode graph needs, through ctypes on libcuda.
+
+MLX's CUDA back end allocates every array in managed memory (``cudaMallocManaged``), so the
+address Python's buffer protocol gives for an evaluated array is also its device address:
+``data_ptr``. With it, kernels compiled by ``cuda_cache`` can be launched on our own stream,
+captured once into a CUDA graph and replayed with one ``cuGraphLaunch`` per token
+(``hf2q_mlx/cuda_graph_step.py``), instead of MLX submitting each kernel again every token.
+
+Everything here runs in MLX's process on MLX's device (the primary context MLX's runtime
+calls use). ``available()`` says whether the driver library loads; ``Driver()`` raises
+``CudaDriverError`` with the driver's message on any failed call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from hf2q_mlx.errors import Hf2qError
+
+# CUstreamCaptureMode: GLOBAL 0, THREAD_LOCAL 1, RELAXED 2
+_CAPTURE_THREAD_LOCAL = 1
+_STREAM_NON_BLOCKING = 1
+# CUpointer_attribute
+_ATTR_MEMORY_TYPE, _ATTR_IS_MANAGED = 2, 8
+
+
+class CudaDriverError(Hf2qError):
+    """A CUDA driver call failed (its name and the driver's message)."""
+
+
+def available() -> bool:
+    """Whether libcuda.so.1 loads (a driver is installed); says nothing about MLX."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+_PYBUF_STRIDES_FORMAT = 0x18 | 0x04
+
+
+def data_ptr(a) -> int:
+    """Device (= managed host) address of an evaluated MLX array's first element, view offset
+    included (numpy cannot read a bfloat16 buffer, so the buffer protocol is called directly).
+    Evaluates ``a`` first, as the buffer protocol does."""
+    buf = _PyBuffer()
+    if ctypes.pythonapi.PyObject_GetBuffer(
+        ctypes.py_object(a), ctypes.byref(buf), _PYBUF_STRIDES_FORMAT
+    ):
+        raise CudaDriverError(f"no buffer for {type(a).__name__}")
+    try:
+        return int(buf.buf or 0)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))
+
+
+def is_row_contiguous(a) -> bool:
+    return memoryview(a).c_contiguous
+
+
+class Driver:
+    """libcuda bound once: modules, one non-blocking stream, capture into a graph, replay."""
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as err:
+            raise CudaDriverError(f"no CUDA driver library: {err}") from None
+        self._check("cuInit", self.lib.cuInit(0))
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._check("cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(dev), 0))
+        self._check(
+            "cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        )
+        self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(ctx))
+        self.ctx = ctx
+        self.stream = ctypes.c_void_p()
+        self._check(
+            "cuStreamCreate",
+            self.lib.cuStreamCreate(ctypes.byref(self.stream), _STREAM_NON_BLOCKING),
+        )
+        self._modules: dict[str, ctypes.c_void_p] = {}
+        self._functions: dict[tuple[str, str], ctypes.c_void_p] = {}
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+        ]  # fmt: skip
+        for name in ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2"):
+            getattr(self.lib, name).argtypes = [
+                ctypes.c_uint64 if "toD" in name else ctypes.c_void_p,
+                ctypes.c_void_p if "HtoD" in name else ctypes.c_uint64,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+            ]
+        for name, vt in (("cuMemsetD8Async", ctypes.c_ubyte), ("cuMemsetD16Async", ctypes.c_ushort),
+                         ("cuMemsetD32Async", ctypes.c_uint)):  # fmt: skip
+            getattr(self.lib, name).argtypes = [
+                ctypes.c_uint64,
+                vt,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+            ]
+
+    def _check(self, what: str, err: int) -> None:
+        if err != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(err, ctypes.byref(msg))
+            text = msg.value.decode() if msg.value else "unknown error"
+            raise CudaDriverError(f"{what} failed: {text} ({err})")
+
+    # -- memory --------------------------------------------------------------------------------
+    def is_managed(self, ptr: int) -> bool:
+        flag = ctypes.c_uint()
+        err = self.lib.cuPointerGetAttribute(
+            ctypes.byref(flag), _ATTR_IS_MANAGED, ctypes.c_uint64(ptr)
+        )
+        self._check("cuPointerGetAttribute", err)
+        return bool(flag.value)
+
+    def upload(self, ptr: int, data: np.ndarray) -> None:
+        """Copy host ``data`` to device address ``ptr`` on the stream (ordered with launches)."""
+        data = np.ascontiguousarray(data)
+        self._check(
+            "cuMemcpyHtoDAsync",
+            self.lib.cuMemcpyHtoDAsync_v2(ptr, data.ctypes.data, data.nbytes, self.stream),
+        )
+
+    def download(self, ptr: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` from device address ``ptr`` into ``out`` (stream order; call
+        ``synchronize`` before reading ``out``)."""
+        self._check(
+            "cuMemcpyDtoHAsync",
+            self.lib.cuMemcpyDtoHAsync_v2(out.ctypes.data, ptr, out.nbytes, self.stream),
+        )
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self._check(
+            "cuMemcpyDtoDAsync", self.lib.cuMemcpyDtoDAsync_v2(dst, src, nbytes, self.stream)
+        )
+
+    def fill(self, ptr: int, value: int, count: int, width: int) -> None:
+        """``count`` elements of ``width`` bytes (1, 2, 4) at ``ptr`` set to the bit pattern
+        ``value``."""
+        fn = {1: "cuMemsetD8Async", 2: "cuMemsetD16Async", 4: "cuMemsetD32Async"}[width]
+        self._check(fn, getattr(self.lib, fn)(ptr, value, count, self.stream))
+
+    # -- kernels -------------------------------------------------------------------------------
+    def function(self, name: str, image: bytes) -> ctypes.c_void_p:
+        """Kernel ``name`` (extern "C") of the cubin ``image``, loaded once."""
+        key = (name, "fn")
+        fn = self._functions.get(key)
+        if fn is None:
+            mod = ctypes.c_void_p()
+            self._check("cuModuleLoadData", self.lib.cuModuleLoadData(ctypes.byref(mod), image))
+            fn = ctypes.c_void_p()
+            self._check(
+                "cuModuleGetFunction",
+                self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
+            )
+            self._modules[name], self._functions[key] = mod, fn
+        return fn
+
+    def launch(self, fn, grid: tuple, block: tuple, pointers: list[int]) -> None:
+        """One launch on the stream; every parameter is a device pointer."""
+        values = [ctypes.c_uint64(p) for p in pointers]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        err = self.lib.cuLaunchKernel(fn, *grid, *block, 0, self.stream, params, None)
+        self._check("cuLaunchKernel", err)
+
+    # -- graphs --------------------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        self._check(
+            "cuStreamBeginCapture",
+            self.lib.cuStreamBeginCapture_v2(self.stream, _CAPTURE_THREAD_LOCAL),
+        )
+
+    def end_capture(self) -> ctypes.c_void_p:
+        """-> an instantiated graph (CUgraphExec) of what the stream recorded."""
+        graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(
+            "cuStreamEndCapture", self.lib.cuStreamEndCapture(self.stream, ctypes.byref(graph))
+        )
+        try:
+            self._check(
+                "cuGraphInstantiate",
+                self.lib.cuGraphInstantiateWithFlags(
+                    ctypes.byref(exe), graph, ctypes.c_ulonglong(0)
+                ),
+            )
+        finally:
+            self.lib.cuGraphDestroy(graph)
+        return exe
+
+    def replay(self, exe) -> None:
+        self._check("cuGraphLaunch", self.lib.cuGraphLaunch(exe, self.stream))
+
+    def destroy(self, exe) -> None:
+        self.lib.cuGraphExecDestroy(exe)
+
+    def synchronize(self) -> None:
+        self._check("cuStreamSynchronize", self.lib.cuStreamSynchronize(self.stream))
