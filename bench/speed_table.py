@@ -56,6 +56,7 @@ import llama_peer  # noqa: E402  (bench/llama_peer.py: llama-bench's JSON)
 import random_gguf  # noqa: E402  (bench/random_gguf.py: the shapes as GGUF files)
 
 import hf2q_mlx  # noqa: E402
+from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.generation import decode_mode  # noqa: E402
 
@@ -139,6 +140,75 @@ class Variant:
         return out
 
 
+class GraphVariant(Variant):
+    """Ours through a CudaGraphStep (the step recorded once and replayed as one CUDA graph per
+    token) over a one-row DecodeStep; CUDA only. The host reads each token id."""
+
+    def __init__(self, model, chunk: int, max_len: int):
+        from hf2q_mlx.cuda_graph_step import CudaGraphStep
+        from hf2q_mlx.custom_kernels.cuda_driver import Driver
+
+        super().__init__(model, True, chunk, max_len)
+        self.graph = CudaGraphStep(self.step, Driver())
+        self.token = 0
+
+    def prefill(self, prompt: mx.array) -> float:
+        seconds = super().prefill(prompt)
+        self.token = int(self.y[0].item())
+        return seconds
+
+    def decode(self, n: int) -> float:
+        t = self.token
+        tic = time.perf_counter()
+        for _ in range(n):
+            t = self.graph.decode([t])[0]
+        seconds = time.perf_counter() - tic
+        self.token, self.y = t, mx.array([t], dtype=mx.int32)
+        return seconds
+
+    def tokens(self, n: int) -> list[int]:
+        out, t = [], self.token
+        for _ in range(n):
+            t = self.graph.decode([t])[0]
+            out.append(t)
+        self.token = t
+        return out
+
+    def profile(self, n: int, use_cuda: bool) -> dict:
+        self.decode(2)
+        prof = None
+        if use_cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        wall = self.decode(n) * 1e3 / n
+        out = {"wall_ms": wall, "python_ms": wall, "submit_ms": 0.0}
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            kernels = dp._cuda_kernels(prof)
+            gpu_ms = sum(us for _, us in kernels) / 1e3 / n
+            out.update(kernels=len(kernels) / n, kernel_ms=gpu_ms, gpu_busy=gpu_ms / wall)
+        return out
+
+
+def graph_parity(model, prompt: mx.array, n: int, chunk: int, max_len: int) -> dict:
+    """Greedy tokens of the compiled step and of the CUDA graph step from the same prefill."""
+    compiled = Variant(model, True, chunk, max_len)
+    compiled.prefill(prompt)
+    y, want = compiled.y, []
+    for _ in range(n):
+        y = compiled.one(y)
+        want.append(int(y[0].item()))
+    graph = GraphVariant(model, chunk, max_len)
+    graph.prefill(prompt)
+    got = graph.tokens(n)
+    graph.graph.close()
+    same = sum(a == b for a, b in zip(want, got))
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    return {"tokens": n, "same": same, "first_difference": first, "compiled": want, "graph": got}
+
+
 def copy_bandwidth(gib: float) -> float | None:
     """GB/s of one elementwise op reading and writing ``gib`` GiB (median of 7), GPU only."""
     if mx.default_device().type != mx.DeviceType.gpu or gib <= 0:
@@ -195,16 +265,36 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
         print(f"{name} {fmt}: built in {time.perf_counter() - tic:.1f} s", flush=True)
         variants[f"ours {fmt}"] = Variant(model, compiled, a.chunk, max_len)
         wbytes[f"ours {fmt}"] = weight_bytes(model)
+        if a.graph and fmt in a.graph:
+            variants[f"ours {fmt} graph"] = GraphVariant(model, a.chunk, max_len)
+            wbytes[f"ours {fmt} graph"] = wbytes[f"ours {fmt}"]
         if twin is not None:
             variants["mlx-lm mlx4"] = Variant(twin, False, a.chunk, max_len)
             wbytes["mlx-lm mlx4"] = wbytes[f"ours {fmt}"]
     key = mx.random.key(7)
     first = {}
-    for k, v in variants.items():  # the first prefill compiles kernels: timed on its own
+    parity = {}
+    for k, v in list(variants.items()):  # the first prefill compiles kernels: timed on its own
         key, sub = mx.random.split(key)
         first[k] = v.prefill(mx.random.randint(0, vocab, (1, a.prompt), key=sub))
-        v.decode(3)
-        print(f"  first {a.prompt}-token prefill, {k}: {first[k]:.2f} s", flush=True)
+        tic = time.perf_counter()
+        try:
+            v.decode(3)
+        except GraphCaptureError as err:  # a step the graph cannot replay: said, then skipped
+            print(f"  {k}: no CUDA graph: {err}", flush=True)
+            del variants[k]
+            continue
+        print(f"  first {a.prompt}-token prefill, {k}: {first[k]:.2f} s; first 3 tokens "
+              f"{time.perf_counter() - tic:.2f} s", flush=True)  # fmt: skip
+        if isinstance(v, GraphVariant) and a.parity:
+            key, sub = mx.random.split(key)
+            prompt = mx.random.randint(0, vocab, (1, a.prompt), key=sub)
+            parity[k] = graph_parity(v.model, prompt, a.parity, a.chunk, max_len)
+            print(
+                f"  {k}: {parity[k]['same']} of {a.parity} greedy tokens equal to the compiled "
+                f"step's (first difference at {parity[k]['first_difference']})",
+                flush=True,
+            )
     dec = {k: [] for k in variants}
     pre = {k: [] for k in variants}
     if gguf is not None:
@@ -226,7 +316,8 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
             flush=True)  # fmt: skip
     out = {"shape": name, "layers": layers, "moe": moe, "prompt": a.prompt, "tokens": a.tokens,
            "decode_path": "compiled" if compiled else "eager", "first_prefill_s": first,
-           "gguf": None if gguf is None else str(gguf), "variants": {}}  # fmt: skip
+           "gguf": None if gguf is None else str(gguf), "variants": {},
+           "graph_parity": parity}  # fmt: skip
     ref = "mlx-lm mlx4" if "mlx-lm mlx4" in variants else None
     for k, v in variants.items():
         row = {"decode": stats(dec[k]), "prefill": stats(pre[k])}
@@ -321,6 +412,13 @@ def main(argv=None) -> None:
     p.add_argument("--profile-steps", type=int, default=16)
     p.add_argument("--copy-gib", type=float, default=4.0, help="GiB of the copy-bandwidth probe")
     p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--graph", default="", help="formats also run as a CUDA graph step (q4_k)")
+    p.add_argument(
+        "--parity",
+        type=int,
+        default=64,
+        help="greedy tokens compared, graph step against compiled step",
+    )
     p.add_argument("--time-cap", type=float, default=None, help="start no shape past this (s)")
     p.add_argument("--llama", default=None, help="llama.cpp bin folder or run.sh: the peer column")
     p.add_argument("--llama-args", default="", help="more llama-bench arguments ('-ngl 99 -t 2')")
@@ -328,6 +426,7 @@ def main(argv=None) -> None:
     p.add_argument("--keep-gguf", action="store_true", help="keep --llama's GGUF files")
     a = p.parse_args(argv)
     a.formats = a.formats.split(",")
+    a.graph = [f for f in a.graph.split(",") if f]
     if a.rounds < 1 or a.tokens < 1 or a.prompt < 1 or a.profile_steps < 1 or a.chunk < 1:
         p.error("--rounds, --tokens, --prompt, --profile-steps and --chunk must be >= 1")
     shapes = ds.configs(a.tiny)

@@ -464,6 +464,52 @@ def _dims3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
     return (t + (1, 1))[:3]
 
 
+# The launch recorder (custom_kernels/launch_recorder.py) while one is active: every launch then
+# goes to it instead of MLX (a CUDA graph step records its kernels so).
+_recorder: list = []
+
+
+@dataclass(frozen=True, eq=False)
+class LaunchSpec:
+    """Everything about one launch but its arrays (one per ``Kernel.launcher`` call)."""
+
+    kernel: Kernel
+    input_dtypes: tuple
+    scalar_inputs: tuple
+    output_shapes: tuple
+    output_dtypes: tuple
+    template: tuple  # normalized (name, value) pairs
+    grid: tuple  # in threads, whole threadgroups
+    threadgroup: tuple
+    init_value: float | None
+    signature: str
+
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        return tuple(g // t for g, t in zip(self.grid, self.threadgroup))
+
+    def unit(self) -> tuple[str, str]:
+        """(kernel symbol, translation unit) compiled by cuda_cache for a launch of our own."""
+        return self.kernel.precompiled_unit(
+            self.input_dtypes, self.scalar_inputs, self.output_dtypes, self.template, self.signature
+        )
+
+
+class _Launch:
+    """What ``Kernel.launcher`` returns: ``launch(inputs=[...])`` -> outputs through ``plan``
+    (MLX's launch); while a recorder is active the launch goes to the recorder instead."""
+
+    __slots__ = ("spec", "plan")
+
+    def __init__(self, spec: LaunchSpec, plan: Callable):
+        self.spec, self.plan = spec, plan
+
+    def __call__(self, inputs) -> list[mx.array]:
+        if _recorder:
+            return _recorder[-1].launch(self.spec, list(inputs))
+        return self.plan(inputs=inputs)
+
+
 @dataclass(frozen=True)
 class Example:
     """One instantiation used to render a full kernel for syntax checks.
@@ -686,21 +732,28 @@ class Kernel:
                 verbose=verbose,
             )
 
-        if backend == "cuda":
-            pre = self._precompiled(input_dtypes, scalar_inputs, output_dtypes, template, sig)
-            if pre is not None:
-                return partial(
-                    _launch_precompiled,
-                    cubin=pre,
-                    fallback=mlx_build,
-                    grid=gr,
-                    threadgroup=tg,
-                    output_shapes=shapes,
-                    output_dtypes=list(output_dtypes),
-                    init_value=init_value,
-                    ensure_row_contiguous=self.ensure_row_contiguous,
-                )
-        return mlx_build()
+        def build():
+            if backend == "cuda":
+                pre = self._precompiled(input_dtypes, scalar_inputs, output_dtypes, template, sig)
+                if pre is not None:
+                    return partial(
+                        _launch_precompiled,
+                        cubin=pre,
+                        fallback=mlx_build,
+                        grid=gr,
+                        threadgroup=tg,
+                        output_shapes=shapes,
+                        output_dtypes=list(output_dtypes),
+                        init_value=init_value,
+                        ensure_row_contiguous=self.ensure_row_contiguous,
+                    )
+            return mlx_build()
+
+        spec = LaunchSpec(
+            self, tuple(input_dtypes), tuple(scalar_inputs), tuple(shapes), tuple(output_dtypes),
+            tuple(_norm_template(template)), gr, tg, init_value, sig,
+        )  # fmt: skip
+        return _Launch(spec, build())
 
     def reads_input_shape(self) -> bool:
         """Whether the CUDA body reads an input's ``_shape``, ``_strides`` or ``_ndim`` (MLX's
@@ -708,23 +761,29 @@ class Kernel:
         src = self.source("cuda")
         return any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim"))
 
-    def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
-        """The _Cubin from cuda_cache, or None (MLX's cuda_kernel then: also for a body that
-        ``reads_input_shape``)."""
-        if self.reads_input_shape():
-            return None
+    def precompiled_unit(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
+        """(symbol, translation unit) of one instantiation, as cuda_cache compiles it."""
         tmpl = _norm_template(template)
         # the module name MLX keys its loaded modules by: one per distinct translation unit
         tkey = hashlib.sha256(repr(tmpl).encode()).hexdigest()[:12] if tmpl else "0"
         name = f"hq_{self.name}_{sig}_{tkey}"
-        if ("precompiled", name) in self._built:
-            return self._built[("precompiled", name)]
         inputs = [
             (n, dt, 0 if i in scalar_inputs else 1 << 20)
             for i, (n, dt) in enumerate(zip(self.inputs, input_dtypes))
         ]
         outputs = list(zip(self.outputs, output_dtypes))
-        unit = self._render_cuda(name, self.source("cuda"), inputs, outputs, tmpl, True)
+        return name, self._render_cuda(name, self.source("cuda"), inputs, outputs, tmpl, True)
+
+    def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
+        """The _Cubin from cuda_cache, or None (MLX's cuda_kernel then: also for a body that
+        ``reads_input_shape``)."""
+        if self.reads_input_shape():
+            return None
+        name, unit = self.precompiled_unit(
+            input_dtypes, scalar_inputs, output_dtypes, template, sig
+        )
+        if ("precompiled", name) in self._built:
+            return self._built[("precompiled", name)]
         blob = cuda_cache.cubin(name, unit)
         # a failed compile is not retried in this process (MLX's path serves it)
         self._built[("precompiled", name)] = out = None if blob is None else _Cubin(name, blob)

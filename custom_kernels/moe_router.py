@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, launch_recorder
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
@@ -531,7 +531,9 @@ def _arrays(x: mx.array, w: mx.array, opts: dict) -> list[mx.array]:
 
 
 def _run(plan: _Plan, x: mx.array, w: mx.array, opts: dict):
-    inputs = [*_arrays(x, w, opts), plan.next_params(), plan.counter]
+    # a recorded CUDA graph runs its launches in stream order: one counter set serves them all
+    params = plan.params[0] if launch_recorder.active() else plan.next_params()
+    inputs = [*_arrays(x, w, opts), params, plan.counter]
     ids, wts, xn, _ = plan.launch(inputs=inputs)
     return ids, wts, xn if plan.post else None
 

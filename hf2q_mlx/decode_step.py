@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array
+from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array, launch_recorder, sampling
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
@@ -267,7 +267,10 @@ class DecodeStep(RowSlots):
         logits = self.model(tokens, cache=self.caches)  # (B, L, V)
         if tokens.shape[1] == 1:
             logits = logits[:, -1, :]
-        out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits
+        if greedy and launch_recorder.active():  # a CUDA graph step: argmax as our kernels
+            out = sampling.topk(logits, 1)[1].reshape(logits.shape[:-1])  # uint32
+        else:
+            out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits
         recurrent = [s for s in self.caches if isinstance(s, StaticRecurrentCache)]
         history = [s.history for s in recurrent] if tokens.shape[1] > 1 else []
         return out, [s.arrays for s in self.caches], history, next_rows

@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.custom_kernels.graph_ops import scale_cast
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import gemma4_gguf, ops
@@ -297,8 +298,8 @@ class Gemma4TextModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         dtype = self.norm.weight.dtype  # the model dtype (a GGML embedding returns fp32)
-        h = self.embed_tokens(inputs).astype(dtype)
-        h = h * mx.array(self.args.hidden_size**0.5, dtype=dtype)  # scale rounded like weights
+        # cast, then the scale rounded like the weights (one kernel in a recorded graph)
+        h = scale_cast(self.embed_tokens(inputs), self.args.hidden_size**0.5, dtype)
         ple = self._per_layer_inputs(inputs, h) if self.args.hidden_size_per_layer_input else None
         L = inputs.shape[1]
         pos = ops.positions(cache[0] if cache else None)

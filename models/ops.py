@@ -9,7 +9,7 @@ cover, so a kernel-path result may come from either.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,9 +74,20 @@ def _norm_add_rms_norm(x, y, y_weight, y_eps: float, weight, eps: float):
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis (``mx.fast.rms_norm``: one
-    kernel on a GPU)."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis. With kernels: our residual
+    norm kernel with a zero residual (one launch, as ``mx.fast.rms_norm``, and one a recorded
+    CUDA graph can replay); else ``mx.fast.rms_norm``."""
+    if use_kernels() and weight is not None and x.size < 2**31:
+        zero = _zeros(tuple(x.shape), x.dtype)
+        return residual_norm_kernel.residual_rms_norm(x, zero, weight, eps)[1]
     return _rms_norm(x, weight, eps)
+
+
+@lru_cache(maxsize=64)
+def _zeros(shape: tuple, dtype: mx.Dtype) -> mx.array:
+    z = mx.zeros(shape, dtype)
+    mx.eval(z)
+    return z
 
 
 class RMSNorm(nn.Module):

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import launch_recorder
 from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
+from hf2q_mlx.custom_kernels.graph_ops import kv_write
 from hf2q_mlx.errors import Hf2qError
 
 
@@ -54,9 +56,14 @@ class StaticKVCache(_RowPositions):
         """keys (B, H, L, Dk), values (B, H, L, Dv) written at each row's position ->
         (keys, values, mask (B, 1, L, S))."""
         L = keys.shape[2]
-        slots = self._slots(L)
-        self.keys = _scatter(self.keys, slots, keys)
-        self.values = _scatter(self.values, slots, values)
+        if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
+            ring = self.window is not None
+            self.keys = kv_write(self.keys, keys, self.pos, ring)
+            self.values = kv_write(self.values, values, self.pos, ring)
+        else:
+            slots = self._slots(L)
+            self.keys = _scatter(self.keys, slots, keys)
+            self.values = _scatter(self.values, slots, values)
         mask = visible(self.pos, L, self.read_span, self.capacity, self.window)  # (B, 1, L, S)
         k, v = self.keys, self.values
         if self.read_span < self.capacity:

@@ -219,7 +219,7 @@ def test_mlx_build_where_the_cubin_is_missing(fresh_state, monkeypatch):
         monkeypatch.setattr(k, "_kernel_for", lambda be, sig: built.append(sig) or mlx_kernel)
         launch = k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
                             output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
-        assert launch.func is mlx_kernel
+        assert launch.plan.func is mlx_kernel
     assert built == ["f32_i32__f32", "f32_i32__f32"]
     calls = []
     monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: calls.append(n) or b"x")
@@ -249,13 +249,13 @@ def test_gpu_precompiled_matches_mlx_build(fresh_state, monkeypatch):
     if not st["enabled"]:
         pytest.skip(f"cuda_cache off here: {st['why_off']}")
     assert st["last_error"] is None, st["last_error"]
-    assert ours.func is _render._launch_precompiled
+    assert ours.plan.func is _render._launch_precompiled
     monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: None)
     mlx_build = _kernel().launcher([mx.bfloat16, mx.int32], **args)
-    assert mlx_build.func is not _render._launch_precompiled
+    assert mlx_build.plan.func is not _render._launch_precompiled
     a, b = ours(inputs=[x, n])[0], mlx_build(inputs=[x, n])[0]
     # the first launch ran at once (MLX loaded the module); a later one finds it again
-    assert ours.keywords["cubin"].loaded
+    assert ours.plan.keywords["cubin"].loaded
     again = ours(inputs=[x * 2, n])[0]
     want = (x.astype(mx.float32) * 3 + 5).astype(mx.bfloat16)
     want2 = ((x * 2).astype(mx.float32) * 3 + 5).astype(mx.bfloat16)

@@ -1,0 +1,228 @@
+"""A DecodeStep's greedy token as one CUDA graph: recorded once, replayed every token.
+
+MLX submits each kernel of a step again on every token: on the H200 that costs ~14 us of host
+time per launch, so the 26B-A4B step (438 launches, 4.8 ms of kernels) took 7-9 ms of wall time
+(docs/kernel_notes.md, session 18). Here the step's launches are recorded once per attention-span
+bucket (``custom_kernels/launch_recorder.py``), compiled to cubins (``cuda_cache``), captured into
+a CUDA graph on a stream of our own (``cuda_driver``) and replayed with one ``cuGraphLaunch``
+per token; the host uploads the tokens and positions and reads back the token ids.
+
+What the graph holds: every kernel of the step, reading the step's input buffers (tokens,
+positions, active flags), the weights, the caches (KV rows written in place by ``kv_write``),
+and scratch arrays the recording made for each kernel's outputs. A cache array the step returns
+new (a recurrent state) is copied back over the old one at the graph's end.
+
+The caches belong to the graph while it runs: after MLX changes them (``DecodeStep.adopt``,
+``prefill``, the compiled step) the next ``decode`` copies the new contents into the graph's
+arrays first (``_bind``). Greedy only; no lazy positions, no TurboQuant caches (their steps
+record MLX ops: ``GraphCaptureError`` says which, and the caller keeps the compiled step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q_mlx.custom_kernels import cuda_cache, launch_recorder
+from hf2q_mlx.custom_kernels.cuda_driver import Driver, data_ptr
+from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, Recorder
+from hf2q_mlx.decode_step import DecodeStep
+from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
+
+
+class Recording:
+    """One span's launches (recorded outputs kept alive here), the token ids output, and the
+    state copies (destination, source) the graph ends with."""
+
+    def __init__(self, span: int, launches: list, out: mx.array, copies: list):
+        self.span, self.launches, self.out, self.copies = span, launches, out, copies
+        self.exe = None
+
+
+def _fill_bits(value: float, dtype: mx.Dtype) -> tuple[int, int]:
+    """(bit pattern, width) of ``value`` in ``dtype`` for a memset."""
+    if dtype == mx.float32:
+        return struct.unpack("<I", struct.pack("<f", value))[0], 4
+    if dtype == mx.bfloat16:
+        return struct.unpack("<I", struct.pack("<f", value))[0] >> 16, 2
+    if dtype == mx.float16:
+        return int(np.array(value, np.float16).view(np.uint16)), 2
+    if dtype.size in (1, 2, 4) and float(value).is_integer():
+        return int(value) & ((1 << (8 * dtype.size)) - 1), dtype.size
+    raise GraphCaptureError(f"no memset for init value {value} of {dtype}")
+
+
+class CudaGraphStep:
+    """Greedy decode of ``step``'s rows through recorded CUDA graphs. ``driver`` None: record
+    and check only (the CPU tests replay the recording through the kernel emulator)."""
+
+    def __init__(self, step: DecodeStep, driver: Driver | None = None):
+        if step.lazy_positions is not None:
+            raise InvalidArgumentError("CudaGraphStep needs a DecodeStep without lazy positions")
+        self.step, self.driver = step, driver
+        B, rows = step.max_batch, step._rows
+        # the step's inputs, each padded past MLX's small pool and kept at one address
+        self._tokens = mx.zeros((max(B, 4),), mx.int32)
+        self._pos = mx.zeros((rows,), mx.int32)
+        self._active = mx.zeros((max(rows, 16),), mx.bool_)
+        mx.eval(self._tokens, self._pos, self._active)
+        self._caches = [list(s.arrays) for s in step.caches]  # the arrays the graphs write
+        self.recordings: dict[int, Recording] = {}
+
+    # ---- recording ---------------------------------------------------------------------------
+
+    def _write(self, a: mx.array, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values)
+        if self.driver is not None:
+            self.driver.upload(data_ptr(a), values)
+        else:  # host memory (the CPU back end)
+            ctypes.memmove(data_ptr(a), values.ctypes.data, values.nbytes)
+
+    def _set_inputs(self, tokens: Sequence[int], positions: Sequence[int], active) -> None:
+        B = self.step.max_batch
+        t = np.zeros(self._tokens.size, np.int32)
+        t[:B] = tokens
+        p = np.zeros(self._pos.size, np.int32)
+        p[:B] = positions
+        f = np.zeros(self._active.size, np.bool_)
+        f[:B] = active
+        self._write(self._tokens, t)
+        self._write(self._pos, p)
+        self._write(self._active, f)
+
+    def _record_once(self, span: int, seed: int) -> tuple[Recorder, mx.array, list]:
+        st, B = self.step, self.step.max_batch
+        tokens = self._tokens[:B].reshape(B, 1)
+        rec = Recorder(seed)
+        with launch_recorder.recording(rec):
+            out, arrays, _, _ = st._step(
+                tokens, self._pos, self._active[: self._pos.size], self._caches, span, True
+            )
+            mx.eval(out)
+        for s, a in zip(st.caches, self._caches):  # _step leaves the caches pointing at these
+            s.arrays = list(a)
+        return rec, out, arrays
+
+    def record(self, span: int) -> Recording:
+        """Record the step at ``span`` twice (other inputs, other fills), check that a replay
+        repeats it (``check_replayable``), and keep the first recording."""
+        B = self.step.max_batch
+        self._bind()
+        first = self._recording_inputs(span, [1] * B, seed=1)
+        second = self._recording_inputs(span, [0] * B, seed=2)
+        rec1, out, arrays = first
+        rec2 = second[0]
+        state = [self._tokens, self._pos, self._active] + [a for c in self._caches for a in c]
+        launch_recorder.check_replayable(rec1, rec2, state)
+        scratch = {data_ptr(o): o for launch in rec1.launches if not launch.in_place
+                   for o in launch.outputs}  # fmt: skip
+        copies = []
+        for old, new in zip(self._caches, arrays):
+            for o, n in zip(old, new):
+                if n is o or data_ptr(n) == data_ptr(o):
+                    continue
+                if data_ptr(n) not in scratch or n.nbytes != o.nbytes or n.dtype != o.dtype:
+                    raise GraphCaptureError("a cache comes back from an MLX op, not a kernel")
+                copies.append((o, n))
+        if out.dtype != mx.uint32 or out.size != B:
+            raise GraphCaptureError(f"the step's greedy ids are {out.dtype} {out.shape}")
+        del second, rec2
+        rec = Recording(span, rec1.launches, out, copies)
+        self.recordings[span] = rec
+        return rec
+
+    def _recording_inputs(self, span, tokens, seed):
+        st = self.step
+        positions = [min(p + seed - 1, span - 1) for p in st.positions]
+        self._set_inputs(tokens, positions, [True] * st.max_batch)
+        if self.driver is not None:
+            self.driver.synchronize()
+        return self._record_once(span, seed)
+
+    # ---- the graph ---------------------------------------------------------------------------
+
+    def _capture(self, rec: Recording) -> None:
+        drv = self.driver
+        functions = {}
+        for launch in rec.launches:
+            name, unit = launch.spec.unit()
+            if name not in functions:
+                blob = cuda_cache.cubin(name, unit, force=True)
+                if blob is None:
+                    why = cuda_cache.status()["last_error"]
+                    raise GraphCaptureError(f"no cubin for {launch.spec.kernel.name}: {why}")
+                functions[name] = drv.function(name, blob)
+        drv.synchronize()
+        drv.begin_capture()
+        try:
+            for launch in rec.launches:
+                spec = launch.spec
+                if spec.init_value is not None and not launch.in_place:
+                    for o in launch.outputs:
+                        bits, width = _fill_bits(spec.init_value, o.dtype)
+                        drv.fill(data_ptr(o), bits, o.nbytes // width, width)
+                ptrs = [data_ptr(x) for x in launch.inputs + launch.outputs]
+                drv.launch(functions[spec.unit()[0]], spec.blocks, spec.threadgroup, ptrs)
+            for dst, src in rec.copies:
+                drv.copy(data_ptr(dst), data_ptr(src), dst.nbytes)
+        finally:
+            rec.exe = drv.end_capture()
+
+    def _bind(self) -> None:
+        """Make the graph's cache arrays hold what the step's caches hold now."""
+        moved = []
+        for s, mine in zip(self.step.caches, self._caches):
+            if any(a is not m for a, m in zip(s.arrays, mine)):
+                moved.append((s, mine))
+        if not moved:
+            return
+        mx.eval([s.arrays for s, _ in moved])
+        mx.synchronize()
+        for s, mine in moved:
+            for a, m in zip(s.arrays, mine):
+                if a is m:
+                    continue
+                if self.driver is not None:
+                    self.driver.copy(data_ptr(m), data_ptr(a), m.nbytes)
+                else:
+                    ctypes.memmove(data_ptr(m), data_ptr(a), m.nbytes)
+            s.arrays = list(mine)
+
+    def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None) -> list[int]:
+        """One greedy token for every row (``tokens``, one per row) -> the next token ids."""
+        if self.driver is None:
+            raise InvalidArgumentError("CudaGraphStep.decode needs a CUDA driver")
+        st, B = self.step, self.step.max_batch
+        active = [True] * B if active is None else [bool(a) for a in active]
+        if len(tokens) != B or len(active) != B:
+            raise InvalidArgumentError(f"decode needs {B} tokens and {B} active flags")
+        longest = max((p for p, a in zip(st.positions, active) if a), default=0) + 1
+        if longest > st.max_len:
+            raise ContextLengthError(f"a row would pass max_len {st.max_len}")
+        span = st._span(longest)
+        rec = self.recordings.get(span)
+        if rec is None:
+            rec = self.record(span)
+        if rec.exe is None:
+            self._capture(rec)
+        self._bind()
+        self._set_inputs(tokens, st.positions, active)
+        self.driver.replay(rec.exe)
+        ids = np.empty(B, np.uint32)
+        self.driver.download(data_ptr(rec.out), ids)
+        self.driver.synchronize()
+        st.positions = [p + int(a) for p, a in zip(st.positions, active)]
+        st._device_pos = None  # the compiled step uploads its positions again
+        st._verified = [0] * B  # no rollback into graph-decoded tokens
+        return ids.tolist()
+
+    def close(self) -> None:
+        if self.driver is not None:
+            for rec in self.recordings.values():
+                if rec.exe is not None:
+                    self.driver.destroy(rec.exe)
+                    rec.exe = None

@@ -1,0 +1,139 @@
+"""A CudaGraphStep recording replayed on the CPU through the kernel emulator, next to the MLX
+step with the same kernels emulated: prints JSON (tokens, caches equal). Run in a process of its
+own by tests/test_cuda_graph_step.py: the fake CUDA back end it installs stays in the kernel
+dispatchers' plan caches.
+
+    python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "kernels"))
+sys.path.insert(0, str(HERE.parent / "bench"))
+
+import kernel_emulator  # noqa: E402
+from decode_profile import _bench_module  # noqa: E402
+
+import hf2q_mlx.custom_kernels as ck  # noqa: E402
+from hf2q_mlx.cuda_graph_step import CudaGraphStep  # noqa: E402
+from hf2q_mlx.custom_kernels import _render  # noqa: E402
+from hf2q_mlx.custom_kernels.cuda_driver import data_ptr  # noqa: E402
+from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
+from hf2q_mlx.models import quantized  # noqa: E402
+
+
+def fake_cuda() -> None:
+    """Dispatchers take their CUDA branch on the CPU; MLX's kernel objects run the emulator."""
+
+    def fake_kernel_for(self, backend, sig):
+        def launch(*, inputs, template=None, grid, threadgroup, output_shapes, output_dtypes,
+                   init_value=None, verbose=False):  # fmt: skip
+            return kernel_emulator.emulate(
+                self, list(inputs), grid=grid, threadgroup=threadgroup,
+                output_shapes=output_shapes, output_dtypes=output_dtypes,
+                template=dict(template or []), init_value=init_value,
+            )  # fmt: skip
+
+        return launch
+
+    ck._gpu = ("cuda", mx.default_device(), mx.default_device)
+    _render.Kernel._kernel_for = fake_kernel_for
+    _render.gpu_backend = lambda: "cuda"
+    quantized._cpu_affine_path = lambda: False
+
+
+def replay(rec) -> None:
+    """Every recorded launch through the emulator, its outputs written where the graph's are."""
+    for launch in rec.launches:
+        s = launch.spec
+        outs = kernel_emulator.emulate(
+            s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
+            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+            template=dict(s.template), init_value=s.init_value,
+            initial=launch.outputs if launch.in_place else None,
+        )  # fmt: skip
+        for o, new in zip(launch.outputs, outs):
+            mx.eval(new)
+            ctypes.memmove(data_ptr(o), data_ptr(new), o.nbytes)
+    for dst, src in rec.copies:
+        ctypes.memmove(data_ptr(dst), data_ptr(src), dst.nbytes)
+
+
+def build(family: str, shape: str, layers: int, window: int):
+    g = _bench_module("gemma4")
+    # layers [S, F, ...] and a short window: a few tokens cross it; a wide softcap keeps the
+    # random model's logits apart (at the cap they tie, and every greedy token is 0)
+    cfg = dict(g.TINY[shape], num_hidden_layers=layers, sliding_window=window,
+               final_logit_softcapping=1e4)  # fmt: skip
+    cfg["layer_types"] = (["sliding_attention", "full_attention"] * layers)[:layers]
+    args = g.gemma4.ModelArgs.from_dict(cfg)
+    model = g.build_ggml(args, mx.bfloat16)
+    model.fuse_projections()
+    return model, args.vocab_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    mx.set_default_device(mx.cpu)
+    fake_cuda()
+    family, _, shape = a.model.partition(":")
+    model, vocab = build(family, shape, a.layers, a.window)
+    max_len = 32
+    first = 7 % vocab
+
+    # the MLX step, uncompiled (the emulator cannot run inside a compile trace)
+    ref = DecodeStep(model, 1, max_len)
+    span = ref._span(1)
+    token, want = first, []
+    for _ in range(a.steps):
+        logits, arrays, _, _ = ref._step(
+            mx.array([[token]], dtype=mx.int32), ref._padded(ref.positions, mx.int32),
+            ref._padded([True], mx.bool_), [s.arrays for s in ref.caches], span, False,
+        )  # fmt: skip
+        mx.eval(logits, arrays)
+        for s, arr in zip(ref.caches, arrays):
+            s.arrays = arr
+        ref.positions = [ref.positions[0] + 1]
+        token = int(mx.argmax(logits[0]).item())
+        want.append(token)
+
+    # the recorded graph, replayed
+    st = DecodeStep(model, 1, max_len)
+    graph = CudaGraphStep(st)
+    rec = graph.record(span)
+    token, got = first, []
+    for _ in range(a.steps):
+        graph._set_inputs([token], st.positions, [True])
+        replay(rec)
+        token = int(mx.array(rec.out)[0].item())  # reads the replayed output's memory
+        st.positions = [st.positions[0] + 1]
+        got.append(token)
+
+    head = [launch for launch in rec.launches if launch.spec.kernel.name == "softcap"][-1]
+    logits_equal = bool(mx.array_equal(head.outputs[0].reshape(-1), logits.reshape(-1)))
+    caches_equal = all(
+        bool(mx.array_equal(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x,
+                            y.view(mx.uint16) if y.dtype == mx.bfloat16 else y))
+        for s, t in zip(ref.caches, st.caches) for x, y in zip(s.arrays, t.arrays)
+    )  # fmt: skip
+    kinds = sorted({launch.spec.kernel.name for launch in rec.launches})
+    print(json.dumps(dict(want=want, got=got, caches_equal=caches_equal, logits_equal=logits_equal,
+                          launches=len(rec.launches), kernels=kinds)))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The CUDA graph step: its recording replays the MLX step exactly (CPU, kernel emulator), the
+recorder refuses what a replay cannot repeat, the graph ops equal their references bit for
+bit, and on a GPU the replayed graph gives the compiled step's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+
+from hf2q_mlx.custom_kernels import _render, graph_ops, launch_recorder
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, Recorder
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "kernels"))
+import kernel_emulator  # noqa: E402
+
+needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="needs g++")
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    raw = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[a.dtype.size]
+    return np.array(a.view(raw))
+
+
+# ---- the whole step, emulated -----------------------------------------------------------------
+
+
+@needs_gxx
+def test_recorded_step_replays_the_mlx_step_bit_for_bit(tmp_path):
+    """Tiny Gemma 4 MoE, GGML weights, a 2-token window crossed: the recording replayed launch
+    by launch through the emulator gives the MLX step's tokens, last logits and every cache
+    byte (KV rows written in place by kv_write, the MLX step's by scatters). In a process of
+    its own: the fake CUDA back end stays in the dispatchers' plan caches."""
+    script = HERE / "graph_step_emulated.py"
+    res = subprocess.run([sys.executable, str(script), "gemma4:tiny-moe"], capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["got"] == out["want"] and len(out["want"]) == 3
+    assert out["logits_equal"] and out["caches_equal"]
+    # the MLX step's scatter, gather, cast-and-scale and argmax are kernels in the graph
+    assert {"kv_write", "gather_rows", "scale_cast", "topk_select"} <= set(out["kernels"])
+
+
+# ---- the recorder -------------------------------------------------------------------------------
+
+_BODY = """
+  // One thread per element: out = x * 2.
+  const uint e = gid_x * tg_size + tid;
+  if (e >= uint(n[0])) return;
+  out[e] = x[e] * 2.0f;
+"""
+
+
+@pytest.fixture
+def doubler(monkeypatch):
+    """A kernel whose launches only a recorder sees (MLX's build stubbed: none runs here)."""
+    ex = Example({"x": mx.float32, "n": (mx.int32, 1)}, {"out": mx.float32})
+    k = Kernel("graph_test_double", ["x", "n"], ["out"], _BODY, register=False, examples=[ex])
+    monkeypatch.setattr(k, "_kernel_for", lambda be, sig: print)
+    n = mx.array([8, 0, 0, 0], dtype=mx.int32)[:1]
+    mx.eval(n)
+    launch = k.launcher([mx.float32, mx.int32], grid=8, threadgroup=8, output_shapes=[(8,)],
+                        output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
+    return launch, n
+
+
+def _record(launch, n, x, seed, between):
+    rec = Recorder(seed)
+    with launch_recorder.recording(rec):
+        assert launch_recorder.active()
+        y = launch(inputs=[x, n])[0]
+        launch(inputs=[between(y), n])
+    assert not launch_recorder.active() and len(rec.launches) == 2
+    return rec
+
+
+def test_recorder_accepts_outputs_state_and_constants(doubler):
+    launch, n = doubler
+    x = mx.random.normal((8,))
+    mx.eval(x)
+    const = mx.ones((8,))
+    # the second launch reads the first's output (a view of it), then a constant's op
+    for between in (lambda y: y.reshape(2, 4).reshape(8), lambda y: const * 3):
+        r1, r2 = (_record(launch, n, x, s, between) for s in (1, 2))
+        launch_recorder.check_replayable(r1, r2, [x])
+        assert r1.launches[0].outputs[0] is not r2.launches[0].outputs[0]
+
+
+def test_recorder_refuses_mlx_ops_on_per_token_values(doubler):
+    launch, n = doubler
+    x = mx.random.normal((8,))
+    mx.eval(x)
+    r1, r2 = (_record(launch, n, x, s, lambda y: y + 1) for s in (1, 2))
+    with pytest.raises(GraphCaptureError, match="MLX op on per-token values"):
+        launch_recorder.check_replayable(r1, r2, [x])
+    # a step input not declared as state is per-token too (different values per recording)
+    xs = [mx.random.normal((8,), key=mx.random.key(s)) for s in (1, 2)]
+    r1, r2 = (_record(launch, n, xi, s, lambda y: y) for s, xi in zip((1, 2), xs))
+    with pytest.raises(GraphCaptureError):
+        launch_recorder.check_replayable(r1, r2, [])
+    launch_recorder.check_replayable(r1, r2, xs[:1])  # declared: fine
+
+
+def test_recorder_refuses_strided_inputs_and_in_place_outside(doubler):
+    launch, n = doubler
+    x = mx.random.normal((8, 2))[:, 0]
+    with launch_recorder.recording(Recorder()), pytest.raises(GraphCaptureError, match="strided"):
+        launch(inputs=[x, n])
+    with pytest.raises(GraphCaptureError, match="inside a recording"):
+        launch_recorder.launch_into(launch, [x, n], [mx.zeros((8,))])
+    assert not _render._recorder
+
+
+# ---- the graph ops against their references (emulator) ---------------------------------------
+
+
+@pytest.fixture
+def graph_kernels(monkeypatch):
+    """The graph ops' launchers resolve on the CPU (MLX's build stubbed: nothing runs)."""
+    monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
+    for k in (graph_ops._kv_kernel, graph_ops._rows_kernel, graph_ops._scale_kernel):
+        monkeypatch.setattr(k, "_kernel_for", lambda be, sig: print)
+
+
+@needs_gxx
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("L", [1, 3])
+def test_kv_write_writes_the_scatter_slots(ring, L, graph_kernels):
+    """Written in place over the cache's contents (the emulator starts the output from them):
+    every byte equals the reference scatter's, wrapped slots included."""
+    B, H, C, D = 2, 3, 8, 32
+    key = mx.random.key(L + 2 * ring)
+    k1, k2 = mx.random.split(key)
+    cache = mx.random.normal((B, H, C, D), key=k1).astype(mx.bfloat16)
+    src = mx.random.normal((B, H, L, D), key=k2).astype(mx.bfloat16)
+    pos = mx.array([6, 1] if ring else [2, 5], dtype=mx.int32)
+    launch = graph_ops.kv_write_launch(cache.shape, cache.dtype, src.shape, src.dtype, ring)
+    s = launch.spec
+    got = kernel_emulator.emulate(
+        s.kernel, [src, pos], grid=s.grid, threadgroup=s.threadgroup,
+        output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+        template=dict(s.template), initial=[cache],
+    )[0]  # fmt: skip
+    want = graph_ops.kv_write_reference(cache, src, pos, ring)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert not np.array_equal(_bits(got), _bits(cache))  # something was written
+
+
+@needs_gxx
+def test_gather_rows_and_scale_cast_kernels_match_references(graph_kernels):
+    """Recorded kernels run through the emulator: rows bit-equal to ``table[ids]``; the cast
+    and scale bit-equal to ``x.astype(T) * T(scale)`` for bf16, fp16 and fp32."""
+    rng = np.random.default_rng(0)
+    table = mx.array(rng.integers(0, 256, (50, 144), dtype=np.uint8))
+    ids = mx.array([[3, 49, 0]], dtype=mx.int32)
+    rec = Recorder()
+    x = mx.random.normal((2, 48), key=mx.random.key(1)) * 7
+    with launch_recorder.recording(rec):
+        graph_ops.gather_rows(table, ids)
+        for dt in (mx.bfloat16, mx.float16, mx.float32):
+            graph_ops.scale_cast(x, 2816**0.5, dt)
+    assert [launch.spec.kernel.name for launch in rec.launches] == ["gather_rows"] + [
+        "scale_cast"
+    ] * 3
+    outs = []
+    for launch in rec.launches:
+        s = launch.spec
+        outs.append(kernel_emulator.emulate(
+            s.kernel, launch.inputs, grid=s.grid, threadgroup=s.threadgroup,
+            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes, template=dict(s.template),
+        )[0])  # fmt: skip
+    np.testing.assert_array_equal(
+        np.array(outs[0].view(mx.uint8)), np.array(table[ids.reshape(-1)])
+    )
+    for got, dt in zip(outs[1:], (mx.bfloat16, mx.float16, mx.float32)):
+        want = graph_ops.scale_cast_reference(x, 2816**0.5, dt)
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+# ---- on a GPU -----------------------------------------------------------------------------------
+
+
+@requires_gpu
+def test_gpu_graph_step_gives_the_compiled_steps_tokens():
+    """Tiny Gemma 4 MoE with GGML weights on CUDA: 40 greedy tokens after a prompt, crossing the
+    16-token window, from the replayed graph and from the compiled step: the same ids."""
+    if not mx.cuda.is_available():
+        pytest.skip("the CUDA graph step needs MLX's CUDA back end")
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    from decode_profile import build
+
+    from hf2q_mlx.cuda_graph_step import CudaGraphStep
+    from hf2q_mlx.custom_kernels.cuda_driver import Driver
+    from hf2q_mlx.decode_step import DecodeStep
+
+    model, vocab = build("gemma4", "tiny-moe", "q4_k", mx.bfloat16)
+    prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
+    runs = []
+    for graph in (False, True):
+        st = DecodeStep(model, 1, 64)
+        logits = st.prefill(0, prompt)
+        t, out = int(mx.argmax(logits).item()), []
+        g = CudaGraphStep(st, Driver()) if graph else None
+        for _ in range(40):
+            t = g.decode([t])[0] if graph else int(st.decode([t], greedy=True)[0].item())
+            out.append(t)
+        runs.append(out)
+        if g is not None:
+            g.close()
+    assert runs[0] == runs[1]
