@@ -163,3 +163,11 @@ def scale_cast(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array:
         template={"T": dtype, "N": x.size},
     )
     return launch(inputs=[x, device_constant((s,), mx.float32)])[0]
+
+
+def cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``x.astype(dtype)``; in a recording of fp32 x, the cast-and-scale kernel with scale 1
+    (exact: a rounded value times 1 is itself)."""
+    if not active() or x.dtype != mx.float32 or dtype not in _F or x.dtype == dtype:
+        return x.astype(dtype)
+    return scale_cast(x, 1.0, dtype)

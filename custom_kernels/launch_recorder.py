@@ -69,6 +69,7 @@ class Recorder:
 
     def __init__(self, seed: int = 0):
         self.launches: list[Launch] = []
+        self.marks: dict[str, mx.array] = {}  # arrays the recorded code names (mark())
         self._key = mx.random.key(seed)
 
     def _next_key(self):
@@ -156,6 +157,12 @@ def _equal(x: mx.array, y: mx.array) -> bool:
     xs = np.frombuffer(bytes(memoryview(x.reshape(-1))), raw) if x.size else np.zeros(0)
     ys = np.frombuffer(bytes(memoryview(y.reshape(-1))), raw) if y.size else np.zeros(0)
     return np.array_equal(xs, ys)
+
+
+def mark(name: str, a: mx.array) -> None:
+    """Name an array of the recording (the step's logits), for the graph's user to read."""
+    if _render._recorder:
+        _render._recorder[-1].marks[name] = a
 
 
 def launch_into(launch, inputs: list[mx.array], targets: list[mx.array]) -> list[mx.array]:

@@ -38,8 +38,9 @@ class Recording:
     """One span's launches (recorded outputs kept alive here), the token ids output, and the
     state copies (destination, source) the graph ends with."""
 
-    def __init__(self, span: int, launches: list, out: mx.array, copies: list):
+    def __init__(self, span: int, launches: list, out: mx.array, copies: list, logits=None):
         self.span, self.launches, self.out, self.copies = span, launches, out, copies
+        self.logits = logits  # (B, V): the step's last logits, as the graph leaves them
         self.exe = None
 
 
@@ -54,6 +55,15 @@ def _fill_bits(value: float, dtype: mx.Dtype) -> tuple[int, int]:
     if dtype.size in (1, 2, 4) and float(value).is_integer():
         return int(value) & ((1 << (8 * dtype.size)) - 1), dtype.size
     raise GraphCaptureError(f"no memset for init value {value} of {dtype}")
+
+
+def _scratch_view(a: mx.array, scratch: dict) -> mx.array | None:
+    """``a`` when it lies in one of the recording's output buffers."""
+    p = data_ptr(a)
+    for base, o in scratch.items():
+        if base <= p and p + a.nbytes <= base + o.nbytes:
+            return a
+    return None
 
 
 class CudaGraphStep:
@@ -131,7 +141,10 @@ class CudaGraphStep:
         if out.dtype != mx.uint32 or out.size != B:
             raise GraphCaptureError(f"the step's greedy ids are {out.dtype} {out.shape}")
         del second, rec2
-        rec = Recording(span, rec1.launches, out, copies)
+        logits = rec1.marks.get("logits")
+        if logits is not None and _scratch_view(logits, scratch) is None:
+            logits = None  # not a kernel's output: nothing the graph writes
+        rec = Recording(span, rec1.launches, out, copies, logits)
         self.recordings[span] = rec
         return rec
 
@@ -218,7 +231,17 @@ class CudaGraphStep:
         st.positions = [p + int(a) for p, a in zip(st.positions, active)]
         st._device_pos = None  # the compiled step uploads its positions again
         st._verified = [0] * B  # no rollback into graph-decoded tokens
+        self.last = rec
         return ids.tolist()
+
+    def logprob(self, row: int, token: int) -> float:
+        """log-softmax of ``token`` in ``row``'s logits of the last ``decode`` (nan when the
+        recording has no logits to read)."""
+        logits = getattr(self, "last", None) and self.last.logits
+        if logits is None:
+            return float("nan")
+        x = logits[row].astype(mx.float32)
+        return (x[token] - mx.logsumexp(x)).item()
 
     def close(self) -> None:
         if self.driver is not None:

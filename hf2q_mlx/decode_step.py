@@ -268,6 +268,7 @@ class DecodeStep(RowSlots):
         if tokens.shape[1] == 1:
             logits = logits[:, -1, :]
         if greedy and launch_recorder.active():  # a CUDA graph step: argmax as our kernels
+            launch_recorder.mark("logits", logits)
             out = sampling.topk(logits, 1)[1].reshape(logits.shape[:-1])  # uint32
         else:
             out = mx.argmax(logits, axis=-1).astype(mx.int32) if greedy else logits

@@ -359,7 +359,7 @@ def stream_generate(
     # a verify writes up to K drafts (a tree: K * width) that may have to be rolled back
     rollback = num_draft_tokens * tree_width + 1 if speculative else 0
     # the compiled decode step applies to caches made here (a caller's cache stays updated)
-    compiled = cache is None and decode_mode() == "compiled"
+    compiled = cache is None and decode_mode() in ("compiled", "graph")
     if cache is None:
         cache = make_prompt_cache(model, kv_bits, reserve=rollback)
     elif speculative:
@@ -400,15 +400,39 @@ def stream_generate(
 
 
 def decode_mode() -> str:
-    """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``eager`` (a new graph per token
-    on per-sequence caches) or ``auto`` (unset): compiled on a GPU, eager on the CPU, where the
-    compiled step measured 3-10 ms a token slower (docs/kernel_notes.md, the CPU mat-vec)."""
+    """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``graph`` (greedy decoding on
+    CUDA through the step recorded as one CUDA graph, ``hf2q_mlx/cuda_graph_step.py``; the
+    compiled step for anything else), ``eager`` (a new graph per token on per-sequence caches)
+    or ``auto`` (unset): compiled on a GPU, eager on the CPU, where the compiled step measured
+    3-10 ms a token slower (docs/kernel_notes.md, the CPU mat-vec)."""
     mode = os.environ.get("HF2Q_DECODE", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "compiled", "eager"):
-        raise InvalidArgumentError(f"HF2Q_DECODE={mode!r}: expected auto, compiled or eager")
+    if mode not in ("auto", "compiled", "graph", "eager"):
+        raise InvalidArgumentError(f"HF2Q_DECODE={mode!r}: expected auto, compiled, graph or eager")
     if mode == "auto":
         return "eager" if mx.default_device().type == mx.DeviceType.cpu else "compiled"
     return mode
+
+
+def graph_step(step):
+    """The CUDA graph step over ``step`` (made once, kept on it) when ``HF2Q_DECODE=graph`` and
+    MLX runs on CUDA; None otherwise, or when the model's step records MLX ops (said once on
+    stderr; the compiled step then decodes)."""
+    if decode_mode() != "graph" or not mx.cuda.is_available():
+        return None
+    graph = step.__dict__.get("_graph")
+    if graph is None:
+        from hf2q_mlx.cuda_graph_step import CudaGraphStep
+        from hf2q_mlx.custom_kernels.cuda_driver import Driver
+        from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError
+
+        try:
+            graph = CudaGraphStep(step, Driver())
+            graph.record(step._span(max(step.positions) + 1))
+        except GraphCaptureError as err:
+            print(f"hf2q-mlx: no CUDA graph for this model ({err}); compiled step", file=sys.stderr)
+            graph = False
+        step.__dict__["_graph"] = graph
+    return graph or None
 
 
 def _decode(
@@ -465,7 +489,17 @@ def _decode(
                 return step.decode(y)  # (1, V)
             return model(y[:, None], cache=cache)[:, -1, :]
 
+        greedy = state["key"] is None and not processors
+        graph = graph_step(step) if step is not None and greedy else None
         try:
+            if graph is not None:
+                token, lp = y.item(), logprob.item()
+                for n in range(budget):
+                    yield token, lp, 0, 0
+                    if n + 1 < budget:
+                        token = graph.decode([token])[0]
+                        lp = graph.logprob(0, token)
+                return
             for n in range(budget):
                 if n + 1 < budget:
                     # build and launch step n+1 before reading token n back

@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.custom_kernels.graph_ops import cast
 from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import ops
@@ -164,7 +165,7 @@ class Gemma3Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
-        h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
+        h = cast(self.embed_tokens(inputs), self.norm.weight.dtype)  # a kernel when recorded
         # the scale is rounded to the activation dtype first, as the reference does
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
         cache = cache if cache is not None else [None] * len(self.layers)

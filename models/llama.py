@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.custom_kernels.graph_ops import cast
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import ops
 from hf2q_mlx.models.base import BaseModelArgs
@@ -147,7 +148,7 @@ class LlamaModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
-        h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
+        h = cast(self.embed_tokens(inputs), self.norm.weight.dtype)  # a kernel when recorded
         cache = cache if cache is not None else [None] * len(self.layers)
         pos = ops.positions(cache[0])
         return ops.prenorm_layers(self.layers, h, cache, self.norm, pos)

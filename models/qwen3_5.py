@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.custom_kernels.graph_ops import cast
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, rope_inv_freq
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import ops
@@ -187,7 +188,7 @@ class TextModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
-        h = self.embed_tokens(inputs).astype(self.norm.weight.dtype)
+        h = cast(self.embed_tokens(inputs), self.norm.weight.dtype)  # a kernel when recorded
         caches = cache or [None] * len(self.layers)
         pos = ops.positions(caches[0])
         return ops.prenorm_layers(self.layers, h, caches, self.norm, pos)

@@ -217,3 +217,93 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens():
         if g is not None:
             g.close()
     assert runs[0] == runs[1]
+
+
+# ---- stream_generate's graph mode -----------------------------------------------------------
+
+
+def _tiny_generation_model():
+    from test_decode_step import tiny_model
+
+    return tiny_model("gemma4-moe")
+
+
+def test_stream_generate_takes_the_graph_step_when_asked(monkeypatch):
+    """HF2Q_DECODE=graph with greedy sampling on CUDA: tokens 2.. come from the graph step's
+    decode (a stand-in here running the compiled step: the same tokens as HF2Q_DECODE=compiled)
+    with its logprobs; sampling with a temperature keeps the compiled step; a model whose step
+    cannot be recorded is said on stderr once and decodes through the compiled step."""
+    from conftest import IdsTokenizer
+
+    from hf2q_mlx import cuda_graph_step, generation
+    from hf2q_mlx.custom_kernels import cuda_driver
+
+    calls = []
+
+    class StandIn:
+        def __init__(self, step, driver):
+            self.step = step
+
+        def record(self, span):
+            if fail:
+                raise GraphCaptureError("launch 3 (k): input x comes from an MLX op")
+
+        def decode(self, tokens):
+            calls.append(tokens)
+            return [int(self.step.decode(tokens, greedy=True)[0].item())]
+
+        def logprob(self, row, token):
+            return -1.5
+
+    def run(**kw):
+        model = _tiny_generation_model()  # a fresh model: no step or graph kept from before
+        rs = generation.stream_generate(model, IdsTokenizer(), [5, 9, 2, 7], max_tokens=6,
+                                        ignore_eos=True, **kw)  # fmt: skip
+        return [(r.token, r.logprob) for r in rs]
+
+    with mx.stream(mx.cpu):
+        monkeypatch.setenv("HF2Q_DECODE", "compiled")
+        want = run()
+        monkeypatch.setattr(cuda_graph_step, "CudaGraphStep", StandIn)
+        monkeypatch.setattr(cuda_driver, "Driver", lambda: None)
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+        monkeypatch.setenv("HF2Q_DECODE", "graph")
+        assert generation.decode_mode() == "graph"
+        fail = False
+        got = run()
+        assert [t for t, _ in got] == [t for t, _ in want] and len(calls) == 5
+        assert got[0][1] == want[0][1] and all(lp == -1.5 for _, lp in got[1:])
+        calls.clear()
+        run(temperature=0.8, seed=1)
+        assert calls == []  # sampled: the compiled step
+        fail = True
+        got = run()
+        assert [t for t, _ in got] == [t for t, _ in want] and calls == []
+
+
+@requires_gpu
+def test_gpu_stream_generate_graph_equals_compiled(monkeypatch):
+    """On CUDA, tiny Gemma 4 MoE with GGML weights: stream_generate's greedy tokens through
+    HF2Q_DECODE=graph equal HF2Q_DECODE=compiled's, and the graph's logprobs are finite."""
+    if not mx.cuda.is_available():
+        pytest.skip("the CUDA graph step needs MLX's CUDA back end")
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    from conftest import IdsTokenizer
+    from decode_profile import build
+
+    from hf2q_mlx import generation
+
+    runs = []
+    for mode in ("compiled", "graph"):
+        monkeypatch.setenv("HF2Q_DECODE", mode)
+        model, vocab = build("gemma4", "tiny-moe", "q4_k", mx.bfloat16)
+        rs = generation.stream_generate(model, IdsTokenizer(), [5, 9, 2, 7, 11], max_tokens=24,
+                                        ignore_eos=True)  # fmt: skip
+        runs.append([(r.token, r.logprob) for r in rs])
+        if mode == "graph":
+            from hf2q_mlx.decode_step import _STEPS
+
+            step = next(iter(model.__dict__[_STEPS].values()))
+            assert step.__dict__.get("_graph"), "no graph step was made"
+    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+    assert all(np.isfinite(lp) for _, lp in runs[1])
