@@ -66,6 +66,28 @@ TARGETS = {"moe_ratio": 2.5, "dense_ratio": 1.5, "spread": 0.15, "kernels_per_la
            "gpu_busy": 0.85, "copy_share": 0.5}  # fmt: skip
 
 
+def _cupti_start(use_cuda: bool):
+    """A started CUPTI kernel profile (torch.profiler), or None without CUDA."""
+    if not use_cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+def _cupti_stop(prof, out: dict, n: int) -> dict:
+    """``out`` with kernels per token, their ms per token and the GPU-busy share of
+    ``out["wall_ms"]`` from ``prof`` (``n`` tokens profiled)."""
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        kernels = dp._cuda_kernels(prof)
+        gpu_ms = sum(us for _, us in kernels) / 1e3 / n
+        out.update(kernels=len(kernels) / n, kernel_ms=gpu_ms, gpu_busy=gpu_ms / out["wall_ms"])
+    return out
+
+
 class Variant:
     """One model: prefill a prompt into a new cache, then decode greedily from it; ``compiled``
     decodes through a one-row DecodeStep (made once, the prefilled cache adopted each round)."""
@@ -113,12 +135,7 @@ class Variant:
         """``n`` more tokens: host ms per token in the step's call and in async_eval; under CUPTI
         the kernels per token, their ms per token and the GPU-busy share."""
         self.decode(2)  # anything traced or compiled for this length runs before the window
-        prof = None
-        if use_cuda:
-            from torch.profiler import ProfilerActivity, profile
-
-            prof = profile(activities=[ProfilerActivity.CUDA])
-            prof.__enter__()
+        prof = _cupti_start(use_cuda)
         y, build, submit = self.y, 0.0, 0.0
         tic = time.perf_counter()
         for _ in range(n):
@@ -132,12 +149,7 @@ class Variant:
         wall = (time.perf_counter() - tic) * 1e3 / n
         self.y = y
         out = {"wall_ms": wall, "python_ms": build * 1e3 / n, "submit_ms": submit * 1e3 / n}
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            kernels = dp._cuda_kernels(prof)
-            gpu_ms = sum(us for _, us in kernels) / 1e3 / n
-            out.update(kernels=len(kernels) / n, kernel_ms=gpu_ms, gpu_busy=gpu_ms / wall)
-        return out
+        return _cupti_stop(prof, out, n)
 
 
 class GraphVariant(Variant):
@@ -176,20 +188,10 @@ class GraphVariant(Variant):
 
     def profile(self, n: int, use_cuda: bool) -> dict:
         self.decode(2)
-        prof = None
-        if use_cuda:
-            from torch.profiler import ProfilerActivity, profile
-
-            prof = profile(activities=[ProfilerActivity.CUDA])
-            prof.__enter__()
+        prof = _cupti_start(use_cuda)
         wall = self.decode(n) * 1e3 / n
         out = {"wall_ms": wall, "python_ms": wall, "submit_ms": 0.0}
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            kernels = dp._cuda_kernels(prof)
-            gpu_ms = sum(us for _, us in kernels) / 1e3 / n
-            out.update(kernels=len(kernels) / n, kernel_ms=gpu_ms, gpu_busy=gpu_ms / wall)
-        return out
+        return _cupti_stop(prof, out, n)
 
 
 def graph_parity(model, prompt: mx.array, n: int, chunk: int, max_len: int) -> dict:

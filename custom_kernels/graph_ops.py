@@ -30,57 +30,71 @@ def kv_write_reference(cache: mx.array, src: mx.array, pos: mx.array, ring: bool
 
 
 _KV_BODY = """
-  // One thread per element of src (B, H, L, D): copied to its row's slot of the cache.
-  const uint e = gid_x * tg_size + tid;
-  if (e >= N) return;
+  // One thread per element of k_src (B, H, L, DK) then of v_src (B, H, L, DV): copied to its
+  // row's slot of its cache (keys, then values: one launch writes both).
+  const uint e0 = gid_x * tg_size + tid;
+  const bool is_v = e0 >= NK;
+  const uint e = is_v ? e0 - NK : e0;
+  const uint D = is_v ? DV : DK;
+  if (e >= (is_v ? NV : NK)) return;
   const uint d = e % D;
   const uint l = (e / D) % L;
   const uint bh = e / (D * L);
   uint slot = uint(pos[bh / H]) + l;
   if (RING) slot %= C;
-  cache[(uint64_t(bh) * C + slot) * D + d] = from_float<TO>(to_float(src[e]));
+  const uint64_t at = (uint64_t(bh) * C + slot) * D + d;
+  if (is_v) v_cache[at] = from_float<TO>(to_float(v_src[e]));
+  else k_cache[at] = from_float<TO>(to_float(k_src[e]));
 """
 
 _kv_kernel = Kernel(
     "kv_write",
-    inputs=["src", "pos"],
-    outputs=["cache"],
+    inputs=["k_src", "v_src", "pos"],
+    outputs=["k_cache", "v_cache"],
     body=_KV_BODY,
     examples=[
         Example(
-            {"src": t, "pos": mx.int32},
-            {"cache": t},
-            {"TO": t, "N": 64, "H": 2, "L": 1, "C": 16, "D": 32, "RING": 1},
+            {"k_src": t, "v_src": t, "pos": mx.int32},
+            {"k_cache": t, "v_cache": t},
+            {"TO": t, "NK": 64, "NV": 64, "H": 2, "L": 1, "C": 16, "DK": 32, "DV": 32, "RING": 1},
         )
         for t in _F
     ],
 )
 
 
-def kv_write_launch(cache_shape, cache_dtype, src_shape, src_dtype, ring: bool):
-    """The launch (``Kernel.launcher``) writing src into a cache of this shape."""
-    B, H, C, D = cache_shape
-    L = src_shape[2]
-    n = B * H * L * D
+def kv_write_launch(k_cache, v_cache, k_src, v_src, ring: bool):
+    """The launch (``Kernel.launcher``) writing k_src and v_src (B, H, L, D*) into caches of the
+    shapes and dtype of ``k_cache`` and ``v_cache`` (B, H, C, D*) (arrays or shape stand-ins)."""
+    B, H, C, DK = k_cache.shape
+    DV = v_cache.shape[3]
+    L = k_src.shape[2]
+    nk, nv = B * H * L * DK, B * H * L * DV
     return _kv_kernel.launcher(
-        [src_dtype, mx.int32],
-        grid=(n,),
+        [k_src.dtype, v_src.dtype, mx.int32],
+        grid=(nk + nv,),
         threadgroup=(256,),
-        output_shapes=[tuple(cache_shape)],
-        output_dtypes=[cache_dtype],
-        template={"TO": cache_dtype, "N": n, "H": H, "L": L, "C": C, "D": D, "RING": int(ring)},
-    )
+        output_shapes=[tuple(k_cache.shape), tuple(v_cache.shape)],
+        output_dtypes=[k_cache.dtype, v_cache.dtype],
+        template={"TO": k_cache.dtype, "NK": nk, "NV": nv, "H": H, "L": L, "C": C, "DK": DK,
+                  "DV": DV, "RING": int(ring)},
+    )  # fmt: skip
 
 
-def kv_write(cache: mx.array, src: mx.array, pos: mx.array, ring: bool) -> mx.array:
-    """In a recording: the cache written in place (the same array back). Elsewhere the
-    reference (an MLX scatter, a new array)."""
+def kv_write(k_cache, v_cache, k_src, v_src, pos, ring: bool) -> tuple[mx.array, mx.array]:
+    """In a recording: both caches written in place (the same arrays back), one launch.
+    Elsewhere the reference (MLX scatters, new arrays)."""
     if not active():
-        return kv_write_reference(cache, src, pos, ring)
-    if cache.dtype not in _F or src.dtype not in _F or cache.size >= 2**32:
-        raise GraphCaptureError(f"kv_write: no kernel for a {cache.dtype} cache of {cache.shape}")
-    launch = kv_write_launch(cache.shape, cache.dtype, src.shape, src.dtype, ring)
-    return launch_into(launch, [src, pos], [cache])[0]
+        return (kv_write_reference(k_cache, k_src, pos, ring),
+                kv_write_reference(v_cache, v_src, pos, ring))  # fmt: skip
+    ok = k_cache.dtype == v_cache.dtype and k_cache.dtype in _F
+    ok = ok and k_src.dtype in _F and v_src.dtype in _F
+    ok = ok and k_cache.shape[:3] == v_cache.shape[:3] and k_cache.size + v_cache.size < 2**32
+    if not ok:
+        raise GraphCaptureError(f"kv_write: no kernel for caches {k_cache.shape} {v_cache.shape}")
+    launch = kv_write_launch(k_cache, v_cache, k_src, v_src, ring)
+    k, v = launch_into(launch, [k_src, v_src, pos], [k_cache, v_cache])
+    return k, v
 
 
 # ---- embedding rows --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hf2q_mlx import custom_kernels
-from hf2q_mlx.custom_kernels import activations, device_array, gated_delta
+from hf2q_mlx.custom_kernels import activations, device_array, gated_delta, launch_recorder
 from hf2q_mlx.custom_kernels import expert_down as expert_down_kernel
 from hf2q_mlx.custom_kernels import expert_down_affine as affine_down_kernel
 from hf2q_mlx.custom_kernels import expert_glu as expert_glu_kernel
@@ -25,6 +25,7 @@ from hf2q_mlx.custom_kernels import moe_router as moe_router_kernel
 from hf2q_mlx.custom_kernels import post_norm_residual as post_norm_kernel
 from hf2q_mlx.custom_kernels import residual_rms_norm as residual_norm_kernel
 from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope_kernel
+from hf2q_mlx.custom_kernels import sigmoid_gate as sigmoid_gate_kernel
 from hf2q_mlx.custom_kernels import softcap as softcap_kernel
 from hf2q_mlx.custom_kernels.decode_attention import heads_merged
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, rope_inv_freq, split_heads
@@ -423,6 +424,22 @@ def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
 def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
     """``x * sigmoid(gate)``, one compiled kernel."""
     return _sigmoid_gate(x, gate)
+
+
+def head_gate(x: mx.array, qg: mx.array) -> mx.array:
+    """Gated attention's output: x (B, L, H D) times sigmoid of each [query | gate] head's gate
+    half (qg (B, L, H, 2 D)); with kernels one launch reading the gates in place."""
+    if use_kernels() and (sigmoid_gate_kernel.GPU_VERIFIED or launch_recorder.active()):
+        return sigmoid_gate_kernel.head_gate(x, qg)
+    B, L, _, D2 = qg.shape
+    return sigmoid_gate(x, qg[..., D2 // 2 :].reshape(B, L, -1))
+
+
+def shared_gate_add(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.array | None:
+    """``y + s * sigmoid(x @ w.T)`` as one kernel (None without kernels: the caller's ops)."""
+    if use_kernels() and (sigmoid_gate_kernel.GPU_VERIFIED or launch_recorder.active()):
+        return sigmoid_gate_kernel.shared_gate_add(y, s, x, w)
+    return None
 
 
 # ---- logits and attention ------------------------------------------------------------------------

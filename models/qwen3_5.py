@@ -138,7 +138,7 @@ class Attention(nn.Module):
         else:
             k, v, mask = cache.update_and_fetch(k, v)
         out = ops.attention(q, k, v, cache, self.scale, mask)
-        return self.o_proj(ops.sigmoid_gate(out, qg[..., D:].reshape(B, L, -1)))
+        return self.o_proj(ops.head_gate(out, qg))
 
 
 class MLP(nn.Module):

@@ -102,7 +102,12 @@ class SparseMoeBlock(nn.Module):
         """x (..., D) -> (..., D). Every op takes any leading shape: no reshape nodes."""
         indices, scores = self.route(x)
         y = self.experts(x, indices, scores)
-        return y + ops.sigmoid_gate(self.shared_expert(x), self.shared_gate(x))
+        shared, gate = self.shared_expert(x), self.shared_expert_gate
+        if type(gate) is nn.Linear and "bias" not in gate:  # one kernel with the gate's dot
+            out = ops.shared_gate_add(y, shared, x, gate["weight"])
+            if out is not None:
+                return out
+        return y + ops.sigmoid_gate(shared, self.shared_gate(x))
 
 
 class Model(qwen3_5.Model):

@@ -58,8 +58,7 @@ class StaticKVCache(_RowPositions):
         L = keys.shape[2]
         if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
             ring = self.window is not None
-            self.keys = kv_write(self.keys, keys, self.pos, ring)
-            self.values = kv_write(self.values, values, self.pos, ring)
+            self.keys, self.values = kv_write(self.keys, self.values, keys, values, self.pos, ring)
         else:
             slots = self._slots(L)
             self.keys = _scatter(self.keys, slots, keys)

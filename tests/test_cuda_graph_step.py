@@ -34,20 +34,27 @@ def _bits(a: mx.array) -> np.ndarray:
 
 
 @needs_gxx
-def test_recorded_step_replays_the_mlx_step_bit_for_bit(tmp_path):
-    """Tiny Gemma 4 MoE, GGML weights, a 2-token window crossed: the recording replayed launch
-    by launch through the emulator gives the MLX step's tokens, last logits and every cache
-    byte (KV rows written in place by kv_write, the MLX step's by scatters). In a process of
-    its own: the fake CUDA back end stays in the dispatchers' plan caches."""
+@pytest.mark.parametrize(
+    "model, steps, kinds",
+    [("gemma4:tiny-moe", 3, {"kv_write", "gather_rows", "scale_cast", "topk_select"}),
+     ("qwen3_5:tiny-moe", 2, {"gated_delta_decode", "head_gate", "shared_gate_add"})],
+)  # fmt: skip
+def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
+    """Tiny Gemma 4 MoE (a 2-token window crossed) and Qwen 3.5 MoE (delta-net, then gated
+    attention), GGML weights: the recording replayed launch by launch through the emulator gives
+    the MLX step's tokens, last logits and every cache byte (KV rows written in place by
+    kv_write where the MLX step scatters; recurrent states copied back at the graph's end). In a
+    process of its own: the fake CUDA back end stays in the dispatchers' plan caches."""
     script = HERE / "graph_step_emulated.py"
-    res = subprocess.run([sys.executable, str(script), "gemma4:tiny-moe"], capture_output=True,
-                         text=True, timeout=900)  # fmt: skip
+    cmd = [sys.executable, str(script), model, "--steps", str(steps)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["got"] == out["want"] and len(out["want"]) == 3
+    assert out["got"] == out["want"] and len(out["want"]) == steps
     assert out["logits_equal"] and out["caches_equal"]
-    # the MLX step's scatter, gather, cast-and-scale and argmax are kernels in the graph
-    assert {"kv_write", "gather_rows", "scale_cast", "topk_select"} <= set(out["kernels"])
+    # MLX's scatter, gather, cast, argmax and gates are kernels in the graph
+    assert kinds <= set(out["kernels"])
+    assert out["copies"] == (2 if model.startswith("qwen") else 0)
 
 
 # ---- the recorder -------------------------------------------------------------------------------
@@ -135,24 +142,26 @@ def graph_kernels(monkeypatch):
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("L", [1, 3])
 def test_kv_write_writes_the_scatter_slots(ring, L, graph_kernels):
-    """Written in place over the cache's contents (the emulator starts the output from them):
-    every byte equals the reference scatter's, wrapped slots included."""
-    B, H, C, D = 2, 3, 8, 32
-    key = mx.random.key(L + 2 * ring)
-    k1, k2 = mx.random.split(key)
-    cache = mx.random.normal((B, H, C, D), key=k1).astype(mx.bfloat16)
-    src = mx.random.normal((B, H, L, D), key=k2).astype(mx.bfloat16)
+    """Keys and values (other head dims) written in one launch over the caches' contents (the
+    emulator starts the outputs from them): every byte equals the reference scatters', wrapped
+    slots included."""
+    B, H, C, DK, DV = 2, 3, 8, 32, 16
+    ks = mx.random.split(mx.random.key(L + 2 * ring), 4)
+    k_cache = mx.random.normal((B, H, C, DK), key=ks[0]).astype(mx.bfloat16)
+    v_cache = mx.random.normal((B, H, C, DV), key=ks[1]).astype(mx.bfloat16)
+    k_src = mx.random.normal((B, H, L, DK), key=ks[2]).astype(mx.bfloat16)
+    v_src = mx.random.normal((B, H, L, DV), key=ks[3])  # fp32: cast as the scatter casts
     pos = mx.array([6, 1] if ring else [2, 5], dtype=mx.int32)
-    launch = graph_ops.kv_write_launch(cache.shape, cache.dtype, src.shape, src.dtype, ring)
-    s = launch.spec
+    s = graph_ops.kv_write_launch(k_cache, v_cache, k_src, v_src, ring).spec
     got = kernel_emulator.emulate(
-        s.kernel, [src, pos], grid=s.grid, threadgroup=s.threadgroup,
+        s.kernel, [k_src, v_src, pos], grid=s.grid, threadgroup=s.threadgroup,
         output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
-        template=dict(s.template), initial=[cache],
-    )[0]  # fmt: skip
-    want = graph_ops.kv_write_reference(cache, src, pos, ring)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
-    assert not np.array_equal(_bits(got), _bits(cache))  # something was written
+        template=dict(s.template), initial=[k_cache, v_cache],
+    )  # fmt: skip
+    for out, cache, src in zip(got, (k_cache, v_cache), (k_src, v_src)):
+        want = graph_ops.kv_write_reference(cache, src, pos, ring)
+        np.testing.assert_array_equal(_bits(out), _bits(want))
+        assert not np.array_equal(_bits(out), _bits(cache))  # something was written
 
 
 @needs_gxx

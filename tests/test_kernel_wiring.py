@@ -98,26 +98,29 @@ MODELS = {
     )),
 }  # fmt: skip
 CALLS = 3  # prefill of 5 tokens, then 2 decode steps
-# kernel launches over CALLS forward passes: per layer (or per attention layer) and call
+# kernel launches over CALLS forward passes: per layer (or per attention layer) and call.
+# residual_rms_norm counts every standalone RMSNorm too (ops.rms_norm: the residual kernel with
+# a zero residual, so that a recorded CUDA graph can replay it): each call's first input norm,
+# Gemma 4's per-layer-input and unfused branch norms, the delta-net prefill's norms
 LAUNCHES = {
     # norm + RoPE per layer; 2 (branch norm + residual + norm) per layer; 1 GeGLU per layer;
     # the softcap
-    "gemma3": dict(rms_norm_rope=3 * CALLS, residual_rms_norm=0, post_norm_residual=6 * CALLS,
+    "gemma3": dict(rms_norm_rope=3 * CALLS, residual_rms_norm=CALLS, post_norm_residual=6 * CALLS,
                    activations=3 * CALLS, softcap=CALLS),
     # norm + RoPE (q only on the 2 KV-sharing layers); 1 branch norm + residual + norm (the
     # per-layer inputs keep each block's end apart); MLP + experts GeGLU (the per-layer-input
     # gate stays compiled MLX)
-    "gemma4": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=0, post_norm_residual=4 * CALLS,
-                   activations=8 * CALLS, softcap=CALLS),
+    "gemma4": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=26 * CALLS,
+                   post_norm_residual=4 * CALLS, activations=8 * CALLS, softcap=CALLS),
     # 2 joins per layer (after attention; the block's end with the next input norm)
-    "gemma4_moe": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=0,
+    "gemma4_moe": dict(rms_norm_rope=4 * CALLS, residual_rms_norm=5 * CALLS,
                        post_norm_residual=8 * CALLS, activations=8 * CALLS, softcap=CALLS),
-    "llama": dict(rms_norm_rope=0, residual_rms_norm=6 * CALLS, post_norm_residual=0,
+    "llama": dict(rms_norm_rope=0, residual_rms_norm=7 * CALLS, post_norm_residual=0,
                   activations=3 * CALLS, softcap=0),
-    "qwen3_5": dict(rms_norm_rope=1 * CALLS, residual_rms_norm=8 * CALLS, post_norm_residual=0,
+    "qwen3_5": dict(rms_norm_rope=1 * CALLS, residual_rms_norm=10 * CALLS, post_norm_residual=0,
                     activations=4 * CALLS, softcap=0),
     # routed experts + shared expert: 2 SwiGLUs per layer
-    "qwen3_5_moe": dict(rms_norm_rope=2 * CALLS, residual_rms_norm=8 * CALLS,
+    "qwen3_5_moe": dict(rms_norm_rope=2 * CALLS, residual_rms_norm=8 * CALLS + 5,
                         post_norm_residual=0, activations=8 * CALLS, softcap=0),
 }  # fmt: skip
 

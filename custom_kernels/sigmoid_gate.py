@@ -1,0 +1,136 @@
+"""Qwen 3.5's sigmoid output gates, one kernel each.
+
+- ``head_gate``: gated attention's output times sigmoid of each head's gate half, read in place
+  from the [query | gate] projection (B, L, H, 2 D): MLX copies the strided half first, then
+  multiplies (two launches).
+- ``shared_gate_add``: the MoE block's end, ``y + s * sigmoid(x . w)`` (routed experts y,
+  shared expert s, the shared-expert gate's dot product with the block input x): MLX's GEMV,
+  sigmoid-multiply and add (three launches).
+
+Both round as MLX's ops do in the array dtype T: sigmoid rounded to T, the product rounded to
+T (and the dot product, accumulated in fp32, rounded to T). A recorded CUDA graph step always
+takes them (MLX's ops cannot be replayed); the compiled step only once ``GPU_VERIFIED``: their
+GPU tests (tests/kernels/test_sigmoid_gate.py) have not run on a GPU yet (session 19 wrote them
+with the device budget spent), only the CPU emulation of the CUDA rendering.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels._render import Example, Kernel
+
+_F = (mx.float32, mx.float16, mx.bfloat16)
+GPU_VERIFIED = False  # set True once the GPU tests pass on CUDA (then the compiled step too)
+
+
+def head_gate_reference(x: mx.array, qg: mx.array) -> mx.array:
+    """x (B, L, H D), qg (B, L, H, 2 D) -> x * sigmoid(qg[..., D:]) (B, L, H D)."""
+    B, L, H, D2 = qg.shape
+    return x * mx.sigmoid(qg[..., D2 // 2 :].reshape(B, L, H * (D2 // 2)))
+
+
+_HEAD_BODY = """
+  // One thread per output element e of (rows, H D): its gate is channel d of its head's gate
+  // half in the [query | gate] row.
+  const uint e = gid_x * tg_size + tid;
+  if (e >= N) return;
+  const uint d = e % D;
+  const uint rh = e / D;  // (row, head)
+  const float g = to_float(qg[uint64_t(rh) * (2 * D) + D + d]);
+  const T s = from_float<T>(1.0f / (1.0f + exp_f(-g)));
+  out[e] = from_float<T>(to_float(x[e]) * to_float(s));
+"""
+
+_head_kernel = Kernel(
+    "head_gate",
+    inputs=["x", "qg"],
+    outputs=["out"],
+    body=_HEAD_BODY,
+    examples=[Example({"x": t, "qg": t}, {"out": t}, {"T": t, "N": 256, "D": 32}) for t in _F],
+)
+
+
+def head_gate(x: mx.array, qg: mx.array) -> mx.array:
+    """Dispatcher: one kernel for float arrays of matching shapes; the reference otherwise."""
+    be = backend()
+    if be is not None and x.dtype in _F and qg.dtype == x.dtype and x.size < 2**31:
+        B, L, H, D2 = qg.shape
+        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0:
+            return _head_plan(be, x.size, D2 // 2, x.shape, x.dtype)(inputs=[x, qg])[0]
+    return head_gate_reference(x, qg)
+
+
+@lru_cache(maxsize=64)
+def _head_plan(be, n, D, shape, dtype):
+    return _head_kernel.launcher(
+        [dtype, dtype], grid=(n,), threadgroup=(256,), output_shapes=[shape],
+        output_dtypes=[dtype], template={"T": dtype, "N": n, "D": D}, backend=be,
+    )  # fmt: skip
+
+
+def shared_gate_add_reference(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.array:
+    """y, s, x (..., D), w (1, D) -> y + s * sigmoid(x @ w.T) in y's dtype (as the MoE block)."""
+    return y + s * mx.sigmoid(x @ w.T)
+
+
+_SHARED_BODY = """
+  // One threadgroup per row of D: the gate's dot product (fp32, SIMD sums then one shared slot
+  // per SIMD group), then thread t writes elements t, t + TG, ...
+  SHARED float part[TG / 32];
+  const uint64_t base = uint64_t(gid_x) * uint(D);
+  float acc = 0.0f;
+  for (uint i = tid; i < uint(D); i += TG) acc = fma_f(to_float(x[base + i]), to_float(w[i]), acc);
+  acc = simd_sum(acc);
+  if (lane == 0) part[simd_id] = acc;
+  BARRIER();
+  float dot = 0.0f;
+  UNROLL for (int k = 0; k < TG / 32; ++k) dot += part[k];
+  const float g = to_float(from_float<T>(dot));
+  const float sg = to_float(from_float<T>(1.0f / (1.0f + exp_f(-g))));
+  for (uint i = tid; i < uint(D); i += TG) {
+    const float prod = to_float(from_float<T>(to_float(s[base + i]) * sg));
+    out[base + i] = from_float<T>(to_float(y[base + i]) + prod);
+  }
+"""
+
+_shared_kernel = Kernel(
+    "shared_gate_add",
+    inputs=["y", "s", "x", "w"],
+    outputs=["out"],
+    body=_SHARED_BODY,
+    examples=[
+        Example({"y": t, "s": t, "x": t, "w": wt}, {"out": t}, {"T": t, "D": 640, "TG": 256})
+        for t, wt in (
+            (mx.bfloat16, mx.bfloat16),
+            (mx.float16, mx.float32),
+            (mx.float32, mx.float32),
+        )
+    ],
+)
+
+
+def shared_gate_add(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.array:
+    """Dispatcher: one kernel for float rows of equal shapes and a (1, D) weight of their dtype
+    (a wider weight promotes MLX's result); else the reference."""
+    be = backend()
+    D = y.shape[-1]
+    if (
+        be is not None and y.dtype in _F and s.dtype == x.dtype == y.dtype == w.dtype
+        and y.shape == s.shape == x.shape and w.shape == (1, D) and y.size < 2**31
+    ):  # fmt: skip
+        launch = _shared_plan(be, y.size // D, D, y.shape, y.dtype, w.dtype)
+        return launch(inputs=[y, s, x, w])[0]
+    return shared_gate_add_reference(y, s, x, w)
+
+
+@lru_cache(maxsize=64)
+def _shared_plan(be, rows, D, shape, dtype, wdtype):
+    return _shared_kernel.launcher(
+        [dtype, dtype, dtype, wdtype], grid=(rows * 256,), threadgroup=(256,),
+        output_shapes=[shape], output_dtypes=[dtype], template={"T": dtype, "D": D, "TG": 256},
+        backend=be,
+    )  # fmt: skip

@@ -1,0 +1,126 @@
+"""Qwen 3.5's sigmoid output gates: the references against numpy, the kernel bodies on the CPU
+emulation, the kernels on a GPU (each rounding step in the array dtype, as MLX's ops)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import requires_gpu
+from test_norm_rope import assert_one_rounding, emulate, needs_gxx
+
+from hf2q_mlx.custom_kernels import sigmoid_gate as sg
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def _heads(B, L, H, D, seed, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((B, L, H * D)).astype(np.float32)).astype(dtype)
+    qg = mx.array((rng.standard_normal((B, L, H, 2 * D)) * 3).astype(np.float32)).astype(dtype)
+    return x, qg
+
+
+def _shared(B, L, D, seed, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    y, s, x = (mx.array(rng.standard_normal((B, L, D)).astype(np.float32)).astype(dtype)
+               for _ in range(3))  # fmt: skip
+    w = mx.array((rng.standard_normal((1, D)) / np.sqrt(D)).astype(np.float32)).astype(dtype)
+    return y, s, x, w
+
+
+def test_references_against_numpy():
+    x, qg = _heads(2, 3, 4, 16, 1)
+    g = np.array(qg)[..., 16:].reshape(2, 3, 64)
+    want = np.array(x, np.float64) / (1 + np.exp(-np.asarray(g, np.float64)))
+    np.testing.assert_allclose(np.array(sg.head_gate_reference(x, qg)), want, rtol=1e-5, atol=1e-7)
+    y, s, x, w = _shared(2, 3, 40, 2)
+    d = np.array(x, np.float64) @ np.array(w, np.float64).T
+    want = np.array(y, np.float64) + np.array(s, np.float64) / (1 + np.exp(-d))
+    np.testing.assert_allclose(np.array(sg.shared_gate_add_reference(y, s, x, w)), want,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+@needs_gxx
+def test_head_gate_body_emulated(monkeypatch):
+    emu = emulate(monkeypatch, sg, "_head_kernel")
+    sg._head_plan.cache_clear()
+    x, qg = _heads(1, 2, 3, 32, 3)
+    got = sg.head_gate(x, qg)
+    assert emu["_head_kernel"].launches == 1
+    np.testing.assert_allclose(np.array(got), np.array(sg.head_gate_reference(x, qg)),
+                               rtol=2e-6, atol=1e-7)  # fmt: skip
+    sg._head_plan.cache_clear()
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_shared_gate_add_body_emulated(monkeypatch, dtype):
+    """fp32: the reference up to the dot product's summation order; bf16: each step rounded as
+    MLX rounds it, so within one bf16 unit of the reference."""
+    emu = emulate(monkeypatch, sg, "_shared_kernel")
+    sg._shared_plan.cache_clear()
+    y, s, x, w = _shared(2, 1, 700, 4, dtype)
+    got = sg.shared_gate_add(y, s, x, w)
+    assert emu["_shared_kernel"].launches == 1 and got.dtype == dtype
+    want = sg.shared_gate_add_reference(y, s, x, w)
+    if dtype == mx.float32:
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    else:
+        assert_one_rounding(got, want, dtype, noise=0.02)
+    sg._shared_plan.cache_clear()
+
+
+def test_dispatchers_fall_back_for_other_shapes(monkeypatch):
+    """A weight wider than the rows (MLX would promote) or a wrong layout: the reference."""
+    monkeypatch.setattr(sg, "backend", lambda: "cuda")
+    y, s, x, w = _shared(1, 1, 64, 5, mx.bfloat16)
+    got = sg.shared_gate_add(y, s, x, w.astype(mx.float32))
+    assert got.dtype == mx.float32  # the reference's promotion, no kernel asked for
+    x, qg = _heads(1, 1, 2, 8, 6)
+    with pytest.raises(ValueError):  # x not (B, L, H D): the reference's broadcast fails
+        sg.head_gate(x[..., :5], qg)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 16, 256), (2, 3, 4, 128), (1, 5, 32, 256)], ids=str)
+def test_head_gate_gpu(dtype, shape):
+    x, qg = _heads(*shape, seed=sum(shape), dtype=dtype)
+    got = sg.head_gate(x, qg)
+    # the kernel with its output poisoned first: every element written, the same bits
+    poisoned = sg._head_kernel(
+        [x, qg], grid=(x.size,), threadgroup=(256,), output_shapes=[x.shape],
+        output_dtypes=[dtype], template={"T": dtype, "N": x.size, "D": shape[3]},
+        init_value=float("nan"),
+    )[0]  # fmt: skip
+    assert bool(mx.array_equal(poisoned, got))
+    want = sg.head_gate_reference(x, qg)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == mx.float32:
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    else:
+        assert_one_rounding(got, want, dtype, noise=0.02)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (4, 1, 2048), (1, 7, 4096)], ids=str)
+def test_shared_gate_add_gpu(dtype, shape):
+    y, s, x, w = _shared(*shape, seed=shape[2] + shape[0], dtype=dtype)
+    got = sg.shared_gate_add(y, s, x, w)
+    rows, D = y.size // shape[2], shape[2]
+    poisoned = sg._shared_kernel(
+        [y, s, x, w], grid=(rows * 256,), threadgroup=(256,), output_shapes=[y.shape],
+        output_dtypes=[dtype], template={"T": dtype, "D": D, "TG": 256}, init_value=float("nan"),
+    )[0]  # fmt: skip
+    assert bool(mx.array_equal(poisoned, got))
+    want = sg.shared_gate_add_reference(y, s, x, w)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == mx.float32:
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    else:
+        assert_one_rounding(got, want, dtype, noise=0.02)
