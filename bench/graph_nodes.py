@@ -96,6 +96,18 @@ def count(model, batch: int = 1, max_len: int = 64, dot: str | None = None) -> d
     return dict(nodes.most_common())
 
 
+def graph_launches(model, batch: int = 1, max_len: int = 64) -> collections.Counter:
+    """Kernel launches of one token of ``model``'s CUDA graph step (recorded on the CPU with
+    stub launches, checked, KV writes fused), by kernel."""
+    from hf2q_mlx.cuda_graph_step import CudaGraphStep
+    from hf2q_mlx.decode_step import DecodeStep
+
+    with stub_kernels():
+        step = DecodeStep(model, batch, max_len)
+        rec = CudaGraphStep(step).record(step._span(1))
+    return collections.Counter(launch.spec.kernel.name for launch in rec.launches)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="family:shape, e.g. gemma4:26b-a4b, qwen3_5:tiny-moe")
@@ -104,10 +116,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dot", default=None, help="also write the graph (DOT) here")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="count the CUDA graph step's launches instead (recorded, KV writes fused)",
+    )
     a = ap.parse_args()
     family, _, shape = a.model.partition(":")
     mx.set_default_device(mx.cpu)
     model, _ = build(family, shape, a.format, mx.bfloat16, a.layers)
+    if a.graph:
+        kinds = graph_launches(model, a.batch)
+        total = sum(kinds.values())
+        print(f"{a.model} {a.format}, {len(model.layers)} layers, B={a.batch}: the CUDA graph "
+              f"step launches {total} kernels ({total / len(model.layers):.2f} per layer, head "
+              "and embedding included)")  # fmt: skip
+        print("  " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(model=a.model, format=a.format, layers=len(model.layers),
+                               batch=a.batch, graph_launches=dict(kinds)), f, indent=1)  # fmt: skip
+        return
     nodes = count(model, a.batch, dot=a.dot)
     n_layers = len(model.layers)
     total, kernels = sum(nodes.values()), nodes.get(KERNEL, 0)

@@ -241,7 +241,15 @@ _BODY = """
     }
   }
   DEVICE_PTR(T) dst = t == 0 ? o0 : (t == 1 ? o1 : o2);
-  const uint64_t orow = params[12] ? uint64_t(b * H + h) * L + l : uint64_t(r);
+  uint64_t orow = params[12] ? uint64_t(b * H + h) * L + l : uint64_t(r);
+  // cache mode (params[20] = C > 0, only in a recorded CUDA graph step): keys and values land
+  // in their rows' slots of caches (B, H, C, D), in place; params[21]: a ring (slot mod C)
+  const uint C = uint(params[20]);
+  if (t > 0 && C > 0) {
+    uint slot = uint(pos[B > 1u ? b : 0u]) + l;
+    if (params[21] != 0) slot %= C;
+    orow = uint64_t(b * H + h) * C + slot;
+  }
   UNROLL for (int j = 0; j < D / 32; ++j) dst[orow * uint(D) + lane + 32 * j] = from_float<T>(v[j]);
 """
 
@@ -255,7 +263,7 @@ _kernel = Kernel(
     examples=[
         Example(
             {"x0": t, "x1": t, "x2": t, "w0": wt, "w1": wt, "w2": wt, "inv_freq": mx.float32,
-             "pos": (mx.int32, 1), "params": (mx.int32, 20), "fparams": (mx.float32, 3)},
+             "pos": (mx.int32, 1), "params": (mx.int32, 22), "fparams": (mx.float32, 3)},
             {"o0": t, "o1": t, "o2": t},
             {"T": t, "WT": wt, "D": d},
         )
@@ -413,6 +421,20 @@ def _pos_mode(pkey: tuple, B: int) -> int:
     return 0
 
 
+PARAMS = 22  # the kernel's int32 parameters (the last two: cache mode)
+
+
+def cache_mode_params(params: mx.array, capacity: int, ring: bool) -> mx.array:
+    """A copy of a launch's ``params`` with cache mode on: its keys and values (tensors 1 and 2)
+    written into caches of ``capacity`` slots per row at the rows' positions (a ring: modulo
+    capacity) instead of (B, H, L, D) outputs. A recorded CUDA graph step fuses its KV write so
+    (``hf2q_mlx/cuda_graph_step.py``); MLX's launches cannot write in place."""
+    values = [int(v) for v in params.tolist()]
+    if len(values) != PARAMS:
+        raise ValueError(f"rms_norm_rope params have {PARAMS} values, got {len(values)}")
+    return device_array(values[:20] + [int(capacity), int(ring)], mx.int32)
+
+
 @lru_cache(maxsize=256)
 def _plan(kernel, be, xsig, wsig, rope, norm, fsig, pkey, eps, scale, woff, D, transpose):
     """Everything about a call that its shapes and dtypes decide, checked and computed once:
@@ -456,8 +478,9 @@ def _plan(kernel, be, xsig, wsig, rope, norm, fsig, pkey, eps, scale, woff, D, t
     pad = (0,) * (3 - n)
     normed = sum(1 << i for i, nm in enumerate(norm) if nm)
     layout = (*strides, *pad, *starts, *pad, normed)
+    # the last two: cache mode off (a CUDA graph step turns it on: cache_mode_params)
     params = device_constant(
-        (B, L, *heads, *pad, *pitch, *(D,) * (3 - n), *flags, *layout), mx.int32
+        (B, L, *heads, *pad, *pitch, *(D,) * (3 - n), *flags, *layout, 0, 0), mx.int32
     )
     fparams = device_constant((float(eps), float(scale), float(woff)), mx.float32)
     consts = (

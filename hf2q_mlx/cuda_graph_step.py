@@ -21,6 +21,7 @@ record MLX ops: ``GraphCaptureError`` says which, and the caller keeps the compi
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import struct
 from collections.abc import Sequence
 
@@ -28,8 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.custom_kernels import cuda_cache, launch_recorder
+from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope
 from hf2q_mlx.custom_kernels.cuda_driver import Driver, data_ptr
-from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, Recorder
+from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, Launch, Recorder
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 
@@ -55,6 +57,41 @@ def _fill_bits(value: float, dtype: mx.Dtype) -> tuple[int, int]:
     if dtype.size in (1, 2, 4) and float(value).is_integer():
         return int(value) & ((1 << (8 * dtype.size)) - 1), dtype.size
     raise GraphCaptureError(f"no memset for init value {value} of {dtype}")
+
+
+def fuse_kv_writes(launches: list) -> list:
+    """Where ``kv_write`` copies the keys and values an ``rms_norm_rope`` launch just made, that
+    launch writes them into the caches itself (its cache mode) and the copy goes: one launch
+    fewer per attention layer. Only when nothing else reads those outputs and both launches
+    read the same positions."""
+    readers: dict[int, int] = {}
+    for launch in launches:
+        for x in launch.inputs:
+            readers[data_ptr(x)] = readers.get(data_ptr(x), 0) + 1
+    producers = {}  # (keys ptr, values ptr) -> index of the rms_norm_rope launch
+    for i, launch in enumerate(launches):
+        if launch.spec.kernel.name == "rms_norm_rope" and len(launch.outputs) == 3:
+            producers[(data_ptr(launch.outputs[1]), data_ptr(launch.outputs[2]))] = i
+    out = list(launches)
+    for i, kw in enumerate(launches):
+        if kw.spec.kernel.name != "kv_write":
+            continue
+        k_src, v_src, pos = kw.inputs
+        j = producers.get((data_ptr(k_src), data_ptr(v_src)))
+        if j is None or j > i or readers[data_ptr(k_src)] != 1 or readers[data_ptr(v_src)] != 1:
+            continue
+        nr = launches[j]
+        params = [int(v) for v in nr.inputs[8].tolist()]
+        if data_ptr(nr.inputs[7]) != data_ptr(pos) or params[12] != 1 or params[20] != 0:
+            continue  # other positions, or outputs not (B, H, L, D)
+        t = dict(kw.spec.template)
+        spec = dataclasses.replace(
+            nr.spec, output_shapes=(nr.spec.output_shapes[0], *kw.spec.output_shapes)
+        )
+        inputs = [*nr.inputs[:8], norm_rope.cache_mode_params(nr.inputs[8], t["C"], t["RING"])]
+        out[j] = Launch(spec, inputs + nr.inputs[9:], [nr.outputs[0], *kw.outputs], in_place=True)
+        out[i] = None
+    return [launch for launch in out if launch is not None]
 
 
 def _scratch_view(a: mx.array, scratch: dict) -> mx.array | None:
@@ -144,7 +181,7 @@ class CudaGraphStep:
         logits = rec1.marks.get("logits")
         if logits is not None and _scratch_view(logits, scratch) is None:
             logits = None  # not a kernel's output: nothing the graph writes
-        rec = Recording(span, rec1.launches, out, copies, logits)
+        rec = Recording(span, fuse_kv_writes(rec1.launches), out, copies, logits)
         self.recordings[span] = rec
         return rec
 

@@ -400,9 +400,9 @@ def stream_generate(
 
 
 def decode_mode() -> str:
-    """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``graph`` (greedy decoding on
-    CUDA through the step recorded as one CUDA graph, ``hf2q_mlx/cuda_graph_step.py``; the
-    compiled step for anything else), ``eager`` (a new graph per token on per-sequence caches)
+    """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``graph`` (on CUDA, the step
+    recorded once and replayed as one CUDA graph, ``hf2q_mlx/cuda_graph_step.py``; the compiled
+    step elsewhere), ``eager`` (a new graph per token on per-sequence caches)
     or ``auto`` (unset): compiled on a GPU, eager on the CPU, where the compiled step measured
     3-10 ms a token slower (docs/kernel_notes.md, the CPU mat-vec)."""
     mode = os.environ.get("HF2Q_DECODE", "auto").strip().lower() or "auto"
@@ -416,7 +416,8 @@ def decode_mode() -> str:
 def graph_step(step):
     """The CUDA graph step over ``step`` (made once, kept on it) when ``HF2Q_DECODE=graph`` and
     MLX runs on CUDA; None otherwise, or when the model's step records MLX ops (said once on
-    stderr; the compiled step then decodes)."""
+    stderr; the compiled step then decodes). Greedy tokens come from the graph's argmax, sampled
+    ones from MLX's sampler on the graph's logits."""
     if decode_mode() != "graph" or not mx.cuda.is_available():
         return None
     graph = step.__dict__.get("_graph")
@@ -427,7 +428,9 @@ def graph_step(step):
 
         try:
             graph = CudaGraphStep(step, Driver())
-            graph.record(step._span(max(step.positions) + 1))
+            rec = graph.record(step._span(max(step.positions) + 1))
+            if rec.logits is None:
+                raise GraphCaptureError("the recorded step leaves no logits to sample from")
         except GraphCaptureError as err:
             print(f"hf2q-mlx: no CUDA graph for this model ({err}); compiled step", file=sys.stderr)
             graph = False
@@ -490,15 +493,21 @@ def _decode(
             return model(y[:, None], cache=cache)[:, -1, :]
 
         greedy = state["key"] is None and not processors
-        graph = graph_step(step) if step is not None and greedy else None
+        graph = graph_step(step) if step is not None else None
         try:
             if graph is not None:
+                # one replay per token, read back before the next (the graph keeps the GPU busy
+                # on its own); a sampled token is drawn by MLX from the graph's logits
                 token, lp = y.item(), logprob.item()
                 for n in range(budget):
                     yield token, lp, 0, 0
                     if n + 1 < budget:
-                        token = graph.decode([token])[0]
-                        lp = graph.logprob(0, token)
+                        next_ids = graph.decode([token])
+                        if greedy:
+                            token, lp = next_ids[0], graph.logprob(0, next_ids[0])
+                        else:
+                            t, t_lp = sample(graph.last.logits)
+                            token, lp = t.item(), t_lp.item()
                 return
             for n in range(budget):
                 if n + 1 < budget:

@@ -75,10 +75,12 @@ def _norm_add_rms_norm(x, y, y_weight, y_eps: float, weight, eps: float):
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis. With kernels: our residual
-    norm kernel with a zero residual (one launch, as ``mx.fast.rms_norm``, and one a recorded
-    CUDA graph can replay); else ``mx.fast.rms_norm``."""
-    if use_kernels() and weight is not None and x.size < 2**31:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis. With kernels and at most 64
+    rows: our residual norm kernel with a zero residual (one launch, as ``mx.fast.rms_norm``, one
+    a recorded CUDA graph can replay, and each row's bits the same at any row count); else
+    ``mx.fast.rms_norm``."""
+    if use_kernels() and weight is not None and x.size // max(x.shape[-1], 1) <= 64:
+        # decode-sized rows only: the zero residual is kept per shape (a prefill's would be big)
         zero = _zeros(tuple(x.shape), x.dtype)
         return residual_norm_kernel.residual_rms_norm(x, zero, weight, eps)[1]
     return _rms_norm(x, weight, eps)

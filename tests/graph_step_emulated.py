@@ -4,6 +4,7 @@ own by tests/test_cuda_graph_step.py: the fake CUDA back end it installs stays i
 dispatchers' plan caches.
 
     python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
+        [--batch 1]
 """
 
 from __future__ import annotations
@@ -94,41 +95,52 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="rows (B > 1: one idles a step)")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     fake_cuda()
     family, _, shape = a.model.partition(":")
     model, vocab = build(family, shape, a.layers, a.window)
     max_len = 32
-    first = 7 % vocab
+    B = a.batch
+    # row b starts from token 7 + b; with B > 1 the last row idles on the second step, so the
+    # rows sit at different positions from then on
+    firsts = [(7 + b) % vocab for b in range(B)]
+
+    def active_at(i: int) -> list[bool]:
+        return [not (B > 1 and b == B - 1 and i == 1) for b in range(B)]
 
     # the MLX step, uncompiled (the emulator cannot run inside a compile trace)
-    ref = DecodeStep(model, 1, max_len)
+    ref = DecodeStep(model, B, max_len)
     span = ref._span(1)
-    token, want = first, []
-    for _ in range(a.steps):
+    tokens, want = list(firsts), []
+    for i in range(a.steps):
+        act = active_at(i)
         logits, arrays, _, _ = ref._step(
-            mx.array([[token]], dtype=mx.int32), ref._padded(ref.positions, mx.int32),
-            ref._padded([True], mx.bool_), [s.arrays for s in ref.caches], span, False,
+            mx.array([[t] for t in tokens], dtype=mx.int32), ref._padded(ref.positions, mx.int32),
+            ref._padded(act, mx.bool_), [s.arrays for s in ref.caches], span, False,
         )  # fmt: skip
         mx.eval(logits, arrays)
         for s, arr in zip(ref.caches, arrays):
             s.arrays = arr
-        ref.positions = [ref.positions[0] + 1]
-        token = int(mx.argmax(logits[0]).item())
-        want.append(token)
+        ref.positions = [p + int(f) for p, f in zip(ref.positions, act)]
+        ids = [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+        tokens = [n if f else t for n, t, f in zip(ids, tokens, act)]
+        want.append(ids)
 
     # the recorded graph, replayed
-    st = DecodeStep(model, 1, max_len)
+    st = DecodeStep(model, B, max_len)
     graph = CudaGraphStep(st)
     rec = graph.record(span)
-    token, got = first, []
-    for _ in range(a.steps):
-        graph._set_inputs([token], st.positions, [True])
+    tokens, got = list(firsts), []
+    for i in range(a.steps):
+        act = active_at(i)
+        graph._set_inputs(tokens, st.positions, act)
         replay(rec)
-        token = int(mx.array(rec.out)[0].item())  # reads the replayed output's memory
-        st.positions = [st.positions[0] + 1]
-        got.append(token)
+        ids = [int(t) for t in mx.array(rec.out).tolist()]  # the replayed output's memory
+        st.positions = [p + int(f) for p, f in zip(st.positions, act)]
+        tokens = [n if f else t for n, t, f in zip(ids, tokens, act)]
+        got.append(ids)
 
     logits_equal = bool(mx.array_equal(rec.logits.reshape(-1), logits.reshape(-1)))
     caches_equal = all(

@@ -36,24 +36,28 @@ def _bits(a: mx.array) -> np.ndarray:
 @needs_gxx
 @pytest.mark.parametrize(
     "model, steps, kinds",
-    [("gemma4:tiny-moe", 3, {"kv_write", "gather_rows", "scale_cast", "topk_select"}),
-     ("qwen3_5:tiny-moe", 2, {"gated_delta_decode", "head_gate", "shared_gate_add"})],
+    [("gemma4:tiny-moe", 3, {"gather_rows", "scale_cast", "topk_select", "rms_norm_rope"}),
+     ("qwen3_5:tiny-moe", 2, {"gated_delta_decode", "head_gate", "shared_gate_add", "kv_write"})],
 )  # fmt: skip
 def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
     """Tiny Gemma 4 MoE (a 2-token window crossed) and Qwen 3.5 MoE (delta-net, then gated
     attention), GGML weights: the recording replayed launch by launch through the emulator gives
-    the MLX step's tokens, last logits and every cache byte (KV rows written in place by
-    kv_write where the MLX step scatters; recurrent states copied back at the graph's end). In a
-    process of its own: the fake CUDA back end stays in the dispatchers' plan caches."""
+    the MLX step's tokens, last logits and every cache byte (KV rows written in place by the
+    norm + RoPE kernel's cache mode or kv_write where the MLX step scatters; recurrent states
+    copied back at the graph's end). In a process of its own: the fake CUDA back end stays in
+    the dispatchers' plan caches."""
     script = HERE / "graph_step_emulated.py"
     cmd = [sys.executable, str(script), model, "--steps", str(steps)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["got"] == out["want"] and len(out["want"]) == steps
+    assert out["got"] == out["want"] and len(out["want"]) == steps and len(out["want"][0]) == 1
     assert out["logits_equal"] and out["caches_equal"]
-    # MLX's scatter, gather, cast, argmax and gates are kernels in the graph
+    # MLX's scatter, gather, cast, argmax and gates are kernels in the graph; Gemma 4's norm +
+    # RoPE writes its keys and values into the caches itself (fuse_kv_writes), Qwen 3.5's values
+    # do not come out of that kernel, so a kv_write copies them
     assert kinds <= set(out["kernels"])
+    assert ("kv_write" in out["kernels"]) == model.startswith("qwen")
     assert out["copies"] == (2 if model.startswith("qwen") else 0)
 
 
@@ -238,10 +242,13 @@ def _tiny_generation_model():
 
 
 def test_stream_generate_takes_the_graph_step_when_asked(monkeypatch):
-    """HF2Q_DECODE=graph with greedy sampling on CUDA: tokens 2.. come from the graph step's
-    decode (a stand-in here running the compiled step: the same tokens as HF2Q_DECODE=compiled)
-    with its logprobs; sampling with a temperature keeps the compiled step; a model whose step
-    cannot be recorded is said on stderr once and decodes through the compiled step."""
+    """HF2Q_DECODE=graph on CUDA: tokens 2.. come from the graph step (a stand-in here that runs
+    the compiled step and keeps its logits, as the graph keeps its recorded ones): greedy ids
+    and logprobs from the graph, sampled tokens drawn by MLX from the graph's logits (the same
+    tokens as HF2Q_DECODE=compiled with the same seed); a model whose step cannot be recorded
+    is said on stderr once and decodes through the compiled step."""
+    from types import SimpleNamespace
+
     from conftest import IdsTokenizer
 
     from hf2q_mlx import cuda_graph_step, generation
@@ -251,15 +258,18 @@ def test_stream_generate_takes_the_graph_step_when_asked(monkeypatch):
 
     class StandIn:
         def __init__(self, step, driver):
-            self.step = step
+            self.step, self.last = step, None
 
         def record(self, span):
             if fail:
                 raise GraphCaptureError("launch 3 (k): input x comes from an MLX op")
+            return SimpleNamespace(logits=mx.zeros((1, 4)))
 
         def decode(self, tokens):
             calls.append(tokens)
-            return [int(self.step.decode(tokens, greedy=True)[0].item())]
+            logits = self.step.decode(tokens)  # (1, V)
+            self.last = SimpleNamespace(logits=logits)
+            return [int(mx.argmax(logits[0]).item())]
 
         def logprob(self, row, token):
             return -1.5
@@ -273,6 +283,7 @@ def test_stream_generate_takes_the_graph_step_when_asked(monkeypatch):
     with mx.stream(mx.cpu):
         monkeypatch.setenv("HF2Q_DECODE", "compiled")
         want = run()
+        want_sampled = run(temperature=0.8, seed=1)
         monkeypatch.setattr(cuda_graph_step, "CudaGraphStep", StandIn)
         monkeypatch.setattr(cuda_driver, "Driver", lambda: None)
         monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
@@ -283,8 +294,11 @@ def test_stream_generate_takes_the_graph_step_when_asked(monkeypatch):
         assert [t for t, _ in got] == [t for t, _ in want] and len(calls) == 5
         assert got[0][1] == want[0][1] and all(lp == -1.5 for _, lp in got[1:])
         calls.clear()
-        run(temperature=0.8, seed=1)
-        assert calls == []  # sampled: the compiled step
+        got = run(temperature=0.8, seed=1)
+        assert len(calls) == 5 and [t for t, _ in got] == [t for t, _ in want_sampled]
+        np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want_sampled],
+                                   rtol=1e-6)  # fmt: skip
+        calls.clear()
         fail = True
         got = run()
         assert [t for t, _ in got] == [t for t, _ in want] and calls == []
@@ -292,8 +306,9 @@ def test_stream_generate_takes_the_graph_step_when_asked(monkeypatch):
 
 @requires_gpu
 def test_gpu_stream_generate_graph_equals_compiled(monkeypatch):
-    """On CUDA, tiny Gemma 4 MoE with GGML weights: stream_generate's greedy tokens through
-    HF2Q_DECODE=graph equal HF2Q_DECODE=compiled's, and the graph's logprobs are finite."""
+    """On CUDA, tiny Gemma 4 MoE with GGML weights: stream_generate through HF2Q_DECODE=graph
+    gives HF2Q_DECODE=compiled's tokens, greedy and sampled with one seed (the graph's logits
+    come from the same kernels), and finite logprobs."""
     if not mx.cuda.is_available():
         pytest.skip("the CUDA graph step needs MLX's CUDA back end")
     sys.path.insert(0, str(HERE.parent / "bench"))
@@ -301,18 +316,76 @@ def test_gpu_stream_generate_graph_equals_compiled(monkeypatch):
     from decode_profile import build
 
     from hf2q_mlx import generation
+    from hf2q_mlx.decode_step import _STEPS
 
-    runs = []
-    for mode in ("compiled", "graph"):
-        monkeypatch.setenv("HF2Q_DECODE", mode)
-        model, vocab = build("gemma4", "tiny-moe", "q4_k", mx.bfloat16)
-        rs = generation.stream_generate(model, IdsTokenizer(), [5, 9, 2, 7, 11], max_tokens=24,
-                                        ignore_eos=True)  # fmt: skip
-        runs.append([(r.token, r.logprob) for r in rs])
-        if mode == "graph":
-            from hf2q_mlx.decode_step import _STEPS
+    for kw in ({}, {"temperature": 0.7, "seed": 3}):
+        runs = []
+        for mode in ("compiled", "graph"):
+            monkeypatch.setenv("HF2Q_DECODE", mode)
+            model, vocab = build("gemma4", "tiny-moe", "q4_k", mx.bfloat16)
+            rs = generation.stream_generate(model, IdsTokenizer(), [5, 9, 2, 7, 11],
+                                            max_tokens=24, ignore_eos=True, **kw)  # fmt: skip
+            runs.append([(r.token, r.logprob) for r in rs])
+            if mode == "graph":
+                step = next(iter(model.__dict__[_STEPS].values()))
+                assert step.__dict__.get("_graph"), "no graph step was made"
+        assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]], kw
+        assert all(np.isfinite(lp) for _, lp in runs[1])
 
-            step = next(iter(model.__dict__[_STEPS].values()))
-            assert step.__dict__.get("_graph"), "no graph step was made"
-    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
-    assert all(np.isfinite(lp) for _, lp in runs[1])
+
+def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
+    """The serving engine with HF2Q_DECODE=graph on CUDA (a stand-in graph running the compiled
+    step, keeping its logits): two rows, one greedy with logprobs, one sampled with a seed,
+    give HF2Q_DECODE=compiled's tokens and logprobs, every token through the graph."""
+    from types import SimpleNamespace
+
+    from conftest import IdsTokenizer
+
+    import hf2q_mlx
+    from hf2q_mlx import cuda_graph_step
+    from hf2q_mlx.custom_kernels import cuda_driver
+
+    calls = []
+
+    class StandIn:
+        def __init__(self, step, driver):
+            self.step, self.last = step, None
+
+        def record(self, span):
+            return SimpleNamespace(logits=mx.zeros((1, 4)))
+
+        def decode(self, tokens, active=None):
+            calls.append(list(tokens))
+            logits = self.step.decode(tokens, active)  # (B, V)
+            self.last = SimpleNamespace(logits=logits)
+            return [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+
+    def run():
+        model = _tiny_generation_model()
+        with hf2q_mlx.BatchGenerator(model, IdsTokenizer(), max_batch=2, max_len=64,
+                                     compiled=True) as gen:  # fmt: skip
+            uids = [
+                gen.submit([5, 9, 2, 7], max_tokens=6, ignore_eos=True, logprobs=True),
+                gen.submit([3, 1], max_tokens=5, ignore_eos=True, temperature=0.9, seed=4),
+            ]
+            out = {u: [] for u in uids}
+            for r in gen.results(uids):
+                if r.token is not None:
+                    out[r.uid].append((r.token, r.logprob))
+            return [out[u] for u in uids], gen.engine.graph
+
+    with mx.stream(mx.cpu):
+        monkeypatch.setenv("HF2Q_DECODE", "compiled")
+        want, graph = run()
+        assert graph is None and [len(w) for w in want] == [6, 5]
+        monkeypatch.setattr(cuda_graph_step, "CudaGraphStep", StandIn)
+        monkeypatch.setattr(cuda_driver, "Driver", lambda: None)
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+        monkeypatch.setenv("HF2Q_DECODE", "graph")
+        got, graph = run()
+    assert isinstance(graph, StandIn)
+    assert [[t for t, _ in g] for g in got] == [[t for t, _ in w] for w in want]
+    np.testing.assert_allclose([lp for lp in (x[1] for x in got[0])],
+                               [lp for lp in (x[1] for x in want[0])], rtol=1e-5)  # fmt: skip
+    # every generated token went through the graph: at most 6 steps with a row active
+    assert 6 <= len(calls) <= 11

@@ -52,3 +52,25 @@ def test_decode_layer_nodes(model, fmt, layers, views, kernels, tmp_path):
     seen = {k: per[k] for k in VIEWS if per.get(k, 0)}
     assert sum(seen.values()) <= views, f"view nodes per layer: {seen}"
     assert per.get("CustomKernel", 0) <= kernels, per
+
+
+def _graph_count(model: str, layers: int, tmp_path) -> dict[str, int]:
+    out = tmp_path / f"graph{layers}.json"
+    cmd = [sys.executable, str(BENCH / "graph_nodes.py"), model, "q4_k", "--layers", str(layers),
+           "--graph", "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return json.loads(out.read_text())["graph_launches"]
+
+
+# Qwen 3.5 tiny MoE alternates a delta-net layer (11) and an attention layer (17: its q, k and v
+# are three mat-vecs); the real 35B-A3B has three delta-net layers per attention layer (12.5)
+@pytest.mark.parametrize("model, layers, kernels", [("gemma4:tiny-moe", 3, 12),
+                                                    ("qwen3_5:tiny-moe", 2, 14)])  # fmt: skip
+def test_graph_step_launches_per_layer(model, layers, kernels, tmp_path):
+    """The CUDA graph step (recorded on the CPU, KV writes fused where the norm + RoPE kernel
+    makes keys and values): at most ``kernels`` launches per layer, counted as the difference
+    between 2L and L layers; Gemma 4 writes no KV row with a launch of its own."""
+    a, b = (_graph_count(model, n, tmp_path) for n in (layers, 2 * layers))
+    per = (sum(b.values()) - sum(a.values())) / layers
+    assert per <= kernels, (a, b)
+    assert ("kv_write" in b) == model.startswith("qwen")

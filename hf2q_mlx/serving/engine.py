@@ -35,8 +35,15 @@ from typing import Any
 import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import device_array
+from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, QueueFullError
-from hf2q_mlx.generation import cache_arrays, check_token_ids, context_limit, vocab_limit
+from hf2q_mlx.generation import (
+    cache_arrays,
+    check_token_ids,
+    context_limit,
+    graph_step,
+    vocab_limit,
+)
 from hf2q_mlx.serving.batch_sampler import BatchSampler, PendingSample, SamplingParams
 from hf2q_mlx.serving.metrics import Metrics
 from hf2q_mlx.serving.prefix_pool import PrefixPool
@@ -62,8 +69,6 @@ def make_step(
     ``compiled=None`` picks the compiled step on a GPU only: on the CPU a batch of B rows costs
     B single-row steps either way, and a partly filled compiled batch still pays for all B rows
     (docs/serving.md)."""
-    from hf2q_mlx.decode_step import DecodeStep
-
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
     if compiled and DecodeStep.supports(model, kv_bits):
@@ -196,6 +201,8 @@ class Engine:
         self.vocab = vocab_limit(model, tokenizer)
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.step = step or make_step(model, max_batch, self.max_len, kv_bits, compiled)
+        # HF2Q_DECODE=graph on CUDA: the step replayed as one CUDA graph (None otherwise)
+        self.graph = graph_step(self.step) if isinstance(self.step, DecodeStep) else None
         self.sampler = BatchSampler(max_batch, model.args.vocab_size)
         self.pool = PrefixPool(prefix_cache_bytes)
         self.metrics = Metrics(max_batch)
@@ -426,6 +433,9 @@ class Engine:
 
     def _decode(self) -> None:
         """Submit this step's decode and sampling, then stream the previous step's tokens."""
+        if self.graph is not None:
+            self._graph_decode()
+            return
         prev, self._inflight = self._inflight, None
         self._inflight = self._launch(prev)
         if prev is not None:
@@ -463,6 +473,26 @@ class Engine:
                 rows.append((row, self.rows[row]))
         return _Inflight(rows, sample)
 
+    def _graph_decode(self) -> None:
+        """One step through the CUDA graph, its tokens read and streamed at once: every row
+        feeds the token it emitted last (or its prompt's last), sampling runs on the graph's
+        logits. Nothing to overlap: the graph keeps the GPU busy on its own."""
+        active = [
+            r is not None and r.cursor >= len(r.prompt) - 1 and r.launched < r.budget
+            for r in self.rows
+        ]
+        if not any(active):
+            return
+        tokens = [r.pending if a else 0 for r, a in zip(self.rows, active)]
+        self.graph.decode(tokens, active)
+        sample = self.sampler.launch(self.graph.last.logits, active)
+        rows = []
+        for row, on in enumerate(active):
+            if on:
+                self.rows[row].launched += 1
+                rows.append((row, self.rows[row]))
+        self._collect(_Inflight(rows, sample))
+
     def _collect(self, done: _Inflight) -> None:
         out = self.sampler.read(done.sample)
         now = time.perf_counter()
@@ -475,6 +505,7 @@ class Engine:
                 self.metrics.inc("prefill_tokens_total", 1)
                 self.metrics.observe_ttft(now - req.submitted)
             n_new += 1
+            req.pending = out.tokens[row]  # what the graph step feeds next (unused otherwise)
             self._emit(req, out.tokens[row], out.logprobs[row], out.top[row])
         self.metrics.tokens_generated(n_new)
 
