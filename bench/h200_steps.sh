@@ -110,9 +110,11 @@ step parity-probe 200 "python3 bench/step_parity_probe.py ${PROBE:-llama:tiny ge
 step gpu-sample 270 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-30} python3 -m pytest -q -p no:cacheprovider --maxfail=5 -rf tests/kernels/test_expert_mma.py tests/kernels/test_expert_prefill.py tests/kernels/test_dense_glu_mma.py tests/kernels/test_qmatmul_mma.py tests/kernels/test_tq_kernels.py tests/test_kernel_wiring.py tests/kernels/test_gated_delta_decode.py tests/test_decode_step.py tests/kernels/test_decode_attention.py tests/kernels/test_post_norm_residual.py tests/kernels/test_moe_router.py tests/kernels/test_qmatmul.py tests/kernels/test_expert_glu_affine.py tests/kernels/test_expert_down.py tests/kernels/test_expert_glu.py tests/kernels/test_expert_matmul_kernel.py tests/kernels/test_sampling_kernels.py tests/kernels/test_activations.py tests/kernels/test_norm_rope.py tests/kernels/test_gated_delta.py --tb=short"
 # our kernels from a CUDA graph of our own next to MLX: pointers, one launch, a replayed chain
 step graph-probe 90 "python3 bench/cuda_graph_probe.py --json $OUT/graph_probe.json"
-# the CUDA graph step (hf2q_mlx/cuda_graph_step.py): its GPU parity test, then 26B-A4B Q4_K as a
-# graph against the compiled step (interleaved rounds, 64 greedy tokens compared)
-step graph-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu or recorder' tests/test_cuda_graph_step.py tests/kernels/test_cuda_cache.py --tb=short"
+# the CUDA graph step (hf2q_mlx/cuda_graph_step.py): its GPU tests (tiny Gemma 4 tokens against
+# the compiled step, stream_generate with HF2Q_DECODE=graph), Qwen 3.5's gate kernels, the norm +
+# RoPE kernel (its cache mode is new), one in 4 cases each; then 26B-A4B Q4_K as a graph against
+# the compiled step (interleaved rounds, 64 greedy tokens compared)
+step graph-tests 240 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-4} python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda_graph_step.py tests/kernels/test_sigmoid_gate.py tests/kernels/test_norm_rope.py tests/kernels/test_cuda_cache.py --tb=short"
 step graph-26b 420 "python3 bench/speed_table.py $OUT/graph_26b.json --shapes gemma4:26b-a4b --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b

@@ -1,21 +1,24 @@
-"""A DecodeStep's greedy token as one CUDA graph: recorded once, replayed every token.
+"""A DecodeStep's token as one CUDA graph: recorded once, replayed every token.
 
 MLX submits each kernel of a step again on every token: on the H200 that costs ~14 us of host
 time per launch, so the 26B-A4B step (438 launches, 4.8 ms of kernels) took 7-9 ms of wall time
 (docs/kernel_notes.md, session 18). Here the step's launches are recorded once per attention-span
 bucket (``custom_kernels/launch_recorder.py``), compiled to cubins (``cuda_cache``), captured into
 a CUDA graph on a stream of our own (``cuda_driver``) and replayed with one ``cuGraphLaunch``
-per token; the host uploads the tokens and positions and reads back the token ids.
+per token; the host uploads the tokens and positions and reads back the greedy token ids (a
+sampler may read the logits the graph leaves instead).
 
 What the graph holds: every kernel of the step, reading the step's input buffers (tokens,
-positions, active flags), the weights, the caches (KV rows written in place by ``kv_write``),
-and scratch arrays the recording made for each kernel's outputs. A cache array the step returns
-new (a recurrent state) is copied back over the old one at the graph's end.
+positions, active flags), the weights, the caches (KV rows written in place by the norm + RoPE
+kernel's cache mode or by ``kv_write``), and scratch arrays the recording made for each kernel's
+outputs. A cache array the step returns new (a recurrent state) is copied back over the old one
+at the graph's end.
 
 The caches belong to the graph while it runs: after MLX changes them (``DecodeStep.adopt``,
 ``prefill``, the compiled step) the next ``decode`` copies the new contents into the graph's
-arrays first (``_bind``). Greedy only; no lazy positions, no TurboQuant caches (their steps
-record MLX ops: ``GraphCaptureError`` says which, and the caller keeps the compiled step).
+arrays first (``_bind``). No lazy positions, no token trees or verifies (one token a row), no
+TurboQuant caches or MLX 4-bit embeddings (their steps record MLX ops: ``GraphCaptureError``
+says which, and the caller keeps the compiled step).
 """
 
 from __future__ import annotations
@@ -104,8 +107,9 @@ def _scratch_view(a: mx.array, scratch: dict) -> mx.array | None:
 
 
 class CudaGraphStep:
-    """Greedy decode of ``step``'s rows through recorded CUDA graphs. ``driver`` None: record
-    and check only (the CPU tests replay the recording through the kernel emulator)."""
+    """One token for each of ``step``'s rows through recorded CUDA graphs: ``decode`` returns
+    the greedy ids, ``last.logits`` holds the logits. ``driver`` None: record and check only
+    (the CPU tests replay the recording through the kernel emulator)."""
 
     def __init__(self, step: DecodeStep, driver: Driver | None = None):
         if step.lazy_positions is not None:
@@ -208,6 +212,7 @@ class CudaGraphStep:
                 functions[name] = drv.function(name, blob)
         drv.synchronize()
         drv.begin_capture()
+        captured = False
         try:
             for launch in rec.launches:
                 spec = launch.spec
@@ -219,8 +224,13 @@ class CudaGraphStep:
                 drv.launch(functions[spec.unit()[0]], spec.blocks, spec.threadgroup, ptrs)
             for dst, src in rec.copies:
                 drv.copy(data_ptr(dst), data_ptr(src), dst.nbytes)
+            captured = True
         finally:
-            rec.exe = drv.end_capture()
+            exe = drv.end_capture()  # ends the capture whatever happened in it
+            if captured:
+                rec.exe = exe
+            else:  # a partial graph is never replayed
+                drv.destroy(exe)
 
     def _bind(self) -> None:
         """Make the graph's cache arrays hold what the step's caches hold now."""
@@ -250,6 +260,10 @@ class CudaGraphStep:
         active = [True] * B if active is None else [bool(a) for a in active]
         if len(tokens) != B or len(active) != B:
             raise InvalidArgumentError(f"decode needs {B} tokens and {B} active flags")
+        vocab = getattr(getattr(st.model, "args", None), "vocab_size", None)
+        if vocab is not None and any(not 0 <= int(t) < vocab for t in tokens):
+            # the graph's embedding gather would read past its table
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
         longest = max((p for p, a in zip(st.positions, active) if a), default=0) + 1
         if longest > st.max_len:
             raise ContextLengthError(f"a row would pass max_len {st.max_len}")

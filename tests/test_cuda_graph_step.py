@@ -389,3 +389,26 @@ def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
                                [lp for lp in (x[1] for x in want[0])], rtol=1e-5)  # fmt: skip
     # every generated token went through the graph: at most 6 steps with a row active
     assert 6 <= len(calls) <= 11
+
+
+def test_graph_step_refuses_bad_arguments_before_any_launch():
+    """Wrong row counts, token ids outside the vocabulary (the graph's embedding gather would
+    read past its table), a step past max_len and a missing driver: InvalidArgumentError /
+    ContextLengthError, raised before the graph is touched."""
+    from hf2q_mlx.cuda_graph_step import CudaGraphStep
+    from hf2q_mlx.decode_step import DecodeStep
+    from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
+
+    with mx.stream(mx.cpu):
+        step = DecodeStep(_tiny_generation_model(), 2, 8)
+        with pytest.raises(InvalidArgumentError, match="CUDA driver"):
+            CudaGraphStep(step).decode([1, 2])
+        graph = CudaGraphStep(step, driver=object())  # never reached below
+        V = step.model.args.vocab_size
+        for tokens, active in (([1], None), ([1, 2], [True]), ([1, V], None), ([-1, 0], None)):
+            with pytest.raises(InvalidArgumentError):
+                graph.decode(tokens, active)
+        step.positions = [8, 0]
+        with pytest.raises(ContextLengthError):
+            graph.decode([1, 2])
+        assert step.positions == [8, 0]  # nothing moved
