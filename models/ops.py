@@ -79,7 +79,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     rows: our residual norm kernel with a zero residual (one launch, as ``mx.fast.rms_norm``, one
     a recorded CUDA graph can replay, and each row's bits the same at any row count); else
     ``mx.fast.rms_norm``."""
-    if use_kernels() and weight is not None and x.size // max(x.shape[-1], 1) <= 64:
+    if weight is not None and x.size // max(x.shape[-1], 1) <= 64 and use_kernels():
         # decode-sized rows only: the zero residual is kept per shape (a prefill's would be big)
         zero = _zeros(tuple(x.shape), x.dtype)
         return residual_norm_kernel.residual_rms_norm(x, zero, weight, eps)[1]
