@@ -125,29 +125,23 @@ def main() -> None:
     family, _, shape = a.model.partition(":")
     mx.set_default_device(mx.cpu)
     model, _ = build(family, shape, a.format, mx.bfloat16, a.layers)
-    if a.graph:
-        kinds = graph_launches(model, a.batch)
-        total = sum(kinds.values())
-        print(f"{a.model} {a.format}, {len(model.layers)} layers, B={a.batch}: the CUDA graph "
-              f"step launches {total} kernels ({total / len(model.layers):.2f} per layer, head "
-              "and embedding included)")  # fmt: skip
-        print("  " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(dict(model=a.model, format=a.format, layers=len(model.layers),
-                               batch=a.batch, graph_launches=dict(kinds)), f, indent=1)  # fmt: skip
-        return
-    nodes = count(model, a.batch, dot=a.dot)
     n_layers = len(model.layers)
-    total, kernels = sum(nodes.values()), nodes.get(KERNEL, 0)
-    print(f"{a.model} {a.format}, {n_layers} layers, B={a.batch}: {total} nodes "
-          f"({kernels} kernels), {total / n_layers:.1f} nodes and {kernels / n_layers:.1f} "
-          "kernels per layer (head and embedding included)")  # fmt: skip
-    print("  " + ", ".join(f"{k} {v}" for k, v in nodes.items()))
+    if a.graph:
+        counts = dict(graph_launches(model, a.batch).most_common())
+        total, key = sum(counts.values()), "graph_launches"
+        what = (f"the CUDA graph step launches {total} kernels ({total / n_layers:.2f} per layer, "
+                "head and embedding included)")  # fmt: skip
+    else:
+        counts = count(model, a.batch, dot=a.dot)
+        total, kernels, key = sum(counts.values()), counts.get(KERNEL, 0), "nodes"
+        per = f"{total / n_layers:.1f} nodes and {kernels / n_layers:.1f} kernels per layer"
+        what = f"{total} nodes ({kernels} kernels), {per} (head and embedding included)"
+    print(f"{a.model} {a.format}, {n_layers} layers, B={a.batch}: {what}")
+    print("  " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(model=a.model, format=a.format, layers=n_layers, batch=a.batch,
-                           nodes=nodes), f, indent=1)  # fmt: skip
+            json.dump({"model": a.model, "format": a.format, "layers": n_layers,
+                       "batch": a.batch, key: counts}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

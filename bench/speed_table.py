@@ -170,20 +170,17 @@ class GraphVariant(Variant):
         return seconds
 
     def decode(self, n: int) -> float:
-        t = self.token
         tic = time.perf_counter()
-        for _ in range(n):
-            t = self.graph.decode([t])[0]
-        seconds = time.perf_counter() - tic
-        self.token, self.y = t, mx.array([t], dtype=mx.int32)
-        return seconds
+        self.tokens(n)
+        return time.perf_counter() - tic
 
     def tokens(self, n: int) -> list[int]:
+        """The next ``n`` greedy tokens, each read back before the next replay."""
         out, t = [], self.token
         for _ in range(n):
             t = self.graph.decode([t])[0]
             out.append(t)
-        self.token = t
+        self.token, self.y = t, mx.array([t], dtype=mx.int32)
         return out
 
     def profile(self, n: int, use_cuda: bool) -> dict:

@@ -761,12 +761,16 @@ class Kernel:
         src = self.source("cuda")
         return any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim"))
 
+    def _precompiled_name(self, template, sig) -> str:
+        """The module name MLX keys its loaded modules by: one per distinct translation unit."""
+        tmpl = _norm_template(template)
+        tkey = hashlib.sha256(repr(tmpl).encode()).hexdigest()[:12] if tmpl else "0"
+        return f"hq_{self.name}_{sig}_{tkey}"
+
     def precompiled_unit(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
         """(symbol, translation unit) of one instantiation, as cuda_cache compiles it."""
         tmpl = _norm_template(template)
-        # the module name MLX keys its loaded modules by: one per distinct translation unit
-        tkey = hashlib.sha256(repr(tmpl).encode()).hexdigest()[:12] if tmpl else "0"
-        name = f"hq_{self.name}_{sig}_{tkey}"
+        name = self._precompiled_name(tmpl, sig)
         inputs = [
             (n, dt, 0 if i in scalar_inputs else 1 << 20)
             for i, (n, dt) in enumerate(zip(self.inputs, input_dtypes))
@@ -779,11 +783,10 @@ class Kernel:
         ``reads_input_shape``)."""
         if self.reads_input_shape():
             return None
-        name, unit = self.precompiled_unit(
-            input_dtypes, scalar_inputs, output_dtypes, template, sig
-        )
+        name = self._precompiled_name(template, sig)
         if ("precompiled", name) in self._built:
             return self._built[("precompiled", name)]
+        _, unit = self.precompiled_unit(input_dtypes, scalar_inputs, output_dtypes, template, sig)
         blob = cuda_cache.cubin(name, unit)
         # a failed compile is not retried in this process (MLX's path serves it)
         self._built[("precompiled", name)] = out = None if blob is None else _Cubin(name, blob)

@@ -23,7 +23,7 @@ from hf2q_mlx.errors import Hf2qError
 _CAPTURE_THREAD_LOCAL = 1
 _STREAM_NON_BLOCKING = 1
 # CUpointer_attribute
-_ATTR_MEMORY_TYPE, _ATTR_IS_MANAGED = 2, 8
+_ATTR_IS_MANAGED = 8
 
 
 class CudaDriverError(Hf2qError):
@@ -91,8 +91,8 @@ class Driver:
             "cuStreamCreate",
             self.lib.cuStreamCreate(ctypes.byref(self.stream), _STREAM_NON_BLOCKING),
         )
-        self._modules: dict[str, ctypes.c_void_p] = {}
-        self._functions: dict[tuple[str, str], ctypes.c_void_p] = {}
+        self._modules: dict[str, ctypes.c_void_p] = {}  # loaded once, kept for the process
+        self._functions: dict[str, ctypes.c_void_p] = {}
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
         ]  # fmt: skip
@@ -158,8 +158,7 @@ class Driver:
     # -- kernels -------------------------------------------------------------------------------
     def function(self, name: str, image: bytes) -> ctypes.c_void_p:
         """Kernel ``name`` (extern "C") of the cubin ``image``, loaded once."""
-        key = (name, "fn")
-        fn = self._functions.get(key)
+        fn = self._functions.get(name)
         if fn is None:
             mod = ctypes.c_void_p()
             self._check("cuModuleLoadData", self.lib.cuModuleLoadData(ctypes.byref(mod), image))
@@ -168,7 +167,7 @@ class Driver:
                 "cuModuleGetFunction",
                 self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
             )
-            self._modules[name], self._functions[key] = mod, fn
+            self._modules[name], self._functions[name] = mod, fn
         return fn
 
     def launch(self, fn, grid: tuple, block: tuple, pointers: list[int]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
-from hf2q_mlx.custom_kernels import backend, device_array, launch_recorder
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import (
     BLOCK_FORMATS,
@@ -261,10 +261,7 @@ def ggml_get_rows(w_raw: mx.array, ids: mx.array, ggml_type: int, in_features: i
     On a GPU one gather and one dequantize launch (the reference's ~20 small ops per lookup
     each cost a launch); the reference elsewhere (bit-exact with gguf-py).
     """
-    if launch_recorder.active():  # a CUDA graph step: the gather is a kernel too
-        rows = gather_rows(w_raw, ids).reshape(*ids.shape, -1)
-    else:
-        rows = w_raw[ids]
+    rows = gather_rows(w_raw, ids)  # MLX's gather; a kernel in a recorded CUDA graph step
     if backend() is None or ggml_type not in _KERNELS or ids.size == 0:
         return dequantize_reference(rows, ggml_type, in_features)
     flat = ggml_dequantize_kernel(rows.reshape(ids.size, -1), ggml_type, in_features, mx.float32)

@@ -18,15 +18,19 @@ _F = (mx.float32, mx.float16, mx.bfloat16)
 # ---- KV cache write ----------------------------------------------------------------------------
 
 
-def kv_write_reference(cache: mx.array, src: mx.array, pos: mx.array, ring: bool) -> mx.array:
-    """cache (B, H, C, D) with src (B, H, L, D) written at each row's slots pos[b] + l (modulo
-    C for a ring), as ``models.static_cache`` writes them."""
+def scatter_slots(cache: mx.array, slots: mx.array, src: mx.array) -> mx.array:
+    """cache (B, H, C, D) with src (B, H, L, D) written at slots (B, L) of each row (the MLX
+    step's KV write, ``models.static_cache``)."""
     B, H, L, D = src.shape
-    slots = pos[:, None] + mx.arange(L)[None]  # (B, L)
-    if ring:
-        slots = slots % cache.shape[2]
     idx = mx.broadcast_to(slots[:, None, :, None], (B, H, L, D))
     return mx.put_along_axis(cache, idx, src.astype(cache.dtype), axis=2)
+
+
+def kv_write_reference(cache: mx.array, src: mx.array, pos: mx.array, ring: bool) -> mx.array:
+    """cache (B, H, C, D) with src (B, H, L, D) written at each row's slots pos[b] + l (modulo
+    C for a ring)."""
+    slots = pos[:, None] + mx.arange(src.shape[2])[None]  # (B, L)
+    return scatter_slots(cache, slots % cache.shape[2] if ring else slots, src)
 
 
 _KV_BODY = """
@@ -117,12 +121,12 @@ _rows_kernel = Kernel(
 
 
 def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
-    """table (V, row_bytes) uint8, ids (...) int -> (ids.size, row_bytes): ``table[ids]`` as one
+    """table (V, row_bytes) uint8, ids (...) int -> (..., row_bytes): ``table[ids]``, as one
     kernel when recording and row_bytes is whole 32-bit words; MLX's gather otherwise."""
     V, RB = table.shape
     R = ids.size
     if not active() or RB % 4 or table.dtype != mx.uint8 or ids.dtype != mx.int32:
-        return table[ids.reshape(-1)]
+        return table[ids]
     W = RB // 4
     launch = _rows_kernel.launcher(
         [mx.uint32, mx.int32],
@@ -132,7 +136,8 @@ def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
         output_dtypes=[mx.uint32],
         template={"R": R, "W": W},
     )
-    return launch(inputs=[table.view(mx.uint32), ids.reshape(-1)])[0].view(mx.uint8)
+    rows = launch(inputs=[table.view(mx.uint32), ids.reshape(-1)])[0].view(mx.uint8)
+    return rows.reshape(*ids.shape, RB)
 
 
 # ---- embedding scale ---------------------------------------------------------------------------

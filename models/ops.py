@@ -428,10 +428,16 @@ def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
     return _sigmoid_gate(x, gate)
 
 
+def _gate_kernels() -> bool:
+    """Qwen 3.5's gate kernels: in a recorded CUDA graph step always, elsewhere once they are
+    GPU-verified (``sigmoid_gate.GPU_VERIFIED``)."""
+    return use_kernels() and (sigmoid_gate_kernel.GPU_VERIFIED or launch_recorder.active())
+
+
 def head_gate(x: mx.array, qg: mx.array) -> mx.array:
     """Gated attention's output: x (B, L, H D) times sigmoid of each [query | gate] head's gate
     half (qg (B, L, H, 2 D)); with kernels one launch reading the gates in place."""
-    if use_kernels() and (sigmoid_gate_kernel.GPU_VERIFIED or launch_recorder.active()):
+    if _gate_kernels():
         return sigmoid_gate_kernel.head_gate(x, qg)
     B, L, _, D2 = qg.shape
     return sigmoid_gate(x, qg[..., D2 // 2 :].reshape(B, L, -1))
@@ -439,7 +445,7 @@ def head_gate(x: mx.array, qg: mx.array) -> mx.array:
 
 def shared_gate_add(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.array | None:
     """``y + s * sigmoid(x @ w.T)`` as one kernel (None without kernels: the caller's ops)."""
-    if use_kernels() and (sigmoid_gate_kernel.GPU_VERIFIED or launch_recorder.active()):
+    if _gate_kernels():
         return sigmoid_gate_kernel.shared_gate_add(y, s, x, w)
     return None
 

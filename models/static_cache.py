@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import launch_recorder
 from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
-from hf2q_mlx.custom_kernels.graph_ops import kv_write
+from hf2q_mlx.custom_kernels.graph_ops import kv_write, scatter_slots
 from hf2q_mlx.errors import Hf2qError
 
 
@@ -61,8 +61,8 @@ class StaticKVCache(_RowPositions):
             self.keys, self.values = kv_write(self.keys, self.values, keys, values, self.pos, ring)
         else:
             slots = self._slots(L)
-            self.keys = _scatter(self.keys, slots, keys)
-            self.values = _scatter(self.values, slots, values)
+            self.keys = scatter_slots(self.keys, slots, keys)
+            self.values = scatter_slots(self.values, slots, values)
         mask = visible(self.pos, L, self.read_span, self.capacity, self.window)  # (B, 1, L, S)
         k, v = self.keys, self.values
         if self.read_span < self.capacity:
@@ -90,13 +90,6 @@ class StaticKVCache(_RowPositions):
         return decode_attention(
             queries, self.keys, self.values, self.pos, scale, self.read_span, self.window, True
         )
-
-
-def _scatter(buf: mx.array, slots: mx.array, new: mx.array) -> mx.array:
-    """buf (B, H, C, D) with new (B, H, L, D) written at slots (B, L) of each row."""
-    B, H, L, D = new.shape
-    idx = mx.broadcast_to(slots[:, None, :, None], (B, H, L, D))
-    return mx.put_along_axis(buf, idx, new.astype(buf.dtype), axis=2)
 
 
 class StaticRecurrentCache(_RowPositions):

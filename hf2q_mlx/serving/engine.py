@@ -441,13 +441,26 @@ class Engine:
         if prev is not None:
             self._collect(prev)
 
-    def _launch(self, prev: _Inflight | None) -> _Inflight | None:
-        # a row generates until it has launched its budget; one that turns out to have ended
-        # (EOS, a stop string) in the step being read back is dropped one step late
-        active = [
+    def _generating(self) -> list[bool]:
+        """The rows this step decodes: a row generates until it has launched its budget; one
+        that turns out to have ended (EOS, a stop string) in a step still being read back is
+        dropped one step late."""
+        return [
             r is not None and r.cursor >= len(r.prompt) - 1 and r.launched < r.budget
             for r in self.rows
         ]
+
+    def _launched(self, active: list[bool], sample: PendingSample) -> _Inflight:
+        """Count a launched step against the active rows' budgets."""
+        rows = []
+        for row, on in enumerate(active):
+            if on:
+                self.rows[row].launched += 1
+                rows.append((row, self.rows[row]))
+        return _Inflight(rows, sample)
+
+    def _launch(self, prev: _Inflight | None) -> _Inflight | None:
+        active = self._generating()
         if not any(active):
             return None
         # rows already generating feed the previous step's ids, still on the device
@@ -465,33 +478,17 @@ class Engine:
                 mask = device_array(chained, mx.bool_)
                 tokens = mx.where(mask, prev.sample.tokens, tokens)  # (B,)
         logits = self.step.decode(tokens, active)
-        sample = self.sampler.launch(logits, active)
-        rows = []
-        for row, on in enumerate(active):
-            if on:
-                self.rows[row].launched += 1
-                rows.append((row, self.rows[row]))
-        return _Inflight(rows, sample)
+        return self._launched(active, self.sampler.launch(logits, active))
 
     def _graph_decode(self) -> None:
         """One step through the CUDA graph, its tokens read and streamed at once: every row
         feeds the token it emitted last (or its prompt's last), sampling runs on the graph's
         logits. Nothing to overlap: the graph keeps the GPU busy on its own."""
-        active = [
-            r is not None and r.cursor >= len(r.prompt) - 1 and r.launched < r.budget
-            for r in self.rows
-        ]
+        active = self._generating()
         if not any(active):
             return
-        tokens = [r.pending if a else 0 for r, a in zip(self.rows, active)]
-        self.graph.decode(tokens, active)
-        sample = self.sampler.launch(self.graph.last.logits, active)
-        rows = []
-        for row, on in enumerate(active):
-            if on:
-                self.rows[row].launched += 1
-                rows.append((row, self.rows[row]))
-        self._collect(_Inflight(rows, sample))
+        self.graph.decode([r.pending if a else 0 for r, a in zip(self.rows, active)], active)
+        self._collect(self._launched(active, self.sampler.launch(self.graph.last.logits, active)))
 
     def _collect(self, done: _Inflight) -> None:
         out = self.sampler.read(done.sample)
