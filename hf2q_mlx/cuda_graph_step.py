@@ -210,20 +210,30 @@ class CudaGraphStep:
                     why = cuda_cache.status()["last_error"]
                     raise GraphCaptureError(f"no cubin for {launch.spec.kernel.name}: {why}")
                 functions[name] = drv.function(name, blob)
+        # Every address is resolved before the capture: data_ptr evaluates a lazy array, and an
+        # MLX allocation inside a capture is refused (cudaMallocManaged while capturing).
+        plan = []
+        for launch in rec.launches:
+            spec = launch.spec
+            fills = []
+            if spec.init_value is not None and not launch.in_place:
+                for o in launch.outputs:
+                    bits, width = _fill_bits(spec.init_value, o.dtype)
+                    fills.append((data_ptr(o), bits, o.nbytes // width, width))
+            ptrs = [data_ptr(x) for x in launch.inputs + launch.outputs]
+            plan.append((fills, functions[spec.unit()[0]], spec.blocks, spec.threadgroup, ptrs))
+        copies = [(data_ptr(dst), data_ptr(src), dst.nbytes) for dst, src in rec.copies]
+        mx.synchronize()
         drv.synchronize()
         drv.begin_capture()
         captured = False
         try:
-            for launch in rec.launches:
-                spec = launch.spec
-                if spec.init_value is not None and not launch.in_place:
-                    for o in launch.outputs:
-                        bits, width = _fill_bits(spec.init_value, o.dtype)
-                        drv.fill(data_ptr(o), bits, o.nbytes // width, width)
-                ptrs = [data_ptr(x) for x in launch.inputs + launch.outputs]
-                drv.launch(functions[spec.unit()[0]], spec.blocks, spec.threadgroup, ptrs)
-            for dst, src in rec.copies:
-                drv.copy(data_ptr(dst), data_ptr(src), dst.nbytes)
+            for fills, function, blocks, threadgroup, ptrs in plan:
+                for fill in fills:
+                    drv.fill(*fill)
+                drv.launch(function, blocks, threadgroup, ptrs)
+            for copy in copies:
+                drv.copy(*copy)
             captured = True
         finally:
             exe = drv.end_capture()  # ends the capture whatever happened in it
