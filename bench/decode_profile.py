@@ -79,7 +79,13 @@ def cupti_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _is_copy(name: str) -> bool:
+    """A CUPTI record of a memcpy or memset (a graph's copy nodes, uploads), not a kernel."""
+    return name.startswith(("Memcpy", "Memset"))
+
+
 def _cuda_kernels(prof) -> list[tuple[str, float]]:
+    """(name, us) of every CUDA activity record: kernels, memcpys and memsets."""
     from torch.autograd import DeviceType
 
     return [
@@ -175,8 +181,10 @@ def profile_decode(
         by_name[name][1] += us
     gpu_ms = sum(us for _, us in kernels) / 1e3 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    copies = sum(_is_copy(name) for name, _ in kernels)
     out.update(
-        kernels_per_token=len(kernels) / steps,
+        kernels_per_token=(len(kernels) - copies) / steps,
+        copies_per_token=copies / steps,
         kernel_ms_per_token=gpu_ms,
         gpu_busy=gpu_ms / wall_ms,
         top=[

@@ -115,6 +115,9 @@ step graph-probe 90 "python3 bench/cuda_graph_probe.py --json $OUT/graph_probe.j
 # RoPE kernel (its cache mode is new), one in 4 cases each; then 26B-A4B Q4_K as a graph against
 # the compiled step (interleaved rounds, 64 greedy tokens compared)
 step graph-tests 240 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-4} python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda_graph_step.py tests/kernels/test_sigmoid_gate.py tests/kernels/test_norm_rope.py tests/kernels/test_cuda_cache.py --tb=short"
+# the serving engine through the graph faulted on its first 26B-A4B replay (session 20): the same
+# run launching the graph's work one launch at a time, each waited for, names the launch
+step serve-graph-debug 240 "HF2Q_DECODE=graph HF2Q_GRAPH_DEBUG=1 PYTHONFAULTHANDLER=1 python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 8 --prefill-chunk 4096 --time-cap 180 --json $OUT/serve_graph_debug.json"
 step graph-26b 420 "python3 bench/speed_table.py $OUT/graph_26b.json --shapes gemma4:26b-a4b --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b

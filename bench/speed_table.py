@@ -83,8 +83,10 @@ def _cupti_stop(prof, out: dict, n: int) -> dict:
     if prof is not None:
         prof.__exit__(None, None, None)
         kernels = dp._cuda_kernels(prof)
-        gpu_ms = sum(us for _, us in kernels) / 1e3 / n
-        out.update(kernels=len(kernels) / n, kernel_ms=gpu_ms, gpu_busy=gpu_ms / out["wall_ms"])
+        gpu_ms = sum(us for _, us in kernels) / 1e3 / n  # busy: copies included
+        copies = sum(dp._is_copy(name) for name, _ in kernels)
+        out.update(kernels=(len(kernels) - copies) / n, copies=copies / n, kernel_ms=gpu_ms,
+                   gpu_busy=gpu_ms / out["wall_ms"])  # fmt: skip
     return out
 
 
@@ -353,7 +355,7 @@ def report(res: dict, copy_gb_s: float | None) -> list[str]:
     print(f"\n{res['shape']} ({res['layers']} layers, decode path {res['decode_path']}): "
           f"{res['prompt']}-token prompt, {res['tokens']} decode tokens per round")  # fmt: skip
     cols = ("variant", "decode tok/s", "x mlx-lm", "spread", "prefill tok/s", "x mlx-lm",
-            "kern/tok", "/layer", "py ms", "submit ms", "kernel ms", "busy")  # fmt: skip
+            "kern/tok", "/layer", "py ms", "submit ms", "GPU ms", "busy")  # fmt: skip
     print("  " + " | ".join(cols))
     missed = []
     bar = TARGETS["moe_ratio"] if res["moe"] else TARGETS["dense_ratio"]

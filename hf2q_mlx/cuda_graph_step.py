@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import struct
+import sys
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -47,6 +49,8 @@ class Recording:
         self.span, self.launches, self.out, self.copies = span, launches, out, copies
         self.logits = logits  # (B, V): the step's last logits, as the graph leaves them
         self.exe = None
+        self.plan: list = []  # what the graph holds: (fills, function, blocks, threads, pointers)
+        self.copy_plan: list = []  # (destination, source, bytes)
 
 
 def _fill_bits(value: float, dtype: mx.Dtype) -> tuple[int, int]:
@@ -223,6 +227,7 @@ class CudaGraphStep:
             ptrs = [data_ptr(x) for x in launch.inputs + launch.outputs]
             plan.append((fills, functions[spec.unit()[0]], spec.blocks, spec.threadgroup, ptrs))
         copies = [(data_ptr(dst), data_ptr(src), dst.nbytes) for dst, src in rec.copies]
+        rec.plan, rec.copy_plan = plan, copies
         mx.synchronize()
         drv.synchronize()
         drv.begin_capture()
@@ -285,7 +290,10 @@ class CudaGraphStep:
             self._capture(rec)
         self._bind()
         self._set_inputs(tokens, st.positions, active)
-        self.driver.replay(rec.exe)
+        if os.environ.get("HF2Q_GRAPH_DEBUG") == "1":
+            self._launch_one_by_one(rec)
+        else:
+            self.driver.replay(rec.exe)
         ids = np.empty(B, np.uint32)
         self.driver.download(data_ptr(rec.out), ids)
         self.driver.synchronize()
@@ -294,6 +302,35 @@ class CudaGraphStep:
         st._verified = [0] * B  # no rollback into graph-decoded tokens
         self.last = rec
         return ids.tolist()
+
+    def _launch_one_by_one(self, rec: Recording) -> None:
+        """The graph's work launched directly, each launch waited for (HF2Q_GRAPH_DEBUG=1): a
+        fault names its launch, kernel and grid instead of failing the whole replay; the first
+        launch that writes a non-finite float is said once on stderr (a NaN hidden state sends
+        the MoE router's expert ids out of range)."""
+        drv, said = self.driver, False
+        for i, ((fills, function, blocks, threads, ptrs), launch) in enumerate(
+            zip(rec.plan, rec.launches)
+        ):
+            name = launch.spec.kernel.name
+            try:
+                for fill in fills:
+                    drv.fill(*fill)
+                drv.launch(function, blocks, threads, ptrs)
+                drv.synchronize()
+            except Exception as err:
+                shapes = [tuple(x.shape) for x in launch.inputs]
+                raise GraphCaptureError(
+                    f"launch {i} of {len(rec.plan)} ({name}, grid {blocks}, inputs {shapes}) "
+                    f"failed: {err}"
+                ) from err
+            floats = [o for o in launch.outputs if mx.issubdtype(o.dtype, mx.floating)]
+            if not said and floats and not all(mx.isfinite(o).all().item() for o in floats):
+                print(f"hf2q-mlx graph debug: launch {i} ({name}) wrote a non-finite value",
+                      file=sys.stderr)  # fmt: skip
+                said = True
+        for copy in rec.copy_plan:
+            drv.copy(*copy)
 
     def logprob(self, row: int, token: int) -> float:
         """log-softmax of ``token`` in ``row``'s logits of the last ``decode`` (nan when the

@@ -96,12 +96,15 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1, help="rows (B > 1: one idles a step)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="prompt tokens per row before decoding; the graph is made and recorded "
+                         "before them, as the serving engine does")  # fmt: skip
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     fake_cuda()
     family, _, shape = a.model.partition(":")
     model, vocab = build(family, shape, a.layers, a.window)
-    max_len = 32
+    max_len = 32 + a.prefill
     B = a.batch
     # row b starts from token 7 + b; with B > 1 the last row idles on the second step, so the
     # rows sit at different positions from then on
@@ -112,7 +115,11 @@ def main() -> None:
 
     # the MLX step, uncompiled (the emulator cannot run inside a compile trace)
     ref = DecodeStep(model, B, max_len)
-    span = ref._span(1)
+    prompts = [[(3 * b + 5 * i + 1) % vocab for i in range(a.prefill)] for b in range(B)]
+    for b, p in enumerate(prompts):
+        if p:
+            mx.eval(ref.prefill(b, p))
+    span = ref._span(max(ref.positions) + a.steps)
     tokens, want = list(firsts), []
     for i in range(a.steps):
         act = active_at(i)
@@ -131,7 +138,13 @@ def main() -> None:
     # the recorded graph, replayed
     st = DecodeStep(model, B, max_len)
     graph = CudaGraphStep(st)
-    rec = graph.record(span)
+    if a.prefill:  # made and recorded at the first span before any prompt, as the engine does
+        graph.record(st._span(1))
+        for b, p in enumerate(prompts):
+            mx.eval(st.prefill(b, p))
+        graph._bind()  # what decode() does first
+    # the recording of this span if there is one (recorded at positions 0 and 1), as decode()
+    rec = graph.recordings.get(span) or graph.record(span)
     tokens, got = list(firsts), []
     for i in range(a.steps):
         act = active_at(i)

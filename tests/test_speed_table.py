@@ -124,3 +124,23 @@ def test_env_ab_gives_each_setting_its_own_worker(tmp_path):
     assert res["settings"]["default"]["ratios"] == [1.0, 1.0]
     bad = subprocess.run(cmd[:3] + ["--env", "NOVALUE"], capture_output=True, text=True)
     assert bad.returncode == 2 and "expected NAME=VALUE" in bad.stderr
+
+
+def test_profile_counts_kernels_apart_from_copies(monkeypatch):
+    """CUPTI's records of a graph step include its copy nodes and the uploads (Memcpy / Memset):
+    kernels per token count kernels only; GPU busy counts every record's time."""
+    import decode_profile as dp
+    import speed_table as st
+
+    records = [("ggml_qmv", 30.0), ("Memcpy HtoD (Pageable -> Device)", 2.0),
+               ("Memcpy DtoD (Device -> Device)", 4.0), ("topk", 4.0),
+               ("Memset (Device)", 1.0), ("moe_router", 9.0)]  # fmt: skip
+    monkeypatch.setattr(dp, "_cuda_kernels", lambda prof: records * 2)
+
+    class Prof:
+        def __exit__(self, *a):
+            pass
+
+    out = st._cupti_stop(Prof(), {"wall_ms": 0.1}, 2)
+    assert out["kernels"] == 3 and out["copies"] == 3
+    assert abs(out["kernel_ms"] - 0.05) < 1e-12 and abs(out["gpu_busy"] - 0.5) < 1e-9
