@@ -54,7 +54,10 @@ _PYBUF_STRIDES_FORMAT = 0x18 | 0x04
 def data_ptr(a) -> int:
     """Device (= managed host) address of an evaluated MLX array's first element, view offset
     included (numpy cannot read a bfloat16 buffer, so the buffer protocol is called directly).
-    Evaluates ``a`` first, as the buffer protocol does."""
+    Evaluates ``a`` first, as the buffer protocol does. MLX 0.32.4 puts a GPU op's output in
+    device memory (``cudaMallocAsync``) and moves the buffer to managed memory the first time
+    the host asks for its address (``Buffer::raw_ptr``): the first call on such an array copies
+    it once; the address it returns stays the array's."""
     buf = _PyBuffer()
     if ctypes.pythonapi.PyObject_GetBuffer(
         ctypes.py_object(a), ctypes.byref(buf), _PYBUF_STRIDES_FORMAT
