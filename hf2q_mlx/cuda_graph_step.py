@@ -66,6 +66,14 @@ def _fill_bits(value: float, dtype: mx.Dtype) -> tuple[int, int]:
     raise GraphCaptureError(f"no memset for init value {value} of {dtype}")
 
 
+def _enqueue(drv: Driver, entry: tuple) -> None:
+    """One entry of a recording's plan on the driver's stream: its memsets, then its launch."""
+    fills, function, blocks, threads, ptrs = entry
+    for fill in fills:
+        drv.fill(*fill)
+    drv.launch(function, blocks, threads, ptrs)
+
+
 def fuse_kv_writes(launches: list) -> list:
     """Where ``kv_write`` copies the keys and values an ``rms_norm_rope`` launch just made, that
     launch writes them into the caches itself (its cache mode) and the copy goes: one launch
@@ -233,10 +241,8 @@ class CudaGraphStep:
         drv.begin_capture()
         captured = False
         try:
-            for fills, function, blocks, threadgroup, ptrs in plan:
-                for fill in fills:
-                    drv.fill(*fill)
-                drv.launch(function, blocks, threadgroup, ptrs)
+            for entry in plan:
+                _enqueue(drv, entry)
             for copy in copies:
                 drv.copy(*copy)
             captured = True
@@ -309,20 +315,16 @@ class CudaGraphStep:
         launch that writes a non-finite float is said once on stderr (a NaN hidden state sends
         the MoE router's expert ids out of range)."""
         drv, said = self.driver, False
-        for i, ((fills, function, blocks, threads, ptrs), launch) in enumerate(
-            zip(rec.plan, rec.launches)
-        ):
+        for i, (entry, launch) in enumerate(zip(rec.plan, rec.launches)):
             name = launch.spec.kernel.name
             try:
-                for fill in fills:
-                    drv.fill(*fill)
-                drv.launch(function, blocks, threads, ptrs)
+                _enqueue(drv, entry)
                 drv.synchronize()
             except Exception as err:
                 shapes = [tuple(x.shape) for x in launch.inputs]
                 raise GraphCaptureError(
-                    f"launch {i} of {len(rec.plan)} ({name}, grid {blocks}, inputs {shapes}) "
-                    f"failed: {err}"
+                    f"launch {i} of {len(rec.plan)} ({name}, grid {launch.spec.blocks}, "
+                    f"inputs {shapes}) failed: {err}"
                 ) from err
             floats = [o for o in launch.outputs if mx.issubdtype(o.dtype, mx.floating)]
             if not said and floats and not all(mx.isfinite(o).all().item() for o in floats):

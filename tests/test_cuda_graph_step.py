@@ -323,7 +323,8 @@ def test_gpu_stream_generate_graph_equals_compiled(monkeypatch):
     """On CUDA, tiny Gemma 4 MoE with GGML weights (one build: the bench builder's router
     weights come from MLX's global generator, so two builds differ): stream_generate through
     HF2Q_DECODE=graph gives HF2Q_DECODE=compiled's tokens and logprobs, greedy and sampled with
-    one seed (the graph's logits are the compiled step's bit for bit, checked above)."""
+    one seed (the graph's logits are within 2 bf16 units of the compiled step's, checked above;
+    0 measured on the H200)."""
     if not mx.cuda.is_available():
         pytest.skip("the CUDA graph step needs MLX's CUDA back end")
     sys.path.insert(0, str(HERE.parent / "bench"))
