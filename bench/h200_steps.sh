@@ -118,6 +118,9 @@ step graph-tests 240 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-4} python3 -m pytest -q -p 
 # the serving engine through the graph faulted on its first 26B-A4B replay (session 20): the same
 # run launching the graph's work one launch at a time, each waited for, names the launch
 step serve-graph-debug 240 "HF2Q_DECODE=graph HF2Q_GRAPH_DEBUG=1 PYTHONFAULTHANDLER=1 python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 8 --prefill-chunk 4096 --time-cap 180 --json $OUT/serve_graph_debug.json"
+# the graph against the compiled step on one shape (SHAPES), Q4_K only, no mlx-lm: tok/s,
+# kernels per token, 64 greedy tokens compared
+step graph-parity 420 "python3 bench/speed_table.py $OUT/graph_parity.json --shapes ${SHAPES:-qwen3_5:35b-a3b} --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64"
 step graph-26b 420 "python3 bench/speed_table.py $OUT/graph_26b.json --shapes gemma4:26b-a4b --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b

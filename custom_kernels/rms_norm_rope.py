@@ -27,11 +27,14 @@ class Heads:
 
     def __post_init__(self):
         shape = self.data.shape
-        if len(shape) != 3 or self.width <= 0 or shape[-1] % self.width:
+        if len(shape) != 3 or self.width <= 0:
             raise InvalidArgumentError(f"heads of {self.width} values in a {shape} array")
-        if self.first < 0 or self.count <= 0 or self.first + self.count > shape[-1] // self.width:
+        # heads of another width may share the output (Qwen 3.5's [query | gate] heads are two
+        # head_dim-wide heads of k and v): values first * width .. (first + count) * width
+        if self.first < 0 or self.count <= 0 or (self.first + self.count) * self.width > shape[-1]:
             raise InvalidArgumentError(
-                f"heads {self.first}..{self.first + self.count} outside {shape[-1] // self.width}"
+                f"heads {self.first}..{self.first + self.count} of {self.width} values outside "
+                f"{shape[-1]}"
             )
 
     @property
@@ -56,17 +59,18 @@ def split_heads(xs) -> list:
     for idx in groups.values():
         parts = sorted(idx, key=lambda i: xs[i].first)
         h0 = xs[parts[0]]
-        y = h0.data.reshape(*h0.shape[:2], -1, h0.width)  # (B, L, N / P, P)
         ends = [xs[i].first + xs[i].count for i in parts]
-        tiles = [xs[i].first for i in parts] == [0, *ends[:-1]] and ends[-1] == y.shape[2]
-        if tiles and all(xs[i].width == h0.width for i in parts):
+        same = all(xs[i].width == h0.width for i in parts)
+        whole = ends[-1] * h0.width == h0.data.shape[-1]
+        if same and whole and [xs[i].first for i in parts] == [0, *ends[:-1]]:
+            y = h0.data.reshape(*h0.shape[:2], -1, h0.width)  # (B, L, N / P, P)
             for i, piece in zip(parts, mx.split(y, ends[:-1], axis=2) if ends[:-1] else [y]):
                 out[i] = piece
-        else:  # overlapping or partial: one slice each
+        else:  # overlapping, partial or of mixed widths: one slice each
             for i in parts:
                 h = xs[i]
-                heads = h.data.reshape(*h.shape[:2], -1, h.width)
-                out[i] = heads[:, :, h.first : h.first + h.count]
+                flat = h.data[..., h.first * h.width : (h.first + h.count) * h.width]
+                out[i] = flat.reshape(h.shape)  # (B, L, H, P)
     return out
 
 

@@ -1,8 +1,8 @@
 """Qwen 3.5's sigmoid output gates, one kernel each.
 
 - ``head_gate``: gated attention's output times sigmoid of each head's gate half, read in place
-  from the [query | gate] projection (B, L, H, 2 D): MLX copies the strided half first, then
-  multiplies (two launches).
+  from the [query | gate] projection (B, L, H, 2 D), or from a fused q/k/v output (``Heads``):
+  MLX copies the strided half first, then multiplies (two launches).
 - ``shared_gate_add``: the MoE block's end, ``y + s * sigmoid(x . w)`` (routed experts y,
   shared expert s, the shared-expert gate's dot product with the block input x): MLX's GEMV,
   sigmoid-multiply and add (three launches).
@@ -22,25 +22,29 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, split_heads
 
 _F = (mx.float32, mx.float16, mx.bfloat16)
 GPU_VERIFIED = True  # the GPU tests passed on CUDA (session 20): the compiled step takes them
 
 
-def head_gate_reference(x: mx.array, qg: mx.array) -> mx.array:
-    """x (B, L, H D), qg (B, L, H, 2 D) -> x * sigmoid(qg[..., D:]) (B, L, H D)."""
+def head_gate_reference(x: mx.array, qg: mx.array | Heads) -> mx.array:
+    """x (B, L, H D), qg (B, L, H, 2 D) (or ``Heads`` of a projection's output standing for
+    it) -> x * sigmoid(qg[..., D:]) (B, L, H D)."""
+    (qg,) = split_heads([qg])
     B, L, H, D2 = qg.shape
     return x * mx.sigmoid(qg[..., D2 // 2 :].reshape(B, L, H * (D2 // 2)))
 
 
 _HEAD_BODY = """
   // One thread per output element e of (rows, H D): its gate is channel d of its head's gate
-  // half in the [query | gate] row.
+  // half in the [query | gate] heads, which start OFF values into each RS-value row of qg.
   const uint e = gid_x * tg_size + tid;
   if (e >= N) return;
   const uint d = e % D;
-  const uint rh = e / D;  // (row, head)
-  const float g = to_float(qg[uint64_t(rh) * (2 * D) + D + d]);
+  const uint h = (e / D) % H;
+  const uint row = e / (D * H);
+  const float g = to_float(qg[uint64_t(row) * RS + OFF + uint64_t(h) * (2 * D) + D + d]);
   const T s = from_float<T>(1.0f / (1.0f + exp_f(-g)));
   out[e] = from_float<T>(to_float(x[e]) * to_float(s));
 """
@@ -50,25 +54,35 @@ _head_kernel = Kernel(
     inputs=["x", "qg"],
     outputs=["out"],
     body=_HEAD_BODY,
-    examples=[Example({"x": t, "qg": t}, {"out": t}, {"T": t, "N": 256, "D": 32}) for t in _F],
-)
+    examples=[
+        Example({"x": t, "qg": t}, {"out": t},
+                {"T": t, "N": 256, "D": 32, "H": 4, "RS": rs, "OFF": off})
+        for t, rs, off in ((mx.float32, 256, 0), (mx.bfloat16, 320, 0), (mx.float16, 384, 64))
+    ],
+)  # fmt: skip
 
 
-def head_gate(x: mx.array, qg: mx.array) -> mx.array:
-    """Dispatcher: one kernel for float arrays of matching shapes; the reference otherwise."""
+def head_gate(x: mx.array, qg: mx.array | Heads) -> mx.array:
+    """Dispatcher: one kernel for float arrays of matching shapes, reading ``Heads`` of a fused
+    q/k/v output in place; the reference otherwise."""
     be = backend()
     if be is not None and x.dtype in _F and qg.dtype == x.dtype and x.size < 2**31:
         B, L, H, D2 = qg.shape
-        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0:
-            return _head_plan(be, x.size, D2 // 2, x.shape, x.dtype)(inputs=[x, qg])[0]
+        data, rs, off = qg, H * D2, 0
+        if isinstance(qg, Heads):
+            data, rs, off = qg.data, qg.data.shape[-1], qg.first * qg.width
+        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0 and data.size < 2**31:
+            plan = _head_plan(be, x.size, D2 // 2, H, rs, off, x.shape, x.dtype)
+            return plan(inputs=[x, data])[0]
     return head_gate_reference(x, qg)
 
 
 @lru_cache(maxsize=64)
-def _head_plan(be, n, D, shape, dtype):
+def _head_plan(be, n, D, H, rs, off, shape, dtype):
     return _head_kernel.launcher(
         [dtype, dtype], grid=(n,), threadgroup=(256,), output_shapes=[shape],
-        output_dtypes=[dtype], template={"T": dtype, "N": n, "D": D}, backend=be,
+        output_dtypes=[dtype], template={"T": dtype, "N": n, "D": D, "H": H, "RS": rs, "OFF": off},
+        backend=be,
     )  # fmt: skip
 
 

@@ -109,6 +109,11 @@ def fuse_kv_writes(launches: list) -> list:
     return [launch for launch in out if launch is not None]
 
 
+def _alias(a: mx.array) -> mx.array:
+    """Another array object over ``a``'s buffer (no copy once evaluated)."""
+    return mx.stop_gradient(a)
+
+
 def _scratch_view(a: mx.array, scratch: dict) -> mx.array | None:
     """``a`` when it lies in one of the recording's output buffers."""
     p = data_ptr(a)
@@ -133,8 +138,21 @@ class CudaGraphStep:
         self._pos = mx.zeros((rows,), mx.int32)
         self._active = mx.zeros((max(rows, 16),), mx.bool_)
         mx.eval(self._tokens, self._pos, self._active)
-        self._caches = [list(s.arrays) for s in step.caches]  # the arrays the graphs write
+        # The arrays the graphs write, objects of our own over the step's cache buffers. The step
+        # gets other objects over the same buffers (``_hand_over``): whatever it does with those
+        # (an in-place ``a[row] = v`` rebinds an object to a new buffer) cannot free a buffer
+        # the graph writes; a step array that is not the one handed over is copied in (``_bind``).
+        self._caches = [[_alias(a) for a in s.arrays] for s in step.caches]
+        mx.eval(self._caches)
+        self._hand_over(step.caches)
         self.recordings: dict[int, Recording] = {}
+
+    def _hand_over(self, caches) -> None:
+        """The step's caches become fresh objects over the graph's buffers; remember them."""
+        for s, mine in zip(caches, self._caches):
+            s.arrays = [_alias(m) for m in mine]
+        mx.eval([s.arrays for s in caches])
+        self._handed = [list(s.arrays) for s in self.step.caches]
 
     # ---- recording ---------------------------------------------------------------------------
 
@@ -166,8 +184,7 @@ class CudaGraphStep:
                 tokens, self._pos, self._active[: self._pos.size], self._caches, span, True
             )
             mx.eval(out)
-        for s, a in zip(st.caches, self._caches):  # _step leaves the caches pointing at these
-            s.arrays = list(a)
+        self._hand_over(st.caches)  # _step leaves the caches pointing at the graph's objects
         return rec, out, arrays
 
     def record(self, span: int) -> Recording:
@@ -256,8 +273,8 @@ class CudaGraphStep:
     def _bind(self) -> None:
         """Make the graph's cache arrays hold what the step's caches hold now."""
         moved = []
-        for s, mine in zip(self.step.caches, self._caches):
-            if any(a is not m for a, m in zip(s.arrays, mine)):
+        for s, mine, handed in zip(self.step.caches, self._caches, self._handed):
+            if any(a is not h for a, h in zip(s.arrays, handed)):
                 moved.append((s, mine))
         if not moved:
             return
@@ -265,13 +282,16 @@ class CudaGraphStep:
         mx.synchronize()
         for s, mine in moved:
             for a, m in zip(s.arrays, mine):
-                if a is m:
+                dst, src = data_ptr(m), data_ptr(a)
+                if dst == src:
                     continue
                 if self.driver is not None:
-                    self.driver.copy(data_ptr(m), data_ptr(a), m.nbytes)
+                    self.driver.copy(dst, src, m.nbytes)
                 else:
-                    ctypes.memmove(data_ptr(m), data_ptr(a), m.nbytes)
-            s.arrays = list(mine)
+                    ctypes.memmove(dst, src, m.nbytes)
+        if self.driver is not None:
+            self.driver.synchronize()  # the sources may be freed once the step lets them go
+        self._hand_over(self.step.caches)
 
     def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None) -> list[int]:
         """One greedy token for every row (``tokens``, one per row) -> the next token ids."""

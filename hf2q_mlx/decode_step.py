@@ -483,26 +483,29 @@ class DecodeStep(RowSlots):
 
 
 def _set_row(buf: mx.array, row: int, value: mx.array, n: int | None = None) -> mx.array:
-    """buf with row ``row`` (its first ``n`` slots on axis 1 when n is given) set to value."""
+    """A new array: buf with row ``row`` (its first ``n`` slots on axis 1 when n is given) set
+    to value. ``buf`` itself is left as it is: a CUDA graph step may hold that array object and
+    replay at its buffer's address (an in-place ``buf[row] = value`` would move the object to a
+    new buffer and let the old one be freed under the graph)."""
+    out = mx.stop_gradient(buf)  # another array object over the same value, no copy
     if n is None:
-        buf[row] = value
+        out[row] = value
     elif n > 0:
-        buf[row, :, :n] = value
-    return buf
+        out[row, :, :n] = value
+    return out
 
 
 def _adopt_ring(buf: mx.array, row: int, src: mx.array, pos: int) -> mx.array:
-    """A ring (H, C', D) filled by a per-sequence RotatingKVCache (slot = position % C') into the
-    static ring (slot = position % C) of ``row``: the last min(pos, C, C') positions move."""
+    """A new array: a ring (H, C', D) filled by a per-sequence RotatingKVCache (slot = position
+    % C') put into the static ring (slot = position % C) of ``row`` of ``buf``: the last min(pos,
+    C, C') positions move. ``buf`` is left as it is (see ``_set_row``)."""
     C, C2 = buf.shape[2], src.shape[1]
     if C == C2:
-        buf[row] = src
-        return buf
+        return _set_row(buf, row, src)
     p = mx.arange(pos - min(pos, C, C2), pos)  # rings of different sizes (a short max_len)
     moved = mx.take(src, p % C2, axis=1)  # (H, n, D)
     idx = mx.broadcast_to((p % C)[None, :, None], moved.shape)
-    buf[row] = mx.put_along_axis(buf[row], idx, moved.astype(buf.dtype), axis=1)
-    return buf
+    return _set_row(buf, row, mx.put_along_axis(buf[row], idx, moved.astype(buf.dtype), axis=1))
 
 
 _STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len, reserve)

@@ -217,6 +217,9 @@ class RoPE:
     ):
         self.dims, self.base, self.scale, self.freqs = dims, base, scale, freqs
         self.inv_freq = rope_inv_freq(dims, base) if freqs is None else 1.0 / freqs
+        # evaluated now: left lazy, a compiled decode step would recompute it every token
+        # (five graph nodes per attention layer)
+        mx.eval(self.inv_freq)
 
     def __call__(self, x: mx.array, pos: mx.array) -> mx.array:
         """x (B, H, L, D), ``pos`` the (1,) first position -> rotated x."""
@@ -434,11 +437,13 @@ def _gate_kernels() -> bool:
     return use_kernels() and (sigmoid_gate_kernel.GPU_VERIFIED or launch_recorder.active())
 
 
-def head_gate(x: mx.array, qg: mx.array) -> mx.array:
+def head_gate(x: mx.array, qg: mx.array | Heads) -> mx.array:
     """Gated attention's output: x (B, L, H D) times sigmoid of each [query | gate] head's gate
-    half (qg (B, L, H, 2 D)); with kernels one launch reading the gates in place."""
+    half (qg (B, L, H, 2 D), or ``Heads`` of a fused q/k/v output); with kernels one launch
+    reading the gates in place."""
     if _gate_kernels():
         return sigmoid_gate_kernel.head_gate(x, qg)
+    (qg,) = split_heads([qg])
     B, L, _, D2 = qg.shape
     return sigmoid_gate(x, qg[..., D2 // 2 :].reshape(B, L, -1))
 

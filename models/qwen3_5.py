@@ -15,9 +15,16 @@ from hf2q_mlx.models.base import BaseModelArgs
 from hf2q_mlx.models.cache import KVCache, causal_mask
 from hf2q_mlx.models.contract import Architecture, LayerRoPE, TokenizerQuirks
 from hf2q_mlx.models.delta_net_projections import FusedInProj
-from hf2q_mlx.models.fused_projections import fuse_gate_up, gated_mlp_hidden
+from hf2q_mlx.models.fused_projections import (
+    QKV,
+    FusedQKV,
+    fuse_gate_up,
+    gated_mlp_hidden,
+    heads_plan,
+)
 from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
 from hf2q_mlx.models.ops import RMSNorm, RoPE
+from hf2q_mlx.models.quantized import fuse_linear_groups
 from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
 
 
@@ -103,7 +110,7 @@ class GatedDeltaNet(FusedInProj, nn.Module):
         return self.out_proj(ops.gated_delta_net(self, qkv, z, a, b, cache))
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, FusedQKV):
     """Full attention whose q_proj also yields a per-channel sigmoid gate on the output."""
 
     def __init__(self, args: ModelArgs):
@@ -121,18 +128,32 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, eps=args.rms_norm_eps)
         self.rope = RoPE(int(d * args.partial_rotary_factor), args.rope_theta)  # partial
 
-    def __call__(self, x: mx.array, cache: KVCache | None, pos: mx.array) -> mx.array:
-        B, L, _ = x.shape
+    def fuse_projections(self) -> None:
+        """q/k/v as one matmul where their weights stack: one mat-vec a decode token instead of
+        three. q_proj's [query | gate] heads count as two head_dim-wide heads each."""
+        if getattr(self, "_qkv_plan", None) is None:
+            groups = fuse_linear_groups(self, QKV)
+            plan = heads_plan(groups, 2 * self.n_heads, self.n_kv_heads)
+            object.__setattr__(self, "_qkv_plan", plan)
+
+    def _project(self, x: mx.array) -> tuple[Heads, Heads, Heads]:
+        """q as (B, L, H, 2 D) [query | gate] heads, k and v as (B, L, Hk, D) heads, all read in
+        place from the projections' outputs (fused or not)."""
         D = self.head_dim
-        qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * D)  # per head: [query | gate]
-        k = Heads(self.k_proj(x), 0, self.n_kv_heads, D)  # the kernel reads it unreshaped
-        v = self.v_proj(x)  # (B, L, Hk D) -> (B, Hk, L, D); one token: a reshape alone
-        if L == 1:  # the same layout without a Transpose node in every decode step
-            v = v.reshape(B, self.n_kv_heads, 1, D)
-        else:
-            v = v.reshape(B, L, self.n_kv_heads, D).transpose(0, 2, 1, 3)
-        # the norm + RoPE reads the queries out of the [query | gate] heads in place
-        q, k = ops.qk_norm_rope(qg, k, self.q_norm, self.k_norm, self.rope, pos)
+        if getattr(self, "_qkv_plan", None) is None:  # not fused (yet)
+            q = Heads(self.q_proj(x), 0, self.n_heads, 2 * D)
+            k = Heads(self.k_proj(x), 0, self.n_kv_heads, D)
+            return q, k, Heads(self.v_proj(x), 0, self.n_kv_heads, D)
+        q, k, v = self.project_packed(x)  # q: 2 H heads of D, the first in its output
+        return Heads(q.data, q.first // 2, self.n_heads, 2 * D), k, v
+
+    def __call__(self, x: mx.array, cache: KVCache | None, pos: mx.array) -> mx.array:
+        L = x.shape[1]
+        qg, k, v = self._project(x)
+        # one kernel: the queries' and keys' norms + RoPE, v laid out (B, Hk, L, D) beside them
+        # (so the cache write can fold into it); the queries read out of the [query | gate] heads
+        q, k, v = ops.qk_norm_rope(qg, k, self.q_norm, self.k_norm, self.rope, pos, v=v,
+                                   v_norm=False)  # fmt: skip
         if cache is None:
             mask = causal_mask(L)
         else:
@@ -230,10 +251,10 @@ class Model(nn.Module):
 
     def fuse_projections(self) -> Model:
         """Lossless, after loading (the loader calls it): each delta-net's input projections
-        and each gate/up pair (the dense MLP, the MoE shared expert) as one matmul per weight
-        kind where the weights stack."""
+        and each gate/up pair (the dense MLP, the MoE shared expert) and each attention's q/k/v
+        as one matmul per weight kind where the weights stack."""
         for _, module in self.named_modules():
-            if isinstance(module, (GatedDeltaNet, MLP)):
+            if isinstance(module, (GatedDeltaNet, MLP, Attention)):
                 module.fuse_projections()
         return self
 

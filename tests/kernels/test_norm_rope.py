@@ -371,7 +371,16 @@ def test_split_heads_and_heads_errors():
         assert mx.array_equal(got, y[:, :, a:b]).item()
     (alone,) = nr.split_heads([k])  # not a tiling of the output: a slice
     assert mx.array_equal(alone, y[:, :, 4:6]).item()
-    for bad in [(data, 6, 2, 16), (data, 0, 0, 16), (data, -1, 2, 16), (data, 0, 1, 24),
+    # heads of two widths in one output (Qwen 3.5's [query | gate] heads beside k and v)
+    qg, k2, v2 = nr.Heads(data, 0, 2, 32), nr.Heads(data, 4, 2, 16), nr.Heads(data, 6, 1, 16)
+    got = nr.split_heads([qg, k2, v2])
+    assert mx.array_equal(got[0], data[..., :64].reshape(2, 3, 2, 32)).item()
+    assert (
+        mx.array_equal(got[1], y[:, :, 4:6]).item() and mx.array_equal(got[2], y[:, :, 6:]).item()
+    )
+    odd = nr.Heads(data, 1, 1, 48)  # 48 does not divide 112: values 48..95
+    assert mx.array_equal(nr.split_heads([odd])[0], data[..., 48:96].reshape(2, 3, 1, 48)).item()
+    for bad in [(data, 6, 2, 16), (data, 0, 0, 16), (data, -1, 2, 16), (data, 4, 1, 24),
                 (y, 0, 1, 16)]:  # fmt: skip
         with pytest.raises(InvalidArgumentError):
             nr.Heads(*bad)

@@ -10,6 +10,7 @@ from conftest import requires_gpu
 from test_norm_rope import assert_one_rounding, emulate, needs_gxx
 
 from hf2q_mlx.custom_kernels import sigmoid_gate as sg
+from hf2q_mlx.custom_kernels.rms_norm_rope import Heads
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
@@ -53,6 +54,31 @@ def test_head_gate_body_emulated(monkeypatch):
     sg._head_plan.cache_clear()
 
 
+def _packed(B, L, H, Hk, D, seed, dtype=mx.float32):
+    """x and the [query | gate] heads of a fused q/k/v output (B, L, H 2 D + 2 Hk D), in place."""
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((B, L, H * D)).astype(np.float32)).astype(dtype)
+    n = H * 2 * D + 2 * Hk * D
+    data = mx.array((rng.standard_normal((B, L, n)) * 3).astype(np.float32)).astype(dtype)
+    return x, Heads(data, 0, H, 2 * D), data
+
+
+@needs_gxx
+def test_head_gate_reads_fused_heads_in_place_emulated(monkeypatch):
+    """Heads of a fused q/k/v output (rows of H 2 D + 2 Hk D values): the kernel reads the gates
+    where they lie, and gives the bits it gives on the same heads as their own array."""
+    emu = emulate(monkeypatch, sg, "_head_kernel")
+    sg._head_plan.cache_clear()
+    x, qg, data = _packed(2, 3, 3, 1, 32, 7)
+    got = sg.head_gate(x, qg)
+    assert emu["_head_kernel"].launches == 1
+    alone = sg.head_gate(x, mx.contiguous(data[..., : 3 * 64].reshape(2, 3, 3, 64)))
+    assert np.array_equal(np.array(got), np.array(alone))
+    np.testing.assert_allclose(np.array(got), np.array(sg.head_gate_reference(x, qg)),
+                               rtol=2e-6, atol=1e-7)  # fmt: skip
+    sg._head_plan.cache_clear()
+
+
 @needs_gxx
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
 def test_shared_gate_add_body_emulated(monkeypatch, dtype):
@@ -87,6 +113,20 @@ def test_dispatchers_fall_back_for_other_shapes(monkeypatch):
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 16, 2, 256), (4, 1, 32, 2, 256), (2, 3, 4, 1, 128)],
+                         ids=str)  # fmt: skip
+def test_head_gate_gpu_fused_heads(dtype, shape):
+    """The gates read in place from a fused q/k/v output (Qwen 3.5's decode): the same bits as
+    on the [query | gate] heads copied out to their own array."""
+    x, qg, data = _packed(*shape, seed=sum(shape), dtype=dtype)
+    B, L, H, _, D = shape
+    got = sg.head_gate(x, qg)
+    alone = sg.head_gate(x, mx.contiguous(data[..., : H * 2 * D].reshape(B, L, H, 2 * D)))
+    assert got.shape == alone.shape and bool(mx.array_equal(got, alone))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 16, 256), (2, 3, 4, 128), (1, 5, 32, 256)], ids=str)
 def test_head_gate_gpu(dtype, shape):
     x, qg = _heads(*shape, seed=sum(shape), dtype=dtype)
@@ -94,7 +134,8 @@ def test_head_gate_gpu(dtype, shape):
     # the kernel with its output poisoned first: every element written, the same bits
     poisoned = sg._head_kernel(
         [x, qg], grid=(x.size,), threadgroup=(256,), output_shapes=[x.shape],
-        output_dtypes=[dtype], template={"T": dtype, "N": x.size, "D": shape[3]},
+        output_dtypes=[dtype], template={"T": dtype, "N": x.size, "D": shape[3], "H": shape[2],
+                                         "RS": 2 * shape[2] * shape[3], "OFF": 0},
         init_value=float("nan"),
     )[0]  # fmt: skip
     assert bool(mx.array_equal(poisoned, got))
