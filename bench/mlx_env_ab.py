@@ -58,7 +58,7 @@ def worker(conn, env: dict[str, str], shape: str, fmt: str, tiny: bool, prompt: 
         model.fuse_projections()
         import speed_table as st
 
-        variant = st.Variant(model, decode_mode() == "compiled", 2048, prompt + 4096)
+        variant = st.Variant(model, decode_mode() in ("compiled", "graph"), 2048, prompt + 4096)
         ids = mx.random.randint(0, config["vocab_size"], (1, prompt), key=mx.random.key(3))
         variant.prefill(ids.astype(mx.int32))
         variant.decode(4)  # traces and kernel builds before the first timed round

@@ -245,7 +245,7 @@ def stats(xs: list[float]) -> dict:
 def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
     vocab, layers = config["vocab_size"], config["num_hidden_layers"]
     moe = bool(config.get("enable_moe_block") or config.get("num_experts"))
-    compiled = decode_mode() == "compiled"
+    compiled = decode_mode() in ("compiled", "graph")
     max_len = a.prompt + a.tokens + a.profile_steps + 16
     variants: dict[str, Variant] = {}
     wbytes = {}

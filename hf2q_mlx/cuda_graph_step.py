@@ -332,8 +332,9 @@ class CudaGraphStep:
     def _launch_one_by_one(self, rec: Recording) -> None:
         """The graph's work launched directly, each launch waited for (HF2Q_GRAPH_DEBUG=1): a
         fault names its launch, kernel and grid instead of failing the whole replay; the first
-        launch that writes a non-finite float is said once on stderr (a NaN hidden state sends
-        the MoE router's expert ids out of range)."""
+        launch that writes a NaN is said once on stderr (a NaN hidden state sends the MoE
+        router's expert ids out of range). Infinities are legitimate: an attention part with no
+        visible slot keeps a running max of -inf."""
         drv, said = self.driver, False
         for i, (entry, launch) in enumerate(zip(rec.plan, rec.launches)):
             name = launch.spec.kernel.name
@@ -347,9 +348,8 @@ class CudaGraphStep:
                     f"inputs {shapes}) failed: {err}"
                 ) from err
             floats = [o for o in launch.outputs if mx.issubdtype(o.dtype, mx.floating)]
-            if not said and floats and not all(mx.isfinite(o).all().item() for o in floats):
-                print(f"hf2q-mlx graph debug: launch {i} ({name}) wrote a non-finite value",
-                      file=sys.stderr)  # fmt: skip
+            if not said and floats and any(mx.isnan(o).any().item() for o in floats):
+                print(f"hf2q-mlx graph debug: launch {i} ({name}) wrote a NaN", file=sys.stderr)
                 said = True
         for copy in rec.copy_plan:
             drv.copy(*copy)

@@ -402,22 +402,26 @@ def stream_generate(
 def decode_mode() -> str:
     """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``graph`` (on CUDA, the step
     recorded once and replayed as one CUDA graph, ``hf2q_mlx/cuda_graph_step.py``; the compiled
-    step elsewhere), ``eager`` (a new graph per token on per-sequence caches)
-    or ``auto`` (unset): compiled on a GPU, eager on the CPU, where the compiled step measured
-    3-10 ms a token slower (docs/kernel_notes.md, the CPU mat-vec)."""
+    step elsewhere, or where the model's step records MLX ops), ``eager`` (a new graph per token
+    on per-sequence caches) or ``auto`` (unset): the graph on CUDA (since session 21: 1.4-1.6x
+    the compiled step on the H200, docs/decode_step.md), compiled on other GPUs, eager on the
+    CPU, where the compiled step measured 3-10 ms a token slower (docs/kernel_notes.md)."""
     mode = os.environ.get("HF2Q_DECODE", "auto").strip().lower() or "auto"
     if mode not in ("auto", "compiled", "graph", "eager"):
         raise InvalidArgumentError(f"HF2Q_DECODE={mode!r}: expected auto, compiled, graph or eager")
     if mode == "auto":
-        return "eager" if mx.default_device().type == mx.DeviceType.cpu else "compiled"
+        if mx.default_device().type == mx.DeviceType.cpu:
+            return "eager"
+        return "graph" if mx.cuda.is_available() else "compiled"
     return mode
 
 
 def graph_step(step):
-    """The CUDA graph step over ``step`` (made once, kept on it) when ``HF2Q_DECODE=graph`` and
-    MLX runs on CUDA; None otherwise, or when the model's step records MLX ops (said once on
-    stderr; the compiled step then decodes). Greedy tokens come from the graph's argmax, sampled
-    ones from MLX's sampler on the graph's logits."""
+    """The CUDA graph step over ``step`` (made once, kept on it) when ``decode_mode()`` is
+    ``graph`` (the default on CUDA) and MLX runs on CUDA; None otherwise, or when the model's
+    step records MLX ops (TurboQuant caches, MLX 4-bit embeddings: said once on stderr when
+    ``HF2Q_DECODE=graph`` was asked for; the compiled step then decodes). Greedy tokens come
+    from the graph's argmax, sampled ones from MLX's sampler on the graph's logits."""
     if decode_mode() != "graph" or not mx.cuda.is_available():
         return None
     graph = step.__dict__.get("_graph")
@@ -432,7 +436,9 @@ def graph_step(step):
             if rec.logits is None:
                 raise GraphCaptureError("the recorded step leaves no logits to sample from")
         except GraphCaptureError as err:
-            print(f"hf2q-mlx: no CUDA graph for this model ({err}); compiled step", file=sys.stderr)
+            if os.environ.get("HF2Q_DECODE", "").strip().lower() == "graph":
+                print(f"hf2q-mlx: no CUDA graph for this model ({err}); compiled step",
+                      file=sys.stderr)  # fmt: skip
             graph = False
         step.__dict__["_graph"] = graph
     return graph or None

@@ -564,13 +564,34 @@ def test_capture_resolves_every_address_first_and_debug_mode_names_a_failing_lau
     graph.driver = _FakeDriver()
     assert graph.decode([3]) == [0]  # the fake download's ids
     err = capsys.readouterr().err
-    assert "launch 1 (graph_test_double) wrote a non-finite value" in err and "launch 0" not in err
+    assert "launch 1 (graph_test_double) wrote a NaN" in err and "launch 0" not in err
     calls = [c[0] for c in graph.driver.calls]
     assert "replay" not in calls and calls.count("launch") == 2 and calls.count("sync") >= 2
     monkeypatch.delenv("HF2Q_GRAPH_DEBUG")
     graph.driver = _FakeDriver()
     graph.decode([3])
     assert [c[0] for c in graph.driver.calls].count("replay") == 1
+
+
+def test_decode_mode_defaults_to_the_graph_on_cuda(monkeypatch):
+    """HF2Q_DECODE unset: the graph on CUDA, the compiled step on another GPU, eager on the
+    CPU; an explicit mode wins; a bad one is a one-line error."""
+    from hf2q_mlx import generation
+    from hf2q_mlx.errors import InvalidArgumentError
+
+    monkeypatch.delenv("HF2Q_DECODE", raising=False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert generation.decode_mode() == "graph"
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert generation.decode_mode() == "compiled"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert generation.decode_mode() == "eager"
+    monkeypatch.setenv("HF2Q_DECODE", "compiled")
+    assert generation.decode_mode() == "compiled"
+    monkeypatch.setenv("HF2Q_DECODE", "fast")
+    with pytest.raises(InvalidArgumentError):
+        generation.decode_mode()
 
 
 def test_step_cache_changes_reach_the_graphs_buffers():

@@ -201,7 +201,7 @@ class Engine:
         self.vocab = vocab_limit(model, tokenizer)
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.step = step or make_step(model, max_batch, self.max_len, kv_bits, compiled)
-        # HF2Q_DECODE=graph on CUDA: the step replayed as one CUDA graph (None otherwise)
+        # on CUDA (HF2Q_DECODE auto or graph): the step replayed as one CUDA graph (else None)
         self.graph = graph_step(self.step) if isinstance(self.step, DecodeStep) else None
         self.sampler = BatchSampler(max_batch, model.args.vocab_size)
         self.pool = PrefixPool(prefix_cache_bytes)
