@@ -56,6 +56,9 @@ PEER_ARGS="--llama /tmp/peer/cuda/run.sh --llama-args '-ngl 99' --gguf-dir /tmp"
 step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --rounds 5 --tokens 32 ${GRAPH:+--graph $GRAPH} ${LLAMA:+$PEER_ARGS}"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
+# the engine through the graph (the CUDA default) and through the compiled step, one after the
+# other in one call: where the graph's 32-stream ITL p99 (598 ms, session 21) comes from
+step serve-26b-ab 540 "for m in graph compiled; do echo HF2Q_DECODE=\$m; HF2Q_DECODE=\$m python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,32} --gen 128 --prefill-chunk 4096 --time-cap 240 --json $OUT/serve_26b_\$m.json | grep -a 'DecodeStep'; done"
 step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_35b.json"
 step serve-26b-mlx 540 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams ${STREAMS:-1,8,32} ${MLX_ONLY:+--mlx-lm-only} --gen 128 --prefill-chunk 4096 --time-cap 480 --json $OUT/serve_26b_mlx4.json"
 # speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)
