@@ -399,6 +399,11 @@ def stream_generate(
     )  # fmt: skip
 
 
+def _decode_env() -> str:
+    """``HF2Q_DECODE`` as written, normalized (``auto`` when unset or empty)."""
+    return os.environ.get("HF2Q_DECODE", "auto").strip().lower() or "auto"
+
+
 def decode_mode() -> str:
     """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``graph`` (on CUDA, the step
     recorded once and replayed as one CUDA graph, ``hf2q_mlx/cuda_graph_step.py``; the compiled
@@ -406,7 +411,7 @@ def decode_mode() -> str:
     on per-sequence caches) or ``auto`` (unset): the graph on CUDA (since session 21: 1.4-1.6x
     the compiled step on the H200, docs/decode_step.md), compiled on other GPUs, eager on the
     CPU, where the compiled step measured 3-10 ms a token slower (docs/kernel_notes.md)."""
-    mode = os.environ.get("HF2Q_DECODE", "auto").strip().lower() or "auto"
+    mode = _decode_env()
     if mode not in ("auto", "compiled", "graph", "eager"):
         raise InvalidArgumentError(f"HF2Q_DECODE={mode!r}: expected auto, compiled, graph or eager")
     if mode == "auto":
@@ -436,7 +441,7 @@ def graph_step(step):
             if rec.logits is None:
                 raise GraphCaptureError("the recorded step leaves no logits to sample from")
         except GraphCaptureError as err:
-            if os.environ.get("HF2Q_DECODE", "").strip().lower() == "graph":
+            if _decode_env() == "graph":
                 print(f"hf2q-mlx: no CUDA graph for this model ({err}); compiled step",
                       file=sys.stderr)  # fmt: skip
             graph = False

@@ -32,9 +32,13 @@ class FusedQKV:
     ``n_kv_heads`` and ``head_dim``: projects through whichever layers hold q/k/v after
     ``fuse_projections`` (one matmul per weight kind)."""
 
+    # head_dim-wide heads q_proj yields per query head (Qwen 3.5's [query | gate] heads: 2)
+    q_heads_per_head = 1
+
     def _set_qkv_plan(self, groups=None, names: tuple[str, ...] = QKV) -> None:
         groups = tuple((name, (name,)) for name in names) if groups is None else groups
-        plan = heads_plan(groups, self.n_heads, self.n_kv_heads, names)
+        q_heads = self.n_heads * self.q_heads_per_head
+        plan = heads_plan(groups, q_heads, self.n_kv_heads, names)
         # a plain attribute (object.__setattr__), outside the parameter tree
         object.__setattr__(self, "_qkv_plan", plan)
 

@@ -15,16 +15,9 @@ from hf2q_mlx.models.base import BaseModelArgs
 from hf2q_mlx.models.cache import KVCache, causal_mask
 from hf2q_mlx.models.contract import Architecture, LayerRoPE, TokenizerQuirks
 from hf2q_mlx.models.delta_net_projections import FusedInProj
-from hf2q_mlx.models.fused_projections import (
-    QKV,
-    FusedQKV,
-    fuse_gate_up,
-    gated_mlp_hidden,
-    heads_plan,
-)
+from hf2q_mlx.models.fused_projections import FusedQKV, fuse_gate_up, gated_mlp_hidden
 from hf2q_mlx.models.llama_cpp_names import LLAMA_CPP_TENSOR_NAMES
 from hf2q_mlx.models.ops import RMSNorm, RoPE
-from hf2q_mlx.models.quantized import fuse_linear_groups
 from hf2q_mlx.models.recurrent_cache import RecurrentCache, restore_cache, snapshot_cache
 
 
@@ -110,8 +103,10 @@ class GatedDeltaNet(FusedInProj, nn.Module):
         return self.out_proj(ops.gated_delta_net(self, qkv, z, a, b, cache))
 
 
-class Attention(nn.Module, FusedQKV):
+class Attention(FusedQKV, nn.Module):
     """Full attention whose q_proj also yields a per-channel sigmoid gate on the output."""
+
+    q_heads_per_head = 2  # q_proj's [query | gate] heads: two head_dim-wide heads each
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -127,25 +122,13 @@ class Attention(nn.Module, FusedQKV):
         self.q_norm = RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(d, eps=args.rms_norm_eps)
         self.rope = RoPE(int(d * args.partial_rotary_factor), args.rope_theta)  # partial
-
-    def fuse_projections(self) -> None:
-        """q/k/v as one matmul where their weights stack: one mat-vec a decode token instead of
-        three. q_proj's [query | gate] heads count as two head_dim-wide heads each."""
-        if getattr(self, "_qkv_plan", None) is None:
-            groups = fuse_linear_groups(self, QKV)
-            plan = heads_plan(groups, 2 * self.n_heads, self.n_kv_heads)
-            object.__setattr__(self, "_qkv_plan", plan)
+        self._set_qkv_plan()  # fuse_projections (FusedQKV) stacks q/k/v where kinds match
 
     def _project(self, x: mx.array) -> tuple[Heads, Heads, Heads]:
         """q as (B, L, H, 2 D) [query | gate] heads, k and v as (B, L, Hk, D) heads, all read in
         place from the projections' outputs (fused or not)."""
-        D = self.head_dim
-        if getattr(self, "_qkv_plan", None) is None:  # not fused (yet)
-            q = Heads(self.q_proj(x), 0, self.n_heads, 2 * D)
-            k = Heads(self.k_proj(x), 0, self.n_kv_heads, D)
-            return q, k, Heads(self.v_proj(x), 0, self.n_kv_heads, D)
-        q, k, v = self.project_packed(x)  # q: 2 H heads of D, the first in its output
-        return Heads(q.data, q.first // 2, self.n_heads, 2 * D), k, v
+        q, k, v = self.project_packed(x)  # q: 2 H heads of head_dim, the first of its output
+        return Heads(q.data, q.first // 2, self.n_heads, 2 * self.head_dim), k, v
 
     def __call__(self, x: mx.array, cache: KVCache | None, pos: mx.array) -> mx.array:
         L = x.shape[1]
