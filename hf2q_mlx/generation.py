@@ -408,9 +408,10 @@ def decode_mode() -> str:
     """``HF2Q_DECODE``: ``compiled`` (the compiled DecodeStep), ``graph`` (on CUDA, the step
     recorded once and replayed as one CUDA graph, ``hf2q_mlx/cuda_graph_step.py``; the compiled
     step elsewhere, or where the model's step records MLX ops), ``eager`` (a new graph per token
-    on per-sequence caches) or ``auto`` (unset): the graph on CUDA (since session 21: 1.4-1.6x
-    the compiled step on the H200, docs/decode_step.md), compiled on other GPUs, eager on the
-    CPU, where the compiled step measured 3-10 ms a token slower (docs/kernel_notes.md)."""
+    on per-sequence caches) or ``auto`` (unset): the graph on CUDA (since session 21; on the H200
+    1.4-1.5x the compiled step's tok/s on the 9B, 26B-A4B and 35B-A3B shapes, 1.07x on the
+    GPU-bound 31B: docs/kernel_notes.md), compiled on other GPUs, eager on the CPU, where the
+    compiled step measured 3-10 ms a token slower (docs/kernel_notes.md)."""
     mode = _decode_env()
     if mode not in ("auto", "compiled", "graph", "eager"):
         raise InvalidArgumentError(f"HF2Q_DECODE={mode!r}: expected auto, compiled, graph or eager")
