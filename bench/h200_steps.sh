@@ -125,6 +125,13 @@ step serve-graph-debug 240 "HF2Q_DECODE=graph HF2Q_GRAPH_DEBUG=1 PYTHONFAULTHAND
 # kernels per token, 64 greedy tokens compared
 step graph-parity 420 "python3 bench/speed_table.py $OUT/graph_parity.json --shapes ${SHAPES:-qwen3_5:35b-a3b} --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64"
 step graph-26b 420 "python3 bench/speed_table.py $OUT/graph_26b.json --shapes gemma4:26b-a4b --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64"
+# session 22: split attention rows merged by their last part (no merge launch), the delta-net's
+# states written in place in the graph; every GPU case of the attention and graph tests, one in 4
+# of the delta-net kernel's
+step merge-free-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_decode_attention.py tests/test_cuda_graph_step.py --tb=short; r=\$?; HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-4} python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gated_delta_decode.py --tb=short || r=1; exit \$r"
+# a B-row compiled step under CUPTI (BATCH rows, 26B-A4B Q4_K): where an 8-stream serving step's
+# kernel time goes (issue 14's 4x at 8 streams)
+step profile-26b-batch 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}.json | tail -30"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

@@ -536,7 +536,11 @@ class Kernel:
 
     ``name``: identifier (also the registry key); ``inputs`` / ``outputs``: parameter names in
     order; ``body``: the portable body; ``header``: helper functions (use ``FN``) placed after the
-    vocabulary; ``examples``: at least one ``Example`` for the syntax checks.
+    vocabulary; ``examples``: at least one ``Example`` for the syntax checks. ``in_place``:
+    outputs the body may write over one of its inputs (output name -> input name), because every
+    element of that input is read before any thread could write it, with ``in_place_flags``
+    (output name -> a bool template constant) where the body must be told; a recorded graph
+    uses them to drop a copy (``hf2q_mlx/cuda_graph_step.fuse_state_writes``).
     """
 
     def __init__(
@@ -550,6 +554,8 @@ class Kernel:
         examples: Sequence[Example],
         ensure_row_contiguous: bool = True,
         register: bool = True,
+        in_place: dict[str, str] | None = None,
+        in_place_flags: dict[str, str] | None = None,
     ) -> None:
         for n in (name, *inputs, *outputs):
             if not _IDENT.match(n):
@@ -565,6 +571,13 @@ class Kernel:
         self.header_extra = header
         self.examples = tuple(examples)
         self.ensure_row_contiguous = ensure_row_contiguous
+        self.in_place = dict(in_place or {})
+        self.in_place_flags = dict(in_place_flags or {})
+        for o, i in self.in_place.items():
+            if o not in self.outputs or i not in self.inputs:
+                raise ValueError(f"kernel {name!r}: in_place {o} -> {i} names no output / input")
+        if not set(self.in_place_flags) <= set(self.in_place):
+            raise ValueError(f"kernel {name!r}: in_place_flags for outputs not in in_place")
         self._built: dict[tuple[str, str], object] = {}
         self._plans: dict[tuple, Callable[..., list[mx.array]]] = {}
         for ex in self.examples:

@@ -13,8 +13,9 @@ import os
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_array, launch_recorder
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -71,13 +72,15 @@ _BODY = """
   // One threadgroup per (row = (b, query head h, token l), part of the span); its W SIMD groups
   // take the part's slots s = first + simd_id, + W, ...; lane j holds q/o elements j, j + 32, ...
   // Each group keeps an online softmax (max, sum, weighted values); the groups merge at the end,
-  // into the output (P == 1) or into the part's (max, sum, values) for the merge kernel.
+  // into the output (P == 1) or into the part's (max, sum, values); with P > 1 the part of a row
+  // that finishes last merges the row's P parts into the output (no second launch).
   constexpr int EK = (D + 31) / 32;
   constexpr int EV = (DV + 31) / 32;
   constexpr int CH = 128;  // output dims merged per pass through shared memory
   SHARED float wm[W];
   SHARED float wl[W];
   SHARED float wo[W * CH];
+  SHARED uint last_part[1];
   const int Hq = int(dims[0]);
   const int row = int(gid_x);  // (b * Hq + h) * L + l
   const int part = int(gid_y);
@@ -143,9 +146,13 @@ _BODY = """
   const float own = m == -INF_F ? 0.0f : exp_f(m - M);
   const float inv = (P == 1 && total > 0.0f) ? 1.0f / total : 1.0f;
   const uint64_t prow = uint64_t(row) * P + part;
+  // a part's (max, sum, values) go out as coherent stores: the row's last part reads them back
+  DEVICE_PTR(uint) pm_bits = DEVICE_CAST(uint, pm);
+  DEVICE_PTR(uint) pl_bits = DEVICE_CAST(uint, pl);
+  DEVICE_PTR(uint) po_bits = DEVICE_CAST(uint, po);
   if (P > 1 && tid == 0) {
-    pm[prow] = M;
-    pl[prow] = total;
+    ATOMIC_STORE_U32(pm_bits + prow, bitcast<uint>(M));
+    ATOMIC_STORE_U32(pl_bits + prow, bitcast<uint>(total));
   }
   UNROLL for (int e = 0; e < EV; ++e) {
     const int i0 = 32 * e;  // this pass merges dims i0 .. i0 + 31 of every group (CH >= 32)
@@ -162,44 +169,55 @@ _BODY = """
         if (P == 1) {
           out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
         } else {
-          po[prow * DV + i] = acc;
+          ATOMIC_STORE_U32(po_bits + prow * DV + i, bitcast<uint>(acc));
         }
       }
     }
   }
-"""
-
-# Template: T, DV, P.
-_MERGE_BODY = """
-  // One threadgroup per row; thread t owns output dims t, t + tg_size, ...: the P parts'
-  // (max, sum, weighted values) rescaled to the largest max and summed.
-  const uint64_t row = gid_x;
-  float M = -INF_F;
-  for (int j = 0; j < P; ++j) M = max_f(M, pm[row * P + j]);
-  float total = 0.0f;
-  float wj[P];
-  UNROLL for (int j = 0; j < P; ++j) {
-    const float mj = pm[row * P + j];
-    wj[j] = mj == -INF_F ? 0.0f : exp_f(mj - M);
-    total += wj[j] * pl[row * P + j];
-  }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  for (uint i = tid; i < uint(DV); i += tg_size) {
-    float acc = 0.0f;
-    UNROLL for (int j = 0; j < P; ++j) acc += wj[j] * po[(row * P + j) * DV + i];
-    out[row * DV + i] = from_float<T>(acc * inv);
+  if (P > 1) {
+    // Count this part in on the row's counter (set cset[0] of the plan's, dims[1] rows a set).
+    // The part taking ticket P - 1 zeroes the counter for the next call and merges the P parts'
+    // (max, sum, values), rescaled to the largest max and summed in part order (thread t owns
+    // output dims t, t + tg_size, ...); the others leave.
+    BARRIER_DEVICE_FENCE();
+    if (tid == 0) {
+      DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, counter) + size_t(cset[0]) * uint(dims[1]) + row;
+      const uint ticket = ATOMIC_ADD_U32(ctr, 1u);
+      last_part[0] = ticket == uint(P - 1) ? 1u : 0u;
+      if (ticket == uint(P - 1)) ATOMIC_STORE_U32(ctr, 0u);
+    }
+    BARRIER_DEVICE_FENCE();
+    if (last_part[0] == 0u) return;  // the whole threadgroup leaves together
+    const uint64_t r0 = uint64_t(row) * P;
+    float mx_all = -INF_F;
+    for (int j = 0; j < P; ++j)
+      mx_all = max_f(mx_all, bitcast<float>(ATOMIC_LOAD_U32(pm_bits + r0 + j)));
+    float sum_all = 0.0f;
+    float wj[P];
+    UNROLL for (int j = 0; j < P; ++j) {
+      const float mj = bitcast<float>(ATOMIC_LOAD_U32(pm_bits + r0 + j));
+      wj[j] = mj == -INF_F ? 0.0f : exp_f(mj - mx_all);
+      sum_all += wj[j] * bitcast<float>(ATOMIC_LOAD_U32(pl_bits + r0 + j));
+    }
+    const float inv_all = sum_all > 0.0f ? 1.0f / sum_all : 0.0f;
+    for (int i = int(tid); i < DV; i += int(tg_size)) {
+      float acc = 0.0f;
+      UNROLL for (int j = 0; j < P; ++j)
+        acc += wj[j] * bitcast<float>(ATOMIC_LOAD_U32(po_bits + (r0 + j) * DV + i));
+      out[uint64_t(row) * DV + i] = from_float<T>(acc * inv_all);
+    }
   }
 """
 
 _kernel = Kernel(
     "decode_attention",
-    inputs=["q", "keys", "values", "pos", "scale", "dims"],
+    inputs=["q", "keys", "values", "pos", "scale", "dims", "counter", "cset"],
     outputs=["out", "pm", "pl", "po"],
     body=_BODY,
     examples=[
         Example(
             {"q": t, "keys": t, "values": t, "pos": (mx.int32, 2), "scale": (mx.float32, 1),
-             "dims": (mx.int32, 1)},
+             "dims": (mx.int32, 2), "counter": (mx.uint32, 64), "cset": (mx.int32, 1)},
             {"out": t, "pm": mx.float32, "pl": mx.float32, "po": mx.float32},
             {"T": t, "D": d, "DV": d, "REP": rep, "L": l, "SPAN": 256, "CAP": cap, "RING": ring,
              "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts)},
@@ -209,18 +227,6 @@ _kernel = Kernel(
             (mx.float32, 80, 1, 3, 260, 1, 256, 8, 1),
             (mx.float16, 512, 8, 1, 1024, 1, 1024, 16, 4),
         )
-    ],
-)  # fmt: skip
-
-_merge = Kernel(
-    "decode_attention_merge",
-    inputs=["pm", "pl", "po"],
-    outputs=["out"],
-    body=_MERGE_BODY,
-    examples=[
-        Example({"pm": mx.float32, "pl": mx.float32, "po": mx.float32}, {"out": t},
-                {"T": t, "DV": dv, "P": parts})
-        for t, dv, parts in ((mx.bfloat16, 256, 8), (mx.float32, 80, 3))
     ],
 )  # fmt: skip
 
@@ -251,12 +257,10 @@ def decode_attention(
     if be is not None:
         sig = (q.dtype, keys.dtype, values.dtype, pos.dtype)
         flat = merge_heads and L == 1
-        plan = _plan(_kernel, _merge, be, q.shape, C, values.shape[-1], Hq // Hk, span, window,
-                     scale, sig, flat)  # fmt: skip
+        plan = _plan(_kernel, be, q.shape, C, values.shape[-1], Hq // Hk, span, window, scale,
+                     sig, flat)  # fmt: skip
         if plan is not None:
-            launch, merge, consts = plan
-            out, pm, pl, po = launch(inputs=[q, keys, values, pos, *consts])
-            out = out if merge is None else merge(inputs=[pm, pl, po])[0]
+            out = plan.launch(inputs=[q, keys, values, pos, *plan.inputs()])[0]
             return out if flat or not merge_heads else heads_merged(out)
     out = decode_attention_reference(q, keys, values, pos, scale, span, window)
     return heads_merged(out) if merge_heads else out
@@ -269,7 +273,7 @@ def heads_merged(out: mx.array) -> mx.array:
 
 
 # Threadgroups to aim at: about two per streaming multiprocessor of a large GPU; a model with
-# fewer query heads splits each row's span into parts (one more launch to merge).
+# fewer query heads splits each row's span into parts (merged by the part that finishes last).
 TARGET_GROUPS = 256
 
 
@@ -312,10 +316,42 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     return parts, max(2, min(most, chunk // 2))
 
 
+# The parts of a row count themselves in on a counter (the part taking the last ticket merges
+# and zeroes it). Two launches counting on one counter must not run at once, and MLX orders
+# launches only through data (Metal may run independent ones together: the rows of a
+# SequentialStep, prompts prefilled side by side), so a plan's calls rotate over sets of
+# counters: two calls share a set only with COUNTER_SETS calls of the shape between them. A
+# recorded CUDA graph runs its launches in stream order: one set serves them all.
+COUNTER_SETS = 64
+COUNTER_BYTES = 256 * 1024  # at most this much counter memory per plan (fewer sets if more rows)
+
+
+class _Plan:
+    """One call shape's launch, its constant inputs and its counter sets."""
+
+    __slots__ = ("launch", "consts", "counter", "sets", "turn")
+
+    def __init__(self, launch, consts: tuple, rows: int, parts: int) -> None:
+        n = 1 if parts == 1 else max(1, min(COUNTER_SETS, COUNTER_BYTES // (4 * rows)))
+        self.launch, self.consts, self.turn = launch, consts, 0
+        # at least 8 elements: Metal would put a smaller input in its read-only constant space.
+        # Leaf arrays from host values: a plan first made inside mx.compile holds no traced op.
+        self.counter = mx.array(np.zeros(max(8, n * rows), dtype=np.uint32))
+        self.sets = [device_array([i], mx.int32) for i in range(n)]
+
+    def inputs(self) -> list[mx.array]:
+        """The constant inputs after pos: scale, dims, the counter and this call's set."""
+        if launch_recorder.active():
+            return [*self.consts, self.counter, self.sets[0]]
+        i = self.turn
+        self.turn = i + 1 if i + 1 < len(self.sets) else 0
+        return [*self.consts, self.counter, self.sets[i]]
+
+
 @lru_cache(maxsize=256)
-def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False):
-    """(launcher, merge launcher or None, constant inputs) for one call shape, or None for the
-    reference. ``flat`` (one token per row): the output shaped (B, 1, Hq * Dv)."""
+def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False):
+    """The ``_Plan`` of one call shape, or None for the reference. ``flat`` (one token per
+    row): the output shaped (B, 1, Hq * Dv)."""
     B, Hq, L, D = q_shape
     dt = sig[0]
     if dt not in _FLOATS or sig[1:3] != (dt, dt) or sig[3] != mx.int32 or L > 16:
@@ -327,10 +363,10 @@ def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig, flat
     parts, warps = split(Hq, span, max(D, Dv))  # never B or L: row parity
     one = parts == 1
     launch = kernel.launcher(
-        list(sig) + [mx.float32, mx.int32],
+        list(sig) + [mx.float32, mx.int32, mx.uint32, mx.int32],
         grid=(rows * 32 * warps, parts, 1),
         threadgroup=(32 * warps, 1, 1),
-        output_shapes=[out_shape if one else (1,), (1,) if one else (rows, parts),
+        output_shapes=[out_shape, (1,) if one else (rows, parts),
                        (1,) if one else (rows, parts), (1,) if one else (rows, parts, Dv)],
         output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
         template={"T": dt, "D": D, "DV": Dv, "REP": rep, "L": L, "SPAN": span, "CAP": C,
@@ -338,16 +374,5 @@ def _plan(kernel, merge, be, q_shape, C, Dv, rep, span, window, scale, sig, flat
                   "CHUNK": -(-span // parts)},
         backend=be,
     )  # fmt: skip
-    finish = None
-    if not one:
-        finish = merge.launcher(
-            [mx.float32] * 3,
-            grid=(rows * min(1024, -(-Dv // 32) * 32),),
-            threadgroup=(min(1024, -(-Dv // 32) * 32),),
-            output_shapes=[out_shape],
-            output_dtypes=[dt],
-            template={"T": dt, "DV": Dv, "P": parts},
-            backend=be,
-        )
-    consts = (device_array([scale], mx.float32), device_array([Hq], mx.int32))
-    return launch, finish, consts
+    consts = (device_array([scale], mx.float32), device_array([Hq, rows], mx.int32))
+    return _Plan(launch, consts, rows, parts)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.custom_kernels._render import Example, Kernel
@@ -160,6 +161,7 @@ _BODY = """
   const uint crow = bi * (KC - 1) * C;    // this row's conv state
   constexpr int DVP = (Dv + SIMD_SIZE - 1) / SIMD_SIZE * SIMD_SIZE;
   SHARED float part[2 * DVP];
+  SHARED uint qk_last[1];
   // the conv's input p of this row: the K-1 conv state slots, then the call's tokens
 #define GDD_SEQ(p, c) ((p) < KC - 1 ? to_float(conv_state[crow + (p) * C + (c)]) \
                                     : to_float(qkv[(bi * NT + (p) - (KC - 1)) * QS + QO + (c)]))
@@ -265,8 +267,23 @@ _BODY = """
 
   // conv state after j tokens = inputs j .. j + K-2 (inactive rows: the old one, inputs 0..K-2);
   // j = NT is the new conv state, j < NT (HIST) entry j of the history. The head's v channels
-  // here; q and k channels from the first value head of each key head.
-  const bool qk_writer = TILED ? h < uint(Hk) : h % uint(Hv / Hk) == 0;
+  // here; q and k channels from the first value head of each key head. CONV_INPLACE (a recorded
+  // graph: conv_out is conv_state's own buffer): every value head of a key head has read its
+  // q / k channels by now but may run after the first one, so each counts itself in on the
+  // (row, key head) counter and the last one writes them (all compute the same values), then
+  // zeroes the counter; a thread's slot i is read before it writes slot i.
+  bool qk_writer = TILED ? h < uint(Hk) : h % uint(Hv / Hk) == 0;
+  if (CONV_INPLACE) {
+    BARRIER_DEVICE_FENCE();
+    if (tid == 0) {
+      DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, counter) + bi * uint(Hk) + hk;
+      const uint ticket = ATOMIC_ADD_U32(ctr, 1u);
+      qk_last[0] = ticket == uint(Hv / Hk - 1) ? 1u : 0u;
+      if (ticket == uint(Hv / Hk - 1)) ATOMIC_STORE_U32(ctr, 0u);
+    }
+    BARRIER();
+    qk_writer = qk_last[0] != 0u;
+  }
   const uint nqk = qk_writer ? uint(2 * Dk) : 0u;
   for (int j = HIST ? 0 : NT; j <= NT; ++j) {
     const int shift = act ? j : 0;
@@ -285,7 +302,7 @@ _BODY = """
 
 _INPUTS = [
     "qkv", "z", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state_in", "norm_w",
-    "eps", "active",
+    "eps", "active", "counter",
 ]  # fmt: skip
 _OUTPUTS = ["out", "state_out", "conv_out", "state_hist", "conv_hist"]
 
@@ -298,20 +315,30 @@ def _warps(dv: int, L: int) -> int:
 
 
 def _example(
-    dtype: mx.Dtype, tiled: bool, masked: bool, dk: int, dv: int, layout: tuple, nt: int = 1
+    dtype: mx.Dtype,
+    tiled: bool,
+    masked: bool,
+    dk: int,
+    dv: int,
+    layout: tuple,
+    nt: int = 1,
+    conv_in_place: bool = False,
 ) -> Example:
     return Example(
         inputs={
             "qkv": dtype, "z": dtype, "a": dtype, "b": dtype, "conv_state": dtype,
             "conv_w": dtype, "A_log": mx.float32, "dt_bias": mx.float32,
             "state_in": mx.float32, "norm_w": dtype, "eps": (mx.float32, 1),
-            "active": (mx.bool_, 4),
+            "active": (mx.bool_, 4), "counter": (mx.uint32, 16),
         },
         outputs={
             "out": dtype, "state_out": mx.float32, "conv_out": dtype,
             "state_hist": mx.float32, "conv_hist": dtype,
         },
-        template=_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout),
+        template={
+            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout),
+            "CONV_INPLACE": conv_in_place,
+        },
     )  # fmt: skip
 
 
@@ -322,6 +349,7 @@ def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -
     return {
         "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
         "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
+        "CONV_INPLACE": False,  # set by a recorded graph writing the conv state in place
         **dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout)),
     }  # fmt: skip
 
@@ -331,12 +359,21 @@ _kernel = Kernel(
     inputs=_INPUTS,
     outputs=_OUTPUTS,
     body=_BODY,
+    # each state element is read into a register by the lane that writes it back, and the only
+    # other reads (a SIMD group past Dv re-reading row Dv - 1) come before the token loop's
+    # barrier; the conv state in place takes CONV_INPLACE (the key heads' counters, above)
+    in_place={"state_out": "state_in", "conv_out": "conv_state"},
+    in_place_flags={"conv_out": "CONV_INPLACE"},
     examples=[
         # Qwen 3.5 9B / 35B-A3B: in_proj qkv + z fused, b + a fused
         _example(mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0)),
         _example(mx.float32, True, False, 64, 7, (2272, 0, 224, 0, 32, 0, 32, 0)),  # unfused
         # a verify of 5 tokens on a static cache: the per-token history too
         _example(mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 5),
+        # a recorded graph's step: the conv state written in place
+        _example(
+            mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 1, True
+        ),
     ],
 )
 
@@ -357,7 +394,7 @@ def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int, L: int
 def _plan(
     kernel, be, B, L, C, K, hk, dk, hv, dv, tiled, masked, hist, eps, dtypes, layout, init_value
 ):
-    """(launcher, eps array, placeholder mask) for one call shape."""
+    """(launcher, eps array, placeholder mask, counters) for one call shape."""
     nw = _warps(dv, L)
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
@@ -372,7 +409,11 @@ def _plan(
         init_value=init_value,
         backend=be,
     )  # fmt: skip
-    return launch, device_array([eps], mx.float32), device_array([True], mx.bool_)
+    # the key heads' counters of CONV_INPLACE (a recorded graph's launch; zero between calls),
+    # at least 8: Metal would put a smaller input in its read-only constant space (a leaf from
+    # host values: a plan first made inside mx.compile holds no traced op)
+    counter = mx.array(np.zeros(max(8, B * hk), dtype=np.uint32))
+    return launch, device_array([eps], mx.float32), device_array([True], mx.bool_), counter
 
 
 def gated_delta_decode(
@@ -437,11 +478,11 @@ def gated_delta_decode(
     layout = tuple(v for x in projections for v in _layout(x))
     data = [x.data if isinstance(x, Channels) else x for x in projections]  # read in place
     inputs = [*data, conv_state, conv_weight, A_log, dt_bias, state, norm_weight]
-    dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_)
-    launch, eps, unmasked = _plan(
+    dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_, mx.uint32)
+    launch, eps, unmasked, counter = _plan(
         _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
         bool(history), float(norm_eps), dtypes, layout, init_value,
     )  # fmt: skip
-    inputs += [eps, active if masked else unmasked]
+    inputs += [eps, active if masked else unmasked, counter]
     out, state, conv, state_hist, conv_hist = launch(inputs=inputs)
     return (out, conv, state, conv_hist, state_hist) if history else (out, conv, state)

@@ -164,6 +164,8 @@ def main() -> None:
     kinds = sorted({launch.spec.kernel.name for launch in rec.launches})
     print(json.dumps(dict(want=want, got=got, caches_equal=caches_equal, logits_equal=logits_equal,
                           copies=len(rec.copies),
+                          in_place=sorted({launch.spec.kernel.name for launch in rec.launches
+                                           if launch.in_place}),
                           launches=len(rec.launches), kernels=kinds)))  # fmt: skip
 
 

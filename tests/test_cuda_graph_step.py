@@ -45,9 +45,9 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
     """Tiny Gemma 4 MoE (a 2-token window crossed) and Qwen 3.5 MoE (delta-net, then gated
     attention), GGML weights: the recording replayed launch by launch through the emulator gives
     the MLX step's tokens, last logits and every cache byte (KV rows written in place by the
-    norm + RoPE kernel's cache mode or kv_write where the MLX step scatters; recurrent states
-    copied back at the graph's end). In a process of its own: the fake CUDA back end stays in
-    the dispatchers' plan caches."""
+    norm + RoPE kernel's cache mode or kv_write where the MLX step scatters; the delta-net's
+    states written in place by its kernel). In a process of its own:
+    the fake CUDA back end stays in the dispatchers' plan caches."""
     script = HERE / "graph_step_emulated.py"
     cmd = [sys.executable, str(script), model, "--steps", str(steps)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -59,7 +59,10 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
     # kernel writes the keys and values into the caches itself (fuse_kv_writes: Qwen 3.5's
     # values pass through it unnormed), so no kv_write is left
     assert kinds <= set(out["kernels"]) and "kv_write" not in out["kernels"]
-    assert out["copies"] == (2 if model.startswith("qwen") else 0)
+    # the delta-net kernel writes its recurrent and conv states over the old ones
+    # (fuse_state_writes): nothing is copied back at the graph's end
+    assert out["copies"] == 0
+    assert ("gated_delta_decode" in out["in_place"]) == model.startswith("qwen")
 
 
 # ---- the recorder -------------------------------------------------------------------------------
@@ -210,12 +213,15 @@ def _max_ulps(a: mx.array, b: mx.array) -> float:
 
 
 @requires_gpu
-def test_gpu_graph_step_gives_the_compiled_steps_tokens():
-    """Tiny Gemma 4 MoE with GGML weights on CUDA: 40 greedy tokens after a prompt, crossing the
-    16-token window, from the replayed graph and from the compiled step: the same ids; the
-    graph's logits at every step within 2 bf16 ulps of the compiled step's, teacher-forced (the
-    same kernels; where MLX ops of the compiled step became kernels, e.g. the embedding's scale
-    and cast, the roundings may differ: one ulp per rounding, two for slack)."""
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_gpu_graph_step_gives_the_compiled_steps_tokens(family):
+    """Tiny Gemma 4 MoE (split attention rows merged by their last part, the 16-token window
+    crossed) and tiny Qwen 3.5 MoE (the recurrent state written in place) with GGML weights on
+    CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled step:
+    the same ids; the graph's logits at every step within 2 bf16 ulps of the compiled step's,
+    teacher-forced (the same kernels; where MLX ops of the compiled step became kernels, e.g.
+    the embedding's scale and cast, the roundings may differ: one ulp per rounding, two for
+    slack)."""
     if not mx.cuda.is_available():
         pytest.skip("the CUDA graph step needs MLX's CUDA back end")
     sys.path.insert(0, str(HERE.parent / "bench"))
@@ -225,7 +231,7 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens():
     from hf2q_mlx.custom_kernels.cuda_driver import Driver
     from hf2q_mlx.decode_step import DecodeStep
 
-    model, vocab = build("gemma4", "tiny-moe", "q4_k", mx.bfloat16)
+    model, vocab = build(family, "tiny-moe", "q4_k", mx.bfloat16)
     prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
     compiled, replayed = DecodeStep(model, 1, 64), DecodeStep(model, 1, 64)
     t = int(mx.argmax(compiled.prefill(0, prompt)).item())
@@ -632,3 +638,40 @@ def test_step_cache_changes_reach_the_graphs_buffers():
     handed = step.caches[0].arrays[0]
     handed[0] = mx.zeros(handed.shape[1:], handed.dtype)  # rebinds that object only
     assert data_ptr(graph._caches[0][0]) == ptrs[0]
+
+
+def test_state_writes_fold_into_their_kernel_only_when_safe():
+    """``fuse_state_writes`` drops a graph's end copy (new state over old) only where the kernel
+    that made the new state read the old one as the input it declares it may overwrite
+    (``Kernel.in_place``), and no other launch reads either array."""
+    from types import SimpleNamespace
+
+    from hf2q_mlx.cuda_graph_step import fuse_state_writes
+    from hf2q_mlx.custom_kernels.launch_recorder import Launch
+
+    ex = Example({"x": mx.float32, "s": mx.float32}, {"y": mx.float32, "s_new": mx.float32})
+    step = Kernel("graph_test_state", ["x", "s"], ["y", "s_new"], _BODY, register=False,
+                  examples=[ex], in_place={"s_new": "s"})  # fmt: skip
+    plain = Kernel("graph_test_state_copy", ["x", "s"], ["y", "s_new"], _BODY, register=False,
+                   examples=[ex])  # fmt: skip
+    with pytest.raises(ValueError, match="in_place"):
+        one = [Example({"x": mx.float32}, {"y": mx.float32})]
+        Kernel("graph_test_bad", ["x"], ["y"], _BODY, register=False, examples=one,
+               in_place={"y": "s"})  # fmt: skip
+    x, s, y, s_new, other = (mx.random.normal((4,), key=mx.random.key(i)) for i in range(5))
+    mx.eval(x, s, y, s_new, other)
+
+    def launch(kernel, inputs):
+        return Launch(SimpleNamespace(kernel=kernel), inputs, [y, s_new])
+
+    launches, left = fuse_state_writes([launch(step, [x, s])], [(s, s_new)])
+    assert left == [] and launches[0].in_place and launches[0].outputs[1] is s
+    assert launches[0].outputs[0] is y  # the other output stays the recording's scratch
+    for case in (
+        [launch(plain, [x, s])],  # the kernel does not allow it
+        [launch(step, [x, other])],  # it read another array
+        [launch(step, [x, s]), Launch(SimpleNamespace(kernel=plain), [s, x], [other, other])],
+        [launch(step, [x, s]), Launch(SimpleNamespace(kernel=plain), [s_new, x], [other, other])],
+    ):  # ... or another launch reads the old state, or the new one
+        launches, left = fuse_state_writes(case, [(s, s_new)])
+        assert left == [(s, s_new)] and not launches[0].in_place

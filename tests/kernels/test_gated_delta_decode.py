@@ -116,6 +116,48 @@ def test_kernel_body_emulated(shape, tiled, monkeypatch):
 
 
 @needs_gxx
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_conv_in_place_variant_writes_what_the_plain_launch_writes_emulated(
+    shape, tiled, monkeypatch
+):
+    """CONV_INPLACE, the variant a recorded graph runs to write the conv state over its input
+    (cuda_graph_step.fuse_state_writes): the last value head of each key head to count in
+    writes that key head's q / k channels, each head its v channels. Started from poison, its
+    outputs equal the plain launch's bit for bit: every conv channel is written, once per key
+    head. (The emulator runs threadgroups one after another: the ordering it relies on on a GPU
+    is checked by the graph's GPU tests.)"""
+    from hf2q_mlx.custom_kernels import launch_recorder
+
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
+    gdd._plan.cache_clear()
+    inp = make_inputs(*shape, seed=7 * sum(shape) + tiled, masked=shape[0] > 1)
+    rec = launch_recorder.Recorder(1)
+    try:
+        with launch_recorder.recording(rec):
+            gdd.gated_delta_decode(**inp, tiled=tiled)
+    finally:
+        gdd._plan.cache_clear()
+    (launch,) = rec.launches
+    s = launch.spec
+
+    def run(flag: bool, initial):
+        return kernel_emulator.emulate(
+            s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
+            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+            template={**dict(s.template), "CONV_INPLACE": flag}, initial=initial,
+        )  # fmt: skip
+
+    poison = [mx.full(sh, float("nan"), dt) for sh, dt in zip(s.output_shapes, s.output_dtypes)]
+    plain, in_place = run(False, None), run(True, poison)
+    for i in range(3):  # out, state, conv state
+        a, b = (np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32)) for x in
+                (plain[i], in_place[i]))  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_gxx
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
 def test_kernel_body_emulated_half(dtype, monkeypatch):
     """Half inputs: the kernel keeps y in fp32 through the norm where the reference rounds; its
