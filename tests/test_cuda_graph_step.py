@@ -392,32 +392,89 @@ def test_gpu_engine_graph_equals_compiled(monkeypatch):
     assert got == [run("graph", [p])[0][0] for p in prompts]
 
 
+class _StandInGraph:
+    """A CudaGraphStep stand-in for the CPU: runs the compiled step, keeps its logits, returns
+    their argmax; ``calls`` collects the tokens of every decode."""
+
+    calls: list = []
+
+    def __init__(self, step, driver):
+        from types import SimpleNamespace
+
+        self.step, self.last, self._ns = step, None, SimpleNamespace
+
+    def record(self, span):
+        return self._ns(logits=mx.zeros((1, 4)))
+
+    def decode(self, tokens, active=None):
+        self.calls.append(list(tokens))
+        logits = self.step.decode(tokens, active)  # (B, V)
+        self.last = self._ns(logits=logits)
+        return [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+
+
+def _use_stand_in_graph(monkeypatch):
+    from hf2q_mlx import cuda_graph_step
+    from hf2q_mlx.custom_kernels import cuda_driver
+
+    monkeypatch.setattr(cuda_graph_step, "CudaGraphStep", _StandInGraph)
+    monkeypatch.setattr(cuda_driver, "Driver", lambda: None)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("HF2Q_DECODE", "graph")
+
+
+def test_engine_takes_the_graphs_ids_for_plain_greedy_rows(monkeypatch):
+    """Rows that are greedy with nothing else asked (no penalties, no log-probs) stream the
+    graph's own argmax ids: no sampling launch on the device for such a step; the same tokens
+    as the compiled engine's. One row asking for log-probs brings the sampler back."""
+    from conftest import IdsTokenizer
+
+    import hf2q_mlx
+    from hf2q_mlx.serving import batch_sampler
+
+    launches = []
+    real_launch = batch_sampler.BatchSampler.launch
+
+    def counting_launch(self, logits, active):
+        launches.append(list(active))
+        return real_launch(self, logits, active)
+
+    monkeypatch.setattr(batch_sampler.BatchSampler, "launch", counting_launch)
+
+    def run(logprobs: bool):
+        model = _tiny_generation_model()
+        with hf2q_mlx.BatchGenerator(model, IdsTokenizer(), max_batch=2, max_len=64,
+                                     compiled=True) as gen:  # fmt: skip
+            uids = [
+                gen.submit([5, 9, 2, 7], max_tokens=6, ignore_eos=True),
+                gen.submit([3, 1], max_tokens=5, ignore_eos=True, logprobs=logprobs),
+            ]
+            out = {u: [] for u in uids}
+            for r in gen.results(uids):
+                if r.token is not None:
+                    out[r.uid].append(r.token)
+            return [out[u] for u in uids]
+
+    with mx.stream(mx.cpu):
+        monkeypatch.setenv("HF2Q_DECODE", "compiled")
+        want = run(False)
+        assert len(launches) >= 6 and [len(w) for w in want] == [6, 5]
+        launches.clear()
+        _use_stand_in_graph(monkeypatch)
+        assert run(False) == want and launches == []
+        assert run(True) == want and len(launches) >= 5
+
+
 def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
     """The serving engine with HF2Q_DECODE=graph on CUDA (a stand-in graph running the compiled
     step, keeping its logits): two rows, one greedy with logprobs, one sampled with a seed,
     give HF2Q_DECODE=compiled's tokens and logprobs, every token through the graph."""
-    from types import SimpleNamespace
-
     from conftest import IdsTokenizer
 
     import hf2q_mlx
-    from hf2q_mlx import cuda_graph_step
-    from hf2q_mlx.custom_kernels import cuda_driver
 
-    calls = []
-
-    class StandIn:
-        def __init__(self, step, driver):
-            self.step, self.last = step, None
-
-        def record(self, span):
-            return SimpleNamespace(logits=mx.zeros((1, 4)))
-
-        def decode(self, tokens, active=None):
-            calls.append(list(tokens))
-            logits = self.step.decode(tokens, active)  # (B, V)
-            self.last = SimpleNamespace(logits=logits)
-            return [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+    calls = _StandInGraph.calls = []
+    StandIn = _StandInGraph
 
     def run():
         model = _tiny_generation_model()
@@ -437,10 +494,7 @@ def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
         monkeypatch.setenv("HF2Q_DECODE", "compiled")
         want, graph = run()
         assert graph is None and [len(w) for w in want] == [6, 5]
-        monkeypatch.setattr(cuda_graph_step, "CudaGraphStep", StandIn)
-        monkeypatch.setattr(cuda_driver, "Driver", lambda: None)
-        monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-        monkeypatch.setenv("HF2Q_DECODE", "graph")
+        _use_stand_in_graph(monkeypatch)
         got, graph = run()
     assert isinstance(graph, StandIn)
     assert [[t for t, _ in g] for g in got] == [[t for t, _ in w] for w in want]

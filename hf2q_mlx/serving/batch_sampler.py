@@ -145,6 +145,17 @@ class BatchSampler:
             }
         return self._rows
 
+    def plain_greedy(self, active: Sequence[bool]) -> bool:
+        """Whether every active row takes the argmax of its logits as they are: temperature 0,
+        no penalties, no log-probs asked for. A step whose ids come with its logits (the CUDA
+        graph's) then needs no sampling on the device."""
+        live = [p for p, a in zip(self.params, active) if a]
+        return all(
+            p is not None and p.temperature == 0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.logprobs and not p.top_logprobs
+            for p in live
+        )  # fmt: skip
+
     def _mask(self, name: str, values: Sequence, dtype: mx.Dtype) -> mx.array:
         # a per-row mask uploaded only when it changes: the first GPU read of a buffer the host
         # wrote costs 12-24 us on the H200 (docs/kernel_notes.md, session 17)

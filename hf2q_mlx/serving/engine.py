@@ -44,7 +44,12 @@ from hf2q_mlx.generation import (
     graph_step,
     vocab_limit,
 )
-from hf2q_mlx.serving.batch_sampler import BatchSampler, PendingSample, SamplingParams
+from hf2q_mlx.serving.batch_sampler import (
+    BatchSampler,
+    PendingSample,
+    SampledBatch,
+    SamplingParams,
+)
 from hf2q_mlx.serving.metrics import Metrics
 from hf2q_mlx.serving.prefix_pool import PrefixPool
 from hf2q_mlx.serving.sequential_step import SequentialStep
@@ -137,10 +142,11 @@ class Event:
 
 @dataclass
 class _Inflight:
-    """A submitted decode step: its rows (with the request each held) and its sampling."""
+    """A submitted decode step: its rows (with the request each held) and its sampling (host
+    values already, when the CUDA graph's ids served plain greedy rows)."""
 
     rows: list[tuple[int, Request]]
-    sample: PendingSample
+    sample: PendingSample | SampledBatch
 
 
 @dataclass(eq=False)
@@ -482,16 +488,24 @@ class Engine:
 
     def _graph_decode(self) -> None:
         """One step through the CUDA graph, its tokens read and streamed at once: every row
-        feeds the token it emitted last (or its prompt's last), sampling runs on the graph's
-        logits. Nothing to overlap: the graph keeps the GPU busy on its own."""
+        feeds the token it emitted last (or its prompt's last). Plain greedy rows take the
+        graph's own argmax ids (as ``stream_generate`` does); any other row sampling runs on the
+        graph's logits. Nothing to overlap: the graph keeps the GPU busy on its own."""
         active = self._generating()
         if not any(active):
             return
-        self.graph.decode([r.pending if a else 0 for r, a in zip(self.rows, active)], active)
-        self._collect(self._launched(active, self.sampler.launch(self.graph.last.logits, active)))
+        ids = self.graph.decode([r.pending if a else 0 for r, a in zip(self.rows, active)], active)
+        if self.sampler.plain_greedy(active):
+            nan = [float("nan")] * self.max_batch
+            sample = SampledBatch(list(ids), nan, [[] for _ in range(self.max_batch)])
+        else:
+            sample = self.sampler.launch(self.graph.last.logits, active)
+        self._collect(self._launched(active, sample))
 
     def _collect(self, done: _Inflight) -> None:
-        out = self.sampler.read(done.sample)
+        out = done.sample
+        if isinstance(out, PendingSample):
+            out = self.sampler.read(out)
         now = time.perf_counter()
         n_new = 0
         for row, req in done.rows:
