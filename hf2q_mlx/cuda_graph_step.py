@@ -190,6 +190,7 @@ class CudaGraphStep:
         mx.eval(self._caches)
         self._hand_over(step.caches)
         self.recordings: dict[int, Recording] = {}
+        step.row_writer = self._write_row  # prefills and row resets write the graph's buffers
 
     def _hand_over(self, caches) -> None:
         """The step's caches become fresh objects over the graph's buffers; remember them."""
@@ -197,6 +198,41 @@ class CudaGraphStep:
             s.arrays = [_alias(m) for m in mine]
         mx.eval([s.arrays for s in caches])
         self._handed = [list(s.arrays) for s in self.step.caches]
+
+    def _write_row(self, buf: mx.array, row: int, value: mx.array, n: int | None = None):
+        """``value`` into row ``row`` of ``buf`` (its first ``n`` slots on axis 2 when given), in
+        place, when ``buf`` is an array the graph handed to the step -> ``buf``; None for any
+        other array (the step makes a new one then). A prefill, a reused prefix or a reset row
+        then moves one row's bytes: a new cache array would be copied back whole at the next
+        ``decode`` (``_bind``), and asking MLX for its address moves the whole buffer to
+        managed memory first (gigabytes a prefill on 26B-A4B at 32 rows: session 22 found the
+        serving engine's 600 ms inter-token gaps there)."""
+        if not any(buf is h for handed in self._handed for h in handed):
+            return None
+        if n is not None and not 0 <= n <= buf.shape[2]:
+            return None  # not a row's slots: MLX's write says what is wrong
+        if n == 0:
+            return buf
+        shape = buf.shape[1:] if n is None else (buf.shape[1], n, *buf.shape[3:])
+        v = mx.contiguous(mx.broadcast_to(value.astype(buf.dtype), shape))
+        mx.eval(v)
+        mx.synchronize()  # MLX work still queued may read the row
+        row_bytes = buf.nbytes // buf.shape[0]
+        dst, src = data_ptr(buf) + row * row_bytes, data_ptr(v)
+        if n is None:
+            pieces = [(dst, src, v.nbytes)]
+        else:  # (H, n, D) into (H, C, D): one piece per head
+            H = buf.shape[1]
+            pieces = [(dst + h * (row_bytes // H), src + h * (v.nbytes // H), v.nbytes // H)
+                      for h in range(H)]  # fmt: skip
+        for d, s, nbytes in pieces:
+            if self.driver is not None:
+                self.driver.copy(d, s, nbytes)
+            else:  # host memory (the CPU back end)
+                ctypes.memmove(d, s, nbytes)
+        if self.driver is not None:
+            self.driver.synchronize()  # v may be freed once this returns
+        return buf
 
     # ---- recording ---------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ back; recurrent layers take the state kept for that token). It needs ``reserve >
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -104,6 +104,9 @@ class DecodeStep(RowSlots):
         self._verified = [0] * max_batch
         self._history: list = []
         self._traced: set[tuple[int, int, bool]] = set()  # (L, span, greedy) traced so far
+        # writes a row of a cache array in place and returns that array, or returns None: the
+        # CUDA graph step's, for the arrays it owns (else a row write makes a new array)
+        self.row_writer: Callable | None = None
         # pipelined rounds (hf2q_mlx/pipelined_rounds.py): the positions the compiled step reads,
         # on the device, updated lazily by rollback_lazy; self.positions are then upper bounds
         self.lazy_positions: mx.array | None = None
@@ -172,7 +175,8 @@ class DecodeStep(RowSlots):
         self._set_lazy(row)
         for s in self.caches:
             if isinstance(s, StaticRecurrentCache):
-                s.arrays = [_set_row(a, row, mx.zeros(a.shape[1:], a.dtype)) for a in s.arrays]
+                zeros = [mx.zeros(a.shape[1:], a.dtype) for a in s.arrays]
+                s.arrays = [self._write_row(a, row, z) for a, z in zip(s.arrays, zeros)]
 
     def _row_views(self, row: int) -> list:
         """Per-sequence caches holding the row's state, for an eager forward pass."""
@@ -206,7 +210,8 @@ class DecodeStep(RowSlots):
             if isinstance(s, StaticRecurrentCache):
                 if c.state is not None:
                     s.arrays = [
-                        _set_row(a, row, n[0]) for a, n in zip(s.arrays, [c.conv_state, c.state])
+                        self._write_row(a, row, n[0])
+                        for a, n in zip(s.arrays, [c.conv_state, c.state])
                     ]
                 continue
             if c.keys is None:
@@ -214,12 +219,13 @@ class DecodeStep(RowSlots):
             if s.window is None:
                 n = min(pos, c.keys.shape[2])
                 s.arrays = [
-                    _set_row(a, row, src[0, :, :n], n)
+                    self._write_row(a, row, src[0, :, :n], n)
                     for a, src in zip(s.arrays, [c.keys, c.values])
                 ]
             else:
                 s.arrays = [
-                    _adopt_ring(a, row, src[0], pos) for a, src in zip(s.arrays, [c.keys, c.values])
+                    _adopt_ring(a, row, src[0], pos, self._write_row)
+                    for a, src in zip(s.arrays, [c.keys, c.values])
                 ]
         self.positions[row], self._verified[row] = pos, 0
         self._set_lazy(row)
@@ -232,16 +238,23 @@ class DecodeStep(RowSlots):
         self.adopt(row, views)
         return logits[0, -1]
 
+    def _write_row(self, buf: mx.array, row: int, value: mx.array, n: int | None = None):
+        """``_set_row``, or the row written in place where ``row_writer`` owns ``buf``."""
+        out = None if self.row_writer is None else self.row_writer(buf, row, value, n)
+        return _set_row(buf, row, value, n) if out is None else out
+
     def save_row(self, row: int) -> RowState:
         """A copy of the row's state (for prefix reuse); full-attention layers keep only the
         filled slots."""
         self._check_row(row)
         pos, arrays = self.positions[row], []
         for s in self.caches:
+            # copies of their own (x * 1 is exact): a contiguous slice may share the cache's
+            # buffer, which a CUDA graph step writes rows into in place
             if isinstance(s, StaticKVCache) and s.window is None:
-                arrays.append([mx.contiguous(a[row, :, :pos]) for a in s.arrays])
+                arrays.append([a[row, :, :pos] * 1 for a in s.arrays])
             else:
-                arrays.append([mx.contiguous(a[row]) for a in s.arrays])
+                arrays.append([a[row] * 1 for a in s.arrays])
         mx.eval(arrays)
         return RowState(pos, arrays)
 
@@ -249,7 +262,7 @@ class DecodeStep(RowSlots):
         self._check_row(row)
         for s, arrs in zip(self.caches, saved.arrays):
             n = saved.position if isinstance(s, StaticKVCache) and s.window is None else None
-            s.arrays = [_set_row(a, row, v, n) for a, v in zip(s.arrays, arrs)]
+            s.arrays = [self._write_row(a, row, v, n) for a, v in zip(s.arrays, arrs)]
         self.positions[row], self._verified[row] = saved.position, 0
         self._set_lazy(row)
 
@@ -495,17 +508,19 @@ def _set_row(buf: mx.array, row: int, value: mx.array, n: int | None = None) -> 
     return out
 
 
-def _adopt_ring(buf: mx.array, row: int, src: mx.array, pos: int) -> mx.array:
-    """A new array: a ring (H, C', D) filled by a per-sequence RotatingKVCache (slot = position
-    % C') put into the static ring (slot = position % C) of ``row`` of ``buf``: the last min(pos,
-    C, C') positions move. ``buf`` is left as it is (see ``_set_row``)."""
+def _adopt_ring(buf: mx.array, row: int, src: mx.array, pos: int, set_row=None) -> mx.array:
+    """A ring (H, C', D) filled by a per-sequence RotatingKVCache (slot = position % C') put
+    into the static ring (slot = position % C) of ``row`` of ``buf``: the last min(pos, C, C')
+    positions move. Written by ``set_row`` (default ``_set_row``: a new array, ``buf`` left as
+    it is)."""
+    set_row = set_row or _set_row
     C, C2 = buf.shape[2], src.shape[1]
     if C == C2:
-        return _set_row(buf, row, src)
+        return set_row(buf, row, src)
     p = mx.arange(pos - min(pos, C, C2), pos)  # rings of different sizes (a short max_len)
     moved = mx.take(src, p % C2, axis=1)  # (H, n, D)
     idx = mx.broadcast_to((p % C)[None, :, None], moved.shape)
-    return _set_row(buf, row, mx.put_along_axis(buf[row], idx, moved.astype(buf.dtype), axis=1))
+    return set_row(buf, row, mx.put_along_axis(buf[row], idx, moved.astype(buf.dtype), axis=1))
 
 
 _STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len, reserve)

@@ -683,12 +683,18 @@ def test_step_cache_changes_reach_the_graphs_buffers():
 
     step.prefill(0, ids)
     check()
-    step.load_row(1, step.save_row(0))  # a prefix reused
+    saved = step.save_row(0)
+    step.load_row(1, saved)  # a prefix reused
     step.prefill(1, ids[:3])
     check()
     step.reset_row(0)
     check()
     assert step.positions == [0, 14]
+    # rows were written into the graph's buffers in place: the step holds what it was handed
+    assert all(a is h for s, hs in zip(step.caches, graph._handed) for a, h in zip(s.arrays, hs))
+    spans = [(p, p + a.nbytes) for p, a in zip(ptrs, mine)]  # a saved row owns its memory
+    assert not any(lo <= data_ptr(a) < hi for arrs in saved.arrays for a in arrs
+                   for lo, hi in spans)  # fmt: skip
     handed = step.caches[0].arrays[0]
     handed[0] = mx.zeros(handed.shape[1:], handed.dtype)  # rebinds that object only
     assert data_ptr(graph._caches[0][0]) == ptrs[0]
@@ -729,3 +735,39 @@ def test_state_writes_fold_into_their_kernel_only_when_safe():
     ):  # ... or another launch reads the old state, or the new one
         launches, left = fuse_state_writes(case, [(s, s_new)])
         assert left == [(s, s_new)] and not launches[0].in_place
+
+
+def test_graph_writes_a_step_row_in_place_as_set_row_would():
+    """``CudaGraphStep._write_row`` (the step's ``row_writer``): a whole row, the first n slots
+    of a row, a broadcast zero row: the graph's buffer gets the bytes ``_set_row`` would give a
+    new array, in place (the same object and address); an array the graph did not hand over is
+    left to ``_set_row``."""
+    from hf2q_mlx.cuda_graph_step import CudaGraphStep
+    from hf2q_mlx.custom_kernels.cuda_driver import data_ptr
+    from hf2q_mlx.decode_step import DecodeStep, _set_row
+
+    model = _tiny_generation_model()
+    with mx.stream(mx.cpu):
+        step = DecodeStep(model, 3, 32)
+    graph = CudaGraphStep(step)
+    # the longest KV cache (B, H, C, D): a full-attention layer's
+    kv = max((a for s in step.caches for a in s.arrays if a.ndim == 4), key=lambda a: a.shape[2])
+    B, H, C, D = kv.shape
+    rng = np.random.default_rng(9)
+    for row, n, value in (
+        (1, None, rng.standard_normal((H, C, D))),
+        (2, 5, rng.standard_normal((H, 5, D))),
+        (0, None, np.zeros((1,))),
+    ):
+        value = mx.array(value.astype(np.float32))
+        before = mx.array(np.array(kv.astype(mx.float32))).astype(kv.dtype)  # a copy
+        ptr = data_ptr(kv)
+        out = step._write_row(kv, row, value, n)
+        assert out is kv and data_ptr(kv) == ptr
+        want = _set_row(before, row, value.astype(kv.dtype), n)
+        assert np.array_equal(_bits(kv), _bits(want))
+    with pytest.raises(ValueError):  # more slots than the row has: refused, nothing written
+        step._write_row(kv, 0, mx.ones((H, C + 1, D)), C + 1)
+    other = mx.zeros_like(kv)
+    assert graph._write_row(other, 0, mx.ones((H, C, D)), None) is None
+    assert step._write_row(other, 0, mx.ones((H, C, D))) is not other
