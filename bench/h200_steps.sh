@@ -132,6 +132,10 @@ step merge-free-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu t
 # a B-row compiled step under CUPTI (BATCH rows, 26B-A4B Q4_K): where an 8-stream serving step's
 # kernel time goes (issue 14's 4x at 8 streams)
 step profile-26b-batch 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}.json | tail -30"
+# the decode attention with the query heads of a KV head sharing each key / value read
+# (HF2Q_ATTN_SHARED_KV, off by default until this runs): its GPU bit-equality test, then the
+# 8-row compiled 26B-A4B step under CUPTI with it off and on
+step shared-kv-ab 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_shared_kv or gpu_split_rows' tests/kernels/test_decode_attention.py --tb=short; for v in 0 1; do echo HF2Q_ATTN_SHARED_KV=\$v; HF2Q_ATTN_SHARED_KV=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_shared\$v.json | grep -a 'ms/token\\|decode_attention'; done"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"
@@ -145,7 +149,9 @@ rc=0
 for s in "$@"; do
   if [ -z "${CMD[$s]+x}" ]; then echo "unknown step: $s (bash bench/h200_steps.sh list)"; exit 2; fi
   echo "== $s (cap ${CAP[$s]} s) $(date -u +%H:%M:%S)" | tee -a "$OUT/steps.log"
-  timeout "${CAP[$s]}" bash -c "${CMD[$s]}" 2>&1 | grep -v -i warning | tee "$OUT/$s.log" | tail -40
+  # grep --line-buffered: a step cut by its cap keeps what it printed (session 22 lost a whole
+  # gpu-sample log in grep's pipe buffer)
+  timeout "${CAP[$s]}" bash -c "${CMD[$s]}" 2>&1 | grep --line-buffered -v -i warning | tee "$OUT/$s.log" | tail -40
   code=${PIPESTATUS[0]}
   echo "== $s rc=$code $(date -u +%H:%M:%S)" | tee -a "$OUT/steps.log"
   [ "$code" = 0 ] || rc=$code

@@ -66,42 +66,49 @@ def decode_attention_reference(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-# Template: T, D, DV, REP (query heads per KV head), L, SPAN, CAP, RING, WIN, W (SIMD groups),
-# P (parts of the span), CHUNK (slots per part).
+# Template: T, D, DV, REP (query heads per KV head), G (query heads per threadgroup, a divisor
+# of REP), L, SPAN, CAP, RING, WIN, W (SIMD groups), P (parts of the span), CHUNK (slots a part).
 _BODY = """
-  // One threadgroup per (row = (b, query head h, token l), part of the span); its W SIMD groups
-  // take the part's slots s = first + simd_id, + W, ...; lane j holds q/o elements j, j + 32, ...
-  // Each group keeps an online softmax (max, sum, weighted values); the groups merge at the end,
-  // into the output (P == 1) or into the part's (max, sum, values); with P > 1 the part of a row
-  // that finishes last merges the row's P parts into the output (no second launch).
+  // One threadgroup per (row group = (b, query heads h0 .. h0 + G - 1 of one KV head, token l),
+  // part of the span); its W SIMD groups take the part's slots s = first + simd_id, + W, ...;
+  // lane j holds q/o elements j, j + 32, ... of each of the G heads, which share each key and
+  // value read. Each SIMD group keeps an online softmax per head (max, sum, weighted values);
+  // the groups merge at the end, head after head, into the output (P == 1) or into the part's
+  // (max, sum, values); with P > 1 the part of a row group that finishes last merges its P
+  // parts into the output (no second launch). A head's arithmetic is the same at any G.
   constexpr int EK = (D + 31) / 32;
   constexpr int EV = (DV + 31) / 32;
   constexpr int CH = 128;  // output dims merged per pass through shared memory
-  SHARED float wm[W];
-  SHARED float wl[W];
+  SHARED float wm[G * W];
+  SHARED float wl[G * W];
   SHARED float wo[W * CH];
   SHARED uint last_part[1];
   const int Hq = int(dims[0]);
-  const int row = int(gid_x);  // (b * Hq + h) * L + l
+  const int grp = int(gid_x);  // (b * (Hq / G) + h0 / G) * L + l
   const int part = int(gid_y);
-  const int l = row % L;
-  const int h = (row / L) % Hq;
-  const int b = row / (L * Hq);
-  const int hk = h / REP;
+  const int l = grp % L;
+  const int h0 = (grp / L) % (Hq / G) * G;
+  const int b = grp / (L * (Hq / G));
+  const int hk = h0 / REP;
   const int Hk = Hq / REP;
   const float sc = scale[0];
   const int p0 = int(pos[b]);
   const int end = p0 + L;
   const int qp = p0 + l;
-  float qv[EK];
-  UNROLL for (int e = 0; e < EK; ++e) {
-    const int i = int(lane) + 32 * e;
-    qv[e] = i < D ? to_float(q[uint64_t(row) * D + i]) * sc : 0.0f;
+  float qv[G][EK];
+  float o[G][EV];
+  float m[G];
+  float den[G];
+  UNROLL for (int g = 0; g < G; ++g) {
+    const uint64_t row = uint64_t((b * Hq + h0 + g) * L + l);
+    UNROLL for (int e = 0; e < EK; ++e) {
+      const int i = int(lane) + 32 * e;
+      qv[g][e] = i < D ? to_float(q[row * D + i]) * sc : 0.0f;
+    }
+    UNROLL for (int e = 0; e < EV; ++e) o[g][e] = 0.0f;
+    m[g] = -INF_F;
+    den[g] = 0.0f;
   }
-  float o[EV];
-  UNROLL for (int e = 0; e < EV; ++e) o[e] = 0.0f;
-  float m = -INF_F;
-  float den = 0.0f;
   const uint64_t kbase = uint64_t(b * Hk + hk) * CAP;
   const int last = (part + 1) * CHUNK < SPAN ? (part + 1) * CHUNK : SPAN;
   for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
@@ -121,90 +128,105 @@ _BODY = """
       const int i = int(lane) + 32 * e;
       vv[e] = i < DV ? to_float(values[vo + i]) : 0.0f;
     }
-    float part_dot = 0.0f;
+    float kv[EK];
     UNROLL for (int e = 0; e < EK; ++e) {
       const int i = int(lane) + 32 * e;
-      if (i < D) part_dot += qv[e] * to_float(keys[ko + i]);
+      kv[e] = i < D ? to_float(keys[ko + i]) : 0.0f;
     }
-    const float score = simd_sum(part_dot);
-    const float m2 = max_f(m, score);
-    const float fix = exp_f(m - m2);
-    const float p = exp_f(score - m2);
-    den = den * fix + p;
-    UNROLL for (int e = 0; e < EV; ++e) o[e] = o[e] * fix + p * vv[e];
-    m = m2;
+    UNROLL for (int g = 0; g < G; ++g) {
+      float part_dot = 0.0f;
+      UNROLL for (int e = 0; e < EK; ++e) {
+        if (int(lane) + 32 * e < D) part_dot += qv[g][e] * kv[e];
+      }
+      const float score = simd_sum(part_dot);
+      const float m2 = max_f(m[g], score);
+      const float fix = exp_f(m[g] - m2);
+      const float p = exp_f(score - m2);
+      den[g] = den[g] * fix + p;
+      UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[e];
+      m[g] = m2;
+    }
   }
   if (lane == 0) {
-    wm[simd_id] = m;
-    wl[simd_id] = den;
+    UNROLL for (int g = 0; g < G; ++g) {
+      wm[g * W + int(simd_id)] = m[g];
+      wl[g * W + int(simd_id)] = den[g];
+    }
   }
   BARRIER();
-  float M = -INF_F;
-  for (int w = 0; w < W; ++w) M = max_f(M, wm[w]);
-  float total = 0.0f;
-  for (int w = 0; w < W; ++w) total += wm[w] == -INF_F ? 0.0f : wl[w] * exp_f(wm[w] - M);
-  const float own = m == -INF_F ? 0.0f : exp_f(m - M);
-  const float inv = (P == 1 && total > 0.0f) ? 1.0f / total : 1.0f;
-  const uint64_t prow = uint64_t(row) * P + part;
   // a part's (max, sum, values) go out as coherent stores: the row's last part reads them back
   DEVICE_PTR(uint) pm_bits = DEVICE_CAST(uint, pm);
   DEVICE_PTR(uint) pl_bits = DEVICE_CAST(uint, pl);
   DEVICE_PTR(uint) po_bits = DEVICE_CAST(uint, po);
-  if (P > 1 && tid == 0) {
-    ATOMIC_STORE_U32(pm_bits + prow, bitcast<uint>(M));
-    ATOMIC_STORE_U32(pl_bits + prow, bitcast<uint>(total));
-  }
-  UNROLL for (int e = 0; e < EV; ++e) {
-    const int i0 = 32 * e;  // this pass merges dims i0 .. i0 + 31 of every group (CH >= 32)
-    if (e % (CH / 32) == 0) BARRIER();
-    wo[int(simd_id) * CH + (i0 % CH) + int(lane)] = o[e] * own;
-    if (e % (CH / 32) == CH / 32 - 1 || e == EV - 1) {
-      BARRIER();
-      const int base = i0 - (i0 % CH);
-      for (int t = int(tid); t < CH; t += int(tg_size)) {
-        const int i = base + t;
-        if (i >= DV || t > (i0 % CH) + 31) continue;
-        float acc = 0.0f;
-        for (int w = 0; w < W; ++w) acc += wo[w * CH + t];
-        if (P == 1) {
-          out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
-        } else {
-          ATOMIC_STORE_U32(po_bits + prow * DV + i, bitcast<uint>(acc));
+  UNROLL for (int g = 0; g < G; ++g) {
+    const int row = (b * Hq + h0 + g) * L + l;
+    float M = -INF_F;
+    for (int w = 0; w < W; ++w) M = max_f(M, wm[g * W + w]);
+    float total = 0.0f;
+    for (int w = 0; w < W; ++w)
+      total += wm[g * W + w] == -INF_F ? 0.0f : wl[g * W + w] * exp_f(wm[g * W + w] - M);
+    const float own = m[g] == -INF_F ? 0.0f : exp_f(m[g] - M);
+    const float inv = (P == 1 && total > 0.0f) ? 1.0f / total : 1.0f;
+    const uint64_t prow = uint64_t(row) * P + part;
+    if (P > 1 && tid == 0) {
+      ATOMIC_STORE_U32(pm_bits + prow, bitcast<uint>(M));
+      ATOMIC_STORE_U32(pl_bits + prow, bitcast<uint>(total));
+    }
+    UNROLL for (int e = 0; e < EV; ++e) {
+      const int i0 = 32 * e;  // this pass merges dims i0 .. i0 + 31 of every group (CH >= 32)
+      if (e % (CH / 32) == 0) BARRIER();
+      wo[int(simd_id) * CH + (i0 % CH) + int(lane)] = o[g][e] * own;
+      if (e % (CH / 32) == CH / 32 - 1 || e == EV - 1) {
+        BARRIER();
+        const int base = i0 - (i0 % CH);
+        for (int t = int(tid); t < CH; t += int(tg_size)) {
+          const int i = base + t;
+          if (i >= DV || t > (i0 % CH) + 31) continue;
+          float acc = 0.0f;
+          for (int w = 0; w < W; ++w) acc += wo[w * CH + t];
+          if (P == 1) {
+            out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
+          } else {
+            ATOMIC_STORE_U32(po_bits + prow * DV + i, bitcast<uint>(acc));
+          }
         }
       }
     }
   }
   if (P > 1) {
-    // Count this part in on the row's counter (set cset[0] of the plan's, dims[1] rows a set).
-    // The part taking ticket P - 1 zeroes the counter for the next call and merges the P parts'
-    // (max, sum, values), rescaled to the largest max and summed in part order (thread t owns
-    // output dims t, t + tg_size, ...); the others leave.
+    // Count this part in on the row group's counter (set cset[0] of the plan's, dims[1] a
+    // set). The part taking ticket P - 1 zeroes the counter for the next call and merges each
+    // head's P parts (max, sum, values), rescaled to the largest max and summed in part order
+    // (thread t owns output dims t, t + tg_size, ...); the others leave.
     BARRIER_DEVICE_FENCE();
     if (tid == 0) {
-      DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, counter) + size_t(cset[0]) * uint(dims[1]) + row;
+      DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, counter) + size_t(cset[0]) * uint(dims[1]) + grp;
       const uint ticket = ATOMIC_ADD_U32(ctr, 1u);
       last_part[0] = ticket == uint(P - 1) ? 1u : 0u;
       if (ticket == uint(P - 1)) ATOMIC_STORE_U32(ctr, 0u);
     }
     BARRIER_DEVICE_FENCE();
     if (last_part[0] == 0u) return;  // the whole threadgroup leaves together
-    const uint64_t r0 = uint64_t(row) * P;
-    float mx_all = -INF_F;
-    for (int j = 0; j < P; ++j)
-      mx_all = max_f(mx_all, bitcast<float>(ATOMIC_LOAD_U32(pm_bits + r0 + j)));
-    float sum_all = 0.0f;
-    float wj[P];
-    UNROLL for (int j = 0; j < P; ++j) {
-      const float mj = bitcast<float>(ATOMIC_LOAD_U32(pm_bits + r0 + j));
-      wj[j] = mj == -INF_F ? 0.0f : exp_f(mj - mx_all);
-      sum_all += wj[j] * bitcast<float>(ATOMIC_LOAD_U32(pl_bits + r0 + j));
-    }
-    const float inv_all = sum_all > 0.0f ? 1.0f / sum_all : 0.0f;
-    for (int i = int(tid); i < DV; i += int(tg_size)) {
-      float acc = 0.0f;
-      UNROLL for (int j = 0; j < P; ++j)
-        acc += wj[j] * bitcast<float>(ATOMIC_LOAD_U32(po_bits + (r0 + j) * DV + i));
-      out[uint64_t(row) * DV + i] = from_float<T>(acc * inv_all);
+    for (int g = 0; g < G; ++g) {
+      const int row = (b * Hq + h0 + g) * L + l;
+      const uint64_t r0 = uint64_t(row) * P;
+      float mx_all = -INF_F;
+      for (int j = 0; j < P; ++j)
+        mx_all = max_f(mx_all, bitcast<float>(ATOMIC_LOAD_U32(pm_bits + r0 + j)));
+      float sum_all = 0.0f;
+      float wj[P];
+      UNROLL for (int j = 0; j < P; ++j) {
+        const float mj = bitcast<float>(ATOMIC_LOAD_U32(pm_bits + r0 + j));
+        wj[j] = mj == -INF_F ? 0.0f : exp_f(mj - mx_all);
+        sum_all += wj[j] * bitcast<float>(ATOMIC_LOAD_U32(pl_bits + r0 + j));
+      }
+      const float inv_all = sum_all > 0.0f ? 1.0f / sum_all : 0.0f;
+      for (int i = int(tid); i < DV; i += int(tg_size)) {
+        float acc = 0.0f;
+        UNROLL for (int j = 0; j < P; ++j)
+          acc += wj[j] * bitcast<float>(ATOMIC_LOAD_U32(po_bits + (r0 + j) * DV + i));
+        out[uint64_t(row) * DV + i] = from_float<T>(acc * inv_all);
+      }
     }
   }
 """
@@ -219,13 +241,13 @@ _kernel = Kernel(
             {"q": t, "keys": t, "values": t, "pos": (mx.int32, 2), "scale": (mx.float32, 1),
              "dims": (mx.int32, 2), "counter": (mx.uint32, 64), "cset": (mx.int32, 1)},
             {"out": t, "pm": mx.float32, "pl": mx.float32, "po": mx.float32},
-            {"T": t, "D": d, "DV": d, "REP": rep, "L": l, "SPAN": 256, "CAP": cap, "RING": ring,
-             "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts)},
+            {"T": t, "D": d, "DV": d, "REP": rep, "G": g, "L": l, "SPAN": 256, "CAP": cap,
+             "RING": ring, "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts)},
         )
-        for t, d, rep, l, cap, ring, win, w, parts in (
-            (mx.bfloat16, 256, 2, 1, 1024, 0, 0, 32, 8),
-            (mx.float32, 80, 1, 3, 260, 1, 256, 8, 1),
-            (mx.float16, 512, 8, 1, 1024, 1, 1024, 16, 4),
+        for t, d, rep, g, l, cap, ring, win, w, parts in (
+            (mx.bfloat16, 256, 2, 2, 1, 1024, 0, 0, 32, 8),
+            (mx.float32, 80, 1, 1, 3, 260, 1, 256, 8, 1),
+            (mx.float16, 512, 8, 2, 1, 1024, 1, 1024, 16, 4),
         )
     ],
 )  # fmt: skip
@@ -316,6 +338,25 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     return parts, max(2, min(most, chunk // 2))
 
 
+# Query heads of one KV head that a threadgroup takes together (G), reading each key and value
+# once for all of them: a batch of rows reads the cache G times less (Gemma 4 26B-A4B at 8 rows:
+# the decode attention was 17 % of the step's kernel time, session 22). A head's arithmetic is
+# the same at any G, so G may follow the batch size (row parity holds); from SHARED_KV_MIN_ROWS
+# query rows on, as many heads as keep a lane's q and output floats within SHARED_KV_FLOATS.
+# Not yet run on a GPU: off unless HF2Q_ATTN_SHARED_KV=1.
+SHARED_KV = os.environ.get("HF2Q_ATTN_SHARED_KV", "0") == "1"
+SHARED_KV_MIN_ROWS = 64
+SHARED_KV_FLOATS = 64
+
+
+def heads_per_group(rep: int, rows: int, D: int, Dv: int) -> int:
+    """G for a call of ``rows`` query rows (B Hq L) with ``rep`` query heads per KV head."""
+    if not SHARED_KV or rows < SHARED_KV_MIN_ROWS:
+        return 1
+    per_head = -(-D // 32) + -(-Dv // 32)  # q and o floats a lane holds for one head
+    return next(g for g in range(rep, 0, -1) if rep % g == 0 and g * per_head <= SHARED_KV_FLOATS)
+
+
 # The parts of a row count themselves in on a counter (the part taking the last ticket merges
 # and zeroes it). Two launches counting on one counter must not run at once, and MLX orders
 # launches only through data (Metal may run independent ones together: the rows of a
@@ -361,15 +402,16 @@ def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False)
     rows = B * Hq * L
     out_shape = (B, 1, Hq * Dv) if flat else (B, Hq, L, Dv)
     parts, warps = split(Hq, span, max(D, Dv))  # never B or L: row parity
+    group = heads_per_group(rep, rows, D, Dv)  # may follow B: a head's bits do not depend on it
     one = parts == 1
     launch = kernel.launcher(
         list(sig) + [mx.float32, mx.int32, mx.uint32, mx.int32],
-        grid=(rows * 32 * warps, parts, 1),
+        grid=(rows // group * 32 * warps, parts, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[out_shape, (1,) if one else (rows, parts),
                        (1,) if one else (rows, parts), (1,) if one else (rows, parts, Dv)],
         output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
-        template={"T": dt, "D": D, "DV": Dv, "REP": rep, "L": L, "SPAN": span, "CAP": C,
+        template={"T": dt, "D": D, "DV": Dv, "REP": rep, "G": group, "L": L, "SPAN": span, "CAP": C,
                   "RING": window is not None, "WIN": window or 0, "W": warps, "P": parts,
                   "CHUNK": -(-span // parts)},
         backend=be,

@@ -118,6 +118,50 @@ def test_emulated_kernel_matches_reference(monkeypatch, case, dtype, groups):
     assert emu["_kernel"].launches == 2
 
 
+def _shared_kv_matches_one_head_per_group(monkeypatch, cases, dtype):
+    """Each case twice: one query head per threadgroup, then G heads of a KV head sharing each
+    key and value read (HF2Q_ATTN_SHARED_KV, every call): the same bits."""
+    for case in cases:
+        B, Hq, Hk, L, D, Dv, C, pos, window, span = case
+        q, k, v, p = _case(B, Hq, Hk, L, D, Dv, C, pos, 13, dtype)
+        outs = []
+        for shared in (False, True):
+            monkeypatch.setattr(da, "SHARED_KV", shared)
+            monkeypatch.setattr(da, "SHARED_KV_MIN_ROWS", 1)
+            da._plan.cache_clear()
+            assert da.heads_per_group(Hq // Hk, B * Hq * L, D, Dv) == (
+                1 if not shared else max(g for g in range(1, Hq // Hk + 1) if (Hq // Hk) % g == 0
+                                         and g * (-(-D // 32) + -(-Dv // 32)) <= 64)
+            )  # fmt: skip
+            outs.append(da.decode_attention(q, k, v, p, 0.25, span, window))
+        da._plan.cache_clear()
+        a, b = (np.array(o.astype(mx.float32)) for o in outs)
+        assert np.array_equal(a, b, equal_nan=True), case
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("groups", [1, 4096])  # one part per row; the span split in parts
+def test_emulated_shared_kv_heads_give_the_same_bits(monkeypatch, dtype, groups):
+    emu = emulate(monkeypatch, da, "_kernel")
+    monkeypatch.setattr(da, "TARGET_GROUPS", groups)
+    cases = [c for c in CASES if c[1] > c[2]]  # several query heads per KV head
+    _shared_kv_matches_one_head_per_group(monkeypatch, cases, dtype)
+    assert emu["_kernel"].launches == 2 * len(cases)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_gpu_shared_kv_heads_give_the_same_bits(monkeypatch, dtype):
+    """The same on the GPU at Gemma 4 26B-A4B's sliding and global shapes, 8 rows."""
+    cases = [
+        (8, 16, 8, 1, 256, 256, 1024, [700, 5, 1023, 64, 300, 900, 2, 511], 1024, 1024),
+        (8, 16, 2, 1, 512, 512, 2048, [900, 1500, 3, 2000, 40, 700, 1200, 1999], None, 2048),
+        (2, 16, 2, 5, 256, 256, 4096, [10, 3000], None, 4096),  # Qwen 3.5, a verify
+    ]
+    _shared_kv_matches_one_head_per_group(monkeypatch, cases, dtype)
+
+
 @requires_gpu
 @pytest.mark.parametrize(
     "case",
