@@ -113,11 +113,11 @@ step parity-probe 200 "python3 bench/step_parity_probe.py ${PROBE:-llama:tiny ge
 step gpu-sample 270 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-30} python3 -m pytest -q -p no:cacheprovider --maxfail=5 -rf tests/kernels/test_expert_mma.py tests/kernels/test_expert_prefill.py tests/kernels/test_dense_glu_mma.py tests/kernels/test_qmatmul_mma.py tests/kernels/test_tq_kernels.py tests/test_kernel_wiring.py tests/kernels/test_gated_delta_decode.py tests/test_decode_step.py tests/kernels/test_decode_attention.py tests/kernels/test_post_norm_residual.py tests/kernels/test_moe_router.py tests/kernels/test_qmatmul.py tests/kernels/test_expert_glu_affine.py tests/kernels/test_expert_down.py tests/kernels/test_expert_glu.py tests/kernels/test_expert_matmul_kernel.py tests/kernels/test_sampling_kernels.py tests/kernels/test_activations.py tests/kernels/test_norm_rope.py tests/kernels/test_gated_delta.py --tb=short"
 # our kernels from a CUDA graph of our own next to MLX: pointers, one launch, a replayed chain
 step graph-probe 90 "python3 bench/cuda_graph_probe.py --json $OUT/graph_probe.json"
-# the CUDA graph step (hf2q_mlx/cuda_graph_step.py): its GPU tests (tiny Gemma 4 tokens against
-# the compiled step, stream_generate with HF2Q_DECODE=graph), Qwen 3.5's gate kernels, the norm +
-# RoPE kernel (its cache mode is new), one in 4 cases each; then 26B-A4B Q4_K as a graph against
-# the compiled step (interleaved rounds, 64 greedy tokens compared)
-step graph-tests 240 "HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-4} python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda_graph_step.py tests/kernels/test_sigmoid_gate.py tests/kernels/test_norm_rope.py tests/kernels/test_cuda_cache.py --tb=short"
+# the CUDA graph step (hf2q_mlx/cuda_graph_step.py): every one of its GPU tests (tiny Gemma 4 and
+# Qwen 3.5 tokens against the compiled step, stream_generate and the serving engine through the
+# graph), then Qwen 3.5's gate kernels, the norm + RoPE kernel and the cubin cache, one in 4
+# cases each
+step graph-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/test_cuda_graph_step.py --tb=short; r=\$?; HF2Q_GPU_SAMPLE=\${GPU_SAMPLE:-4} python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_sigmoid_gate.py tests/kernels/test_norm_rope.py tests/kernels/test_cuda_cache.py --tb=short || r=1; exit \$r"
 # the serving engine through the graph faulted on its first 26B-A4B replay (session 20): the same
 # run launching the graph's work one launch at a time, each waited for, names the launch
 step serve-graph-debug 240 "HF2Q_DECODE=graph HF2Q_GRAPH_DEBUG=1 PYTHONFAULTHANDLER=1 python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams 1 --gen 8 --prefill-chunk 4096 --time-cap 180 --json $OUT/serve_graph_debug.json"
