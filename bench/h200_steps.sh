@@ -136,6 +136,9 @@ step profile-26b-batch 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k 
 # (HF2Q_ATTN_SHARED_KV, off by default until this runs): its GPU bit-equality test, then the
 # 8-row compiled 26B-A4B step under CUPTI with it off and on
 step shared-kv-ab 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_shared_kv or gpu_split_rows' tests/kernels/test_decode_attention.py --tb=short; for v in 0 1; do echo HF2Q_ATTN_SHARED_KV=\$v; HF2Q_ATTN_SHARED_KV=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_shared\$v.json | grep -a 'ms/token\\|decode_attention'; done"
+# the grouped (tensor-core) experts' gate/up from 8 tokens a call (HF2Q_GROUPED_GLU_MIN=8) against
+# the default (16): the 8-row compiled 26B-A4B step under CUPTI, default then 8
+step grouped-glu-ab 240 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_glu\${v:-16}.json | grep -a 'ms/token\\|expert'; done"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

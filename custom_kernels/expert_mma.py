@@ -31,6 +31,16 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 MODE = os.environ.get("HF2Q_GROUPED_EXPERTS", "auto")
 ENABLED = MODE != "0"
 MIN_TOKENS = 1 if MODE == "1" else 16
+# HF2Q_GROUPED_GLU_MIN (auto only): the gate/up kernel's own threshold, for A/B runs. The
+# 2026-12-02 sweep had the grouped gate/up faster than the per-pair one at 8 tokens on 26B-A4B
+# (127 against 164 us) but not its down (153 against 108), nor 35B-A3B's gate/up (94 against 85);
+# an 8-row serving step (issue 14's 4x) is where it would count. Unset (None): MIN_TOKENS.
+MIN_TOKENS_GLU: int | None = None
+if MODE == "auto" and os.environ.get("HF2Q_GROUPED_GLU_MIN", "").strip():
+    text = os.environ["HF2Q_GROUPED_GLU_MIN"].strip()
+    if not text.isdigit() or not 1 <= int(text) <= 32:
+        raise InvalidArgumentError(f"HF2Q_GROUPED_GLU_MIN={text!r}: expected an integer in 1..32")
+    MIN_TOKENS_GLU = int(text)
 MAX_TOKENS = MM.GLU_MAX_ROWS  # tokens per call (32: the n-tiles' columns)
 MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
 # The prefill's kernels ("wide"): the same loop with a pair list of WIDE_LIST entries, so one
@@ -371,6 +381,11 @@ def grouped_expert_down(
 # below when ENABLED)
 
 
+def _glu_min() -> int:
+    """Tokens per call from which the grouped gate/up kernel is taken."""
+    return MIN_TOKENS if MIN_TOKENS_GLU is None else MIN_TOKENS_GLU
+
+
 def covers(
     x: mx.array,
     w: mx.array,
@@ -391,7 +406,7 @@ def covers(
     if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= cap:
         return False
     tokens = math.prod(expert_ids.shape[:-1])
-    if tokens < (1 if wide else MIN_TOKENS):
+    if tokens < (1 if wide else _glu_min() if glu else MIN_TOKENS):
         return False
     per_pair = x.ndim == expert_ids.ndim + 1 and tuple(x.shape[:-1]) == tuple(expert_ids.shape)
     per_token = x.ndim == expert_ids.ndim and tuple(x.shape[:-1]) == tuple(expert_ids.shape[:-1])
@@ -427,8 +442,8 @@ def expert_glu(
     shape where ``covers`` (caller errors raise as expert_glu's), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, WIDE_NT), ggml_type, in_features,
-           activation, x.shape, x.dtype, w.shape, w.dtype,
+    key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, WIDE_NT), ggml_type,
+           in_features, activation, x.shape, x.dtype, w.shape, w.dtype,
            None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
            expert_ids.dtype)  # fmt: skip
     if key in _GLU_CALLS:

@@ -259,6 +259,10 @@ def test_covers(monkeypatch):
     monkeypatch.setattr(EM, "backend", lambda: "cuda")
     monkeypatch.setattr(MM, "ALL_TYPES", False)
     assert not EM.covers(x, w, ids, t)  # 4 tokens < MIN_TOKENS (HF2Q_GROUPED_EXPERTS "auto")
+    h = mx.zeros((4, 8, kk), mx.bfloat16)
+    monkeypatch.setattr(EM, "MIN_TOKENS_GLU", 4)  # HF2Q_GROUPED_GLU_MIN=4: the gate/up only
+    assert EM.covers(x, w, ids, t) and not EM.covers(h, w, ids, t, glu=False)
+    monkeypatch.setattr(EM, "MIN_TOKENS_GLU", None)
     monkeypatch.setattr(EM, "MIN_TOKENS", 1)
     assert EM.covers(x, w, ids, t)
     assert EM.covers(mx.zeros((4, 8, kk), mx.bfloat16), w, ids, t, glu=False)
