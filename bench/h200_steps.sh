@@ -139,6 +139,12 @@ step shared-kv-ab 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_shar
 # the grouped (tensor-core) experts' gate/up from 8 tokens a call (HF2Q_GROUPED_GLU_MIN=8) against
 # the default (16): the 8-row compiled 26B-A4B step under CUPTI, default then 8
 step grouped-glu-ab 240 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_glu\${v:-16}.json | grep -a 'ms/token\\|expert'; done"
+# the graph captured over several streams (HF2Q_GRAPH_LANES, 1 by default until this runs):
+# independent launches (a MoE layer's dense MLP beside its router and experts) run side by side.
+# Its GPU tests with 4 lanes, then the graph against the compiled step with 1 and with 4 lanes
+# (one process each, SHAPES, 64 greedy tokens compared)
+step graph-lanes-tests 240 "HF2Q_GRAPH_LANES=4 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/test_cuda_graph_step.py --tb=short"
+step graph-lanes-ab 480 "for v in 1 4; do echo HF2Q_GRAPH_LANES=\$v; HF2Q_GRAPH_LANES=\$v python3 bench/speed_table.py $OUT/graph_lanes\$v.json --shapes ${SHAPES:-gemma4:26b-a4b} --formats q4_k --graph q4_k --no-mlx-lm --rounds 3 --tokens 32 --parity 64 | grep -a 'graph'; done"
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"

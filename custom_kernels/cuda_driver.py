@@ -22,6 +22,7 @@ from hf2q_mlx.errors import Hf2qError
 # CUstreamCaptureMode: GLOBAL 0, THREAD_LOCAL 1, RELAXED 2
 _CAPTURE_THREAD_LOCAL = 1
 _STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
 # CUpointer_attribute
 _ATTR_IS_MANAGED = 8
 
@@ -152,11 +153,11 @@ class Driver:
             "cuMemcpyDtoDAsync", self.lib.cuMemcpyDtoDAsync_v2(dst, src, nbytes, self.stream)
         )
 
-    def fill(self, ptr: int, value: int, count: int, width: int) -> None:
+    def fill(self, ptr: int, value: int, count: int, width: int, stream=None) -> None:
         """``count`` elements of ``width`` bytes (1, 2, 4) at ``ptr`` set to the bit pattern
-        ``value``."""
+        ``value`` (on ``stream``, else the stream)."""
         fn = {1: "cuMemsetD8Async", 2: "cuMemsetD16Async", 4: "cuMemsetD32Async"}[width]
-        self._check(fn, getattr(self.lib, fn)(ptr, value, count, self.stream))
+        self._check(fn, getattr(self.lib, fn)(ptr, value, count, stream or self.stream))
 
     # -- kernels -------------------------------------------------------------------------------
     def function(self, name: str, image: bytes) -> ctypes.c_void_p:
@@ -173,12 +174,41 @@ class Driver:
             self._modules[name], self._functions[name] = mod, fn
         return fn
 
-    def launch(self, fn, grid: tuple, block: tuple, pointers: list[int]) -> None:
-        """One launch on the stream; every parameter is a device pointer."""
+    def launch(self, fn, grid: tuple, block: tuple, pointers: list[int], stream=None) -> None:
+        """One launch on the stream (or ``stream``); every parameter is a device pointer."""
         values = [ctypes.c_uint64(p) for p in pointers]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        err = self.lib.cuLaunchKernel(fn, *grid, *block, 0, self.stream, params, None)
+        err = self.lib.cuLaunchKernel(fn, *grid, *block, 0, stream or self.stream, params, None)
         self._check("cuLaunchKernel", err)
+
+    # -- more streams, events (a capture that forks into lanes and joins them) -----------------
+    def streams(self, n: int) -> list:
+        """The stream and n - 1 more (non-blocking, made once, kept for the process)."""
+        side = self.__dict__.setdefault("_side", [])
+        while len(side) < n - 1:
+            st = ctypes.c_void_p()
+            self._check(
+                "cuStreamCreate", self.lib.cuStreamCreate(ctypes.byref(st), _STREAM_NON_BLOCKING)
+            )
+            side.append(st)
+        return [self.stream, *side[: n - 1]]
+
+    def events(self, n: int) -> list:
+        """n events without timing (made once, kept, reused by later captures)."""
+        pool = self.__dict__.setdefault("_events", [])
+        while len(pool) < n:
+            ev = ctypes.c_void_p()
+            self._check(
+                "cuEventCreate", self.lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+            )
+            pool.append(ev)
+        return pool[:n]
+
+    def record(self, event, stream) -> None:
+        self._check("cuEventRecord", self.lib.cuEventRecord(event, stream))
+
+    def wait(self, stream, event) -> None:
+        self._check("cuStreamWaitEvent", self.lib.cuStreamWaitEvent(stream, event, 0))
 
     # -- graphs --------------------------------------------------------------------------------
     def begin_capture(self) -> None:

@@ -50,6 +50,7 @@ class Recording:
         self.span, self.launches, self.out, self.copies = span, launches, out, copies
         self.logits = logits  # (B, V): the step's last logits, as the graph leaves them
         self.exe = None
+        self.lanes = 1  # streams the capture spread the launches over (graph_lanes)
         self.plan: list = []  # what the graph holds: (fills, function, blocks, threads, pointers)
         self.copy_plan: list = []  # (destination, source, bytes)
 
@@ -67,12 +68,24 @@ def _fill_bits(value: float, dtype: mx.Dtype) -> tuple[int, int]:
     raise GraphCaptureError(f"no memset for init value {value} of {dtype}")
 
 
-def _enqueue(drv: Driver, entry: tuple) -> None:
-    """One entry of a recording's plan on the driver's stream: its memsets, then its launch."""
+def _enqueue(drv: Driver, entry: tuple, stream=None) -> None:
+    """One entry of a recording's plan on the driver's stream (or ``stream``): its memsets, then
+    its launch."""
     fills, function, blocks, threads, ptrs = entry
     for fill in fills:
-        drv.fill(*fill)
-    drv.launch(function, blocks, threads, ptrs)
+        drv.fill(*fill, stream=stream)
+    drv.launch(function, blocks, threads, ptrs, stream=stream)
+
+
+def graph_lanes() -> int:
+    """HF2Q_GRAPH_LANES: streams a graph's capture spreads independent launches over (a Gemma 4
+    26B-A4B layer's dense MLP beside its router and experts, Qwen 3.5's shared expert beside
+    the routed ones), so the graph runs them side by side. 1 (the default until measured on a
+    GPU): the recorded order, one launch after another."""
+    text = os.environ.get("HF2Q_GRAPH_LANES", "1").strip() or "1"
+    if not text.isdigit() or not 1 <= int(text) <= 8:
+        raise InvalidArgumentError(f"HF2Q_GRAPH_LANES={text!r}: expected an integer in 1..8")
+    return int(text)
 
 
 def fuse_kv_writes(launches: list) -> list:
@@ -151,6 +164,87 @@ def fuse_state_writes(launches: list, copies: list) -> tuple[list, list]:
                 continue
         left.append((dst, src))
     return out, left
+
+
+def launch_dependencies(launches: list) -> list[set[int]] | None:
+    """For each launch, the earlier launches it must follow: the last writer of every buffer it
+    reads or writes, and, where it writes, every reader since that write. A kernel's outputs are
+    written; an input named ``counter`` too (the "last threadgroup" tickets: moe_router,
+    decode_attention, gated_delta_decode), and every input of a kernel taking tickets without
+    one. None when two buffers overlap without being the same (views into one buffer): the
+    caller keeps the recorded order then."""
+    accesses = []  # per launch: (pointer, end, written)
+    spans = set()
+    for launch in launches:
+        k = launch.spec.kernel
+        atomics = "ATOMIC_ADD_U32" in k.body and "counter" not in k.inputs
+        acc = []
+        for name, x in zip(k.inputs, launch.inputs):
+            p = data_ptr(x)
+            acc.append((p, p + x.nbytes, atomics or name == "counter"))
+        for o in launch.outputs:
+            p = data_ptr(o)
+            acc.append((p, p + o.nbytes, True))
+        accesses.append(acc)
+        spans.update((p, e) for p, e, _ in acc if e > p)
+    end = -1
+    for p, e in sorted(spans):  # distinct spans must not overlap
+        if p < end:
+            return None
+        end = max(end, e)
+    writer: dict[int, int] = {}  # buffer -> its last writer
+    readers: dict[int, list[int]] = {}  # buffer -> its readers since that write
+    deps: list[set[int]] = []
+    for i, acc in enumerate(accesses):
+        d = set()
+        for p, _, written in acc:
+            if p in writer:
+                d.add(writer[p])
+            if written:
+                d.update(readers.get(p, ()))
+        for p, _, written in acc:
+            if written:
+                writer[p], readers[p] = i, []
+            else:
+                readers.setdefault(p, []).append(i)
+        d.discard(i)
+        deps.append(d)
+    return deps
+
+
+def schedule_lanes(deps: list[set[int]], lanes: int) -> list[tuple[int, list[int]]]:
+    """(lane, launches to wait for) for each launch, in the recorded order, over ``lanes``
+    streams: a launch continues the lane of a dependency that lane ended with, else takes the
+    lane idle longest; it waits for each dependency on another lane that the waits so far (and
+    what those imply) do not cover. Lane 0 is the capture's own stream."""
+    if lanes <= 1:
+        return [(0, []) for _ in deps]
+    lane_of: list[int] = []
+    tail = [-1] * lanes
+    seen = [
+        [-1] * lanes for _ in range(lanes)
+    ]  # seen[a][b]: lane b's launches up to here precede a's next
+    implied: list[list[int]] = []  # per launch: what its completion implies
+    out = []
+    for i, d in enumerate(deps):
+        lane = next((lane_of[j] for j in sorted(d, reverse=True) if tail[lane_of[j]] == j), None)
+        if lane is None:
+            lane = min(range(lanes), key=lambda n: tail[n])
+        cur = list(seen[lane])
+        cur[lane] = tail[lane]
+        waits = []
+        for j in sorted(d, reverse=True):
+            if cur[lane_of[j]] >= j:
+                continue
+            waits.append(j)
+            cur = [max(a, b) for a, b in zip(cur, implied[j])]
+        cur[lane] = i
+        lane_of.append(lane)
+        tail[lane] = i
+        seen[lane] = cur
+        implied.append(list(cur))
+        out.append((lane, waits))
+    return out
 
 
 def _alias(a: mx.array) -> mx.array:
@@ -334,13 +428,34 @@ class CudaGraphStep:
             plan.append((fills, functions[spec.unit()[0]], spec.blocks, spec.threadgroup, ptrs))
         copies = [(data_ptr(dst), data_ptr(src), dst.nbytes) for dst, src in rec.copies]
         rec.plan, rec.copy_plan = plan, copies
+        lanes = graph_lanes()
+        deps = launch_dependencies(rec.launches) if lanes > 1 else None
+        sched = schedule_lanes(deps, lanes) if deps is not None else schedule_lanes([], 1)
+        rec.lanes = max((lane for lane, _ in sched), default=0) + 1
+        streams = drv.streams(rec.lanes)
+        waited = sorted({j for _, waits in sched for j in waits})
+        events = drv.events(len(waited) + rec.lanes)  # one per waited launch, one per lane
+        event_of = dict(zip(waited, events))
         mx.synchronize()
         drv.synchronize()
         drv.begin_capture()
         captured = False
         try:
-            for entry in plan:
-                _enqueue(drv, entry)
+            fork = events[len(waited)]
+            if rec.lanes > 1:  # the other lanes join the capture from its start
+                drv.record(fork, streams[0])
+            for st in streams[1:]:
+                drv.wait(st, fork)
+            for i, entry in enumerate(plan):
+                lane, waits = sched[i] if sched else (0, [])
+                for j in waits:
+                    drv.wait(streams[lane], event_of[j])
+                _enqueue(drv, entry, streams[lane])
+                if i in event_of:
+                    drv.record(event_of[i], streams[lane])
+            for st, ev in zip(streams[1:], events[len(waited) + 1 :]):  # and join it again
+                drv.record(ev, st)
+                drv.wait(streams[0], ev)
             for copy in copies:
                 drv.copy(*copy)
             captured = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -25,7 +26,11 @@ import kernel_emulator  # noqa: E402
 from decode_profile import _bench_module  # noqa: E402
 
 import hf2q_mlx.custom_kernels as ck  # noqa: E402
-from hf2q_mlx.cuda_graph_step import CudaGraphStep  # noqa: E402
+from hf2q_mlx.cuda_graph_step import (  # noqa: E402
+    CudaGraphStep,
+    launch_dependencies,
+    schedule_lanes,
+)
 from hf2q_mlx.custom_kernels import _render, sigmoid_gate  # noqa: E402
 from hf2q_mlx.custom_kernels.cuda_driver import data_ptr  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
@@ -55,9 +60,11 @@ def fake_cuda() -> None:
     quantized._cpu_affine_path = lambda: False
 
 
-def replay(rec) -> None:
-    """Every recorded launch through the emulator, its outputs written where the graph's are."""
-    for launch in rec.launches:
+def replay(rec, order=None) -> None:
+    """Every recorded launch through the emulator (in ``order``, else as recorded), its outputs
+    written where the graph's are."""
+    for i in order or range(len(rec.launches)):
+        launch = rec.launches[i]
         s = launch.spec
         outs = kernel_emulator.emulate(
             s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
@@ -70,6 +77,26 @@ def replay(rec) -> None:
             ctypes.memmove(data_ptr(o), data_ptr(new), o.nbytes)
     for dst, src in rec.copies:
         ctypes.memmove(data_ptr(dst), data_ptr(src), dst.nbytes)
+
+
+def _shuffled_order(deps: list[set[int]], seed: int) -> list[int]:
+    """A random topological order of the launches: each launch after all its dependencies."""
+    rng = random.Random(seed)
+    left = [len(d) for d in deps]
+    users: list[list[int]] = [[] for _ in deps]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    ready, order = [i for i, n in enumerate(left) if n == 0], []
+    while ready:
+        i = ready.pop(rng.randrange(len(ready)))
+        order.append(i)
+        for u in users[i]:
+            left[u] -= 1
+            if left[u] == 0:
+                ready.append(u)
+    assert len(order) == len(deps), "the dependencies have a cycle"
+    return order
 
 
 def build(family: str, shape: str, layers: int, window: int):
@@ -96,6 +123,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1, help="rows (B > 1: one idles a step)")
+    ap.add_argument("--seed", type=int, default=0, help="of the shuffled replay order")
     ap.add_argument("--prefill", type=int, default=0,
                     help="prompt tokens per row before decoding; the graph is made and recorded "
                          "before them, as the serving engine does")  # fmt: skip
@@ -145,11 +173,15 @@ def main() -> None:
         graph._bind()  # what decode() does first
     # the recording of this span if there is one (recorded at positions 0 and 1), as decode()
     rec = graph.recordings.get(span) or graph.record(span)
+    # replayed in another order that keeps every dependency (a shuffled topological order): a
+    # dependency launch_dependencies missed shows as other bits, as lanes of a graph would
+    deps = launch_dependencies(rec.launches)
+    order = None if deps is None else _shuffled_order(deps, a.seed)
     tokens, got = list(firsts), []
     for i in range(a.steps):
         act = active_at(i)
         graph._set_inputs(tokens, st.positions, act)
-        replay(rec)
+        replay(rec, order)
         ids = [int(t) for t in mx.array(rec.out).tolist()]  # the replayed output's memory
         st.positions = [p + int(f) for p, f in zip(st.positions, act)]
         tokens = [n if f else t for n, t, f in zip(ids, tokens, act)]
@@ -162,8 +194,10 @@ def main() -> None:
         for s, t in zip(ref.caches, st.caches) for x, y in zip(s.arrays, t.arrays)
     )  # fmt: skip
     kinds = sorted({launch.spec.kernel.name for launch in rec.launches})
+    lanes = 1 + max((lane for lane, _ in schedule_lanes(deps or [], 4)), default=0)
     print(json.dumps(dict(want=want, got=got, caches_equal=caches_equal, logits_equal=logits_equal,
-                          copies=len(rec.copies),
+                          copies=len(rec.copies), dependencies=deps is not None,
+                          lanes=lanes, reordered=order is not None and order != sorted(order),
                           in_place=sorted({launch.spec.kernel.name for launch in rec.launches
                                            if launch.in_place}),
                           launches=len(rec.launches), kernels=kinds)))  # fmt: skip

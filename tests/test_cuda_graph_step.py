@@ -46,7 +46,8 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
     attention), GGML weights: the recording replayed launch by launch through the emulator gives
     the MLX step's tokens, last logits and every cache byte (KV rows written in place by the
     norm + RoPE kernel's cache mode or kv_write where the MLX step scatters; the delta-net's
-    states written in place by its kernel). In a process of its own:
+    states written in place by its kernel), launches replayed in a shuffled order that keeps
+    their dependencies (``launch_dependencies``). In a process of its own:
     the fake CUDA back end stays in the dispatchers' plan caches."""
     script = HERE / "graph_step_emulated.py"
     cmd = [sys.executable, str(script), model, "--steps", str(steps)]
@@ -63,6 +64,9 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
     # (fuse_state_writes): nothing is copied back at the graph's end
     assert out["copies"] == 0
     assert ("gated_delta_decode" in out["in_place"]) == model.startswith("qwen")
+    # replayed in a shuffled order that keeps launch_dependencies' edges: still bit for bit;
+    # the MoE layers hold launches a graph's lanes can run side by side
+    assert out["dependencies"] and out["reordered"] and out["lanes"] > 1
 
 
 # ---- the recorder -------------------------------------------------------------------------------
@@ -771,3 +775,35 @@ def test_graph_writes_a_step_row_in_place_as_set_row_would():
     other = mx.zeros_like(kv)
     assert graph._write_row(other, 0, mx.ones((H, C, D)), None) is None
     assert step._write_row(other, 0, mx.ones((H, C, D))) is not other
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 4])
+def test_lanes_order_every_dependency(lanes):
+    """``schedule_lanes``: on random dependency graphs, each launch starts after all its
+    dependencies (stream order on its lane, its waits, and what those imply), and a launch whose
+    dependencies were all met by others' lanes may run on another lane (lanes get used)."""
+    from hf2q_mlx.cuda_graph_step import schedule_lanes
+
+    rng = np.random.default_rng(lanes)
+    used = set()
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        deps = [set(int(j) for j in rng.choice(i, size=min(i, int(rng.integers(0, 4))),
+                                                replace=False)) if i else set()
+                for i in range(n)]  # fmt: skip
+        sched = schedule_lanes(deps, lanes)
+        assert len(sched) == n and all(0 <= lane < lanes for lane, _ in sched)
+        done: list[set[int]] = []  # per launch: the launches known finished when it starts
+        last_on: dict[int, int] = {}
+        for i, (lane, waits) in enumerate(sched):
+            known = set()
+            if lane in last_on:
+                j = last_on[lane]
+                known |= done[j] | {j}
+            for j in waits:
+                known |= done[j] | {j}
+            assert deps[i] <= known, (i, deps[i], known)
+            done.append(known)
+            last_on[lane] = i
+            used.add(lane)
+    assert used == set(range(lanes))
