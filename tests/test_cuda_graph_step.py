@@ -807,3 +807,17 @@ def test_lanes_order_every_dependency(lanes):
             last_on[lane] = i
             used.add(lane)
     assert used == set(range(lanes))
+
+
+def test_graph_lanes_reads_its_switch(monkeypatch):
+    from hf2q_mlx.cuda_graph_step import graph_lanes
+    from hf2q_mlx.errors import InvalidArgumentError
+
+    monkeypatch.delenv("HF2Q_GRAPH_LANES", raising=False)
+    assert graph_lanes() == 1
+    monkeypatch.setenv("HF2Q_GRAPH_LANES", " 4 ")
+    assert graph_lanes() == 4
+    for bad in ("0", "9", "two", "-1"):
+        monkeypatch.setenv("HF2Q_GRAPH_LANES", bad)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_GRAPH_LANES"):
+            graph_lanes()
