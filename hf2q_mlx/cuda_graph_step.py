@@ -434,18 +434,18 @@ class CudaGraphStep:
         rec.lanes = max((lane for lane, _ in sched), default=0) + 1
         streams = drv.streams(rec.lanes)
         waited = sorted({j for _, waits in sched for j in waits})
-        events = drv.events(len(waited) + rec.lanes)  # one per waited launch, one per lane
+        # one event per waited launch, one per lane (none in one lane: the recorded order)
+        events = drv.events(len(waited) + rec.lanes) if rec.lanes > 1 else []
         event_of = dict(zip(waited, events))
         mx.synchronize()
         drv.synchronize()
         drv.begin_capture()
         captured = False
         try:
-            fork = events[len(waited)]
             if rec.lanes > 1:  # the other lanes join the capture from its start
-                drv.record(fork, streams[0])
+                drv.record(events[len(waited)], streams[0])
             for st in streams[1:]:
-                drv.wait(st, fork)
+                drv.wait(st, events[len(waited)])
             for i, entry in enumerate(plan):
                 lane, waits = sched[i] if sched else (0, [])
                 for j in waits:

@@ -536,6 +536,7 @@ class _FakeDriver:
 
     def __init__(self, fail_at=None):
         self.calls, self.capturing, self.fail_at, self.launches = [], False, fail_at, 0
+        self.lanes = []  # the stream of each launch
 
     def function(self, name, image):
         return name
@@ -553,14 +554,27 @@ class _FakeDriver:
     def destroy(self, exe):
         pass
 
-    def fill(self, *args):
+    def fill(self, *args, stream=None):
         self.calls.append(("fill", *args))
 
-    def launch(self, fn, blocks, threads, ptrs):
+    def launch(self, fn, blocks, threads, ptrs, stream=None):
         if self.launches == self.fail_at:
             raise RuntimeError("an illegal memory access was encountered")
         self.launches += 1
         self.calls.append(("launch", fn, tuple(ptrs)))
+        self.lanes.append(stream)
+
+    def streams(self, n):
+        return [f"s{i}" for i in range(n)]
+
+    def events(self, n):
+        return [f"e{i}" for i in range(n)]
+
+    def record(self, event, stream):
+        self.calls.append(("record", event, stream))
+
+    def wait(self, stream, event):
+        self.calls.append(("wait", stream, event))
 
     def copy(self, *args):
         self.calls.append(("copy", *args))
@@ -821,3 +835,51 @@ def test_graph_lanes_reads_its_switch(monkeypatch):
         monkeypatch.setenv("HF2Q_GRAPH_LANES", bad)
         with pytest.raises(InvalidArgumentError, match="HF2Q_GRAPH_LANES"):
             graph_lanes()
+
+
+def test_capture_over_lanes_orders_every_dependency(doubler, monkeypatch):
+    """HF2Q_GRAPH_LANES=2 on a diamond of launches (A; B and C read A's output; D reads B's, E
+    reads C's): C goes to the second lane, which joins the capture from its start and rejoins
+    it at the end; replaying the driver's calls (stream order, event records and waits) runs
+    every launch after the launches it depends on, with both lanes used."""
+    from types import SimpleNamespace
+
+    from hf2q_mlx import cuda_graph_step
+    from hf2q_mlx.custom_kernels import cuda_cache
+    from hf2q_mlx.custom_kernels.cuda_driver import data_ptr
+    from hf2q_mlx.custom_kernels.launch_recorder import Launch
+    from hf2q_mlx.decode_step import DecodeStep
+
+    launch, n = doubler
+    spec = _record(launch, n, mx.ones((8,)), 1, lambda y: y).launches[0].spec
+    a, b, c, d, e, x = (mx.random.normal((8,), key=mx.random.key(i)) for i in range(6))
+    mx.eval(a, b, c, d, e, x)
+    launches = [Launch(spec, [src, n], [dst]) for src, dst in
+                ((x, a), (a, b), (a, c), (b, d), (c, e))]  # fmt: skip
+    deps = cuda_graph_step.launch_dependencies(launches)
+    assert deps == [set(), {0}, {0}, {1}, {2}]
+    with mx.stream(mx.cpu):
+        step = DecodeStep(_tiny_generation_model(), 1, 16)
+    graph = cuda_graph_step.CudaGraphStep(step)
+    rec = cuda_graph_step.Recording(16, launches, mx.zeros((4,), mx.uint32), [])
+    monkeypatch.setattr(cuda_cache, "cubin", lambda name, unit, force=False: b"cubin")
+    monkeypatch.setenv("HF2Q_GRAPH_LANES", "2")
+    graph.driver = drv = _FakeDriver()
+    graph._capture(rec)
+    assert rec.lanes == 2 and set(drv.lanes) == {"s0", "s1"}
+    out_of = {data_ptr(launch.outputs[0]): i for i, launch in enumerate(launches)}
+    done = {"s0": set(), "s1": set()}  # what each stream has finished, as its work is queued
+    events, joined = {}, SimpleNamespace(s1=False)
+    k = 0
+    for call in drv.calls:
+        if call[0] == "record":
+            events[call[1]] = set(done[call[2]])
+        elif call[0] == "wait":
+            done[call[1]] |= events[call[2]]
+            joined.s1 |= call[1] == "s0" and events[call[2]] >= done["s1"]
+        elif call[0] == "launch":
+            i, lane = out_of[call[2][-1]], drv.lanes[k]
+            k += 1
+            assert deps[i] <= done[lane], (i, lane, done)
+            done[lane].add(i)
+    assert done["s0"] == set(range(5)) and joined.s1  # the second lane rejoined the first
