@@ -21,10 +21,12 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from hf2q_mlx.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["backend", "reference_only", "reference_forced", "refresh", "ENV_VAR"]
+__all__ = ["backend", "env_int", "reference_only", "reference_forced", "refresh", "ENV_VAR"]
 
 ENV_VAR = "HF2Q_KERNELS"
 
@@ -43,6 +45,17 @@ _env_raw: object = _UNSET  # the raw value last parsed
 _env_forced = False
 # (kind, the GPU Device, mx.default_device), looked up once
 _gpu: tuple[str | None, object, object] | None = None
+
+
+def env_int(name: str, lo: int, hi: int) -> int | None:
+    """Environment switch ``name`` as an integer in lo..hi; None when unset or blank.
+    ``InvalidArgumentError`` (one line, naming it) for anything else."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or not lo <= int(text) <= hi:
+        raise InvalidArgumentError(f"{name}={text!r}: expected an integer in {lo}..{hi}")
+    return int(text)
 
 
 def refresh() -> None:

@@ -10,7 +10,7 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import activations, backend
+from hf2q_mlx.custom_kernels import activations, backend, env_int
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
@@ -35,12 +35,7 @@ MIN_TOKENS = 1 if MODE == "1" else 16
 # 2026-12-02 sweep had the grouped gate/up faster than the per-pair one at 8 tokens on 26B-A4B
 # (127 against 164 us) but not its down (153 against 108), nor 35B-A3B's gate/up (94 against 85);
 # an 8-row serving step (issue 14's 4x) is where it would count. Unset (None): MIN_TOKENS.
-MIN_TOKENS_GLU: int | None = None
-if MODE == "auto" and os.environ.get("HF2Q_GROUPED_GLU_MIN", "").strip():
-    text = os.environ["HF2Q_GROUPED_GLU_MIN"].strip()
-    if not text.isdigit() or not 1 <= int(text) <= 32:
-        raise InvalidArgumentError(f"HF2Q_GROUPED_GLU_MIN={text!r}: expected an integer in 1..32")
-    MIN_TOKENS_GLU = int(text)
+MIN_TOKENS_GLU = env_int("HF2Q_GROUPED_GLU_MIN", 1, 32) if MODE == "auto" else None
 MAX_TOKENS = MM.GLU_MAX_ROWS  # tokens per call (32: the n-tiles' columns)
 MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
 # The prefill's kernels ("wide"): the same loop with a pair list of WIDE_LIST entries, so one

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.custom_kernels import cuda_cache, launch_recorder
+from hf2q_mlx.custom_kernels import cuda_cache, env_int, launch_recorder
 from hf2q_mlx.custom_kernels import rms_norm_rope as norm_rope
 from hf2q_mlx.custom_kernels.cuda_driver import Driver, data_ptr
 from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, Launch, Recorder
@@ -82,10 +82,16 @@ def graph_lanes() -> int:
     26B-A4B layer's dense MLP beside its router and experts, Qwen 3.5's shared expert beside
     the routed ones), so the graph runs them side by side. 1 (the default until measured on a
     GPU): the recorded order, one launch after another."""
-    text = os.environ.get("HF2Q_GRAPH_LANES", "1").strip() or "1"
-    if not text.isdigit() or not 1 <= int(text) <= 8:
-        raise InvalidArgumentError(f"HF2Q_GRAPH_LANES={text!r}: expected an integer in 1..8")
-    return int(text)
+    return env_int("HF2Q_GRAPH_LANES", 1, 8) or 1
+
+
+def _reader_counts(launches: list) -> dict[int, int]:
+    """Buffer address -> how many launch inputs read it."""
+    readers: dict[int, int] = {}
+    for launch in launches:
+        for x in launch.inputs:
+            readers[data_ptr(x)] = readers.get(data_ptr(x), 0) + 1
+    return readers
 
 
 def fuse_kv_writes(launches: list) -> list:
@@ -93,10 +99,7 @@ def fuse_kv_writes(launches: list) -> list:
     launch writes them into the caches itself (its cache mode) and the copy goes: one launch
     fewer per attention layer. Only when nothing else reads those outputs and both launches
     read the same positions."""
-    readers: dict[int, int] = {}
-    for launch in launches:
-        for x in launch.inputs:
-            readers[data_ptr(x)] = readers.get(data_ptr(x), 0) + 1
+    readers = _reader_counts(launches)
     producers = {}  # (keys ptr, values ptr) -> index of the rms_norm_rope launch
     for i, launch in enumerate(launches):
         if launch.spec.kernel.name == "rms_norm_rope" and len(launch.outputs) == 3:
@@ -129,10 +132,7 @@ def fuse_state_writes(launches: list, copies: list) -> tuple[list, list]:
     allows that (``Kernel.in_place``, with its template flag from ``in_place_flags``) and no
     other launch reads either array: a copy node fewer, and its traffic (the recurrent state is
     2 MB a layer on Qwen3.5-35B-A3B). -> (launches, the copies left)."""
-    readers: dict[int, int] = {}
-    for launch in launches:
-        for x in launch.inputs:
-            readers[data_ptr(x)] = readers.get(data_ptr(x), 0) + 1
+    readers = _reader_counts(launches)
     producers = {}  # output pointer -> (launch index, output index)
     for i, launch in enumerate(launches):
         if not launch.in_place:
@@ -430,7 +430,7 @@ class CudaGraphStep:
         rec.plan, rec.copy_plan = plan, copies
         lanes = graph_lanes()
         deps = launch_dependencies(rec.launches) if lanes > 1 else None
-        sched = schedule_lanes(deps, lanes) if deps is not None else schedule_lanes([], 1)
+        sched = schedule_lanes(deps, lanes) if deps is not None else [(0, [])] * len(plan)
         rec.lanes = max((lane for lane, _ in sched), default=0) + 1
         streams = drv.streams(rec.lanes)
         waited = sorted({j for _, waits in sched for j in waits})
@@ -444,10 +444,9 @@ class CudaGraphStep:
         try:
             if rec.lanes > 1:  # the other lanes join the capture from its start
                 drv.record(events[len(waited)], streams[0])
-            for st in streams[1:]:
-                drv.wait(st, events[len(waited)])
-            for i, entry in enumerate(plan):
-                lane, waits = sched[i] if sched else (0, [])
+                for st in streams[1:]:
+                    drv.wait(st, events[len(waited)])
+            for i, (entry, (lane, waits)) in enumerate(zip(plan, sched)):
                 for j in waits:
                     drv.wait(streams[lane], event_of[j])
                 _enqueue(drv, entry, streams[lane])
