@@ -133,9 +133,10 @@ step merge-free-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu t
 # kernel time goes (issue 14's 4x at 8 streams)
 step profile-26b-batch 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}.json | tail -30"
 # the decode attention with the query heads of a KV head sharing each key / value read
-# (HF2Q_ATTN_SHARED_KV, off by default until this runs): its GPU bit-equality test, then the
-# 8-row compiled 26B-A4B step under CUPTI with it off and on
-step shared-kv-ab 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_shared_kv or gpu_split_rows' tests/kernels/test_decode_attention.py --tb=short; for v in 0 1; do echo HF2Q_ATTN_SHARED_KV=\$v; HF2Q_ATTN_SHARED_KV=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_shared\$v.json | grep -a 'ms/token\\|decode_attention'; done"
+# (HF2Q_ATTN_SHARED_KV, off by default until this runs): every decode-attention GPU test (the
+# default G = 1 body too: rewritten after its last GPU run), then the 8-row compiled 26B-A4B
+# step under CUPTI with it off and on
+step shared-kv-ab 360 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_decode_attention.py --tb=short; for v in 0 1; do echo HF2Q_ATTN_SHARED_KV=\$v; HF2Q_ATTN_SHARED_KV=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_shared\$v.json | grep -a 'ms/token\\|decode_attention'; done"
 # the grouped (tensor-core) experts' gate/up from 8 tokens a call (HF2Q_GROUPED_GLU_MIN=8) against
 # the default (16): the 8-row compiled 26B-A4B step under CUPTI, default then 8
 step grouped-glu-ab 240 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_glu\${v:-16}.json | grep -a 'ms/token\\|expert'; done"
