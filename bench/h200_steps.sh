@@ -149,6 +149,10 @@ step graph-lanes-ab 480 "for v in 1 4; do echo HF2Q_GRAPH_LANES=\$v; HF2Q_GRAPH_
 # llama.cpp CUDA on the same random GGUF (issue 15); the bundle copied into ../.device from
 # ../shared/peers/llama-cuda-sm90.tar.xz; SHAPE one of gemma4:26b-a4b, gemma4:31b, qwen3_5:9b, qwen3_5:35b-a3b
 step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } && python3 bench/llama_peer.py $OUT/llama_peer.json --shape ${SHAPE:-qwen3_5:9b} --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds 2 --reps 2"
+# the real Gemma 3 270M Q4_K_M on the H200 (default decode path, the graph) against the same
+# greedy tokens on the CPU (bench/results/gemma3_270m_tokens_cpu.json, 3 prompts x 64): its pieces
+# carried first into /tmp/g (bench/README.md, "One H200 session")
+step real-gemma3 240 "cat /tmp/g/part0* > /tmp/gemma.gguf && echo 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma.gguf' | sha256sum -c && python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --expect bench/results/gemma3_270m_tokens_cpu.json --json $OUT/gemma3_270m_tokens_h200.json"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

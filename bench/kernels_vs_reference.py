@@ -1,10 +1,12 @@
 """Greedy decoding of a real GGUF with the GPU kernels and with the reference path, side by side.
 
     python3 bench/kernels_vs_reference.py MODEL.gguf [--tokens 32] [--json OUT.json]
+                                             [--expect CPU.json]
 
 Checks the tokens are identical (the kernels must not change a greedy continuation) and reports
 decode tokens/s of both paths measured in the same run. Meant for a GPU; on the CPU both paths
-are the reference.
+are the reference. ``--expect`` takes the JSON of a CPU run of the same model and token count
+and checks the kernel path's tokens against it too (the GPU giving the CPU's tokens).
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--expect", default=None, help="a CPU run's --json: its tokens must match")
     args = ap.parse_args()
+    expected = {}
+    if args.expect:
+        with open(args.expect) as f:
+            cpu = json.load(f)
+        if cpu["tokens"] != args.tokens:
+            ap.error(f"--expect holds {cpu['tokens']} tokens a prompt, not {args.tokens}")
+        expected = {row["prompt"]: row["kernel_tokens"] for row in cpu["rows"]}
     t0 = time.perf_counter()
     model, tokenizer = hf2q_mlx.load(args.model)
     print(f"loaded in {time.perf_counter() - t0:.1f} s; kernel backend: {backend()}")
@@ -50,12 +60,13 @@ def main() -> int:
             greedy(model, tokenizer, prompt, 2)
             ref, ref_tps = greedy(model, tokenizer, prompt, args.tokens)
         match = fast == ref
-        same &= match
+        cpu_match = expected.get(prompt, fast) == fast
+        same &= match and cpu_match
         rows.append(
-            dict(prompt=prompt, match=match, kernel_tps=fast_tps, reference_tps=ref_tps,
+            dict(prompt=prompt, match=match, cpu_match=cpu_match, kernel_tps=fast_tps, reference_tps=ref_tps,
                  text=tokenizer.decode(fast), kernel_tokens=fast, reference_tokens=ref)
         )  # fmt: skip
-        verdict = "SAME" if match else "DIFFERENT"
+        verdict = ("SAME" if match else "DIFFERENT") + ("" if cpu_match else ", NOT the CPU's")
         print(f"{verdict} tokens | kernels {fast_tps:7.1f} tok/s | reference {ref_tps:7.1f} tok/s"
               f" | {prompt!r} -> {tokenizer.decode(fast)!r}")  # fmt: skip
     result = dict(model=args.model, backend=backend(), device=str(mx.default_device()),
@@ -63,7 +74,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    print("all greedy continuations identical" if same else "MISMATCH: kernels vs reference")
+    against = " and to the CPU run" if expected else ""
+    print(f"all greedy continuations identical{against}" if same else "MISMATCH")
     return 0 if same else 1
 
 
