@@ -63,7 +63,8 @@ def main() -> int:
         cpu_match = expected.get(prompt, fast) == fast
         same &= match and cpu_match
         rows.append(
-            dict(prompt=prompt, match=match, cpu_match=cpu_match, kernel_tps=fast_tps, reference_tps=ref_tps,
+            dict(prompt=prompt, match=match, cpu_match=cpu_match, kernel_tps=fast_tps,
+                 reference_tps=ref_tps,
                  text=tokenizer.decode(fast), kernel_tokens=fast, reference_tokens=ref)
         )  # fmt: skip
         verdict = ("SAME" if match else "DIFFERENT") + ("" if cpu_match else ", NOT the CPU's")
