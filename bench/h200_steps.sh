@@ -152,7 +152,7 @@ step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar
 # the real Gemma 3 270M Q4_K_M on the H200 (default decode path, the graph) against the same
 # greedy tokens on the CPU (bench/results/gemma3_270m_tokens_cpu.json, 3 prompts x 64): its pieces
 # carried first into /tmp/g (bench/README.md, "One H200 session")
-step real-gemma3 240 "cat /tmp/g/part0* > /tmp/gemma.gguf && echo 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma.gguf' | sha256sum -c && python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --expect bench/results/gemma3_270m_tokens_cpu.json --json $OUT/gemma3_270m_tokens_h200.json"
+step real-gemma3 240 "cat /tmp/g/part0* > /tmp/gemma.gguf && echo 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma.gguf' | sha256sum -c && python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --expect bench/results/gemma3_270m_tokens_cpu.json --json $OUT/gemma3_270m_tokens.json"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then
