@@ -139,7 +139,10 @@ step profile-26b-batch 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k 
 step shared-kv-ab 360 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_decode_attention.py --tb=short; for v in 0 1; do echo HF2Q_ATTN_SHARED_KV=\$v; HF2Q_ATTN_SHARED_KV=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_shared\$v.json | grep -a 'ms/token\\|decode_attention'; done"
 # the grouped (tensor-core) experts' gate/up from 8 tokens a call (HF2Q_GROUPED_GLU_MIN=8) against
 # the default (16): the 8-row compiled 26B-A4B step under CUPTI, default then 8
-step grouped-glu-ab 240 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_glu\${v:-16}.json | grep -a 'ms/token\\|expert'; done"
+step grouped-glu-ab 240 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py ${PROFILE_SHAPE:-gemma4:26b-a4b} q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_\$(echo ${PROFILE_SHAPE:-gemma4:26b-a4b} | tr : _)_b${BATCH:-8}_glu\${v:-16}.json | grep -a 'ms/token\\|expert'; done"
+# the same switch in the serving engine: 1 and 8 streams (STREAMS) with the default 16 and with 8,
+# one process each (SERVE_SHAPE: gemma4-26b-a4b or qwen3.5-35b-a3b)
+step grouped-glu-serve 420 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/serve_throughput.py --shapes ${SERVE_SHAPE:-gemma4-26b-a4b} --formats q4_k --streams ${STREAMS:-1,8} --gen 128 --prefill-chunk 4096 --time-cap 180 --json $OUT/serve_\$(echo ${SERVE_SHAPE:-gemma4-26b-a4b} | tr . _)_glu\${v:-16}.json; done"
 # the graph captured over several streams (HF2Q_GRAPH_LANES, 1 by default until this runs):
 # independent launches (a MoE layer's dense MLP beside its router and experts) run side by side.
 # Its GPU tests with 4 lanes, then the graph against the compiled step with 1 and with 4 lanes
@@ -152,7 +155,13 @@ step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar
 # the real Gemma 3 270M Q4_K_M on the H200 (default decode path, the graph) against the same
 # greedy tokens on the CPU (bench/results/gemma3_270m_tokens_cpu.json, 3 prompts x 64): its pieces
 # carried first into /tmp/g (bench/README.md, "One H200 session")
-step real-gemma3 240 "cat /tmp/g/part0* > /tmp/gemma.gguf && echo 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma.gguf' | sha256sum -c && python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --expect bench/results/gemma3_270m_tokens_cpu.json --json $OUT/gemma3_270m_tokens.json"
+# the real Gemma 3 270M (its parts carried into /tmp/g, bench/README.md): greedy tokens on the
+# GPU in float32 against the CPU's (float32; session 23 ran the default bf16), then every path's logits
+# along the CPU's tokens (bench/forced_logits.py) in both dtypes against the CPU's: where an
+# argmax flips, is the top-2 margin inside the logit error (a near tie) or not (a bug)?
+CPU_TOKENS=bench/results/gemma3_270m_tokens_cpu.json
+FORCED="python3 bench/forced_logits.py /tmp/gemma.gguf --tokens-from $CPU_TOKENS --against bench/results/gemma3_270m_forced_cpu_fp32.json"
+step real-gemma3 360 "cat /tmp/g/part0* > /tmp/gemma.gguf && echo 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma.gguf' | sha256sum -c && { python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --dtype float32 --expect $CPU_TOKENS --json $OUT/gemma3_270m_tokens_fp32.json; $FORCED --dtype float32 --json $OUT/gemma3_270m_forced_fp32.json; $FORCED --json $OUT/gemma3_270m_forced_bf16.json; }"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

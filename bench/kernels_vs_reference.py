@@ -1,12 +1,13 @@
 """Greedy decoding of a real GGUF with the GPU kernels and with the reference path, side by side.
 
     python3 bench/kernels_vs_reference.py MODEL.gguf [--tokens 32] [--json OUT.json]
-                                             [--expect CPU.json]
+                                             [--expect CPU.json] [--dtype float32]
 
 Checks the tokens are identical (the kernels must not change a greedy continuation) and reports
 decode tokens/s of both paths measured in the same run. Meant for a GPU; on the CPU both paths
 are the reference. ``--expect`` takes the JSON of a CPU run of the same model and token count
-and checks the kernel path's tokens against it too (the GPU giving the CPU's tokens).
+and checks the kernel path's tokens against it too (the GPU giving the CPU's tokens); the CPU
+runs float32 by default and a GPU bfloat16, so compare like with like (``--dtype``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
     ap.add_argument("--expect", default=None, help="a CPU run's --json: its tokens must match")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: load's)")
     args = ap.parse_args()
     expected = {}
     if args.expect:
         with open(args.expect) as f:
             cpu = json.load(f)
+        if cpu.get("dtype", "default") != (args.dtype or "default"):
+            print(f"note: --expect ran in dtype {cpu.get('dtype', 'default')}, this run in "
+                  f"{args.dtype or 'default'}")  # fmt: skip
         if cpu["tokens"] != args.tokens:
             ap.error(f"--expect holds {cpu['tokens']} tokens a prompt, not {args.tokens}")
         expected = {row["prompt"]: row["kernel_tokens"] for row in cpu["rows"]}
@@ -54,7 +59,7 @@ def main() -> int:
                 f"--expect has no tokens for {len(missing)} of the prompts, e.g. {missing[0]!r}"
             )
     t0 = time.perf_counter()
-    model, tokenizer = hf2q_mlx.load(args.model)
+    model, tokenizer = hf2q_mlx.load(args.model, dtype=args.dtype)
     print(f"loaded in {time.perf_counter() - t0:.1f} s; kernel backend: {backend()}")
     rows, same = [], True
     for prompt in PROMPTS:
@@ -77,7 +82,8 @@ def main() -> int:
         print(f"{verdict} tokens | kernels {fast_tps:7.1f} tok/s | reference {ref_tps:7.1f} tok/s"
               f" | {prompt!r} -> {tokenizer.decode(fast)!r}")  # fmt: skip
     result = dict(model=args.model, backend=backend(), device=str(mx.default_device()),
-                  tokens=args.tokens, all_same=same, rows=rows)  # fmt: skip
+                  dtype=args.dtype or "default", tokens=args.tokens, all_same=same,
+                  rows=rows)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
