@@ -137,12 +137,12 @@ step profile-26b-batch 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k 
 # default G = 1 body too: rewritten after its last GPU run), then the 8-row compiled 26B-A4B
 # step under CUPTI with it off and on
 step shared-kv-ab 360 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_decode_attention.py --tb=short; for v in 0 1; do echo HF2Q_ATTN_SHARED_KV=\$v; HF2Q_ATTN_SHARED_KV=\$v python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_26b_b${BATCH:-8}_shared\$v.json | grep -a 'ms/token\\|decode_attention'; done"
-# the grouped (tensor-core) experts' gate/up from 8 tokens a call (HF2Q_GROUPED_GLU_MIN=8) against
-# the default (16): the 8-row compiled 26B-A4B step under CUPTI, default then 8
-step grouped-glu-ab 240 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py ${PROFILE_SHAPE:-gemma4:26b-a4b} q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_\$(echo ${PROFILE_SHAPE:-gemma4:26b-a4b} | tr : _)_b${BATCH:-8}_glu\${v:-16}.json | grep -a 'ms/token\\|expert'; done"
+# the grouped (tensor-core) experts' gate/up from 16 tokens a call (HF2Q_GROUPED_GLU_MIN=16, the
+# default until session 24) against 8 (the default since): the 8-row compiled step under CUPTI
+step grouped-glu-ab 240 "for v in 16 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/decode_profile.py ${PROFILE_SHAPE:-gemma4:26b-a4b} q4_k --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_\$(echo ${PROFILE_SHAPE:-gemma4:26b-a4b} | tr : _)_b${BATCH:-8}_glu\$v.json | grep -a 'ms/token\\|expert'; done"
 # the same switch in the serving engine: 1 and 8 streams (STREAMS) with the default 16 and with 8,
 # one process each (SERVE_SHAPE: gemma4-26b-a4b or qwen3.5-35b-a3b)
-step grouped-glu-serve 420 "for v in '' 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/serve_throughput.py --shapes ${SERVE_SHAPE:-gemma4-26b-a4b} --formats q4_k --streams ${STREAMS:-1,8} --gen 128 --prefill-chunk 4096 --time-cap 180 --json $OUT/serve_\$(echo ${SERVE_SHAPE:-gemma4-26b-a4b} | tr . _)_glu\${v:-16}.json; done"
+step grouped-glu-serve 420 "for v in 16 8; do echo HF2Q_GROUPED_GLU_MIN=\$v; HF2Q_GROUPED_GLU_MIN=\$v python3 bench/serve_throughput.py --shapes ${SERVE_SHAPE:-gemma4-26b-a4b} --formats q4_k --streams ${STREAMS:-1,8} --gen 128 --prefill-chunk 4096 --time-cap 180 --json $OUT/serve_\$(echo ${SERVE_SHAPE:-gemma4-26b-a4b} | tr . _)_glu\$v.json; done"
 # the graph captured over several streams (HF2Q_GRAPH_LANES, 1 by default until this runs):
 # independent launches (a MoE layer's dense MLP beside its router and experts) run side by side.
 # Its GPU tests with 4 lanes, then the graph against the compiled step with 1 and with 4 lanes

@@ -24,18 +24,21 @@ from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 # HF2Q_GROUPED_EXPERTS: "auto" (default) takes the grouped kernels from MIN_TOKENS tokens per
-# call (a serving step's rows; on the H200 they are 1.7x the per-pair kernels at 32 tokens,
-# even at 8 and slower at 1: bench/expert_sweep.py), "1" at every covered call, "0" never.
+# call, the gate/up from MIN_TOKENS_GLU (a serving step's rows; on the H200 they are 1.7x the
+# per-pair kernels at 32 tokens, slower at 1: bench/expert_sweep.py), "1" at every covered
+# call, "0" never.
 # The choice depends on the call's shape only, so a compiled step of B rows always runs the
 # same kernels (a row's tokens do not depend on the other rows' activity).
 MODE = os.environ.get("HF2Q_GROUPED_EXPERTS", "auto")
 ENABLED = MODE != "0"
 MIN_TOKENS = 1 if MODE == "1" else 16
-# HF2Q_GROUPED_GLU_MIN (auto only): the gate/up kernel's own threshold, for A/B runs. The
-# 2026-12-02 sweep had the grouped gate/up faster than the per-pair one at 8 tokens on 26B-A4B
-# (127 against 164 us) but not its down (153 against 108), nor 35B-A3B's gate/up (94 against 85);
-# an 8-row serving step (issue 14's 4x) is where it would count. Unset (None): MIN_TOKENS.
-MIN_TOKENS_GLU = env_int("HF2Q_GROUPED_GLU_MIN", 1, 32) if MODE == "auto" else None
+# The gate/up kernel's own threshold (auto only): 8 tokens. On the H200 an 8-row serving step
+# gained with it on both MoE shapes, one process each (session 24, `grouped-glu-serve`): 8
+# streams 1,089 against 840 tok/s on 26B-A4B, 981 against 877 on 35B-A3B; the down stays
+# per-pair below 16 (153 against 108 us a call at 8 tokens). HF2Q_GROUPED_GLU_MIN moves it.
+GLU_MIN_DEFAULT = 8
+_glu_env = env_int("HF2Q_GROUPED_GLU_MIN", 1, 32)
+MIN_TOKENS_GLU = (GLU_MIN_DEFAULT if _glu_env is None else _glu_env) if MODE == "auto" else None
 MAX_TOKENS = MM.GLU_MAX_ROWS  # tokens per call (32: the n-tiles' columns)
 MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32 tokens x 8)
 # The prefill's kernels ("wide"): the same loop with a pair list of WIDE_LIST entries, so one

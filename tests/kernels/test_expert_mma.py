@@ -287,9 +287,10 @@ def test_covers(monkeypatch):
 
 @needs_gxx
 def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
-    """expert_glu / expert_down on CUDA with bf16 x: below MIN_TOKENS (16 by default) -> the
-    per-pair kernels (stubbed: only the choice is checked); from it on -> the grouped kernels
-    (emulated, within the bf16 bound, one plan per call shape)."""
+    """expert_glu / expert_down on CUDA with bf16 x: below their thresholds (8 tokens for the
+    gate/up, 16 for the down) -> the per-pair kernels (stubbed: only the choice is checked);
+    from them on -> the grouped kernels (emulated, within the bf16 bound, one plan per call
+    shape)."""
     launched = []
 
     def launcher(self, input_dtypes, **launch):
@@ -304,8 +305,9 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     monkeypatch.setattr(Kernel, "launcher", launcher)
     for mod, name in ((G, "_CALLS"), (D, "_CALLS"), (EM, "_GLU_CALLS"), (EM, "_DOWN_CALLS")):
         monkeypatch.setattr(mod, name, {})
-    # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped kernels from 16 tokens on: 5 are per-pair
-    assert EM.ENABLED and EM.MIN_TOKENS == 16
+    # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped gate/up from 8 tokens on, the grouped down
+    # from 16: 5 are per-pair
+    assert EM.ENABLED and EM.MIN_TOKENS == 16 and EM.MIN_TOKENS_GLU == EM.GLU_MIN_DEFAULT == 8
     t, kk = T.Q4_K, _k(T.Q4_K)
     raw, x, ids = _glu_case(t, 5, seed=71)
     rawd, h, idsd, wts = _down_case(t, 5, seed=72)
@@ -313,10 +315,13 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     D.expert_down(h, mx.array(rawd), idsd, wts, t, kk)
     assert launched == [G._KERNELS[t].name, D._KERNELS[t].name]
     launched.clear()
-    for n in (15, 16):  # the "auto" threshold: covers() from 16 tokens on
+    for n in (7, 8, 15, 16):  # the "auto" thresholds: the gate/up from 8 tokens, the down 16
         _, x_n, ids_n = _glu_case(t, n, seed=73)
-        assert EM.covers(x_n, mx.array(raw), ids_n, t) == (n >= 16)
+        assert EM.covers(x_n, mx.array(raw), ids_n, t) == (n >= 8)
+        _, h_n, ids_n, _ = _down_case(t, n, seed=74)
+        assert EM.covers(h_n, mx.array(rawd), ids_n, t, glu=False) == (n >= 16)
     monkeypatch.setattr(EM, "MIN_TOKENS", 1)  # HF2Q_GROUPED_EXPERTS=1: every covered call
+    monkeypatch.setattr(EM, "MIN_TOKENS_GLU", None)
     y = G.expert_glu(x, _poisoned(raw, ids), ids, t, kk)
     _check(y, x, raw[:, :F_EMU], raw[:, F_EMU:], ids, t, kk, "silu")
     yd = D.expert_down(h, _poisoned(rawd, idsd), idsd, wts, t, kk)
@@ -423,6 +428,7 @@ def test_gpu_dispatchers_switch(monkeypatch):
     h = TD._h((8, _K26, f), mx.bfloat16, 10)
     monkeypatch.setattr(EM, "ENABLED", True)
     monkeypatch.setattr(EM, "MIN_TOKENS", 1)
+    monkeypatch.setattr(EM, "MIN_TOKENS_GLU", None)
     y = G.expert_glu(x, mx.array(raw), ids, T.Q4_K, kk)
     assert np.array_equal(_bits(y), _bits(EM.grouped_expert_glu(x, mx.array(raw), ids, T.Q4_K,
                                                                  kk)))  # fmt: skip
