@@ -5,9 +5,9 @@ The GGUF is a random-weight file at a benchmark shape (bench/random_gguf.py, ``-
 any file (``--gguf``). Per round: one ``llama-bench -o json`` call (``--reps`` repetitions of
 pp and tg, after its own warm-up), then ours on the same file, loaded once with
 ``hf2q_mlx.load``: prefill of a ``--prompt``-token random prompt in one forward (timed to the
-evaluated last logits and caches) and ``--gen`` greedy tokens through the compiled decode step
-(``hf2q_mlx.decode_step.DecodeStep``) after a one-token prompt, as llama-bench's tg starts from
-an empty context. Prints medians, the ratio ours / llama.cpp and writes JSON.
+evaluated last logits and caches) and ``--gen`` greedy tokens through the decode step
+generation uses (the CUDA graph on CUDA, else the compiled ``DecodeStep``) after a one-token
+prompt, as llama-bench's tg starts from an empty context. Prints medians, the ratio ours / llama.cpp and writes JSON.
 
     # CPU (bundle unpacked: tar -xJf /work/shared/peers/llama-cpu-x86_64.tar.xz -C /tmp/llama-cpu)
     python3 bench/llama_peer.py OUT.json --shape qwen3_5:tiny --llama /tmp/llama-cpu/bin \\
@@ -83,16 +83,21 @@ def run_llama_bench(
 
 
 class Ours:
-    """hf2q_mlx on the same GGUF: eager one-forward prefill, compiled greedy decode."""
+    """hf2q_mlx on the same GGUF: eager one-forward prefill, greedy decode as generation runs
+    it: through the CUDA graph step on CUDA (``generation.graph_step``; ``HF2Q_DECODE=compiled``
+    opts out), else the compiled step."""
 
     def __init__(self, path: str | Path, prompt: int, gen: int):
         import hf2q_mlx
         from hf2q_mlx.decode_step import DecodeStep
+        from hf2q_mlx.generation import graph_step
 
         self.model, _ = hf2q_mlx.load(path)
         self.vocab = self.model.args.vocab_size
         self.prompt, self.gen = prompt, gen
         self.step = DecodeStep(self.model, max_batch=1, max_len=gen + 8)
+        self.graph = graph_step(self.step)
+        print(f"ours: decode through the {'CUDA graph' if self.graph else 'compiled'} step")
         self.round = 0
         self.decode_s()  # traces the compiled step at every span the timed runs reach
         self.prefill_s()  # first prefill builds the kernels: kept out of the timing
@@ -117,6 +122,12 @@ class Ours:
         y = mx.argmax(self.model(mx.array([[1]], mx.int32), cache)[:, -1, :], axis=-1)
         mx.eval(y, self._cache_arrays(cache))
         self.step.adopt(0, cache)
+        if self.graph is not None:  # one replay per token, the host reads each token id
+            t = int(y.item())
+            tic = time.perf_counter()
+            for _ in range(self.gen):
+                t = self.graph.decode([t])[0]
+            return time.perf_counter() - tic
         y = y.astype(mx.int32)
         out = []
         tic = time.perf_counter()
