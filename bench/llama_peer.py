@@ -7,7 +7,8 @@ pp and tg, after its own warm-up), then ours on the same file, loaded once with
 ``hf2q_mlx.load``: prefill of a ``--prompt``-token random prompt in one forward (timed to the
 evaluated last logits and caches) and ``--gen`` greedy tokens through the decode step
 generation uses (the CUDA graph on CUDA, else the compiled ``DecodeStep``) after a one-token
-prompt, as llama-bench's tg starts from an empty context. Prints medians, the ratio ours / llama.cpp and writes JSON.
+prompt, as llama-bench's tg starts from an empty context. Prints medians, the ratio ours /
+llama.cpp and writes JSON.
 
     # CPU (bundle unpacked: tar -xJf /work/shared/peers/llama-cpu-x86_64.tar.xz -C /tmp/llama-cpu)
     python3 bench/llama_peer.py OUT.json --shape qwen3_5:tiny --llama /tmp/llama-cpu/bin \\
