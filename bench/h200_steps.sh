@@ -160,15 +160,16 @@ step llama-peer 540 "mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar
 # along the CPU's tokens (bench/forced_logits.py) in both dtypes against the CPU's: where an
 # argmax flips, is the top-2 margin inside the logit error (a near tie) or not (a bug)?
 CPU_TOKENS=bench/results/gemma3_270m_tokens_cpu.json
+GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+GEMMA_GGUF="cat /tmp/g/part0* > /tmp/gemma.gguf && echo '$GEMMA_SHA  /tmp/gemma.gguf' | sha256sum -c"
 FORCED="python3 bench/forced_logits.py /tmp/gemma.gguf --tokens-from $CPU_TOKENS --against bench/results/gemma3_270m_forced_cpu_fp32.json"
-step real-gemma3 360 "cat /tmp/g/part0* > /tmp/gemma.gguf && echo 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  /tmp/gemma.gguf' | sha256sum -c && { python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --dtype float32 --expect $CPU_TOKENS --json $OUT/gemma3_270m_tokens_fp32.json; $FORCED --dtype float32 --json $OUT/gemma3_270m_forced_fp32.json; $FORCED --json $OUT/gemma3_270m_forced_bf16.json; }"
+step real-gemma3 360 "$GEMMA_GGUF && { python3 bench/kernels_vs_reference.py /tmp/gemma.gguf --tokens 64 --dtype float32 --expect $CPU_TOKENS --json $OUT/gemma3_270m_tokens_fp32.json; $FORCED --dtype float32 --json $OUT/gemma3_270m_forced_fp32.json; $FORCED --json $OUT/gemma3_270m_forced_bf16.json; }"
 # llama.cpp CUDA against ours on the real small GGUFs (issue 15: decode >= 0.5x, prefill >=
 # 0.25x): Gemma 3 270M Q4_K_M (parts in /tmp/g as for real-gemma3) and SmolLM2-135M-Instruct
 # Q4_1 (parts in /tmp/s: bench/README.md), the llama.cpp bundle in ../.device; pp512 / tg128,
 # ours decoding through the CUDA graph (bench/llama_peer.py)
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
-step llama-small 420 "$PEER_UNPACK cat /tmp/g/part0* > /tmp/gemma.gguf && cat /tmp/s/part0* > /tmp/smollm2.gguf && printf '%s  %s\\n' $GEMMA_SHA /tmp/gemma.gguf $SMOL_SHA /tmp/smollm2.gguf | sha256sum -c && for m in smollm2 gemma; do python3 bench/llama_peer.py $OUT/llama_small_\$m.json --gguf /tmp/\$m.gguf --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds ${ROUNDS:-3} --reps 2; done"
+step llama-small 420 "$PEER_UNPACK $GEMMA_GGUF && cat /tmp/s/part0* > /tmp/smollm2.gguf && echo '$SMOL_SHA  /tmp/smollm2.gguf' | sha256sum -c && for m in smollm2 gemma; do python3 bench/llama_peer.py $OUT/llama_small_\$m.json --gguf /tmp/\$m.gguf --llama /tmp/peer/cuda/run.sh --ngl 99 --rounds ${ROUNDS:-3} --reps 2; done"
 # issue 14's batched lm_head row parity on the GPU: every head type, plain and tied, bf16 / fp16
 # / fp32 x, each row's logits at B = 1..32 bit-identical to the row alone (dense heads past 16
 # rows are an expected failure: MLX's matmul changes kernels)
