@@ -174,6 +174,13 @@ step llama-small 420 "$PEER_UNPACK $GEMMA_GGUF && cat /tmp/s/part0* > /tmp/smoll
 # / fp32 x, each row's logits at B = 1..32 bit-identical to the row alone (dense heads past 16
 # rows are an expected failure: MLX's matmul changes kernels)
 step lm-head-rows 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/test_lm_head_rows.py --tb=line"
+# the types lm-head-rows did not reach in 300 s (session 25: all but Q6_K passed)
+step lm-head-q6k 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and Q6_K' tests/test_lm_head_rows.py --tb=line"
+# session 25: TurboQuant in the compiled step (per-row offsets and balance tables in both kernels)
+step tq-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_tq_kernels.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short || r=1; exit \$r"
+step tq-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step.json"
+# session 25: the chunked delta-net prefill, the CUDA default now
+step gdn-tests 120 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_chunked tests/kernels/test_gated_delta.py --tb=short"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

@@ -6,8 +6,13 @@ Two parts (both on the default device; meant for the H200):
   512), caches pre-filled with random K/V. Each step = cache write + ``attend`` per layer, one
   evaluation; reports ms per step and the KV bytes each step reads.
 - model (``--model``): batch-1 greedy decode tokens/s of a random-weight Gemma-4-26B-A4B (MLX
-  4-bit weights, built by bench/gemma4.py) whose caches are pre-filled with random K/V to each
-  context (a 32K prefill of a 26B model would dominate the run and measures nothing here).
+  4-bit or, with ``--format q4_k``, GGML Q4_K weights, built by bench/gemma4.py) whose caches are
+  pre-filled with random K/V to each context (a 32K prefill of a 26B model would dominate the
+  run and measures nothing here). ``--step static`` (the default) decodes each cache kind the
+  way ``stream_generate`` does: a one-row ``DecodeStep`` that adopts the filled cache, replayed
+  as a CUDA graph where ``generation.graph_step`` gives one (full precision on CUDA) and compiled
+  otherwise (TurboQuant: its write is MLX ops); ``--step eager`` runs the model on the
+  per-sequence caches, a new graph per token.
 
     python bench/turboquant_speed.py                 # attention part
     python bench/turboquant_speed.py --model         # + whole-model decode
@@ -30,6 +35,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from hf2q_mlx.decode_step import DecodeStep
+from hf2q_mlx.generation import graph_step
 from hf2q_mlx.models.attention import attend
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache, to_tq_cache
@@ -161,7 +168,42 @@ def decode_step(model, y: mx.array, cache: list) -> mx.array:
     return mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None]
 
 
-def model_bench(tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5) -> list[dict]:
+class Decoder:
+    """Greedy tokens from a filled per-sequence cache: eagerly on it, or (``static``) through a
+    one-row DecodeStep that adopted it, replayed as a CUDA graph where ``graph_step`` gives one
+    (``path`` says which)."""
+
+    def __init__(self, model, cache: list, bits: int | None, static: bool, max_len: int):
+        self.model, self.cache, self.step, self.graph = model, cache, None, None
+        self.path = "eager"
+        if static:
+            self.step = DecodeStep(model, 1, max_len, kv_bits=bits, like=cache)
+            self.step.adopt(0, cache)
+            self.cache = None
+            self.graph = graph_step(self.step)
+            self.path = "graph" if self.graph is not None else "compiled"
+        self.tokens(2)  # builds kernels, traces, records
+
+    def tokens(self, n: int) -> None:
+        if self.graph is not None:
+            t = 1
+            for _ in range(n):
+                t = self.graph.decode([t])[0]  # each id read back before the next replay
+            return
+        y = mx.array([1], mx.int32)
+        for _ in range(n):
+            if self.step is not None:
+                y = self.step.decode(y, greedy=True)
+            else:
+                y = decode_step(self.model, y[:, None], self.cache)[:, 0]
+            mx.async_eval(y)
+        mx.eval(y)
+
+
+def model_bench(
+    tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5, static: bool = True,
+    fmt: str = "mlx4",
+) -> list[dict]:  # fmt: skip
     """Decode tokens/s per context and cache kind. The three caches of a context are filled
     first, then decoded in turns (full, TQ8, TQ4, full, ...) for ``rounds`` rounds of ``n_decode``
     tokens with the garbage collector off: host jitter lands on every kind alike, and the median
@@ -172,7 +214,7 @@ def model_bench(tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5)
     config = g4b.TINY["tiny-moe"] if tiny else g4b.SHAPES["26b-a4b"]
     args = gemma4.ModelArgs.from_dict(config)
     dtype = mx.bfloat16 if mx.default_device().type == mx.DeviceType.gpu else mx.float32
-    model = g4b.build_mlx4(args, dtype)
+    model = (g4b.build_ggml if fmt == "q4_k" else g4b.build_mlx4)(args, dtype)
     rows = []
     for ctx in contexts:
         caches = {}
@@ -183,31 +225,28 @@ def model_bench(tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5)
             for i, c in enumerate(cache):
                 d, kv, _ = args.layer_geometry(i)
                 fill(c, kv, d, ctx, dtype)
-            y = mx.array([[1]], mx.int32)
-            mx.eval(decode_step(model, decode_step(model, y, cache), cache))  # builds kernels
-            caches[label] = cache
+            max_len = ctx + (rounds + 1) * n_decode + 8
+            caches[label] = Decoder(model, cache, bits, static, max_len)
         rates = {label: [] for label in caches}
         gc.collect()
         gc.disable()
         try:
             for _ in range(rounds):
-                for label, cache in caches.items():
-                    y = mx.array([[1]], mx.int32)
+                for label, dec in caches.items():
                     tic = time.perf_counter()
-                    for _ in range(n_decode):
-                        y = decode_step(model, y, cache)
-                        mx.async_eval(y)
-                    mx.eval(y)
+                    dec.tokens(n_decode)
                     rates[label].append(n_decode / (time.perf_counter() - tic))
         finally:
             gc.enable()
         base = statistics.median(rates["full"])
         for label, r in rates.items():
             rate = statistics.median(r)
+            path = caches[label].path
             rows.append({"context": ctx, "cache": label, "decode_tok_s": rate, "rounds": r,
-                         "vs_full": rate / base})  # fmt: skip
+                         "vs_full": rate / base, "path": path, "format": fmt})  # fmt: skip
             print(f"model  ctx {ctx:6d} {label:5} {rate:8.2f} tok/s  {rate / base:5.2f}x full  "
-                  f"(rounds " + " ".join(f"{x:.1f}" for x in r) + ")", flush=True)  # fmt: skip
+                  f"{path:8} (rounds " + " ".join(f"{x:.1f}" for x in r) + ")",
+                  flush=True)  # fmt: skip
         del caches
         mx.clear_cache()
     return rows
@@ -222,6 +261,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed attention steps (default 20)")
     p.add_argument("--decode", type=int, default=None, help="model tokens per round (default 32)")
     p.add_argument("--rounds", type=int, default=5, help="model rounds per cache kind (default 5)")
+    p.add_argument(
+        "--step",
+        choices=["static", "eager"],
+        default="static",
+        help="model decode path (default static: as stream_generate decodes)",
+    )
+    p.add_argument("--format", choices=["mlx4", "q4_k"], default="mlx4", help="model weights")
     p.add_argument("--json", default="bench_turboquant_speed.json")
     a = p.parse_args()
     default_ctx = "256,1024" if a.tiny else "4096,16384,32768"
@@ -245,7 +291,8 @@ def main() -> None:
                 print(f"{'':22}{k['us_per_step']:9.1f} us {k['per_step']:5.0f}x  {k['kernel']}")
             mx.clear_cache()
     if a.model or a.model_only:
-        rows += model_bench(a.tiny, contexts, a.decode or (4 if a.tiny else 32), a.rounds)
+        n = a.decode or (4 if a.tiny else 32)
+        rows += model_bench(a.tiny, contexts, n, a.rounds, a.step == "static", a.format)
     with open(a.json, "w") as f:
         json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}, f,
                   indent=1)  # fmt: skip

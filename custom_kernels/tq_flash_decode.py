@@ -25,9 +25,10 @@ MAX_FLASH_QUERIES = 8
 # ---- kernels ----------------------------------------------------------------------------------
 # consts (int32): capacity (slots in the buffers), window, partitions, scale as fp32 bits; built
 # once per distinct value (``_consts``). off: the cache offset, a one-element view of a device
-# table (``_offset_view``), so no host-written buffer reaches the GPU per step. Partials (rows =
-# B * Hq * M, partitions, PV + 2) fp32: the partition's unnormalized weighted values (rotated
-# domain), then its running max and sum.
+# table (``_offset_view``), so no host-written buffer reaches the GPU per step; with ROWS, (B,)
+# offsets and (B, Hkv, D) key / value scales, one per batch row (a static cache's rows).
+# Partials (rows = B * Hq * M, partitions, PV + 2) fp32: the partition's unnormalized weighted
+# values (rotated domain), then its running max and sum.
 
 _PARTIAL_BODY = """
   // Thread mapping: one threadgroup of W SIMD groups per (partition, row group), KV head, batch
@@ -52,7 +53,8 @@ _PARTIAL_BODY = """
   SHARED float vcb[1 << VB];
   SHARED float wm[W * RG];
   SHARED float wl[W * RG];
-  const int offset = off[0];
+  const uint b = gid_z;
+  const int offset = off[ROWS ? b : 0u];
   const int cap = consts[0];
   const int window = consts[1];
   const int n_parts = consts[2];
@@ -60,7 +62,6 @@ _PARTIAL_BODY = """
   const uint part = gid_x / uint(NG);
   const uint grp = gid_x % uint(NG);
   const uint kvh = gid_y;
-  const uint b = gid_z;
   const uint nthr = uint(W * 32);
   const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
@@ -145,7 +146,7 @@ _PARTIAL_BODY = """
           const uint h = kvh * uint(REP) + r / uint(M);
           const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
           v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
-          if (HAS_KS) v *= kscale[kvh * uint(DK) + j];
+          if (HAS_KS) v *= kscale[((ROWS ? b * uint(HKV) : 0u) + kvh) * uint(DK) + j];
         }
         qs[idx] = v;
       }
@@ -284,7 +285,7 @@ _REDUCE_BODY = """
   // One threadgroup per query row, one thread per rotated output coordinate (PV threads): the
   // partitions' maxima and weights in parallel (shared memory), then each thread's weighted sum
   // over partitions, the inverse rotation (butterflies in shared memory, the sign flip), the
-  // value scale of the row's KV head and one rounding to T.
+  // value scale of the row's KV head (of its batch row with ROWS) and one rounding to T.
   SHARED float buf[PV];
   SHARED float wts[MAXP];
   SHARED float red[PV / 32];
@@ -333,13 +334,14 @@ _REDUCE_BODY = """
   }
   if (j < uint(DV)) {
     float o = buf[j] * (1.0f / sqrt_f(float(PV))) * vsigns[j];
-    if (HAS_VS) o *= vscale[(row / uint(M)) % uint(HKV * REP) / uint(REP) * uint(DV) + j];
+    const uint kv_row = ROWS ? row / uint(M * REP) : (row / uint(M)) % uint(HKV * REP) / uint(REP);
+    if (HAS_VS) o *= vscale[kv_row * uint(DV) + j];
     out[row * uint(DV) + j] = from_float<T>(o);
   }
 """
 
 
-def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u) -> Example:
+def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0) -> Example:
     pk, pv = max(32, 1 << (dk - 1).bit_length()), max(32, 1 << (dv - 1).bit_length())
     return Example(
         {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
@@ -348,7 +350,7 @@ def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u) -> Example:
         {"partials": mx.float32},
         {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
          "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
-         "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1},
+         "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows},
     )  # fmt: skip
 
 
@@ -365,6 +367,7 @@ _partial_kernel = Kernel(
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8),  # Gemma 3 270M
         _partial_example(mx.float16, 512, 512, 8, 3, 8, 1, 4, 2, 2, 2),  # Gemma 4 global layer
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4),  # padded K, small M
+        _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1),  # static cache rows
     ],
 )
 
@@ -391,11 +394,13 @@ _reduce_kernel = Kernel(
                 "REP": rep,
                 "HAS_VS": 1,
                 "MAXP": _MAX_PARTS,
+                "ROWS": rows,
             },
         )  # fmt: skip
-        for dt, dv, pv, m, hkv, rep in (
-            (mx.bfloat16, 256, 256, 1, 8, 2),
-            (mx.float32, 80, 128, 3, 2, 4),
+        for dt, dv, pv, m, hkv, rep, rows in (
+            (mx.bfloat16, 256, 256, 1, 8, 2, 0),
+            (mx.float32, 80, 128, 3, 2, 4, 0),
+            (mx.bfloat16, 256, 256, 2, 4, 2, 1),
         )
     ],
 )
@@ -467,7 +472,7 @@ def _offset_view(offset: int) -> mx.array:
 
 def _flash_plan(
     queries: mx.array, keys: mx.array, pk: int, kb: int, dv: int, pv: int, vb: int,
-    has_ks: bool, has_vs: bool,
+    has_ks: bool, has_vs: bool, rows: bool = False,
 ):  # fmt: skip
     """The two resolved launches and the partition count for one call signature, or None where
     the kernels do not apply."""
@@ -496,7 +501,7 @@ def _flash_plan(
         output_dtypes=[mx.float32],
         template={"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
                   "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
-                  "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks)},
+                  "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows)},
     )  # fmt: skip
     reduce = _reduce_kernel.launcher(
         [mx.float32, mx.float32, mx.float32, mx.int32],
@@ -505,7 +510,7 @@ def _flash_plan(
         output_shapes=[(B, Hq, M, dv)],
         output_dtypes=[queries.dtype],
         template={"T": queries.dtype, "DV": dv, "PV": pv, "M": M, "HKV": Hkv, "REP": rep,
-                  "HAS_VS": int(has_vs), "MAXP": _MAX_PARTS},
+                  "HAS_VS": int(has_vs), "MAXP": _MAX_PARTS, "ROWS": int(rows)},
     )  # fmt: skip
     return partial, reduce, n_parts
 
@@ -524,7 +529,7 @@ def flash_decode(
     v_bits: int,
     v_dim: int,
     v_scale: mx.array | None,
-    offset: int,
+    offset: int | mx.array,
     window: int,
     scale: float,
 ) -> mx.array | None:
@@ -538,21 +543,25 @@ def flash_decode(
     tables. ``k_scale`` / ``v_scale`` (Hkv, D) fp32 or None: the partial kernel multiplies the
     queries by the key scales as it loads them, the reduce kernel the fp32 output by the value
     scales before its one rounding to the queries' dtype. Two launches in all.
+
+    ``offset`` as a (B,) int32 array: each batch row's own (at least 1: a static cache's rows,
+    read on the device), and the scales, where given, (B, Hkv, D): one per row.
     """
     capacity = keys.shape[2]
-    if backend() is None or min(offset, capacity) == 0:
+    rows = isinstance(offset, mx.array)
+    if backend() is None or (not rows and min(offset, capacity) == 0):
         return None
     pk, pv = k_signs.shape[0], v_signs.shape[0]
     has_ks, has_vs = k_scale is not None, v_scale is not None
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
-           has_vs)  # fmt: skip
+           has_vs, rows)  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
         plan = _PLANS[key] = _flash_plan(
-            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs
+            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs, rows
         )
     if plan is None:
         return None
@@ -560,9 +569,9 @@ def flash_decode(
     consts = _consts(capacity, window, n_parts, scale)
     ks = stand_in() if k_scale is None else k_scale
     vs = stand_in() if v_scale is None else v_scale
+    off = offset.astype(mx.int32) if rows else _offset_view(offset)
     (partials,) = partial(
-        inputs=[queries, keys, values, k_signs, ks, k_codebook, v_codebook, consts,
-                _offset_view(offset)]
+        inputs=[queries, keys, values, k_signs, ks, k_codebook, v_codebook, consts, off]
     )  # fmt: skip
     return reduce(inputs=[partials, v_signs, vs, consts])[0]
 

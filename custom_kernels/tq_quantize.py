@@ -17,16 +17,18 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 def stored_vectors(x: mx.array, scale: mx.array | None, mean: mx.array | None) -> mx.array:
     """What the codec sees for x (B, H, L, D): (x - mean) / scale per head channel, both (H, D)
-    fp32 and optional (``TQBalance``); the kernel folds the same transform into its loads."""
+    or (B, H, D) (one per batch row) fp32 and optional (``TQBalance``); the kernel folds the same
+    transform into its loads."""
     if mean is not None:
-        x = x - mean[:, None, :]
+        x = x - mean[..., None, :]
     if scale is not None:
-        x = x * (1.0 / scale)[:, None, :]
+        x = x * (1.0 / scale)[..., None, :]
     return x
 
 
 # Template: T (input dtype), D (dim), P (padded dim, a power of two), BITS, CW (code words),
-# HAS_SCALE / HAS_MEAN (the TQBalance transform of the input).
+# HAS_SCALE / HAS_MEAN (the TQBalance transform of the input), ROWS (that transform given per
+# batch row: (B, H, D) tables, a static cache's rows each calibrated on its own prompt).
 _BODY = """
   // One threadgroup per head vector (gid_x = token, gid_y = head, gid_z = batch of x (B, H, L,
   // D)), one thread per rotated coordinate (P threads): the balance transform, sign flip,
@@ -42,11 +44,13 @@ _BODY = """
   const uint head = gid_y;
   const uint row = (gid_z * ngroups_y + head) * ngroups_x + gid_x;
   const uint j = tid;
+  // the balance's row: one (H, D) table, or (B, H, D) with one per batch row (ROWS)
+  const uint srow = ROWS ? gid_z * ngroups_y + head : head;
   float xv = 0.0f;
   if (j < uint(D)) {
     xv = to_float(x[row * uint(D) + j]);
-    if (HAS_MEAN) xv -= mean[head * uint(D) + j];
-    if (HAS_SCALE) xv /= scale[head * uint(D) + j];
+    if (HAS_MEAN) xv -= mean[srow * uint(D) + j];
+    if (HAS_SCALE) xv /= scale[srow * uint(D) + j];
   }
   buf[j] = xv * signs[j];
   for (uint i = j; i < (1u << BITS); i += uint(P)) {
@@ -126,12 +130,13 @@ _kernel = Kernel(
                 "CW": p * b // 32,
                 "HAS_SCALE": hs,
                 "HAS_MEAN": hm,
+                "ROWS": rows,
             },
         )  # fmt: skip
-        for dt, d, p, b, hs, hm in (
-            (mx.float16, 256, 256, 4, 1, 0),
-            (mx.bfloat16, 512, 512, 3, 1, 1),
-            (mx.float32, 96, 128, 8, 0, 0),
+        for dt, d, p, b, hs, hm, rows in (
+            (mx.float16, 256, 256, 4, 1, 0, 0),
+            (mx.bfloat16, 512, 512, 3, 1, 1, 1),
+            (mx.float32, 96, 128, 8, 0, 0, 0),
         )
     ],
 )
@@ -150,7 +155,13 @@ def stand_in() -> mx.array:
 
 
 def _plan(
-    shape: tuple, dtype: mx.Dtype, padded_dim: int, bits: int, has_scale: bool, has_mean: bool
+    shape: tuple,
+    dtype: mx.Dtype,
+    padded_dim: int,
+    bits: int,
+    has_scale: bool,
+    has_mean: bool,
+    rows: bool = False,
 ):
     """The resolved launch for one call signature, or None where the kernel does not apply."""
     if dtype not in (mx.float16, mx.bfloat16, mx.float32) or padded_dim > 1024:
@@ -170,7 +181,7 @@ def _plan(
         output_shapes=[(B, H, L, CW + 1)],
         output_dtypes=[mx.uint32],
         template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW,
-                  "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean)},
+                  "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean), "ROWS": int(rows)},
     )  # fmt: skip
     return launch, shape
 
@@ -190,18 +201,22 @@ def quantize_rows(
 
     ``signs`` (P,): the rotation's signs, P = dim padded to a power of two; ``boundaries`` /
     ``codebook``: the Lloyd-Max tables for ``bits``; ``scale`` / ``mean`` (H, dim) fp32 are folded
-    into the kernel (it stores (x - mean) / scale). Without them any (..., dim) is accepted.
+    into the kernel (it stores (x - mean) / scale), or (B, H, dim): one table per batch row. Without
+    them any (..., dim) is accepted.
     """
     if backend() is None:
         return None
     P = signs.shape[0]
+    given = [a for a in (scale, mean) if a is not None]
+    rows = bool(given) and given[0].ndim == 3
     # ints only: the key is built every call
-    key = (x.shape, x.dtype, P, bits, scale is not None, mean is not None)
+    key = (x.shape, x.dtype, P, bits, scale is not None, mean is not None, rows)
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:  # one per prompt length: stay bounded
             _PLANS.clear()
-        plan = _PLANS[key] = _plan(x.shape, x.dtype, P, bits, scale is not None, mean is not None)
+        has = (scale is not None, mean is not None)
+        plan = _PLANS[key] = _plan(x.shape, x.dtype, P, bits, *has, rows)
     if plan is None:
         return None
     launch, shape = plan

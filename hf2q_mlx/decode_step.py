@@ -8,6 +8,9 @@ it never reads a value from the device in between. The rows' positions stay on t
 step to step (each step returns the next ones); the host uploads them only after changing them
 itself (a prefill, a reset, a rollback).
 
+``kv_bits`` (8, or (8, 4) for K8/V4) keeps the attention caches in TurboQuant form
+(``StaticTQCache``): each row quantized with its own balance, calibrated on its own prompt.
+
 Prompts go in through ``prefill(row, ids)``: the model's ordinary per-sequence caches, viewing the
 row's slots, run the chunk eagerly and are copied back. ``save_row`` / ``load_row`` move a row's
 whole state (prefix reuse), ``adopt`` takes over caches that ``stream_generate`` prefilled.
@@ -28,7 +31,8 @@ from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array, launch_recor
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
-from hf2q_mlx.models.static_cache import StaticKVCache, StaticRecurrentCache
+from hf2q_mlx.models.static_cache import StaticKVCache, StaticRecurrentCache, StaticTQCache
+from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache, make_tq_cache
 
 MIN_SPAN = 256
 
@@ -45,10 +49,22 @@ class RowState:
         return sum(a.nbytes for layer in self.arrays for a in layer)
 
 
-def _model_caches(model) -> list:
+def _model_caches(model, kv_bits: tuple[int, int] | None = None) -> list:
+    if kv_bits is not None:
+        return make_tq_cache(model, *kv_bits)
     if hasattr(model, "make_cache"):
         return model.make_cache()
     return [KVCache() for _ in model.layers]
+
+
+def _kv_pair(kv_bits) -> tuple[int, int] | None:
+    """None, 8 or (8, 4) -> None or (k bits, v bits) (checked by the TurboQuant caches)."""
+    if kv_bits is None:
+        return None
+    pair = (kv_bits, kv_bits) if isinstance(kv_bits, int) else tuple(kv_bits)
+    if len(pair) != 2 or not all(isinstance(b, int) for b in pair):
+        raise InvalidArgumentError(f"kv_bits must be an int or a (k, v) pair, got {kv_bits!r}")
+    return pair
 
 
 class RowSlots:
@@ -81,7 +97,10 @@ class RowSlots:
 class DecodeStep(RowSlots):
     """A compiled one-token step over ``max_batch`` rows of at most ``max_len`` tokens each."""
 
-    def __init__(self, model, max_batch: int = 1, max_len: int = 4096, reserve: int = 0, like=None):
+    def __init__(
+        self, model, max_batch: int = 1, max_len: int = 4096, reserve: int = 0, like=None,
+        kv_bits=None,
+    ):  # fmt: skip
         if max_batch < 1 or max_len < 1:
             raise InvalidArgumentError(
                 f"DecodeStep needs max_batch >= 1 and max_len >= 1, got {max_batch}, {max_len}"
@@ -93,6 +112,7 @@ class DecodeStep(RowSlots):
         if reserve < 0:
             raise InvalidArgumentError(f"DecodeStep reserve must be >= 0, got {reserve}")
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        self.kv_bits = _kv_pair(kv_bits)
         self.reserve = reserve  # tokens a verify may write past a row's end (L - 1)
         self.positions = [0] * max_batch
         self.caches = self._allocate(reserve, like)
@@ -125,8 +145,9 @@ class DecodeStep(RowSlots):
     @staticmethod
     def supports(model, kv_bits=None) -> bool:
         """True for our model files (they read positions through ``models.ops.positions``)
-        when every cache the model makes has a static counterpart (not TurboQuant)."""
-        if kv_bits is not None or not type(model).__module__.startswith("hf2q_mlx.models."):
+        when every cache the model makes has a static counterpart (TurboQuant ones included:
+        ``kv_bits`` turns the attention caches into them)."""
+        if not type(model).__module__.startswith("hf2q_mlx.models."):
             return False
         kinds = (KVCache, RotatingKVCache, RecurrentCache)
         return all(type(c) in kinds for c in _model_caches(model))
@@ -139,11 +160,15 @@ class DecodeStep(RowSlots):
         # one eager token first in any case: layers that build a per-weight form lazily on their
         # first few-row call (the CPU's affine repack of GGML blocks) then hold it evaluated,
         # instead of rebuilding it inside every compiled call
-        fresh = _model_caches(self.model)
+        fresh = _model_caches(self.model, self.kv_bits)
         mx.eval(self.model(mx.array([[0]]), cache=fresh))
         probe = like
         if probe is None or any(getattr(c, "keys", 0) is None for c in probe):
             probe = fresh
+        tq = (TQKVCache, TQRotatingKVCache)
+        attention = [c for c in probe if not isinstance(c, RecurrentCache)]
+        if any(isinstance(c, tq) != (self.kv_bits is not None) for c in attention):
+            raise InvalidArgumentError("DecodeStep(like=...) caches must match its kv_bits")
         B, out = self.max_batch, []
         for c in probe:
             if isinstance(c, RecurrentCache):
@@ -163,6 +188,11 @@ class DecodeStep(RowSlots):
             Dv = c.values.shape[-1]
             keys = mx.zeros((B, H, C, Dk), c.keys.dtype)
             values = mx.zeros((B, H, C, Dv), c.values.dtype)
+            if isinstance(c, tq):  # packed rows; balance tables start as the identity
+                dk, dv = c.k_codec.dim, c.v_codec.dim
+                tables = [mx.ones((B, H, dk)), mx.ones((B, H, dv)), mx.zeros((B, H, dk))]
+                out.append(StaticTQCache(keys, values, tables, c, window))
+                continue
             out.append(StaticKVCache(keys, values, window))
         mx.eval([s.arrays for s in out])
         return out
@@ -186,6 +216,8 @@ class DecodeStep(RowSlots):
                 c = RecurrentCache()
                 if pos > 0:
                     c.conv_state, c.state = (a[row : row + 1] for a in s.arrays)
+            elif isinstance(s, StaticTQCache):
+                c = s.row_view(row, pos)
             elif s.window is None:
                 c = KVCache(max_size=s.capacity)
                 c.keys, c.values = (a[row : row + 1] for a in s.arrays)
@@ -216,17 +248,25 @@ class DecodeStep(RowSlots):
                 continue
             if c.keys is None:
                 continue
+            tq = isinstance(c, (TQKVCache, TQRotatingKVCache))
+            if tq != isinstance(s, StaticTQCache):
+                raise InvalidArgumentError("adopt() needs caches of the step's kind (kv_bits)")
+            row_tables = s.row_tables(c) if tq else []  # checks the codecs first
+            slots = s.arrays[:2]
             if s.window is None:
                 n = min(pos, c.keys.shape[2])
-                s.arrays = [
+                slots = [
                     self._write_row(a, row, src[0, :, :n], n)
-                    for a, src in zip(s.arrays, [c.keys, c.values])
+                    for a, src in zip(slots, [c.keys, c.values])
                 ]
             else:
-                s.arrays = [
+                slots = [
                     _adopt_ring(a, row, src[0], pos, self._write_row)
-                    for a, src in zip(s.arrays, [c.keys, c.values])
+                    for a, src in zip(slots, [c.keys, c.values])
                 ]
+            # the row's balance, calibrated on its own prompt
+            tables = [self._write_row(a, row, t) for a, t in zip(s.arrays[2:], row_tables)]
+            s.arrays = slots + tables
         self.positions[row], self._verified[row] = pos, 0
         self._set_lazy(row)
 
@@ -251,18 +291,18 @@ class DecodeStep(RowSlots):
         for s in self.caches:
             # copies of their own (x * 1 is exact): a contiguous slice may share the cache's
             # buffer, which a CUDA graph step writes rows into in place
-            if isinstance(s, StaticKVCache) and s.window is None:
-                arrays.append([a[row, :, :pos] * 1 for a in s.arrays])
-            else:
-                arrays.append([a[row] * 1 for a in s.arrays])
+            arrays.append([
+                a[row, :, :pos] * 1 if n is not None else a[row] * 1
+                for a, n in zip(s.arrays, _slot_counts(s, pos))
+            ])  # fmt: skip
         mx.eval(arrays)
         return RowState(pos, arrays)
 
     def load_row(self, row: int, saved: RowState) -> None:
         self._check_row(row)
         for s, arrs in zip(self.caches, saved.arrays):
-            n = saved.position if isinstance(s, StaticKVCache) and s.window is None else None
-            s.arrays = [self._write_row(a, row, v, n) for a, v in zip(s.arrays, arrs)]
+            counts = _slot_counts(s, saved.position)
+            s.arrays = [self._write_row(a, row, v, n) for a, v, n in zip(s.arrays, arrs, counts)]
         self.positions[row], self._verified[row] = saved.position, 0
         self._set_lazy(row)
 
@@ -495,6 +535,15 @@ class DecodeStep(RowSlots):
         return [s.arrays for s in recurrent]
 
 
+def _slot_counts(s, pos: int) -> list[int | None]:
+    """Per array of cache ``s``: ``pos`` where a row keeps only its first ``pos`` slots (a
+    full-attention layer's KV or packed buffers), None where it keeps the whole row."""
+    full = isinstance(s, StaticKVCache) and s.window is None
+    n = len(s.arrays)
+    slots = (StaticTQCache.SLOT_ARRAYS if isinstance(s, StaticTQCache) else n) if full else 0
+    return [pos] * slots + [None] * (n - slots)
+
+
 def _set_row(buf: mx.array, row: int, value: mx.array, n: int | None = None) -> mx.array:
     """A new array: buf with row ``row`` (its first ``n`` slots on axis 1 when n is given) set
     to value. ``buf`` itself is left as it is: a CUDA graph step may hold that array object and
@@ -527,26 +576,30 @@ _STEPS = "_hf2q_decode_steps"  # a model's DecodeSteps by (rows, max_len, reserv
 
 
 def shared_step(
-    model, max_batch: int, needed: int, like=None, reserve: int = 0
+    model, max_batch: int, needed: int, like=None, reserve: int = 0, kv_bits=None
 ) -> DecodeStep | None:
     """A DecodeStep of the model with ``max_batch`` rows of at least ``needed`` tokens (and at
-    least ``reserve``, for a verify of ``reserve + 1`` tokens), built once and reused across calls
-    (an idle one that fits, else a new one of the next power of two from 1024, which replaces the
-    idle ones that do not fit), or None when the model has no static caches or its step is in
-    use (a second generator on the same model)."""
+    least ``reserve``, for a verify of ``reserve + 1`` tokens) and caches of ``kv_bits``, built
+    once and reused across calls (an idle one that fits, else a new one of the next power of two
+    from 1024, which replaces the idle ones of its kind that do not fit), or None when the model
+    has no static caches or its step is in use (a second generator on the same model)."""
     if not DecodeStep.supports(model):
         return None
+    kind = _kv_pair(kv_bits)
     steps = model.__dict__.get(_STEPS)
     if steps is None:
         steps = {}
         object.__setattr__(model, _STEPS, steps)  # not an nn.Module child or parameter
-    fits = [v for (b, n, r), v in steps.items() if b == max_batch and n >= needed and r >= reserve]
+    fits = [
+        v for (b, n, r, k), v in steps.items()
+        if b == max_batch and n >= needed and r >= reserve and k == kind
+    ]  # fmt: skip
     if fits:
         step = min(fits, key=lambda v: (v.max_len, v.reserve))
         return None if step.busy else step
-    for key in [k for k, v in steps.items() if k[0] == max_batch and not v.busy]:
+    for key in [k for k, v in steps.items() if k[::3] == (max_batch, kind) and not v.busy]:
         del steps[key]
     max_len = max(1024, 1 << (needed - 1).bit_length())
-    step = DecodeStep(model, max_batch, max_len, reserve=reserve, like=like)
-    steps[(max_batch, max_len, reserve)] = step
+    step = DecodeStep(model, max_batch, max_len, reserve=reserve, like=like, kv_bits=kind)
+    steps[(max_batch, max_len, reserve, kind)] = step
     return step

@@ -390,7 +390,10 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         cache=cache,
         eos_ids=set() if ignore_eos else set(tokenizer.eos_token_ids),
-        compiled=compiled and kv_bits is None,
+        # TurboQuant caches: the compiled step decodes them (one balance per row); a speculative
+        # run with them stays eager (its verify and rollback paths are not built for them)
+        compiled=compiled and not (speculative and kv_bits is not None),
+        kv_bits=parse_kv_bits(kv_bits),
         speculative=dict(
             draft_model=draft_model, prompt_lookup=prompt_lookup,
             num_draft_tokens=num_draft_tokens, tree_width=tree_width,
@@ -466,6 +469,7 @@ def _decode(
     eos_ids,
     speculative=None,
     compiled=False,
+    kv_bits=None,
 ) -> Iterator[GenerationResponse]:
     if budget <= 0:
         return
@@ -493,7 +497,9 @@ def _decode(
         y, logprob = sample(prefill(model, mx.array(ids, mx.int32), cache, prefill_step_size))
         mx.async_eval(y, logprob)
         # the compiled step (hf2q_mlx/decode_step.py) takes over caches this call made itself
-        step = shared_step(model, 1, len(ids) + budget, cache) if compiled and budget > 1 else None
+        step = None
+        if compiled and budget > 1:
+            step = shared_step(model, 1, len(ids) + budget, cache, kv_bits=kv_bits)
         if step is not None:
             step.busy = True
             step.reset_row(0)

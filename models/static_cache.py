@@ -9,6 +9,8 @@ token: nothing here reads a value back from the device.
   ``span`` slots, a bucket the step chooses (a few traces instead of reading the whole buffer).
 - ``StaticKVCache(window=W)``: sliding-window ring, slot = position % capacity, with
   ``capacity - W`` reserve slots so that L > 1 tokens (a verify step) can be written at once.
+- ``StaticTQCache``: either of the above holding TurboQuant rows (packed codes) and each row's
+  ``TQBalance`` tables; attention is the flash-decode kernel reading every row's own offset.
 - ``StaticRecurrentCache``: Qwen 3.5's conv and delta-net state; inactive rows keep theirs. An
   L > 1 call (a speculative verify) runs the recurrence over the L tokens in one decode kernel
   (``models.ops.gated_delta_net``), which also leaves every token's starting states
@@ -22,7 +24,15 @@ import mlx.core as mx
 from hf2q_mlx.custom_kernels import launch_recorder
 from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
 from hf2q_mlx.custom_kernels.graph_ops import kv_write, scatter_slots
-from hf2q_mlx.errors import Hf2qError
+from hf2q_mlx.errors import Hf2qError, InvalidArgumentError
+from hf2q_mlx.models.turboquant.cache import (
+    FULL_WINDOW,
+    TQKVCache,
+    TQPacked,
+    TQRotatingKVCache,
+)
+from hf2q_mlx.models.turboquant.kernels import tq_quantize
+from hf2q_mlx.models.turboquant.state import TQBalance, TQState
 
 
 class _RowPositions:
@@ -90,6 +100,89 @@ class StaticKVCache(_RowPositions):
         return decode_attention(
             queries, self.keys, self.values, self.pos, scale, self.read_span, self.window, True
         )
+
+
+class StaticTQCache(StaticKVCache):
+    """``StaticKVCache`` of TurboQuant rows: keys (B, H, C, k words) / values (B, H, C, v words)
+    uint32 packed as ``TQKVCache`` packs them, and each row's ``TQBalance`` as (B, H, D) fp32
+    tables (identity where the row's cache had none: x - 0 and x / 1 are exact, so a row decodes
+    as its per-sequence cache would). ``like``: a per-sequence TurboQuant cache that has been
+    written; its codecs and settings serve every row."""
+
+    def __init__(self, keys, values, tables: list[mx.array], like, window: int | None = None):
+        super().__init__(keys, values, window)
+        self.k_scale, self.v_scale, self.k_mean = tables
+        self.k_codec, self.v_codec = like.k_codec, like.v_codec
+        self.settings = dict(
+            k_bits=like.k_bits, v_bits=like.v_bits, seed=like.seed, balance=like.balance,
+            rope_dims=like.rope_dims, center=like.center, rope_freqs=like.rope_freqs,
+        )  # fmt: skip
+
+    # arrays: the two packed buffers (slots on axis 2), then the three per-row tables
+    SLOT_ARRAYS = 2
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values, self.k_scale, self.v_scale, self.k_mean]
+
+    @arrays.setter
+    def arrays(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values, self.k_scale, self.v_scale, self.k_mean = arrays
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """keys (B, H, L, Dk), values (B, H, L, Dv) quantized with each row's balance and
+        written at its position -> (TQPacked, TQPacked, None): attention reads the packed rows."""
+        L = keys.shape[2]
+        pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
+        pv = tq_quantize(values, self.v_codec, self.v_scale)
+        slots = self._slots(L)
+        self.keys = scatter_slots(self.keys, slots, pk)
+        self.values = scatter_slots(self.values, slots, pv)
+        balance = TQBalance(k_scale=self.k_scale, v_scale=self.v_scale)
+        state = TQState(
+            self.keys, self.values, self.k_codec, self.v_codec, self.pos + L, self.capacity,
+            self.window or FULL_WINDOW, balance, span=self.read_span,
+        )  # fmt: skip
+        packed = TQPacked(state)
+        return packed, packed, None
+
+    def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
+        return keys.attend(queries, scale)  # (B, Hq, L, Dv)
+
+    def row_view(self, row: int, pos: int):
+        """A per-sequence TurboQuant cache over the row's slots and balance (its offset left to
+        the caller); at ``pos`` 0 an empty one, so the first write calibrates the row."""
+        C, W = self.capacity, self.window
+        if W is not None and C >= W:
+            c = TQRotatingKVCache(W, reserve=C - W, **self.settings)
+        else:  # full attention, or a ring shorter than its window (it never wraps)
+            c = TQKVCache(max_size=C, **self.settings)
+        if pos > 0:
+            c.k_codec, c.v_codec = self.k_codec, self.v_codec
+            c.keys, c.values = self.keys[row : row + 1], self.values[row : row + 1]
+            c.tq_balance.set(
+                k_scale=self.k_scale[row], v_scale=self.v_scale[row], k_mean=self.k_mean[row]
+            )
+        return c
+
+    def row_tables(self, cache) -> list[mx.array]:
+        """A per-sequence TurboQuant cache's balance as this cache's row tables (H, D); raises
+        where its codecs differ from the rows'."""
+        own = (cache.k_bits, cache.v_bits, cache.seed)
+        mine = tuple(self.settings[k] for k in ("k_bits", "v_bits", "seed"))
+        if own != mine:
+            raise InvalidArgumentError(
+                f"a TurboQuant cache of (k bits, v bits, seed) {own}, rows of {mine}"
+            )
+        bal = cache.tq_balance
+        out = []
+        pairs = ((bal.k_scale, self.k_scale, 1.0), (bal.v_scale, self.v_scale, 1.0),
+                 (bal.k_mean, self.k_mean, 0.0))  # fmt: skip
+        for a, ref, fill in pairs:
+            out.append(
+                mx.full(ref.shape[1:], fill, ref.dtype) if a is None else a.astype(ref.dtype)
+            )
+        return out
 
 
 class StaticRecurrentCache(_RowPositions):

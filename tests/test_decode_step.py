@@ -15,10 +15,12 @@ import pytest
 from conftest import IdsTokenizer, requires_gpu
 from mlx.utils import tree_flatten, tree_unflatten
 
+from hf2q_mlx import decode_step as decode_step_module
 from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import gemma3, gemma4, llama, qwen2, qwen3_5, qwen3_5_moe
-from hf2q_mlx.models.static_cache import StaticKVCache
+from hf2q_mlx.models.static_cache import StaticKVCache, StaticTQCache
+from hf2q_mlx.models.turboquant.cache import make_tq_cache
 
 RTOL = 1e-4
 VOCAB = 96
@@ -101,9 +103,15 @@ def prompts(lengths, seed: int = 1) -> list[list[int]]:
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def eager_logits(model, prompt: list[int], continuation: list[int]) -> list[np.ndarray]:
-    """Per-sequence caches: prefill, then one token at a time; logits after each input."""
-    cache = model.make_cache() if hasattr(model, "make_cache") else None
+def eager_logits(
+    model, prompt: list[int], continuation: list[int], kv_bits=None
+) -> list[np.ndarray]:
+    """Per-sequence caches (TurboQuant ones with ``kv_bits``): prefill, then one token at a
+    time; logits after each input."""
+    if kv_bits is not None:
+        cache = make_tq_cache(model, *kv_bits)
+    else:
+        cache = model.make_cache() if hasattr(model, "make_cache") else None
     out = [np.array(model(mx.array([prompt]), cache=cache)[0, -1])]
     for t in continuation:
         out.append(np.array(model(mx.array([[t]]), cache=cache)[0, -1]))
@@ -137,13 +145,43 @@ def test_rows_at_own_positions_match_eager(name):
     assert step.positions == [n + steps for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma4-eseries", "qwen3_5-moe"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_turboquant_rows_match_eager(name):
+    """``kv_bits``: every attention cache static TurboQuant, each row quantized with the
+    balance its own prompt calibrated. Rows at their own positions give the per-sequence
+    TurboQuant cache's logits (1e-4 of the largest, fp32: the same reference ops on the packed
+    rows, the step's masked slots adding exact zeros), and not the full-precision cache's
+    (K4/V3 codes move logits by far more than that)."""
+    model, kv = tiny_model(name), (4, 3)
+    lengths, steps = [3, 9, 1], 14
+    ps = prompts(lengths, seed=4)
+    rng = np.random.default_rng(8)
+    conts = [rng.integers(0, 80, steps).tolist() for _ in ps]
+    step = DecodeStep(model, max_batch=len(ps), max_len=32, kv_bits=kv)
+    assert any(isinstance(s, StaticTQCache) for s in step.caches)
+    got = [[np.array(step.prefill(r, p))] for r, p in enumerate(ps)]
+    for i in range(steps):
+        logits = step.decode([c[i] for c in conts])
+        for r in range(len(ps)):
+            got[r].append(np.array(logits[r]))
+    apart = 0.0
+    for r, (p, c) in enumerate(zip(ps, conts)):
+        plain = eager_logits(model, p, c)
+        for i, (g, w) in enumerate(zip(got[r], eager_logits(model, p, c, kv))):
+            assert_close(g, w, f"{name} TQ row {r} step {i}")
+            apart = max(apart, np.abs(g - plain[i]).max() / np.abs(plain[i]).max())
+    assert apart > 1e-2, apart
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4-eseries", "qwen3_5-moe", "gemma4-moe@tq"])
 def test_inactive_rows_pause_and_rows_move(name):
+    name, _, tq = name.partition("@")
+    kv = (8, 4) if tq else None
     model = tiny_model(name)
     p0, p1 = prompts([4, 6], seed=3)
     rng = np.random.default_rng(11)
     c0, c1 = rng.integers(0, 80, 12).tolist(), rng.integers(0, 80, 12).tolist()
-    step = DecodeStep(model, max_batch=3, max_len=32)
+    step = DecodeStep(model, max_batch=3, max_len=32, kv_bits=kv)
     step.prefill(0, p0)
     step.prefill(1, p1)
     got0, got1 = [], []
@@ -157,8 +195,8 @@ def test_inactive_rows_pause_and_rows_move(name):
         if a1:
             got1.append(np.array(out[1]))
             i1 += 1
-    want0 = eager_logits(model, p0, c0[:i0])[1:]
-    want1 = eager_logits(model, p1, c1[:i1])[1:]
+    want0 = eager_logits(model, p0, c0[:i0], kv)[1:]
+    want1 = eager_logits(model, p1, c1[:i1], kv)[1:]
     for i, (g, w) in enumerate(zip(got0, want0)):
         assert_close(g, w, f"{name} row 0 step {i}")
     for i, (g, w) in enumerate(zip(got1, want1)):
@@ -171,9 +209,9 @@ def test_inactive_rows_pause_and_rows_move(name):
     step.reset_row(1)
     last = c1[i1 - 1]
     fresh = step.prefill(1, p0)
-    assert_close(fresh, eager_logits(model, p0, [])[0], f"{name} reset row")
+    assert_close(fresh, eager_logits(model, p0, [], kv)[0], f"{name} reset row")
     out = step.decode([0, 0, last], [False, False, True])
-    want = eager_logits(model, p1, c1[:i1] + [last])[-1]
+    want = eager_logits(model, p1, c1[:i1] + [last], kv)[-1]
     assert_close(out[2], want, f"{name} loaded row")
 
 
@@ -213,7 +251,21 @@ def test_caller_errors():
         step.decode([1, 1, 1])
     with pytest.raises(InvalidArgumentError):
         DecodeStep(model, max_batch=0)
-    assert not DecodeStep.supports(model, kv_bits=8)
+    assert DecodeStep.supports(model, kv_bits=8)
+    # TurboQuant rows take TurboQuant caches of their own codecs only, and the other way round
+    with pytest.raises(InvalidArgumentError, match="kv_bits"):
+        DecodeStep(model, max_batch=1, max_len=8, kv_bits="8")
+    tq = DecodeStep(model, max_batch=1, max_len=8, kv_bits=8)
+    plain = model.make_cache()
+    mx.eval(model(mx.array([[1, 2]]), cache=plain))
+    with pytest.raises(InvalidArgumentError, match="kind"):
+        tq.adopt(0, plain)
+    other = make_tq_cache(model, 4)
+    model(mx.array([[1, 2]]), cache=other)
+    with pytest.raises(InvalidArgumentError, match="bits"):
+        tq.adopt(0, other)
+    with pytest.raises(InvalidArgumentError, match="kv_bits"):
+        DecodeStep(model, max_batch=1, max_len=8, like=other)
 
 
 # Gemma 4's fp32 kernel path already differs from its references by 7e-5 (dense) to 2.2e-4 (MoE)
@@ -249,6 +301,60 @@ def test_gpu_compiled_matches_eager(name):
                 assert_close(g, w, f"{name} GPU row {r} step {i}")
 
 
+# K8/V8 on the GPU: the step's projections run at B = 2, the eager path's at B = 1 (other matmul
+# kernels, other roundings), and a key coordinate that lands on the other side of an 8-bit
+# Lloyd-Max boundary moves by one code step (~1/256 of its range): 1e-3 of the largest logit.
+# The attention kernels alone agree to 2e-5 (test_flash_decode_rows_gpu).
+TQ_GPU_RTOL = 1e-3
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["gemma3", "llama", "qwen3_5-moe", "gemma4-eseries"])
+def test_gpu_turboquant_compiled_matches_eager(name):
+    """On the GPU, kernels in both paths: the step's quantize with per-row tables and its
+    flash-decode with per-row offsets give the per-sequence TurboQuant cache's logits."""
+    with mx.stream(mx.gpu):
+        model, kv = tiny_model(name), (8, 8)
+        lengths, steps = [2, 7], 12
+        ps = prompts(lengths, seed=9)
+        conts = [np.random.default_rng(r).integers(0, 80, steps).tolist() for r in range(2)]
+        step = DecodeStep(model, max_batch=2, max_len=32, kv_bits=kv)
+        got = [[np.array(step.prefill(r, p))] for r, p in enumerate(ps)]
+        for i in range(steps):
+            logits = step.decode([c[i] for c in conts])
+            for r in range(2):
+                got[r].append(np.array(logits[r]))
+        worst = 0.0
+        for r, (p, c) in enumerate(zip(ps, conts)):
+            for g, w in zip(got[r], eager_logits(model, p, c, kv)):
+                worst = max(worst, float(np.abs(g - w).max() / np.abs(w).max()))
+        assert worst <= TQ_GPU_RTOL, f"{name}: relative error {worst:.2e}"
+
+
+@requires_gpu
+def test_gpu_stream_generate_turboquant_on_the_compiled_step(monkeypatch):
+    """``kv_bits`` through stream_generate with the GPU's default decode (the CUDA graph where
+    there is one): the graph refuses the TurboQuant step (its writes are MLX ops), the compiled
+    step decodes, with the eager path's greedy tokens."""
+    from hf2q_mlx import generation
+
+    with mx.stream(mx.gpu):
+        model, (prompt,) = tiny_model("gemma3"), prompts([9], seed=2)
+
+        def tokens() -> list[int]:
+            rs = generation.stream_generate(model, IdsTokenizer(), prompt, max_tokens=24,
+                                            ignore_eos=True, kv_bits=8)  # fmt: skip
+            return [r.token for r in rs]
+
+        monkeypatch.setenv("HF2Q_DECODE", "eager")
+        eager = tokens()
+        monkeypatch.delenv("HF2Q_DECODE")
+        assert tokens() == eager
+        (step,) = model.__dict__[decode_step_module._STEPS].values()
+        assert any(isinstance(s, StaticTQCache) for s in step.caches)
+        assert not step.__dict__.get("_graph")  # refused (False) or never tried (not on CUDA)
+
+
 def test_shared_step_is_reused_and_replaced_by_a_longer_one():
     model = tiny_model("llama")
     a = shared_step(model, 1, 100)
@@ -278,9 +384,11 @@ def test_decode_mode_eager_on_the_cpu_compiled_on_request(name, monkeypatch):
 
     monkeypatch.setattr(generation, "shared_step", counting)
 
-    def tokens() -> list[int]:
-        rs = generation.stream_generate(model, IdsTokenizer(), prompt, max_tokens=24,
-                                        ignore_eos=True, repetition_penalty=3.0)  # fmt: skip
+    def tokens(**opts) -> list[int]:
+        rs = generation.stream_generate(
+            model, IdsTokenizer(), prompt, max_tokens=24, ignore_eos=True,
+            repetition_penalty=3.0, **opts,
+        )  # fmt: skip
         return [r.token for r in rs]
 
     monkeypatch.delenv("HF2Q_DECODE", raising=False)
@@ -290,6 +398,14 @@ def test_decode_mode_eager_on_the_cpu_compiled_on_request(name, monkeypatch):
     monkeypatch.setenv("HF2Q_DECODE", "compiled")
     assert tokens() == auto
     assert len(steps) == 1 and isinstance(steps[0], DecodeStep)
+    # a TurboQuant cache decodes on a step of its own kind, with the eager path's tokens
+    monkeypatch.delenv("HF2Q_DECODE")
+    tq_eager = tokens(kv_bits=8)
+    assert len(steps) == 1
+    monkeypatch.setenv("HF2Q_DECODE", "compiled")
+    assert tokens(kv_bits=8) == tq_eager
+    assert len(steps) == 2 and steps[1] is not steps[0]
+    assert any(isinstance(s, StaticTQCache) for s in steps[1].caches)
     monkeypatch.setenv("HF2Q_DECODE", "fast")
     with pytest.raises(InvalidArgumentError, match="HF2Q_DECODE"):
         tokens()

@@ -46,9 +46,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def reference(smollm2, prompt, max_tokens: int) -> tuple[list[int], str]:
+def reference(smollm2, prompt, max_tokens: int, **opts) -> tuple[list[int], str]:
     model, tokenizer = smollm2
-    out = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **opts))
     return [r.token for r in out], "".join(r.text for r in out)
 
 
@@ -307,3 +307,31 @@ def test_batch_generator_through_decode_step(smollm2):
                 gen.cancel(uid)
         assert seen[-1].finish_reason == "cancelled" and len(seen) < 10
         assert gen.engine.stats()["running"] == 0
+
+
+def test_batch_generator_turboquant_through_decode_step(smollm2):
+    """``kv_bits`` on the compiled batched step: TurboQuant rows, each calibrated on its own
+    prompt, give what generate gives alone with the same cache (batched with another request,
+    and again from the prefix pool, which keeps the packed rows and their balance)."""
+    import hf2q_mlx
+    from hf2q_mlx.decode_step import DecodeStep
+    from hf2q_mlx.models.static_cache import StaticTQCache
+
+    model, tokenizer = smollm2
+    prompts = ["The capital of France is", "Once upon a time"]
+    refs = [reference(smollm2, p, 6, kv_bits=8)[1] for p in prompts]
+    opts = dict(max_batch=2, max_len=96, compiled=True, kv_bits=8)
+    with hf2q_mlx.BatchGenerator(model, tokenizer, **opts) as gen:
+        step = gen.engine.step
+        assert isinstance(step, DecodeStep)
+        assert all(isinstance(s, StaticTQCache) for s in step.caches)
+        assert gen.generate(prompts, max_tokens=6) == refs
+        reused = gen.engine.metrics.value("prefix_reused_tokens_total")
+        assert gen.generate(prompts[1:], max_tokens=6) == refs[1:]
+        assert gen.engine.metrics.value("prefix_reused_tokens_total") > reused
+        # a longer prompt whose first chunk the saved one does not hold whole: calibrated on its
+        # own first chunk, as alone, so the saved row is not reused
+        reused = gen.engine.metrics.value("prefix_reused_tokens_total")
+        longer = prompts[1] + " there lived a"
+        assert gen.generate([longer], max_tokens=6) == [reference(smollm2, longer, 6, kv_bits=8)[1]]
+        assert gen.engine.metrics.value("prefix_reused_tokens_total") == reused

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import itertools
+import operator
 import queue
 import sys
 import threading
@@ -30,6 +31,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +44,7 @@ from hf2q_mlx.generation import (
     check_token_ids,
     context_limit,
     graph_step,
+    parse_kv_bits,
     vocab_limit,
 )
 from hf2q_mlx.serving.batch_sampler import (
@@ -77,7 +80,7 @@ def make_step(
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
     if compiled and DecodeStep.supports(model, kv_bits):
-        return DecodeStep(model, max_batch, max_len)
+        return DecodeStep(model, max_batch, max_len, kv_bits=parse_kv_bits(kv_bits))
     return SequentialStep(model, max_batch, max_len, kv_bits)
 
 
@@ -384,7 +387,13 @@ class Engine:
                 continue
             req = self.waiting.popleft()
             n = len(req.prompt)
-            reused, saved = self.pool.longest(req.prompt[: n - 1])
+            usable = None
+            if getattr(self.step, "kv_bits", None) is not None:
+                # a TurboQuant row's balance is calibrated on its first prefill chunk: a saved
+                # prompt serves only when it holds this prompt's whole first chunk (the same
+                # calibration), else the tokens would differ from the request run alone
+                usable = partial(operator.le, min(self.prefill_chunk, n - 1))
+            reused, saved = self.pool.longest(req.prompt[: n - 1], usable)
             if saved is not None:
                 self.step.load_row(row, saved)
             else:

@@ -50,9 +50,12 @@ class PrefixPool:
         self.nbytes += size
         return True
 
-    def longest(self, ids: Sequence[int]) -> tuple[int, Any]:
-        """(length, saved) of the longest entry that is a prefix of ``ids``; (0, None) if none."""
+    def longest(self, ids: Sequence[int], usable=None) -> tuple[int, Any]:
+        """(length, saved) of the longest entry that is a prefix of ``ids`` (and whose length
+        ``usable(length)`` accepts, where given); (0, None) if none."""
         lengths = sorted({len(k) for k in self.entries if len(k) <= len(ids)}, reverse=True)
+        if usable is not None:
+            lengths = [n for n in lengths if usable(n)]
         for n in lengths:
             key = tuple(ids[:n])
             if key in self.entries:

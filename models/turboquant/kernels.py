@@ -44,14 +44,18 @@ def tq_quantize(
 
 
 def query_positions(state: TQState, n_queries: int) -> mx.array:
-    """Absolute positions of the last ``n_queries`` tokens written (the queries), (M,)."""
+    """Absolute positions of the last ``n_queries`` tokens written (the queries), (M,), or
+    (B, M) for a static cache's rows."""
+    if state.rows:
+        return state.offset[:, None] - n_queries + mx.arange(n_queries)[None]
     return mx.arange(state.offset - n_queries, state.offset)
 
 
 def visibility(state: TQState, n_queries: int) -> mx.array:
-    """Boolean (M, n_slots): query m may attend slot s."""
-    p = state.slot_positions()[None, : state.n_slots]
-    qp = query_positions(state, n_queries)[:, None]
+    """Boolean (M, n_slots): query m may attend slot s; (B, M, n_slots) for a static cache's
+    rows."""
+    p = state.slot_positions()[..., None, : state.n_slots]
+    qp = query_positions(state, n_queries)[..., None]
     return (p >= 0) & (p <= qp) & (p > qp - state.window)
 
 
@@ -74,14 +78,16 @@ def tq_flash_decode_reference(
     q = (kc.rotate(queries) * scale).reshape(B, Hkv, rep * M, kc.padded_dim)  # row = j*M + m
     k = kc.dequantize_rotated(state.keys[:, :, :S])  # (B, Hkv, S, P) rotated domain
     v = vc.dequantize_rotated(state.values[:, :, :S])  # (B, Hkv, S, Pv)
-    visible = mx.tile(visibility(state, M), (rep, 1))  # (rep*M, S)
+    vis = visibility(state, M)
+    vis = vis if vis.ndim == 3 else vis[None]  # (B or 1, M, S)
+    visible = mx.tile(vis, (1, rep, 1))[:, None]  # (B or 1, 1, rep*M, S)
     s = mx.where(visible, q @ k.swapaxes(-1, -2), _NEG)
     chunk = -(-S // n_parts)
     parts = []
     for i in range(0, S, chunk):
         sp = s[..., i : i + chunk]
         m = mx.max(sp, axis=-1, keepdims=True)
-        p = mx.where(visible[:, i : i + chunk], mx.exp(sp - m), 0.0)
+        p = mx.where(visible[..., i : i + chunk], mx.exp(sp - m), 0.0)
         parts.append((m, p.sum(-1, keepdims=True), p @ v[:, :, i : i + chunk]))
     m_all = parts[0][0]
     for m, _, _ in parts[1:]:
@@ -99,8 +105,10 @@ def tq_attention_oracle(queries: mx.array, state: TQState, scale: float) -> mx.a
     S = state.n_slots
     k = state.balance.keys_out(state.k_codec.dequantize(state.keys[:, :, :S]))
     v = state.balance.values_out(state.v_codec.dequantize(state.values[:, :, :S]))
+    mask = visibility(state, M)
+    mask = mask[:, None] if mask.ndim == 3 else mask  # (B, 1, M, S) for a static cache's rows
     out = mx.fast.scaled_dot_product_attention(
-        queries.astype(mx.float32), k, v, scale=scale, mask=visibility(state, M)
+        queries.astype(mx.float32), k, v, scale=scale, mask=mask
     )
     return out.astype(queries.dtype)
 

@@ -16,9 +16,10 @@ from hf2q_mlx.models.turboquant.codec import TQCodec
 class TQBalance:
     """Exact transforms between the model's K/V and what the codec stores.
 
-    The cache stores ``(k - k_mean) / k_scale`` and ``v / v_scale`` (each (Hkv, D) fp32, None =
-    skipped); attention uses ``q * k_scale`` and multiplies its output by ``v_scale``. The key
-    offset needs nothing at attention time: it moves every score of a query by the same
+    The cache stores ``(k - k_mean) / k_scale`` and ``v / v_scale`` (each (Hkv, D) fp32, or
+    (B, Hkv, D) with one per batch row in a static cache; None = skipped); attention uses
+    ``q * k_scale`` and multiplies its output by ``v_scale``. The key offset needs nothing at
+    attention time: it moves every score of a query by the same
     ``q . k_mean``, which the softmax cancels (the dequantized keys add it back). Scores and
     outputs are unchanged in exact arithmetic; only the codec's error is smaller or spread more
     favourably (``key_mean``, ``key_balance``, ``value_balance`` in ``codec.py``). Both
@@ -38,9 +39,9 @@ class TQBalance:
         self._derived.clear()
 
     def _col(self, name: str) -> mx.array:
-        """(Hkv, D) scale or offset as (Hkv, 1, D); built once, reused every step."""
+        """(..., Hkv, D) scale or offset as (..., Hkv, 1, D); built once, reused every step."""
         if name not in self._derived:
-            self._derived[name] = getattr(self, name)[:, None, :]
+            self._derived[name] = getattr(self, name)[..., None, :]
         return self._derived[name]
 
     def keys_in(self, k: mx.array) -> mx.array:
@@ -60,11 +61,12 @@ class TQBalance:
         return v if self.v_scale is None else v * self._col("v_scale")
 
     def _rep(self, name: str, hq: int) -> mx.array:
-        """The (Hkv, D) scale repeated for each query head of its group, (Hq, 1, D), kept."""
+        """The (..., Hkv, D) scale repeated for each query head of its group, (..., Hq, 1, D),
+        kept."""
         key = (name, hq)
         if key not in self._derived:
             a = getattr(self, name)
-            self._derived[key] = mx.repeat(a, hq // a.shape[0], axis=0)[:, None, :]
+            self._derived[key] = mx.repeat(a, hq // a.shape[-2], axis=-2)[..., None, :]
         return self._derived[key]
 
     def queries_in(self, q: mx.array) -> mx.array:
@@ -84,6 +86,9 @@ class TQState:
     uint32 packed rows; slot s holds position ``(offset-1) - ((offset-1-s) % capacity)`` (negative
     = empty), which covers the ring (capacity = window + reserve) and the growing cache (slot =
     position, capacity = buffer length). Only slots ``< min(offset, capacity)`` are read.
+
+    A static cache's rows (``models/static_cache.py``): ``offset`` (B,) int32 on the device, one
+    per row, and ``span`` the slots the references read (the kernels read each row's own).
     """
 
     keys: mx.array
@@ -94,10 +99,20 @@ class TQState:
     capacity: int
     window: int
     balance: TQBalance = field(default_factory=TQBalance)
+    span: int | None = None
+
+    @property
+    def rows(self) -> bool:
+        return isinstance(self.offset, mx.array)
 
     @property
     def n_slots(self) -> int:
+        if self.rows:
+            return self.capacity if self.span is None else self.span
         return min(self.offset, self.capacity)
 
     def slot_positions(self) -> mx.array:
+        """(n_slots,), or (B, n_slots) for a static cache's rows."""
+        if self.rows:
+            return ring_slot_positions(self.offset[:, None], self.capacity, self.n_slots)
         return ring_slot_positions(self.offset, self.capacity)

@@ -117,11 +117,14 @@ def test_chunked_matches_sequential(T, chunk):
     check(s, np.array(s_ref), 2e-5, "state")
 
 
+@pytest.mark.parametrize("cuda", [False, True], ids=["no-cuda", "cuda"])
 @pytest.mark.parametrize("value", ["", "auto", "chunked", "reference", " Reference "])
-def test_prefill_switch_picks_the_recurrence(value, monkeypatch):
-    """HF2Q_GDN_PREFILL (docs/kernels.md): unset or auto = MLX's fast op where it exists, else
-    the chunked form; a named form is taken as asked, whatever its case and spaces."""
+def test_prefill_switch_picks_the_recurrence(value, cuda, monkeypatch):
+    """HF2Q_GDN_PREFILL (docs/kernels.md): unset or auto = the chunked form on CUDA, elsewhere
+    MLX's fast op where it exists, else the chunked form; a named form is taken as asked,
+    whatever its case and spaces."""
     monkeypatch.setenv("HF2Q_GDN_PREFILL", value)
+    monkeypatch.setattr(gd, "_on_cuda", lambda: cuda)
     taken = []
     for name in gd._RECURRENCES:
         real = gd._RECURRENCES[name]
@@ -129,8 +132,42 @@ def test_prefill_switch_picks_the_recurrence(value, monkeypatch):
         monkeypatch.setitem(gd._RECURRENCES, name, fake)
     with reference_only():
         gd.gated_delta_update(**make_inputs(1, 3, 2, 4, 32, 8, seed=1))
-    auto = "fast" if hasattr(mx.fast, "gated_delta_update") else "chunked"
+    auto = "fast" if hasattr(mx.fast, "gated_delta_update") and not cuda else "chunked"
+    assert gd.auto_prefill_mode() == auto
     assert taken == [value.strip().lower() if value.strip() not in ("", "auto") else auto]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_chunked_prefill_matches_oracle(dtype, monkeypatch):
+    """The chunked form (the CUDA default prefill) on the GPU, a prompt of several chunks at
+    Qwen 3.5's head dims: fp32 within 1e-5 of the float64 oracle as on the CPU; bf16 inputs
+    within twice MLX's fast op's own error on the same inputs (plus 1e-3 of the largest)."""
+    inp = make_inputs(1, 300, 2, 4, 128, 128, seed=31, dtype=dtype)
+    want = oracle({k: v.astype(mx.float32) if isinstance(v, mx.array) else v
+                   for k, v in inp.items()}, False)  # fmt: skip
+
+    def run(mode):
+        monkeypatch.setenv("HF2Q_GDN_PREFILL", mode)
+        with mx.stream(mx.gpu):
+            out = gd.gated_delta_update(**inp)
+            mx.eval(out)
+        return out
+
+    def err(got, w):
+        return np.abs(np.array(got.astype(mx.float32)) - w).max() / np.abs(w).max()
+
+    got = run("chunked")
+    if dtype == mx.float32:
+        for g, w, what in zip(got, want, ("y", "conv_state", "state")):
+            check(g, w, 1e-5, f"chunked {what}")
+        return
+    if not hasattr(mx.fast, "gated_delta_update"):
+        pytest.skip("this MLX has no mx.fast.gated_delta_update")
+    fast = run("fast")
+    for i, what in ((0, "y"), (2, "state")):
+        e, e_fast = err(got[i], want[i]), err(fast[i], want[i])
+        assert e <= 2 * e_fast + 1e-3, f"bf16 chunked {what}: {e:.3g} against fast {e_fast:.3g}"
 
 
 def test_prefill_switch_rejects_unknown_values(monkeypatch):

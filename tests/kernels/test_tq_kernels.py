@@ -15,8 +15,9 @@ from hf2q_mlx.custom_kernels import reference_only
 from hf2q_mlx.custom_kernels import tq_flash_decode as fd
 from hf2q_mlx.custom_kernels import tq_quantize as tqq
 from hf2q_mlx.models.turboquant import kernels as tqk
-from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache
+from hf2q_mlx.models.turboquant.cache import FULL_WINDOW, TQKVCache, TQRotatingKVCache
 from hf2q_mlx.models.turboquant.codec import TQCodec, unpack_bits
+from hf2q_mlx.models.turboquant.state import TQBalance, TQState
 
 # ---- CPU emulation ------------------------------------------------------------------------------
 
@@ -139,7 +140,82 @@ def _check_flash(case, seed, dtype=mx.float32):
         np.testing.assert_allclose(out, want, rtol=eps, atol=1e-4)
 
 
+# a static cache's rows (models/static_cache.py): per-row offsets and balance tables
+ROW_CASES = [
+    # (window, capacity, Hq, Hkv, Dk, Dv, k_bits, v_bits, row offsets, M)
+    (None, 96, 4, 2, 64, 64, 8, 8, [1, 37, 96], 1),  # full buffer: one key, part, all of it
+    (16, 20, 4, 1, 128, 64, 4, 3, [5, 21, 50], 2),  # ring with reserve 4: unwrapped, wrapped
+]
+
+
+def _rows_state(case, seed):
+    """Random packed rows (from the reference quantizer), per-row offsets and (B, Hkv, D)
+    scales: a static TurboQuant cache's state."""
+    window, C, Hq, Hkv, Dk, Dv, kb, vb, offsets, M = case
+    rng = np.random.default_rng(seed)
+    B = len(offsets)
+    kc, vc = TQCodec(Dk, kb, seed), TQCodec(Dv, vb, seed)
+    k = mx.array(rng.standard_normal((B, Hkv, C, Dk)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, Hkv, C, Dv)).astype(np.float32))
+    ks = mx.array(np.exp(rng.uniform(-1.0, 1.0, (B, Hkv, Dk))).astype(np.float32))
+    vs = mx.array(np.exp(rng.uniform(-1.0, 1.0, (B, Hkv, Dv))).astype(np.float32))
+    keys, values = tqk.tq_quantize_reference(k, kc), tqk.tq_quantize_reference(v, vc)
+    off = mx.array(offsets, dtype=mx.int32)
+    bal = TQBalance(k_scale=ks, v_scale=vs)
+    state = TQState(keys, values, kc, vc, off, C, window or FULL_WINDOW, bal, span=C)
+    q = mx.array(rng.standard_normal((B, Hq, M, Dk)).astype(np.float32) * 2)
+    return state, q
+
+
+def _check_rows_flash(case, seed):
+    """The kernels on a static cache's rows against the rows reference, and that reference
+    against each row alone through the per-sequence reference (fp32; other summation orders)."""
+    st, q = _rows_state(case, seed)
+    scale = q.shape[-1] ** -0.5
+    out = tqk.tq_flash_decode(q, st, scale)
+    with mx.stream(mx.cpu):
+        want = tqk.tq_flash_decode_reference(q, st, scale)
+        np.testing.assert_allclose(np.array(out), np.array(want), rtol=0, atol=2e-5)
+        bal = st.balance
+        for b, off in enumerate(case[8]):
+            alone = TQState(
+                st.keys[b : b + 1], st.values[b : b + 1], st.k_codec, st.v_codec, off,
+                st.capacity, st.window, TQBalance(k_scale=bal.k_scale[b], v_scale=bal.v_scale[b]),
+            )  # fmt: skip
+            one = tqk.tq_flash_decode_reference(q[b : b + 1], alone, scale)
+            np.testing.assert_allclose(np.array(want[b : b + 1]), np.array(one), rtol=0, atol=2e-5)
+
+
+def _check_rows_quantize(dim, bits, dtype, seed):
+    """(B, H, D) tables, one per batch row: the kernel against the reference on the stored
+    vectors, and each row as that row quantized alone with its own (H, D) tables."""
+    rng = np.random.default_rng(seed)
+    x, _, _ = _balanced_input(rng, (3, 2, 5, dim), dtype)
+    scale = mx.array(np.exp(rng.uniform(-1.5, 1.5, (3, 2, dim))).astype(np.float32))
+    mean = mx.array(rng.standard_normal((3, 2, dim)).astype(np.float32))
+    codec = TQCodec(dim, bits, seed=3)
+    rows = tqk.tq_quantize(x, codec, scale, mean)
+    with mx.stream(mx.cpu):
+        _check_quantize(rows, tqq.stored_vectors(x.astype(mx.float32), scale, mean), codec)
+    for b in range(3):
+        alone = tqk.tq_quantize(x[b : b + 1], codec, scale[b], mean[b])
+        np.testing.assert_array_equal(np.array(rows[b : b + 1]), np.array(alone))
+
+
 # ---- CPU emulation tests ------------------------------------------------------------------------
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", ROW_CASES, ids=["full", "ring"])
+def test_flash_decode_rows_emulated(emulated, case):
+    _check_rows_flash(case, seed=21)
+    assert emulated["partial"].launches == 1 and emulated["reduce"].launches == 1
+
+
+@needs_gxx
+def test_quantize_rows_tables_emulated(emulated):
+    _check_rows_quantize(128, 4, mx.float32, seed=22)
+    assert emulated["quantize"].launches == 1 + 3
 
 
 @needs_gxx
@@ -265,6 +341,18 @@ def test_flash_decode_gpu_low_precision(dtype):
     err_kernel = mx.abs(tqk.tq_flash_decode(q32.astype(dtype), st, 0.0625) - exact).max().item()
     err_ref = mx.abs(tqk.tq_flash_decode_reference(q32.astype(dtype), st, 0.0625) - exact)
     assert err_kernel <= 2 * err_ref.max().item() + 1e-6
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", ROW_CASES, ids=["full", "ring"])
+def test_flash_decode_rows_gpu(case):
+    _check_rows_flash(case, seed=23)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dim,bits,dtype", [(256, 8, mx.bfloat16), (128, 4, mx.float32)])
+def test_quantize_rows_tables_gpu(dim, bits, dtype):
+    _check_rows_quantize(dim, bits, dtype, seed=24)
 
 
 @requires_gpu
