@@ -1,8 +1,9 @@
 """The ops a recorded CUDA graph step runs where the MLX step uses MLX ops (launch_recorder):
-a KV row written into the cache in place, an embedding table's raw rows gathered, and the
-embedding's cast-and-scale. Each has its reference (what the MLX step computes) and a kernel;
-``kv_write`` only exists in place, so it runs only inside a recording (or, in tests, as a
-launch whose output is a fresh array: the written slots are checked, the rest stay poisoned).
+a KV row written into the cache in place (float rows, or a TurboQuant cache's packed words), an
+embedding table's raw rows gathered, and the embedding's cast-and-scale. Each has its reference
+(what the MLX step computes) and a kernel; ``kv_write`` only exists in place, so it runs only
+inside a recording (or, in tests, as a launch whose output is a fresh array: the written slots
+are checked, the rest stay poisoned).
 """
 
 from __future__ import annotations
@@ -85,12 +86,68 @@ def kv_write_launch(k_cache, v_cache, k_src, v_src, ring: bool):
     )  # fmt: skip
 
 
+_WORDS_BODY = """
+  // One thread per 32-bit word of k_src (B, H, L, WK) then of v_src (B, H, L, WV): copied to its
+  // row's slot of its cache (packed TurboQuant rows; keys, then values: one launch).
+  const uint e0 = gid_x * tg_size + tid;
+  const bool is_v = e0 >= NK;
+  const uint e = is_v ? e0 - NK : e0;
+  const uint W = is_v ? WV : WK;
+  if (e >= (is_v ? NV : NK)) return;
+  const uint w = e % W;
+  const uint l = (e / W) % L;
+  const uint bh = e / (W * L);
+  uint slot = uint(pos[bh / H]) + l;
+  if (RING) slot %= C;
+  const uint64_t at = (uint64_t(bh) * C + slot) * W + w;
+  if (is_v) v_cache[at] = v_src[e];
+  else k_cache[at] = k_src[e];
+"""
+
+_words_kernel = Kernel(
+    "kv_write_words",
+    inputs=["k_src", "v_src", "pos"],
+    outputs=["k_cache", "v_cache"],
+    body=_WORDS_BODY,
+    examples=[
+        Example(
+            {"k_src": mx.uint32, "v_src": mx.uint32, "pos": mx.int32},
+            {"k_cache": mx.uint32, "v_cache": mx.uint32},
+            {"NK": 66, "NV": 34, "H": 2, "L": 1, "C": 16, "WK": 33, "WV": 17, "RING": 1},
+        )
+    ],
+)
+
+
+def kv_write_words_launch(k_cache, v_cache, k_src, v_src, ring: bool):
+    """``kv_write_launch`` for packed uint32 rows (B, H, L, W*) into (B, H, C, W*) caches."""
+    B, H, C, WK = k_cache.shape
+    WV = v_cache.shape[3]
+    L = k_src.shape[2]
+    nk, nv = B * H * L * WK, B * H * L * WV
+    return _words_kernel.launcher(
+        [mx.uint32, mx.uint32, mx.int32],
+        grid=(nk + nv,),
+        threadgroup=(256,),
+        output_shapes=[tuple(k_cache.shape), tuple(v_cache.shape)],
+        output_dtypes=[mx.uint32, mx.uint32],
+        template={"NK": nk, "NV": nv, "H": H, "L": L, "C": C, "WK": WK, "WV": WV,
+                  "RING": int(ring)},
+    )  # fmt: skip
+
+
 def kv_write(k_cache, v_cache, k_src, v_src, pos, ring: bool) -> tuple[mx.array, mx.array]:
     """In a recording: both caches written in place (the same arrays back), one launch.
-    Elsewhere the reference (MLX scatters, new arrays)."""
+    Elsewhere the reference (MLX scatters, new arrays). Float caches, or uint32 ones holding
+    packed rows (``kv_write_words``: a TurboQuant cache's codes, copied as they are)."""
     if not active():
         return (kv_write_reference(k_cache, k_src, pos, ring),
                 kv_write_reference(v_cache, v_src, pos, ring))  # fmt: skip
+    words = (k_cache.dtype, v_cache.dtype, k_src.dtype, v_src.dtype) == (mx.uint32,) * 4
+    if words and k_cache.shape[:3] == v_cache.shape[:3] and k_cache.size + v_cache.size < 2**32:
+        launch = kv_write_words_launch(k_cache, v_cache, k_src, v_src, ring)
+        k, v = launch_into(launch, [k_src, v_src, pos], [k_cache, v_cache])
+        return k, v
     ok = k_cache.dtype == v_cache.dtype and k_cache.dtype in _F
     ok = ok and k_src.dtype in _F and v_src.dtype in _F
     ok = ok and k_cache.shape[:3] == v_cache.shape[:3] and k_cache.size + v_cache.size < 2**32

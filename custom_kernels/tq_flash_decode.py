@@ -26,7 +26,9 @@ MAX_FLASH_QUERIES = 8
 # consts (int32): capacity (slots in the buffers), window, partitions, scale as fp32 bits; built
 # once per distinct value (``_consts``). off: the cache offset, a one-element view of a device
 # table (``_offset_view``), so no host-written buffer reaches the GPU per step; with ROWS, (B,)
-# offsets and (B, Hkv, D) key / value scales, one per batch row (a static cache's rows).
+# offsets and (B, Hkv, D) key / value scales, one per batch row (a static cache's rows). OFF_ADD
+# is added to the offsets read: a static step passes its positions as they are and the call's
+# token count here, so a recorded CUDA graph reads the step's own position input.
 # Partials (rows = B * Hq * M, partitions, PV + 2) fp32: the partition's unnormalized weighted
 # values (rotated domain), then its running max and sum.
 
@@ -54,7 +56,7 @@ _PARTIAL_BODY = """
   SHARED float wm[W * RG];
   SHARED float wl[W * RG];
   const uint b = gid_z;
-  const int offset = off[ROWS ? b : 0u];
+  const int offset = off[ROWS ? b : 0u] + OFF_ADD;
   const int cap = consts[0];
   const int window = consts[1];
   const int n_parts = consts[2];
@@ -350,7 +352,8 @@ def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0) -> Exam
         {"partials": mx.float32},
         {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
          "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
-         "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows},
+         "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows,
+         "OFF_ADD": rows},
     )  # fmt: skip
 
 
@@ -472,7 +475,7 @@ def _offset_view(offset: int) -> mx.array:
 
 def _flash_plan(
     queries: mx.array, keys: mx.array, pk: int, kb: int, dv: int, pv: int, vb: int,
-    has_ks: bool, has_vs: bool, rows: bool = False,
+    has_ks: bool, has_vs: bool, rows: bool = False, offset_add: int = 0,
 ):  # fmt: skip
     """The two resolved launches and the partition count for one call signature, or None where
     the kernels do not apply."""
@@ -501,7 +504,8 @@ def _flash_plan(
         output_dtypes=[mx.float32],
         template={"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
                   "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
-                  "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows)},
+                  "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
+                  "OFF_ADD": offset_add},
     )  # fmt: skip
     reduce = _reduce_kernel.launcher(
         [mx.float32, mx.float32, mx.float32, mx.int32],
@@ -532,6 +536,7 @@ def flash_decode(
     offset: int | mx.array,
     window: int,
     scale: float,
+    offset_add: int = 0,
 ) -> mx.array | None:
     """queries (B, Hq, M, Dk) -> (B, Hq, M, v_dim) in queries.dtype on the GPU kernels, or None
     where they do not run (no GPU back end, an empty cache, a shape they do not cover): the
@@ -544,24 +549,27 @@ def flash_decode(
     queries by the key scales as it loads them, the reduce kernel the fp32 output by the value
     scales before its one rounding to the queries' dtype. Two launches in all.
 
-    ``offset`` as a (B,) int32 array: each batch row's own (at least 1: a static cache's rows,
-    read on the device), and the scales, where given, (B, Hkv, D): one per row.
+    ``offset`` as a (B,) int32 array: each batch row's own, plus ``offset_add`` (at least 1: a
+    static cache's rows, read on the device), and the scales, where given, (B, Hkv, D): one per
+    row.
     """
     capacity = keys.shape[2]
     rows = isinstance(offset, mx.array)
+    if not rows:
+        offset, offset_add = offset + offset_add, 0
     if backend() is None or (not rows and min(offset, capacity) == 0):
         return None
     pk, pv = k_signs.shape[0], v_signs.shape[0]
     has_ks, has_vs = k_scale is not None, v_scale is not None
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
-           has_vs, rows)  # fmt: skip
+           has_vs, rows, offset_add)  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
         plan = _PLANS[key] = _flash_plan(
-            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs, rows
+            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs, rows, offset_add
         )
     if plan is None:
         return None

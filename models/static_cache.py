@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import launch_recorder
+from hf2q_mlx.custom_kernels import env_int, launch_recorder
 from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
 from hf2q_mlx.custom_kernels.graph_ops import kv_write, scatter_slots
+from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError
 from hf2q_mlx.errors import Hf2qError, InvalidArgumentError
 from hf2q_mlx.models.turboquant.cache import (
     FULL_WINDOW,
@@ -102,6 +103,17 @@ class StaticKVCache(_RowPositions):
         )
 
 
+# TurboQuant rows in a recorded CUDA graph step (kv_write_words, per-row offsets read by the
+# flash-decode kernel): replayed bit for bit on the CPU emulator, not yet run on a GPU, so off
+# by default (True here or HF2Q_TQ_GRAPH=1 turns it on); else the graph refuses these caches and
+# the compiled step decodes them
+TQ_GRAPH = False
+
+
+def tq_graph() -> bool:
+    return TQ_GRAPH or env_int("HF2Q_TQ_GRAPH", 0, 1) == 1
+
+
 class StaticTQCache(StaticKVCache):
     """``StaticKVCache`` of TurboQuant rows: keys (B, H, C, k words) / values (B, H, C, v words)
     uint32 packed as ``TQKVCache`` packs them, and each row's ``TQBalance`` as (B, H, D) fp32
@@ -135,13 +147,20 @@ class StaticTQCache(StaticKVCache):
         L = keys.shape[2]
         pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
         pv = tq_quantize(values, self.v_codec, self.v_scale)
-        slots = self._slots(L)
-        self.keys = scatter_slots(self.keys, slots, pk)
-        self.values = scatter_slots(self.values, slots, pv)
+        if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
+            if not tq_graph():
+                raise GraphCaptureError("TurboQuant caches in the graph need HF2Q_TQ_GRAPH=1")
+            ring = self.window is not None
+            self.keys, self.values = kv_write(self.keys, self.values, pk, pv, self.pos, ring)
+        else:
+            slots = self._slots(L)
+            self.keys = scatter_slots(self.keys, slots, pk)
+            self.values = scatter_slots(self.values, slots, pv)
         balance = TQBalance(k_scale=self.k_scale, v_scale=self.v_scale)
+        # the kernel adds L to the positions itself: a recorded graph reads the step's input
         state = TQState(
-            self.keys, self.values, self.k_codec, self.v_codec, self.pos + L, self.capacity,
-            self.window or FULL_WINDOW, balance, span=self.read_span,
+            self.keys, self.values, self.k_codec, self.v_codec, self.pos, self.capacity,
+            self.window or FULL_WINDOW, balance, span=self.read_span, offset_add=L,
         )  # fmt: skip
         packed = TQPacked(state)
         return packed, packed, None

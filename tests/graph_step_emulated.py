@@ -4,7 +4,7 @@ own by tests/test_cuda_graph_step.py: the fake CUDA back end it installs stays i
 dispatchers' plan caches.
 
     python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
-        [--batch 1]
+        [--batch 1] [--prefill 0] [--kv-bits 8]
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0,
                     help="prompt tokens per row before decoding; the graph is made and recorded "
                          "before them, as the serving engine does")  # fmt: skip
+    ap.add_argument("--kv-bits", type=int, default=None, help="TurboQuant caches of these bits")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     fake_cuda()
@@ -142,7 +143,11 @@ def main() -> None:
         return [not (B > 1 and b == B - 1 and i == 1) for b in range(B)]
 
     # the MLX step, uncompiled (the emulator cannot run inside a compile trace)
-    ref = DecodeStep(model, B, max_len)
+    if a.kv_bits:
+        import hf2q_mlx.models.static_cache as static_cache
+
+        static_cache.TQ_GRAPH = True  # the switch the GPU has not yet verified
+    ref = DecodeStep(model, B, max_len, kv_bits=a.kv_bits)
     prompts = [[(3 * b + 5 * i + 1) % vocab for i in range(a.prefill)] for b in range(B)]
     for b, p in enumerate(prompts):
         if p:
@@ -164,7 +169,7 @@ def main() -> None:
         want.append(ids)
 
     # the recorded graph, replayed
-    st = DecodeStep(model, B, max_len)
+    st = DecodeStep(model, B, max_len, kv_bits=a.kv_bits)
     graph = CudaGraphStep(st)
     if a.prefill:  # made and recorded at the first span before any prompt, as the engine does
         graph.record(st._span(1))

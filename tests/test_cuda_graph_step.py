@@ -146,7 +146,9 @@ def test_recorder_refuses_strided_inputs_and_in_place_outside(doubler):
 def graph_kernels(monkeypatch):
     """The graph ops' launchers resolve on the CPU (MLX's build stubbed: nothing runs)."""
     monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
-    for k in (graph_ops._kv_kernel, graph_ops._rows_kernel, graph_ops._scale_kernel):
+    kernels = (graph_ops._kv_kernel, graph_ops._words_kernel, graph_ops._rows_kernel,
+               graph_ops._scale_kernel)  # fmt: skip
+    for k in kernels:
         monkeypatch.setattr(k, "_kernel_for", lambda be, sig: print)
 
 
@@ -174,6 +176,32 @@ def test_kv_write_writes_the_scatter_slots(ring, L, graph_kernels):
         want = graph_ops.kv_write_reference(cache, src, pos, ring)
         np.testing.assert_array_equal(_bits(out), _bits(want))
         assert not np.array_equal(_bits(out), _bits(cache))  # something was written
+
+
+@needs_gxx
+@pytest.mark.parametrize("ring", [False, True])
+def test_kv_write_words_writes_packed_rows_at_the_scatter_slots(ring, graph_kernels):
+    """A TurboQuant cache's packed rows (uint32 words, K and V rows of other lengths), L = 2:
+    every word equals the reference scatters', wrapped slots included."""
+    B, H, C, WK, WV, L = 2, 3, 8, 33, 17, 2
+    rng = np.random.default_rng(5 + ring)
+
+    def words(*shape):
+        return mx.array(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
+
+    k_cache, v_cache = words(B, H, C, WK), words(B, H, C, WV)
+    k_src, v_src = words(B, H, L, WK), words(B, H, L, WV)
+    pos = mx.array([7, 2] if ring else [3, 6], dtype=mx.int32)
+    s = graph_ops.kv_write_words_launch(k_cache, v_cache, k_src, v_src, ring).spec
+    got = kernel_emulator.emulate(
+        s.kernel, [k_src, v_src, pos], grid=s.grid, threadgroup=s.threadgroup,
+        output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+        template=dict(s.template), initial=[k_cache, v_cache],
+    )  # fmt: skip
+    for out, cache, src in zip(got, (k_cache, v_cache), (k_src, v_src)):
+        want = graph_ops.kv_write_reference(cache, src, pos, ring)
+        np.testing.assert_array_equal(np.array(out), np.array(want))
+        assert not np.array_equal(np.array(out), np.array(cache))
 
 
 @needs_gxx
@@ -216,9 +244,28 @@ def _max_ulps(a: mx.array, b: mx.array) -> float:
     return (mx.abs(a - b).max() / (mx.abs(b).max() * 2.0**-7)).item()
 
 
+@needs_gxx
+def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit():
+    """TurboQuant caches (``kv_bits``, ``HF2Q_TQ_GRAPH`` on) in the recorded step, two rows
+    each calibrated on its own 2-token prompt, one idling a step: the replay gives the MLX step's
+    tokens, last logits and every cache byte (packed rows written in place by kv_write_words,
+    the balance tables unchanged), with the TurboQuant kernels inside the graph."""
+    script = HERE / "graph_step_emulated.py"
+    cmd = [sys.executable, str(script), "gemma4:tiny-moe", "--steps", "2", "--batch", "2",
+           "--prefill", "2", "--kv-bits", "8"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["got"] == out["want"] and len(out["want"]) == 2 and len(out["want"][0]) == 2
+    assert out["logits_equal"] and out["caches_equal"]
+    tq = {"tq_quantize", "tq_flash_decode_partial", "tq_flash_decode_reduce", "kv_write_words"}
+    assert tq <= set(out["kernels"]) and out["in_place"] == ["kv_write_words"]
+
+
 @requires_gpu
+@pytest.mark.parametrize("kv_bits", [None, 8], ids=["bf16", "tq8"])
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
-def test_gpu_graph_step_gives_the_compiled_steps_tokens(family):
+def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, kv_bits, monkeypatch):
     """Tiny Gemma 4 MoE (split attention rows merged by their last part, the 16-token window
     crossed) and tiny Qwen 3.5 MoE (the recurrent state written in place) with GGML weights on
     CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled step:
@@ -234,10 +281,13 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens(family):
     from hf2q_mlx.cuda_graph_step import CudaGraphStep
     from hf2q_mlx.custom_kernels.cuda_driver import Driver
     from hf2q_mlx.decode_step import DecodeStep
+    from hf2q_mlx.models import static_cache
 
+    monkeypatch.setattr(static_cache, "TQ_GRAPH", True)  # TurboQuant caches in the graph
     model, vocab = build(family, "tiny-moe", "q4_k", mx.bfloat16)
     prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
-    compiled, replayed = DecodeStep(model, 1, 64), DecodeStep(model, 1, 64)
+    compiled = DecodeStep(model, 1, 64, kv_bits=kv_bits)
+    replayed = DecodeStep(model, 1, 64, kv_bits=kv_bits)
     t = int(mx.argmax(compiled.prefill(0, prompt)).item())
     replayed.prefill(0, prompt)
     g = CudaGraphStep(replayed, Driver())

@@ -46,9 +46,10 @@ def tq_quantize(
 def query_positions(state: TQState, n_queries: int) -> mx.array:
     """Absolute positions of the last ``n_queries`` tokens written (the queries), (M,), or
     (B, M) for a static cache's rows."""
+    end = state.ends()
     if state.rows:
-        return state.offset[:, None] - n_queries + mx.arange(n_queries)[None]
-    return mx.arange(state.offset - n_queries, state.offset)
+        return end[:, None] - n_queries + mx.arange(n_queries)[None]
+    return mx.arange(end - n_queries, end)
 
 
 def visibility(state: TQState, n_queries: int) -> mx.array:
@@ -124,5 +125,6 @@ def tq_flash_decode(queries: mx.array, state: TQState, scale: float) -> mx.array
             k_signs=kc.signs, k_codebook=kc.codebook, k_bits=kc.bits, k_scale=bal.k_scale,
             v_signs=vc.signs, v_codebook=vc.codebook, v_bits=vc.bits, v_dim=vc.dim,
             v_scale=bal.v_scale, offset=state.offset, window=state.window, scale=scale,
+            offset_add=state.offset_add,
         )  # fmt: skip
     return tq_flash_decode_reference(queries, state, scale) if out is None else out

@@ -88,7 +88,9 @@ class TQState:
     position, capacity = buffer length). Only slots ``< min(offset, capacity)`` are read.
 
     A static cache's rows (``models/static_cache.py``): ``offset`` (B,) int32 on the device, one
-    per row, and ``span`` the slots the references read (the kernels read each row's own).
+    per row, to which ``offset_add`` is added (the step's positions before the call and the
+    call's token count: the kernel adds it, so a recorded graph reads the step's own position
+    input), and ``span`` the slots the references read (the kernels read each row's own).
     """
 
     keys: mx.array
@@ -100,19 +102,24 @@ class TQState:
     window: int
     balance: TQBalance = field(default_factory=TQBalance)
     span: int | None = None
+    offset_add: int = 0
 
     @property
     def rows(self) -> bool:
         return isinstance(self.offset, mx.array)
 
+    def ends(self) -> mx.array | int:
+        """Tokens held: the offset, or (B,) per row for a static cache's rows."""
+        return self.offset + self.offset_add
+
     @property
     def n_slots(self) -> int:
         if self.rows:
             return self.capacity if self.span is None else self.span
-        return min(self.offset, self.capacity)
+        return min(self.ends(), self.capacity)
 
     def slot_positions(self) -> mx.array:
         """(n_slots,), or (B, n_slots) for a static cache's rows."""
         if self.rows:
-            return ring_slot_positions(self.offset[:, None], self.capacity, self.n_slots)
-        return ring_slot_positions(self.offset, self.capacity)
+            return ring_slot_positions(self.ends()[:, None], self.capacity, self.n_slots)
+        return ring_slot_positions(self.ends(), self.capacity)

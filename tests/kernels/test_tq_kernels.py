@@ -150,7 +150,8 @@ ROW_CASES = [
 
 def _rows_state(case, seed):
     """Random packed rows (from the reference quantizer), per-row offsets and (B, Hkv, D)
-    scales: a static TurboQuant cache's state."""
+    scales: a static TurboQuant cache's state (its positions before the M queries' write, plus
+    M added by the kernel, as a static step passes them)."""
     window, C, Hq, Hkv, Dk, Dv, kb, vb, offsets, M = case
     rng = np.random.default_rng(seed)
     B = len(offsets)
@@ -160,9 +161,9 @@ def _rows_state(case, seed):
     ks = mx.array(np.exp(rng.uniform(-1.0, 1.0, (B, Hkv, Dk))).astype(np.float32))
     vs = mx.array(np.exp(rng.uniform(-1.0, 1.0, (B, Hkv, Dv))).astype(np.float32))
     keys, values = tqk.tq_quantize_reference(k, kc), tqk.tq_quantize_reference(v, vc)
-    off = mx.array(offsets, dtype=mx.int32)
+    pos = mx.array([o - M for o in offsets], dtype=mx.int32)
     bal = TQBalance(k_scale=ks, v_scale=vs)
-    state = TQState(keys, values, kc, vc, off, C, window or FULL_WINDOW, bal, span=C)
+    state = TQState(keys, values, kc, vc, pos, C, window or FULL_WINDOW, bal, span=C, offset_add=M)
     q = mx.array(rng.standard_normal((B, Hq, M, Dk)).astype(np.float32) * 2)
     return state, q
 
@@ -177,6 +178,7 @@ def _check_rows_flash(case, seed):
         want = tqk.tq_flash_decode_reference(q, st, scale)
         np.testing.assert_allclose(np.array(out), np.array(want), rtol=0, atol=2e-5)
         bal = st.balance
+        assert np.array_equal(np.array(st.ends()), case[8])
         for b, off in enumerate(case[8]):
             alone = TQState(
                 st.keys[b : b + 1], st.values[b : b + 1], st.k_codec, st.v_codec, off,
