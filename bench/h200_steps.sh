@@ -180,6 +180,7 @@ step lm-head-dense 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and
 step lm-head-q6k 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and Q6_K' tests/test_lm_head_rows.py --tb=line"
 # session 25: TurboQuant in the compiled step (per-row offsets and balance tables in both kernels)
 step tq-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_tq_kernels.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short || r=1; exit \$r"
+step tq-step-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short"
 step tq-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step.json"
 # TurboQuant rows inside the CUDA graph (HF2Q_TQ_GRAPH=1; emulator-verified only, session 25):
 # the graph against the compiled step on tiny models (bf16 and TQ8), then the 26B-A4B A/B
