@@ -174,7 +174,7 @@ step llama-small 420 "$PEER_UNPACK $GEMMA_GGUF && cat /tmp/s/part0* > /tmp/smoll
 # / fp32 x, each row's logits at B = 1..32 bit-identical to the row alone (dense heads past 16
 # rows are an expected failure: MLX's matmul changes kernels)
 step lm-head-rows 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/test_lm_head_rows.py --tb=line"
-# dense heads now run in 16-row slices past 16 rows (models.ops.lm_head, session 25, not yet run)
+# the dense heads alone (session 25: 16-row slices did not make MLX's matmul row-stable, not kept)
 step lm-head-dense 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (F32 or F16)' tests/test_lm_head_rows.py --tb=line"
 # the types lm-head-rows did not reach in 300 s (session 25: all but Q6_K passed)
 step lm-head-q6k 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and Q6_K' tests/test_lm_head_rows.py --tb=line"

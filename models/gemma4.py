@@ -337,9 +337,9 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            logits = ops.lm_head(self.model.embed_tokens, h, tied=True)
+            logits = self.model.embed_tokens.as_linear(h)
         else:
-            logits = ops.lm_head(self.lm_head, h)
+            logits = self.lm_head(h)
         return ops.softcap(logits, self.args.final_logit_softcapping)
 
     @property

@@ -472,34 +472,6 @@ def softcap(x: mx.array, cap: float | None) -> mx.array:
     return _softcap(x, mx.array(cap, dtype=x.dtype))  # the cap rounded to x's dtype first
 
 
-def _gpu_default() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
-HEAD_SLICE_ROWS = 16  # rows per slice of a dense head on the GPU (see lm_head)
-HEAD_SLICE_MAX = 64  # a decode batch; a prefill's many rows go whole
-
-
-def lm_head(layer: nn.Module, h: mx.array, tied: bool = False) -> mx.array:
-    """The output head on h (..., H) -> logits (..., V): ``layer(h)``, or ``layer.as_linear(h)``
-    for a tied embedding. A dense head (``nn.Linear`` / ``nn.Embedding``) on 17..64 rows on a GPU
-    runs in slices of 16 rows: MLX's GPU matmul changes kernels past 16 rows (H200, bf16: row 17
-    of B >= 18 off by 2.4e-7), and the serving engine's one batched head per step must give each
-    row the bits it gets alone (``tests/test_lm_head_rows.py``). GGML heads keep their own
-    row-stable mat-vec slices (``qmatmul.ROW_SLICE_MAX``)."""
-    head = layer.as_linear if tied else layer
-    rows = h.size // h.shape[-1]
-    if (
-        type(layer) not in (nn.Linear, nn.Embedding)
-        or not HEAD_SLICE_ROWS < rows <= HEAD_SLICE_MAX
-        or not _gpu_default()
-    ):
-        return head(h)
-    flat = h.reshape(rows, h.shape[-1])
-    parts = [head(flat[i : i + HEAD_SLICE_ROWS]) for i in range(0, rows, HEAD_SLICE_ROWS)]
-    return mx.concatenate(parts).reshape(*h.shape[:-1], -1)
-
-
 def attention(
     q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask: mx.array | None
 ) -> mx.array:

@@ -225,8 +225,8 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         h = self.model(inputs, cache)
         if self.args.tie_word_embeddings:
-            return ops.lm_head(self.model.embed_tokens, h, tied=True)
-        return ops.lm_head(self.lm_head, h)
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
 
     @property
     def layers(self) -> list:
