@@ -181,11 +181,12 @@ step lm-head-q6k 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and Q
 # session 25: TurboQuant in the compiled step (per-row offsets and balance tables in both kernels)
 step tq-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_tq_kernels.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short || r=1; exit \$r"
 step tq-step-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short"
+# TurboQuant through the CUDA graph (the default since session 25) against bf16 through it; the
+# same with TurboQuant kept on the compiled step (session 25's run of that: TQ8 0.69x at 4K)
 step tq-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step.json"
-# TurboQuant rows inside the CUDA graph (HF2Q_TQ_GRAPH=1; emulator-verified only, session 25):
-# the graph against the compiled step on tiny models (bf16 and TQ8), then the 26B-A4B A/B
+step tq-step-compiled 360 "HF2Q_TQ_GRAPH=0 python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step_compiled.json"
+# the graph against the compiled step on tiny models (bf16 and TQ8 caches)
 step tq-graph-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_graph_step_gives tests/test_cuda_graph_step.py --tb=short"
-step tq-graph-step 360 "HF2Q_TQ_GRAPH=1 python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_graph_step.json"
 # session 25: the chunked delta-net prefill, the CUDA default now
 step gdn-tests 120 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_chunked tests/kernels/test_gated_delta.py --tb=short"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"

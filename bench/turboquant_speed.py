@@ -10,9 +10,9 @@ Two parts (both on the default device; meant for the H200):
   pre-filled with random K/V to each context (a 32K prefill of a 26B model would dominate the
   run and measures nothing here). ``--step static`` (the default) decodes each cache kind the
   way ``stream_generate`` does: a one-row ``DecodeStep`` that adopts the filled cache, replayed
-  as a CUDA graph where ``generation.graph_step`` gives one (full precision on CUDA) and compiled
-  otherwise (TurboQuant: its write is MLX ops); ``--step eager`` runs the model on the
-  per-sequence caches, a new graph per token.
+  as a CUDA graph where ``generation.graph_step`` gives one (every cache kind on CUDA; TurboQuant
+  on the compiled step with ``HF2Q_TQ_GRAPH=0``) and compiled otherwise; ``--step eager`` runs
+  the model on the per-sequence caches, a new graph per token. The ``path`` column says which.
 
     python bench/turboquant_speed.py                 # attention part
     python bench/turboquant_speed.py --model         # + whole-model decode

