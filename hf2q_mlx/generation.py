@@ -390,9 +390,7 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         cache=cache,
         eos_ids=set() if ignore_eos else set(tokenizer.eos_token_ids),
-        # TurboQuant caches: the compiled step decodes them (one balance per row); a speculative
-        # run with them stays eager (its verify and rollback paths are not built for them)
-        compiled=compiled and not (speculative and kv_bits is not None),
+        compiled=compiled,
         kv_bits=parse_kv_bits(kv_bits),
         speculative=dict(
             draft_model=draft_model, prompt_lookup=prompt_lookup,
@@ -546,7 +544,7 @@ def _decode(
         source = spec.speculative_tokens(
             model, ids, cache, budget=budget, processors=processors, history_size=history_size,
             key=key, prefill_fn=prefill, prefill_step=prefill_step_size, compiled=compiled,
-            **speculative,
+            kv_bits=kv_bits, **speculative,
         )  # fmt: skip
     tic = time.perf_counter()
     detok = tokenizer.detokenizer()

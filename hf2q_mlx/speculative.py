@@ -558,6 +558,7 @@ def speculative_tokens(
     prefill_fn: Callable,
     prefill_step: int = 512,
     compiled: bool = False,
+    kv_bits: tuple[int, int] | None = None,
 ) -> Iterator[tuple[int, float, int, int]]:
     """Yield (token, logprob, drafted so far, accepted so far) for each generated token.
 
@@ -567,7 +568,8 @@ def speculative_tokens(
     ``adaptive_drafts``: each round drafts the k in 0..K that ``DraftLength`` expects to give
     the most tokens per second (a token tree, ``tree_width`` > 1, keeps K); False: always K.
     ``compiled`` (the caller made ``cache`` and it has a static form): chain verifies run on
-    the model's compiled step (``verify_step_rows``), which takes over ``cache`` after the prefill.
+    the model's compiled step (``verify_step_rows``), which takes over ``cache`` after the prefill;
+    ``kv_bits``: the (k, v) bits of ``cache``'s TurboQuant form, None for full precision.
     """
     tokens = list(ids)
     logits = prefill_fn(model, mx.array(tokens, dtype=mx.int32), cache, prefill_step)
@@ -582,7 +584,7 @@ def speculative_tokens(
         # rows hold the prompt, the output and a verify's padded drafts (pipelined: a round
         # launched before the previous one's rollback is known, K + 1 more)
         needed = len(tokens) + budget + num_draft_tokens * (2 if pipelined else 1)
-        step = shared_step(model, 1, needed, cache, reserve=num_draft_tokens)
+        step = shared_step(model, 1, needed, cache, reserve=num_draft_tokens, kv_bits=kv_bits)
     if step is not None:
         step.busy = True
     try:

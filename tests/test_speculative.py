@@ -20,6 +20,7 @@ from hf2q_mlx.errors import DraftModelError, SamplingOptionsError
 from hf2q_mlx.generation import make_prompt_cache, stream_generate
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, TokenTree
 from hf2q_mlx.models.recurrent_cache import restore_cache, snapshot_cache
+from hf2q_mlx.models.static_cache import StaticTQCache
 from hf2q_mlx.models.turboquant.cache import make_tq_cache
 
 pytest.importorskip("torch")
@@ -191,15 +192,25 @@ def test_greedy_identical_on_every_family(name, verify_lengths):
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4-eseries", "qwen3_5-dense"])
-def test_greedy_identical_on_turboquant_caches(name):
+def test_greedy_identical_on_turboquant_caches(name, verify_lengths, monkeypatch):
+    """TurboQuant caches: chain verifies on the compiled step's TurboQuant rows give plain
+    decoding's greedy tokens, which are the eager path's; a token tree (eager) too."""
     want = plain(name, kv_bits=8)
     m = target(name)
     got, last = tokens_of(m, kv_bits=8, draft_model=noisy_draft(name), num_draft_tokens=4)
     assert got == want
     assert 0 < last.accepted_tokens < last.drafted_tokens
+    assert any(model is m and L > 1 for model, L in verify_lengths)  # verified on the step
+    steps = [s for s in m.__dict__[decode_step._STEPS].values() if s.kv_bits == (8, 8)]
+    assert any(s.reserve == 4 for s in steps)
+    assert all(any(isinstance(c, StaticTQCache) for c in s.caches) for s in steps)
     if name != "qwen3_5-dense":
         got, _ = tokens_of(m, kv_bits=8, draft_model=noisy_draft(name), tree_width=2)
         assert got == want
+    # prompt lookup: pipelined rounds on the step (rollbacks by device counts)
+    assert tokens_of(m, kv_bits=8, prompt_lookup=2, num_draft_tokens=3)[0] == want
+    monkeypatch.setenv("HF2Q_DECODE", "eager")
+    assert tokens_of(m, kv_bits=8)[0] == want
 
 
 def test_draft_of_another_family_still_gives_the_targets_output():
