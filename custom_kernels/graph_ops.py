@@ -34,8 +34,9 @@ def kv_write_reference(cache: mx.array, src: mx.array, pos: mx.array, ring: bool
     return scatter_slots(cache, slots % cache.shape[2] if ring else slots, src)
 
 
-_KV_BODY = """
-  // One thread per element of k_src (B, H, L, DK) then of v_src (B, H, L, DV): copied to its
+def _kv_body(copy_k: str, copy_v: str, what: str) -> str:
+    return f"""
+  // One thread per {what} of k_src (B, H, L, DK) then of v_src (B, H, L, DV): copied to its
   // row's slot of its cache (keys, then values: one launch writes both).
   const uint e0 = gid_x * tg_size + tid;
   const bool is_v = e0 >= NK;
@@ -48,15 +49,18 @@ _KV_BODY = """
   uint slot = uint(pos[bh / H]) + l;
   if (RING) slot %= C;
   const uint64_t at = (uint64_t(bh) * C + slot) * D + d;
-  if (is_v) v_cache[at] = from_float<TO>(to_float(v_src[e]));
-  else k_cache[at] = from_float<TO>(to_float(k_src[e]));
+  if (is_v) v_cache[at] = {copy_v};
+  else k_cache[at] = {copy_k};
 """
+
 
 _kv_kernel = Kernel(
     "kv_write",
     inputs=["k_src", "v_src", "pos"],
     outputs=["k_cache", "v_cache"],
-    body=_KV_BODY,
+    body=_kv_body(
+        "from_float<TO>(to_float(k_src[e]))", "from_float<TO>(to_float(v_src[e]))", "element"
+    ),
     examples=[
         Example(
             {"k_src": t, "v_src": t, "pos": mx.int32},
@@ -67,89 +71,58 @@ _kv_kernel = Kernel(
     ],
 )
 
-
-def kv_write_launch(k_cache, v_cache, k_src, v_src, ring: bool):
-    """The launch (``Kernel.launcher``) writing k_src and v_src (B, H, L, D*) into caches of the
-    shapes and dtype of ``k_cache`` and ``v_cache`` (B, H, C, D*) (arrays or shape stand-ins)."""
-    B, H, C, DK = k_cache.shape
-    DV = v_cache.shape[3]
-    L = k_src.shape[2]
-    nk, nv = B * H * L * DK, B * H * L * DV
-    return _kv_kernel.launcher(
-        [k_src.dtype, v_src.dtype, mx.int32],
-        grid=(nk + nv,),
-        threadgroup=(256,),
-        output_shapes=[tuple(k_cache.shape), tuple(v_cache.shape)],
-        output_dtypes=[k_cache.dtype, v_cache.dtype],
-        template={"TO": k_cache.dtype, "NK": nk, "NV": nv, "H": H, "L": L, "C": C, "DK": DK,
-                  "DV": DV, "RING": int(ring)},
-    )  # fmt: skip
-
-
-_WORDS_BODY = """
-  // One thread per 32-bit word of k_src (B, H, L, WK) then of v_src (B, H, L, WV): copied to its
-  // row's slot of its cache (packed TurboQuant rows; keys, then values: one launch).
-  const uint e0 = gid_x * tg_size + tid;
-  const bool is_v = e0 >= NK;
-  const uint e = is_v ? e0 - NK : e0;
-  const uint W = is_v ? WV : WK;
-  if (e >= (is_v ? NV : NK)) return;
-  const uint w = e % W;
-  const uint l = (e / W) % L;
-  const uint bh = e / (W * L);
-  uint slot = uint(pos[bh / H]) + l;
-  if (RING) slot %= C;
-  const uint64_t at = (uint64_t(bh) * C + slot) * W + w;
-  if (is_v) v_cache[at] = v_src[e];
-  else k_cache[at] = k_src[e];
-"""
-
+# a TurboQuant cache's packed rows: 32-bit words copied as they are (DK / DV: words per row)
 _words_kernel = Kernel(
     "kv_write_words",
     inputs=["k_src", "v_src", "pos"],
     outputs=["k_cache", "v_cache"],
-    body=_WORDS_BODY,
+    body=_kv_body("k_src[e]", "v_src[e]", "32-bit word"),
     examples=[
         Example(
             {"k_src": mx.uint32, "v_src": mx.uint32, "pos": mx.int32},
             {"k_cache": mx.uint32, "v_cache": mx.uint32},
-            {"NK": 66, "NV": 34, "H": 2, "L": 1, "C": 16, "WK": 33, "WV": 17, "RING": 1},
+            {"NK": 66, "NV": 34, "H": 2, "L": 1, "C": 16, "DK": 33, "DV": 17, "RING": 1},
         )
     ],
 )
 
 
-def kv_write_words_launch(k_cache, v_cache, k_src, v_src, ring: bool):
-    """``kv_write_launch`` for packed uint32 rows (B, H, L, W*) into (B, H, C, W*) caches."""
-    B, H, C, WK = k_cache.shape
-    WV = v_cache.shape[3]
+def _is_words(*arrays) -> bool:
+    return all(a.dtype == mx.uint32 for a in arrays)
+
+
+def kv_write_launch(k_cache, v_cache, k_src, v_src, ring: bool):
+    """The launch (``Kernel.launcher``) writing k_src and v_src (B, H, L, D*) into caches of the
+    shapes and dtype of ``k_cache`` and ``v_cache`` (B, H, C, D*) (arrays or shape stand-ins):
+    float rows, or uint32 packed rows (``kv_write_words``: copied as they are)."""
+    B, H, C, DK = k_cache.shape
+    DV = v_cache.shape[3]
     L = k_src.shape[2]
-    nk, nv = B * H * L * WK, B * H * L * WV
-    return _words_kernel.launcher(
-        [mx.uint32, mx.uint32, mx.int32],
+    nk, nv = B * H * L * DK, B * H * L * DV
+    template = {"NK": nk, "NV": nv, "H": H, "L": L, "C": C, "DK": DK, "DV": DV, "RING": int(ring)}
+    words = _is_words(k_cache, v_cache, k_src, v_src)
+    if not words:
+        template["TO"] = k_cache.dtype
+    return (_words_kernel if words else _kv_kernel).launcher(
+        [k_src.dtype, v_src.dtype, mx.int32],
         grid=(nk + nv,),
         threadgroup=(256,),
         output_shapes=[tuple(k_cache.shape), tuple(v_cache.shape)],
-        output_dtypes=[mx.uint32, mx.uint32],
-        template={"NK": nk, "NV": nv, "H": H, "L": L, "C": C, "WK": WK, "WV": WV,
-                  "RING": int(ring)},
-    )  # fmt: skip
+        output_dtypes=[k_cache.dtype, v_cache.dtype],
+        template=template,
+    )
 
 
 def kv_write(k_cache, v_cache, k_src, v_src, pos, ring: bool) -> tuple[mx.array, mx.array]:
     """In a recording: both caches written in place (the same arrays back), one launch.
     Elsewhere the reference (MLX scatters, new arrays). Float caches, or uint32 ones holding
-    packed rows (``kv_write_words``: a TurboQuant cache's codes, copied as they are)."""
+    packed rows (a TurboQuant cache's codes, copied as they are)."""
     if not active():
         return (kv_write_reference(k_cache, k_src, pos, ring),
                 kv_write_reference(v_cache, v_src, pos, ring))  # fmt: skip
-    words = (k_cache.dtype, v_cache.dtype, k_src.dtype, v_src.dtype) == (mx.uint32,) * 4
-    if words and k_cache.shape[:3] == v_cache.shape[:3] and k_cache.size + v_cache.size < 2**32:
-        launch = kv_write_words_launch(k_cache, v_cache, k_src, v_src, ring)
-        k, v = launch_into(launch, [k_src, v_src, pos], [k_cache, v_cache])
-        return k, v
-    ok = k_cache.dtype == v_cache.dtype and k_cache.dtype in _F
-    ok = ok and k_src.dtype in _F and v_src.dtype in _F
+    floats = k_cache.dtype == v_cache.dtype and k_cache.dtype in _F
+    floats = floats and k_src.dtype in _F and v_src.dtype in _F
+    ok = floats or _is_words(k_cache, v_cache, k_src, v_src)
     ok = ok and k_cache.shape[:3] == v_cache.shape[:3] and k_cache.size + v_cache.size < 2**32
     if not ok:
         raise GraphCaptureError(f"kv_write: no kernel for caches {k_cache.shape} {v_cache.shape}")

@@ -67,18 +67,22 @@ class StaticKVCache(_RowPositions):
         """keys (B, H, L, Dk), values (B, H, L, Dv) written at each row's position ->
         (keys, values, mask (B, 1, L, S))."""
         L = keys.shape[2]
-        if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
-            ring = self.window is not None
-            self.keys, self.values = kv_write(self.keys, self.values, keys, values, self.pos, ring)
-        else:
-            slots = self._slots(L)
-            self.keys = scatter_slots(self.keys, slots, keys)
-            self.values = scatter_slots(self.values, slots, values)
+        self._write(keys, values)
         mask = visible(self.pos, L, self.read_span, self.capacity, self.window)  # (B, 1, L, S)
         k, v = self.keys, self.values
         if self.read_span < self.capacity:
             k, v = k[:, :, : self.read_span], v[:, :, : self.read_span]
         return k, v, mask
+
+    def _write(self, keys: mx.array, values: mx.array) -> None:
+        """keys / values (B, H, L, D*) into each row's next L slots."""
+        if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
+            ring = self.window is not None
+            self.keys, self.values = kv_write(self.keys, self.values, keys, values, self.pos, ring)
+        else:
+            slots = self._slots(keys.shape[2])
+            self.keys = scatter_slots(self.keys, slots, keys)
+            self.values = scatter_slots(self.values, slots, values)
 
     @property
     def read_span(self) -> int:
@@ -148,15 +152,9 @@ class StaticTQCache(StaticKVCache):
         L = keys.shape[2]
         pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
         pv = tq_quantize(values, self.v_codec, self.v_scale)
-        if launch_recorder.active():  # a CUDA graph step: written in place, slots on the GPU
-            if not tq_graph():
-                raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
-            ring = self.window is not None
-            self.keys, self.values = kv_write(self.keys, self.values, pk, pv, self.pos, ring)
-        else:
-            slots = self._slots(L)
-            self.keys = scatter_slots(self.keys, slots, pk)
-            self.values = scatter_slots(self.values, slots, pv)
+        if launch_recorder.active() and not tq_graph():
+            raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
+        self._write(pk, pv)  # in a graph: kv_write_words, the packed rows in place
         balance = TQBalance(k_scale=self.k_scale, v_scale=self.v_scale)
         # the kernel adds L to the positions itself: a recorded graph reads the step's input
         state = TQState(
