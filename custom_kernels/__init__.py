@@ -97,6 +97,15 @@ def _gpu_kind() -> tuple[str | None, object, object]:
     return _gpu
 
 
+def on_cuda_device() -> bool:
+    """Whether MLX ops run on a CUDA GPU now (the default device is the GPU and MLX's back end
+    is CUDA). Asked of the device itself, not of ``backend()``, which also says None when the
+    references are forced on a CUDA GPU: for choices between MLX ops, not kernels."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
 def backend() -> str | None:
     """'cuda' or 'metal' when a GPU kernel may run now, None to use the references.
 

@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, on_cuda_device
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import (
@@ -142,10 +142,9 @@ def _sorted_flag_ok() -> bool:
     MLX 0.32.4's CUDA gather_mm with sorted_indices=True returns wrong rows (relative error
     0.4-1.4 on the H200, bench/prefill_probe.py); the same sorted pairs with the flag off are
     right, so CUDA keeps the order (each expert's rows together) and drops the flag. The CPU
-    needs the flag: its unsorted gather_mm takes fp32 only. Asked of the device itself, not of
-    backend(), which also says None for the references run on a CUDA GPU.
+    needs the flag: its unsorted gather_mm takes fp32 only.
     """
-    return not (mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available())
+    return not on_cuda_device()
 
 
 def _gather_dense(x: mx.array, w: mx.array, expert_ids: mx.array) -> mx.array:

@@ -19,7 +19,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_array, on_cuda_device
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -428,16 +428,12 @@ PREFILL_ENV_VAR = "HF2Q_GDN_PREFILL"  # docs/kernels.md ("Environment switches")
 PREFILL_MODES = ("auto", "step", *_RECURRENCES)
 
 
-def _on_cuda() -> bool:
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
-
-
 def auto_prefill_mode() -> str:
     """``HF2Q_GDN_PREFILL=auto``: the chunked form on CUDA (on the H200 10-30x MLX's fast op,
     which runs the recurrence token by token: Qwen3.5-9B 4,178 against 296 tok/s at 512 tokens,
     8,848 against 229 at 2,048; docs/kernel_notes.md, session 25), elsewhere MLX's fast op where
     this MLX has it (not measured against chunked on Metal or the CPU), else chunked."""
-    if _on_cuda() or not hasattr(mx.fast, "gated_delta_update"):
+    if on_cuda_device() or not hasattr(mx.fast, "gated_delta_update"):
         return "chunked"
     return "fast"
 

@@ -58,7 +58,9 @@ def _model_caches(model, kv_bits: tuple[int, int] | None = None) -> list:
 
 
 def _kv_pair(kv_bits) -> tuple[int, int] | None:
-    """None, 8 or (8, 4) -> None or (k bits, v bits) (checked by the TurboQuant caches)."""
+    """None, 8 or (8, 4) -> None or (k bits, v bits) (the widths checked by the TurboQuant
+    caches). Not ``generation.parse_kv_bits``, which also takes "8,4" text: generation sits
+    above this module (tests/test_layering.py), and its callers hand the parsed pair here."""
     if kv_bits is None:
         return None
     pair = (kv_bits, kv_bits) if isinstance(kv_bits, int) else tuple(kv_bits)
@@ -597,7 +599,8 @@ def shared_step(
     if fits:
         step = min(fits, key=lambda v: (v.max_len, v.reserve))
         return None if step.busy else step
-    for key in [k for k, v in steps.items() if k[::3] == (max_batch, kind) and not v.busy]:
+    stale = [k for k, v in steps.items() if k[0] == max_batch and k[3] == kind and not v.busy]
+    for key in stale:
         del steps[key]
     max_len = max(1024, 1 << (needed - 1).bit_length())
     step = DecodeStep(model, max_batch, max_len, reserve=reserve, like=like, kv_bits=kind)

@@ -111,12 +111,9 @@ class StaticKVCache(_RowPositions):
 # flash-decode kernel): the replay equals the MLX step bit for bit on the CPU emulator, and on
 # the H200 (session 25) the graph's tokens equal the compiled step's on tiny Gemma 4 / Qwen 3.5
 # MoE models. On unless HF2Q_TQ_GRAPH=0 (then the graph refuses these caches and the compiled
-# step decodes them); TQ_GRAPH = True forces it on whatever the environment says (tests).
-TQ_GRAPH = False
-
-
+# step decodes them).
 def tq_graph() -> bool:
-    return TQ_GRAPH or env_int("HF2Q_TQ_GRAPH", 0, 1) != 0
+    return env_int("HF2Q_TQ_GRAPH", 0, 1) != 0
 
 
 class StaticTQCache(StaticKVCache):
@@ -149,11 +146,11 @@ class StaticTQCache(StaticKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """keys (B, H, L, Dk), values (B, H, L, Dv) quantized with each row's balance and
         written at its position -> (TQPacked, TQPacked, None): attention reads the packed rows."""
+        if launch_recorder.active() and not tq_graph():
+            raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
         L = keys.shape[2]
         pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
         pv = tq_quantize(values, self.v_codec, self.v_scale)
-        if launch_recorder.active() and not tq_graph():
-            raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
         self._write(pk, pv)  # in a graph: kv_write_words, the packed rows in place
         balance = TQBalance(k_scale=self.k_scale, v_scale=self.v_scale)
         # the kernel adds L to the positions itself: a recorded graph reads the step's input

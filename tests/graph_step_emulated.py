@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -144,9 +145,7 @@ def main() -> None:
 
     # the MLX step, uncompiled (the emulator cannot run inside a compile trace)
     if a.kv_bits:
-        import hf2q_mlx.models.static_cache as static_cache
-
-        static_cache.TQ_GRAPH = True  # whatever HF2Q_TQ_GRAPH says
+        os.environ.pop("HF2Q_TQ_GRAPH", None)  # TurboQuant rows in the graph (the default)
     ref = DecodeStep(model, B, max_len, kv_bits=a.kv_bits)
     prompts = [[(3 * b + 5 * i + 1) % vocab for i in range(a.prefill)] for b in range(B)]
     for b, p in enumerate(prompts):

@@ -280,9 +280,8 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, kv_bits, monkeyp
     from hf2q_mlx.cuda_graph_step import CudaGraphStep
     from hf2q_mlx.custom_kernels.cuda_driver import Driver
     from hf2q_mlx.decode_step import DecodeStep
-    from hf2q_mlx.models import static_cache
 
-    monkeypatch.setattr(static_cache, "TQ_GRAPH", True)  # TurboQuant caches in the graph
+    monkeypatch.delenv("HF2Q_TQ_GRAPH", raising=False)  # TurboQuant caches in the graph
     model, vocab = build(family, "tiny-moe", "q4_k", mx.bfloat16)
     prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
     compiled = DecodeStep(model, 1, 64, kv_bits=kv_bits)

@@ -124,7 +124,7 @@ def test_prefill_switch_picks_the_recurrence(value, cuda, monkeypatch):
     MLX's fast op where it exists, else the chunked form; a named form is taken as asked,
     whatever its case and spaces."""
     monkeypatch.setenv("HF2Q_GDN_PREFILL", value)
-    monkeypatch.setattr(gd, "_on_cuda", lambda: cuda)
+    monkeypatch.setattr(gd, "on_cuda_device", lambda: cuda)
     taken = []
     for name in gd._RECURRENCES:
         real = gd._RECURRENCES[name]
