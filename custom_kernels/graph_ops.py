@@ -1,6 +1,7 @@
 """The ops a recorded CUDA graph step runs where the MLX step uses MLX ops (launch_recorder):
 a KV row written into the cache in place (float rows, or a TurboQuant cache's packed words), an
-embedding table's raw rows gathered, and the embedding's cast-and-scale. Each has its reference
+embedding table's raw rows gathered (an MLX 4-/8-bit table's rows dequantized on the way), and
+the embedding's cast-and-scale. Each has its reference
 (what the MLX step computes) and a kernel; ``kv_write`` only exists in place, so it runs only
 inside a recording (or, in tests, as a launch whose output is a fresh array: the written slots
 are checked, the rest stay poisoned).
@@ -170,6 +171,65 @@ def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
     return rows.reshape(*ids.shape, RB)
 
 
+def gather_affine_rows_reference(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
+    """What ``nn.QuantizedEmbedding`` computes: ``mx.dequantize`` of the rows ``ids`` of an MLX
+    affine table (codes (V, D * bits / 32) uint32, scales and biases (V, D / group_size))."""
+    return mx.dequantize(wq[ids], scales[ids], biases[ids], group_size=group_size, bits=bits)
+
+
+_AFFINE_ROWS_BODY = """
+  // One thread per output element (r, d) of (R, D): code d of row ids[r], times its group's
+  // scale, plus its bias, in T arithmetic (each operation rounded to T) as MLX's dequantize.
+  const uint e = gid_x * tg_size + tid;
+  if (e >= R * D) return;
+  const uint r = e / D;
+  const uint d = e % D;
+  const uint64_t row = uint64_t(uint(ids[r]));
+  constexpr uint WPC = 32 / BITS;  // codes per 32-bit word
+  const uint word = wq[row * (D / WPC) + d / WPC];
+  const float q = float((word >> (BITS * (d % WPC))) & ((1u << BITS) - 1u));
+  const uint64_t g = row * (D / GS) + d / GS;
+  const float sq = to_float(from_float<T>(to_float(sc[g]) * q));
+  out[e] = from_float<T>(sq + to_float(bi[g]));
+"""
+
+_affine_rows_kernel = Kernel(
+    "gather_affine_rows",
+    inputs=["wq", "sc", "bi", "ids"],
+    outputs=["out"],
+    body=_AFFINE_ROWS_BODY,
+    examples=[
+        Example(
+            {"wq": mx.uint32, "sc": t, "bi": t, "ids": mx.int32},
+            {"out": t},
+            {"T": t, "R": 2, "D": 256, "GS": gs, "BITS": bits},
+        )  # fmt: skip
+        for t, gs, bits in ((mx.bfloat16, 64, 4), (mx.float16, 32, 8), (mx.float32, 128, 4))
+    ],
+)
+
+
+def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
+    """``gather_affine_rows_reference`` as one kernel when recording; the reference elsewhere."""
+    D = scales.shape[-1] * group_size
+    dt = scales.dtype
+    ok = active() and bits in (4, 8) and dt in _F and ids.dtype == mx.int32
+    ok = ok and biases is not None and biases.dtype == dt and wq.shape[-1] * 32 == D * bits
+    if not ok:
+        return gather_affine_rows_reference(wq, scales, biases, ids, group_size, bits)
+    R = ids.size
+    launch = _affine_rows_kernel.launcher(
+        [mx.uint32, dt, dt, mx.int32],
+        grid=(R * D,),
+        threadgroup=(256,),
+        output_shapes=[(R, D)],
+        output_dtypes=[dt],
+        template={"T": dt, "R": R, "D": D, "GS": group_size, "BITS": bits},
+    )
+    rows = launch(inputs=[wq, scales, biases, ids.reshape(-1)])[0]
+    return rows.reshape(*ids.shape, D)
+
+
 # ---- embedding scale ---------------------------------------------------------------------------
 
 
@@ -180,7 +240,8 @@ def scale_cast_reference(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array
 
 
 _SCALE_BODY = """
-  // One thread per element: cast to T, times the scale (already rounded to T), rounded to T.
+  // One thread per element: x (float, half or bfloat) cast to T, times the scale (already
+  // rounded to T), rounded to T.
   const uint e = gid_x * tg_size + tid;
   if (e >= N) return;
   out[e] = from_float<T>(to_float(from_float<T>(to_float(x[e]))) * scale[0]);
@@ -192,19 +253,20 @@ _scale_kernel = Kernel(
     outputs=["out"],
     body=_SCALE_BODY,
     examples=[
-        Example({"x": mx.float32, "scale": (mx.float32, 1)}, {"out": t}, {"T": t, "N": 64})
+        Example({"x": xt, "scale": (mx.float32, 1)}, {"out": t}, {"T": t, "N": 64})
         for t in _F
+        for xt in (mx.float32, t)
     ],
 )
 
 
 def scale_cast(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array:
-    """``scale_cast_reference`` as one kernel when recording (fp32 x); the reference elsewhere."""
-    if not active() or x.dtype != mx.float32 or dtype not in _F:
+    """``scale_cast_reference`` as one kernel when recording (float x); the reference elsewhere."""
+    if not active() or x.dtype not in _F or dtype not in _F:
         return scale_cast_reference(x, scale, dtype)
     s = mx.array(scale, dtype=dtype).astype(mx.float32).item()
     launch = _scale_kernel.launcher(
-        [mx.float32, mx.float32],
+        [x.dtype, mx.float32],
         grid=(x.size,),
         threadgroup=(256,),
         output_shapes=[x.shape],
@@ -216,7 +278,9 @@ def scale_cast(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array:
 
 def cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """``x.astype(dtype)``; in a recording of fp32 x, the cast-and-scale kernel with scale 1
-    (exact: a rounded value times 1 is itself)."""
-    if not active() or x.dtype != mx.float32 or dtype not in _F or x.dtype == dtype:
+    (exact: a rounded value times 1 is itself); x itself when it has the dtype already."""
+    if x.dtype == dtype:
+        return x
+    if not active() or x.dtype != mx.float32 or dtype not in _F:
         return x.astype(dtype)
     return scale_cast(x, 1.0, dtype)

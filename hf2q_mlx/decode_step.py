@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array, launch_recorder, sampling
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
+from hf2q_mlx.models import kernel_linears
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
 from hf2q_mlx.models.static_cache import StaticKVCache, StaticRecurrentCache, StaticTQCache
@@ -114,6 +115,9 @@ class DecodeStep(RowSlots):
         if reserve < 0:
             raise InvalidArgumentError(f"DecodeStep reserve must be >= 0, got {reserve}")
         self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        # MLX float / affine linears and embeddings take our kernels on CUDA at decode sizes,
+        # so a CUDA graph can hold them (models/kernel_linears.py)
+        kernel_linears.use_kernels(model)
         self.kv_bits = _kv_pair(kv_bits)
         self.reserve = reserve  # tokens a verify may write past a row's end (L - 1)
         self.positions = [0] * max_batch

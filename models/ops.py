@@ -406,9 +406,9 @@ def moe_router(
     its own routing graph, the reference. ``proj``: nn.Linear or affine nn.QuantizedLinear."""
     if not use_kernels() or "bias" in proj:
         return None
-    if type(proj) is nn.QuantizedLinear and proj.mode == "affine":
+    if isinstance(proj, nn.QuantizedLinear) and proj.mode == "affine":
         quant = (proj.scales, proj.get("biases"), proj.group_size, proj.bits)
-    elif type(proj) is nn.Linear:
+    elif isinstance(proj, nn.Linear):
         quant = None
     else:
         return None
@@ -446,6 +446,26 @@ def head_gate(x: mx.array, qg: mx.array | Heads) -> mx.array:
     (qg,) = split_heads([qg])
     B, L, _, D2 = qg.shape
     return sigmoid_gate(x, qg[..., D2 // 2 :].reshape(B, L, -1))
+
+
+def gate_weight(gate: nn.Module) -> mx.array | None:
+    """A one-output gate's weight as a dense (1, D) array for ``shared_gate_add``: an
+    ``nn.Linear``'s own, an affine ``nn.QuantizedLinear``'s dequantized once and kept with the
+    codes it came from; None for anything else (the caller's ops then)."""
+    if "bias" in gate:
+        return None
+    if isinstance(gate, nn.Linear):
+        return gate["weight"]
+    if not isinstance(gate, nn.QuantizedLinear) or gate.mode != "affine" or "biases" not in gate:
+        return None
+    kept = vars(gate).get("_dense_gate")
+    if kept is None or kept[0] is not gate["weight"]:
+        w = mx.dequantize(gate["weight"], gate["scales"], gate["biases"],
+                          group_size=gate.group_size, bits=gate.bits)  # fmt: skip
+        mx.eval(w)
+        kept = (gate["weight"], w)
+        object.__setattr__(gate, "_dense_gate", kept)
+    return kept[1]
 
 
 def shared_gate_add(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.array | None:

@@ -260,7 +260,9 @@ def linear_fusion_key(layer: nn.Module) -> tuple | None:
     dense ``nn.Linear`` of one dtype, and mlx affine ``nn.QuantizedLinear`` of one
     mode / group size / bits. Input size and bias presence must match too.
     """
-    kind = type(layer)
+    # the kinds, not the classes: models/kernel_linears.py's subclasses fuse as their bases
+    kind = next((k for k in (GGMLLinear, nn.Linear, nn.QuantizedLinear) if isinstance(layer, k)),
+                None)  # fmt: skip
     if kind is GGMLLinear:
         return (kind, layer.ggml_type, layer.in_features, _bias_dtype(layer))
     if kind is nn.Linear:
@@ -293,11 +295,11 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module:
     def cat(name: str) -> mx.array:
         return mx.concatenate([layer[name] for layer in layers], axis=0)
 
-    if type(first) is GGMLLinear:
+    if key[0] is GGMLLinear:
         out = sum(layer.out_features for layer in layers)
         fused = GGMLLinear(first.in_features, out, first.ggml_type, bias=has_bias)
         names = ["weight"]
-    elif type(first) is nn.Linear:
+    elif key[0] is nn.Linear:
         out = sum(layer["weight"].shape[0] for layer in layers)
         fused = nn.Linear(first["weight"].shape[1], out, bias=has_bias)
         names = ["weight"]

@@ -103,8 +103,9 @@ class SparseMoeBlock(nn.Module):
         indices, scores = self.route(x)
         y = self.experts(x, indices, scores)
         shared, gate = self.shared_expert(x), self.shared_expert_gate
-        if type(gate) is nn.Linear and "bias" not in gate:  # one kernel with the gate's dot
-            out = ops.shared_gate_add(y, shared, x, gate["weight"])
+        w = ops.gate_weight(gate)
+        if w is not None:  # one kernel with the gate's dot
+            out = ops.shared_gate_add(y, shared, x, w)
             if out is not None:
                 return out
         return y + ops.sigmoid_gate(shared, self.shared_gate(x))

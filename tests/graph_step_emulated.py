@@ -4,7 +4,7 @@ own by tests/test_cuda_graph_step.py: the fake CUDA back end it installs stays i
 dispatchers' plan caches.
 
     python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
-        [--batch 1] [--prefill 0] [--kv-bits 8]
+        [--batch 1] [--prefill 0] [--kv-bits 8] [--format q4_k|mlx4|bf16]
 """
 
 from __future__ import annotations
@@ -100,11 +100,19 @@ def _shuffled_order(deps: list[set[int]], seed: int) -> list[int]:
     return order
 
 
-def build(family: str, shape: str, layers: int, window: int):
+def build(family: str, shape: str, layers: int, window: int, fmt: str = "q4_k"):
+    """GGML Q4_K, MLX affine 4-bit or plain bf16 weights (``fmt``)."""
     if family == "qwen3_5":  # layers: delta-net, then full attention
         from decode_profile import build as build_shape
 
-        return build_shape("qwen3_5", shape, "q4_k", mx.bfloat16, layers)
+        if fmt != "bf16":
+            return build_shape("qwen3_5", shape, fmt, mx.bfloat16, layers)
+        q = _bench_module("qwen3_5")
+        config = dict(q.TINY_SHAPES[shape], num_hidden_layers=layers)
+        model = q.build_ours(config, mx.bfloat16)
+        q.cast_floats(model, mx.bfloat16)
+        model.fuse_projections()
+        return model, config["vocab_size"]
     g = _bench_module("gemma4")
     # layers [S, F, ...] and a short window: a few tokens cross it; a wide softcap keeps the
     # random model's logits apart (at the cap they tie, and every greedy token is 0)
@@ -112,7 +120,13 @@ def build(family: str, shape: str, layers: int, window: int):
                final_logit_softcapping=1e4)  # fmt: skip
     cfg["layer_types"] = (["sliding_attention", "full_attention"] * layers)[:layers]
     args = g.gemma4.ModelArgs.from_dict(cfg)
-    model = g.build_ggml(args, mx.bfloat16)
+    if fmt == "q4_k":
+        model = g.build_ggml(args, mx.bfloat16)
+    elif fmt == "mlx4":
+        model = g.build_mlx4(args, mx.bfloat16)
+    else:
+        model = g.gemma4.Model(args)
+        model.set_dtype(mx.bfloat16)
     model.fuse_projections()
     return model, args.vocab_size
 
@@ -129,11 +143,12 @@ def main() -> None:
                     help="prompt tokens per row before decoding; the graph is made and recorded "
                          "before them, as the serving engine does")  # fmt: skip
     ap.add_argument("--kv-bits", type=int, default=None, help="TurboQuant caches of these bits")
+    ap.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4", "bf16"])
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     fake_cuda()
     family, _, shape = a.model.partition(":")
-    model, vocab = build(family, shape, a.layers, a.window)
+    model, vocab = build(family, shape, a.layers, a.window, a.format)
     max_len = 32 + a.prefill
     B = a.batch
     # row b starts from token 7 + b; with B > 1 the last row idles on the second step, so the

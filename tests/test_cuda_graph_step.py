@@ -36,21 +36,30 @@ def _bits(a: mx.array) -> np.ndarray:
 
 @needs_gxx
 @pytest.mark.parametrize(
-    "model, steps, kinds",
-    [("gemma4:tiny-moe", 3, {"gather_rows", "scale_cast", "topk_select", "rms_norm_rope"}),
+    "model, steps, kinds, fmt",
+    [("gemma4:tiny-moe", 3, {"gather_rows", "scale_cast", "topk_select", "rms_norm_rope"}, "q4_k"),
      ("qwen3_5:tiny-moe", 2, {"gated_delta_decode", "head_gate", "shared_gate_add",
-                              "rms_norm_rope"})],
+                              "rms_norm_rope"}, "q4_k"),
+     # MLX affine 4-bit (8-bit gates) and plain bf16 weights: models/kernel_linears.py's
+     # mat-vecs and row gathers stand for MLX's quantized_matmul, matmul, gather and dequantize
+     ("gemma4:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "scale_cast",
+                             "affine_expert_glu"}, "mlx4"),
+     ("qwen3_5:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "shared_gate_add",
+                              "gated_delta_decode"}, "mlx4"),
+     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec", "shared_gate_add"}, "bf16")],
+    ids=["gemma4-q4_k", "qwen3_5-q4_k", "gemma4-mlx4", "qwen3_5-mlx4", "qwen3_5-bf16"],
 )  # fmt: skip
-def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds):
+def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt):
     """Tiny Gemma 4 MoE (a 2-token window crossed) and Qwen 3.5 MoE (delta-net, then gated
-    attention), GGML weights: the recording replayed launch by launch through the emulator gives
+    attention), GGML, MLX 4-bit or bf16 weights: the recording replayed launch by launch through
+    the emulator gives
     the MLX step's tokens, last logits and every cache byte (KV rows written in place by the
     norm + RoPE kernel's cache mode or kv_write where the MLX step scatters; the delta-net's
     states written in place by its kernel), launches replayed in a shuffled order that keeps
     their dependencies (``launch_dependencies``). In a process of its own:
     the fake CUDA back end stays in the dispatchers' plan caches."""
     script = HERE / "graph_step_emulated.py"
-    cmd = [sys.executable, str(script), model, "--steps", str(steps)]
+    cmd = [sys.executable, str(script), model, "--steps", str(steps), "--format", fmt]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -147,7 +156,7 @@ def graph_kernels(monkeypatch):
     """The graph ops' launchers resolve on the CPU (MLX's build stubbed: nothing runs)."""
     monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
     kernels = (graph_ops._kv_kernel, graph_ops._words_kernel, graph_ops._rows_kernel,
-               graph_ops._scale_kernel)  # fmt: skip
+               graph_ops._scale_kernel, graph_ops._affine_rows_kernel)  # fmt: skip
     for k in kernels:
         monkeypatch.setattr(k, "_kernel_for", lambda be, sig: print)
 
@@ -232,6 +241,30 @@ def test_gather_rows_and_scale_cast_kernels_match_references(graph_kernels):
     for got, dt in zip(outs[1:], (mx.bfloat16, mx.float16, mx.float32)):
         want = graph_ops.scale_cast_reference(x, 2816**0.5, dt)
         np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype, gs, bits", [(mx.bfloat16, 64, 4), (mx.float16, 32, 8),
+                                             (mx.float32, 128, 4)])  # fmt: skip
+def test_gather_affine_rows_kernel_equals_mlx_dequantize(dtype, gs, bits, graph_kernels):
+    """An MLX 4-/8-bit embedding's rows, gathered and dequantized by one recorded kernel
+    (emulated; it poisons outputs first): bit-equal to ``nn.QuantizedEmbedding``'s
+    ``mx.dequantize`` of the rows (data movement and MLX's own T arithmetic: no tolerance)."""
+    table = mx.random.normal((40, 256), key=mx.random.key(4)).astype(dtype)
+    wq, scales, biases = mx.quantize(table, group_size=gs, bits=bits)
+    ids = mx.array([[5, 39], [0, 17]], dtype=mx.int32)
+    rec = Recorder()
+    with launch_recorder.recording(rec):
+        graph_ops.gather_affine_rows(wq, scales, biases, ids, gs, bits)
+    (launch,) = rec.launches
+    s = launch.spec
+    got = kernel_emulator.emulate(
+        s.kernel, launch.inputs, grid=s.grid, threadgroup=s.threadgroup,
+        output_shapes=s.output_shapes, output_dtypes=s.output_dtypes, template=dict(s.template),
+    )[0]  # fmt: skip
+    want = graph_ops.gather_affine_rows_reference(wq, scales, biases, ids, gs, bits)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(_bits(got.reshape(want.shape)), _bits(want))
 
 
 # ---- on a GPU -----------------------------------------------------------------------------------

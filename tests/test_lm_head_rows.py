@@ -1,8 +1,10 @@
 """Row parity of the batched lm_head: each row's logits at B = 1..32 are bit-identical to that
 row computed alone (B = 1), through the very op a model's head calls (``GGMLLinear``,
-``GGMLEmbedding.as_linear`` for a tied head, ``nn.Linear`` / ``nn.Embedding.as_linear`` for the
-dense types), for every GGML type the GGML layers take. The serving engine's one batched head
-per step rests on this: a stream's tokens must not depend on what else shares the batch.
+``GGMLEmbedding.as_linear`` for a tied head, for the dense types ``nn.Linear`` /
+``nn.Embedding.as_linear`` as ``DecodeStep`` leaves them: models/kernel_linears.py's subclasses,
+the row-stable float mat-vec kernel on CUDA), for every GGML type the GGML layers take. The
+serving engine's one batched head per step rests on this: a stream's tokens must not depend on
+what else shares the batch.
 
 The CPU variant runs the CPU path (affine repack up to ``CPU_QMM_MAX_ROWS`` rows, dequantize +
 GEMM past it); the GPU variant the kernels (mat-vec up to 16 rows, 16-row mat-vec slices up to
@@ -21,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
 from hf2q_mlx.io.random_weights import random_ggml_blocks
+from hf2q_mlx.models.kernel_linears import use_kernels
 from hf2q_mlx.models.quantized import GGMLEmbedding, GGMLLinear
 
 V, H, MAX_B = 1000, 256, 32  # a small head, every batch size the engine runs
@@ -34,6 +37,7 @@ def make_head(ggml_type: int, tied: bool, seed: int):
         w = mx.random.normal((V, H), key=mx.random.key(seed)).astype(DENSE[ggml_type]) * 0.05
         layer = nn.Embedding(V, H) if tied else nn.Linear(H, V, bias=False)
         layer.weight = w
+        assert use_kernels(layer) == 1  # as DecodeStep does to the model's modules
     else:
         layer = GGMLEmbedding(V, H, ggml_type) if tied else GGMLLinear(H, V, ggml_type)
         layer.weight = random_ggml_blocks(V, H, ggml_type, seed=seed)
@@ -71,11 +75,10 @@ def test_cpu_head_rows_are_bit_identical_at_any_batch(ggml_type, tied):
 @pytest.mark.parametrize("tied", [False, True], ids=["linear", "tied"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[T(t).name for t in TYPES])
 def test_gpu_head_rows_are_bit_identical_at_any_batch(ggml_type, tied, dtype, request):
-    if ggml_type in DENSE:
-        # measured on the H200: MLX's dense GPU matmul gives a row other bits in a batch than
-        # alone (2026-12-02: row 17 of B >= 18, BF16 by 2.4e-7; session 25, with the batch cut
-        # into 16-row slices, from B = 2 on: 4.8e-7 in fp32 up to 7.8e-3 in bf16, so slicing is
-        # no cure): a dense head needs a row-stable mat-vec kernel of its own. GGML types pass.
+    # dense heads: MLX's own GPU matmul is not row-stable (H200, 2026-12-02: row 17 of B >= 18
+    # by 2.4e-7 in bf16; session 25, in 16-row slices, from B = 2 on, up to 7.8e-3 in bf16), so
+    # on CUDA they take dense_matvec's kernel (Metal keeps MLX's matmul: not row-stable there)
+    if ggml_type in DENSE and not mx.cuda.is_available():
         request.applymarker(pytest.mark.xfail(reason="dense heads: MLX's matmul is not row-stable"))
     with mx.stream(mx.gpu):
         check_rows(ggml_type, tied, dtype)

@@ -1,0 +1,109 @@
+"""Float and MLX affine linears and embeddings that take our kernels on CUDA at decode sizes.
+
+A CUDA graph step (hf2q_mlx/cuda_graph_step.py) replays kernel launches only: an MLX matmul,
+``quantized_matmul``, gather or ``dequantize`` on a token's values cannot be replayed, so a model
+with plain float or MLX 4-/8-bit weights could not be captured. ``use_kernels(model)`` (called by
+``DecodeStep``) turns its ``nn.Linear``, ``nn.QuantizedLinear``, ``nn.Embedding`` and
+``nn.QuantizedEmbedding`` modules into the subclasses below: the same parameters and the same
+results elsewhere, and on CUDA (or inside a recording) for 1..32 rows of x the mat-vec kernels of
+``custom_kernels/dense_matvec.py``, whose every row is computed alike whatever the number of rows
+(a batched lm_head's rows equal the single-stream logits bit for bit), and the graph ops' row
+gathers (``custom_kernels/graph_ops.py``). The compiled step takes them too on CUDA, so the graph
+and the compiled step run the same kernels. Metal and the CPU keep MLX's ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from hf2q_mlx.custom_kernels import backend, dense_matvec, launch_recorder
+from hf2q_mlx.custom_kernels.graph_ops import gather_affine_rows, gather_rows
+
+MAX_ROWS = 32  # rows of x the mat-vec kernels take; prefill keeps MLX's matmul
+
+
+def _kernel_rows(x: mx.array) -> bool:
+    """Whether x's rows go through our kernels: on CUDA (or while a graph is recorded), for
+    decode-sized inputs."""
+    if not (launch_recorder.active() or backend() == "cuda"):
+        return False
+    return x.ndim >= 1 and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS
+
+
+def _affine(layer: nn.Module) -> bool:
+    return layer.mode == "affine" and "biases" in layer and layer.bits in (4, 8)
+
+
+def _float_linear(x, w, bias):
+    if _kernel_rows(x) and dense_matvec.float_kernel_covers(x, w, bias):
+        return dense_matvec.float_matvec(x, w, bias)
+    return None
+
+
+def _affine_linear(layer, x, bias):
+    if _kernel_rows(x) and _affine(layer):
+        args = (layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+        if dense_matvec.affine_kernel_covers(x, *args, bias):
+            return dense_matvec.affine_matvec(x, *args, bias)
+    return None
+
+
+class KernelLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _float_linear(x, self.weight, self.get("bias"))
+        return super().__call__(x) if y is None else y
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _affine_linear(self, x, self.get("bias"))
+        return super().__call__(x) if y is None else y
+
+
+class KernelEmbedding(nn.Embedding):
+    def __call__(self, ids: mx.array) -> mx.array:
+        w = self.weight
+        if not launch_recorder.active() or ids.dtype != mx.int32:
+            return super().__call__(ids)
+        # the raw bytes of the rows: bit-equal to MLX's gather
+        rows = gather_rows(w.view(mx.uint8), ids)  # (..., D * itemsize) uint8
+        return rows.view(w.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _float_linear(x, self.weight, None)
+        return super().as_linear(x) if y is None else y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, ids: mx.array) -> mx.array:
+        if not (launch_recorder.active() or backend() == "cuda") or not _affine(self):
+            return super().__call__(ids)
+        return gather_affine_rows(self.weight, self.scales, self.biases, ids.astype(mx.int32),
+                                  self.group_size, self.bits)  # fmt: skip
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _affine_linear(self, x, None)
+        return super().as_linear(x) if y is None else y
+
+
+_KERNEL_CLASS = {
+    nn.Linear: KernelLinear,
+    nn.QuantizedLinear: KernelQuantizedLinear,
+    nn.Embedding: KernelEmbedding,
+    nn.QuantizedEmbedding: KernelQuantizedEmbedding,
+}
+
+
+def use_kernels(model: nn.Module) -> int:
+    """Turn ``model``'s MLX linears and embeddings into the kernel-taking subclasses (same
+    parameters, no copies; idempotent) -> how many changed."""
+    n = 0
+    for _, module in model.named_modules():
+        kind = _KERNEL_CLASS.get(type(module))
+        if kind is not None:
+            module.__class__ = kind
+            n += 1
+    return n
