@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import device_constant
+from hf2q_mlx.custom_kernels import backend, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, active, launch_into
 
@@ -210,10 +210,14 @@ _affine_rows_kernel = Kernel(
 
 
 def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
-    """``gather_affine_rows_reference`` as one kernel when recording; the reference elsewhere."""
+    """``gather_affine_rows_reference`` as one kernel when recording, or on CUDA for up to 32
+    rows (so the compiled step's rows are the graph's: MLX's CUDA dequantize may round
+    otherwise; the row count is a template constant, so prompts keep MLX's op), the reference
+    elsewhere."""
     D = scales.shape[-1] * group_size
     dt = scales.dtype
-    ok = active() and bits in (4, 8) and dt in _F and ids.dtype == mx.int32
+    ok = active() or (backend() == "cuda" and ids.size <= 32)
+    ok = ok and bits in (4, 8) and dt in _F and ids.dtype == mx.int32
     ok = ok and biases is not None and biases.dtype == dt and wq.shape[-1] * 32 == D * bits
     if not ok:
         return gather_affine_rows_reference(wq, scales, biases, ids, group_size, bits)

@@ -295,12 +295,13 @@ def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit():
 
 
 @requires_gpu
-@pytest.mark.parametrize("kv_bits", [None, 8], ids=["bf16", "tq8"])
+@pytest.mark.parametrize("fmt, kv_bits", [("q4_k", None), ("q4_k", 8), ("mlx4", None)],
+                         ids=["bf16", "tq8", "mlx4"])  # fmt: skip
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
-def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, kv_bits, monkeypatch):
+def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, fmt, kv_bits, monkeypatch):
     """Tiny Gemma 4 MoE (split attention rows merged by their last part, the 16-token window
-    crossed) and tiny Qwen 3.5 MoE (the recurrent state written in place) with GGML weights on
-    CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled step:
+    crossed) and tiny Qwen 3.5 MoE (the recurrent state written in place) with GGML or MLX 4-bit
+    weights on CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled step:
     the same ids; the graph's logits at every step within 2 bf16 ulps of the compiled step's,
     teacher-forced (the same kernels; where MLX ops of the compiled step became kernels, e.g.
     the embedding's scale and cast, the roundings may differ: one ulp per rounding, two for
@@ -315,7 +316,7 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, kv_bits, monkeyp
     from hf2q_mlx.decode_step import DecodeStep
 
     monkeypatch.delenv("HF2Q_TQ_GRAPH", raising=False)  # TurboQuant caches in the graph
-    model, vocab = build(family, "tiny-moe", "q4_k", mx.bfloat16)
+    model, vocab = build(family, "tiny-moe", fmt, mx.bfloat16)
     prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
     compiled = DecodeStep(model, 1, 64, kv_bits=kv_bits)
     replayed = DecodeStep(model, 1, 64, kv_bits=kv_bits)
