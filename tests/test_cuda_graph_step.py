@@ -301,8 +301,8 @@ def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit():
 def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, fmt, kv_bits, monkeypatch):
     """Tiny Gemma 4 MoE (split attention rows merged by their last part, the 16-token window
     crossed) and tiny Qwen 3.5 MoE (the recurrent state written in place) with GGML or MLX 4-bit
-    weights on CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled step:
-    the same ids; the graph's logits at every step within 2 bf16 ulps of the compiled step's,
+    weights on CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled
+    step: the same ids; the graph's logits at every step within 2 bf16 ulps of the compiled step's,
     teacher-forced (the same kernels; where MLX ops of the compiled step became kernels, e.g.
     the embedding's scale and cast, the roundings may differ: one ulp per rounding, two for
     slack)."""
