@@ -280,6 +280,55 @@ def scale_cast(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array:
     return launch(inputs=[x, device_constant((s,), mx.float32)])[0]
 
 
+# ---- a linear's bias ---------------------------------------------------------------------------
+
+
+def add_bias_reference(y: mx.array, bias: mx.array) -> mx.array:
+    """``y + bias.astype(y.dtype)``: what a GGML linear with a bias (Qwen 2's q / k / v) adds
+    after its mat-vec."""
+    return y + bias.astype(y.dtype)
+
+
+_BIAS_BODY = """
+  // One thread per element of y (N values, rows of C): y + bias rounded to T, summed in fp32
+  // and rounded to T (MLX's add of two T values).
+  const uint e = gid_x * tg_size + tid;
+  if (e >= N) return;
+  const float b = to_float(from_float<T>(to_float(bias[e % C])));
+  out[e] = from_float<T>(to_float(y[e]) + b);
+"""
+
+_bias_kernel = Kernel(
+    "add_bias",
+    inputs=["y", "bias"],
+    outputs=["out"],
+    body=_BIAS_BODY,
+    examples=[
+        Example({"y": t, "bias": bt}, {"out": t}, {"T": t, "N": 64, "C": 16})
+        for t in _F
+        for bt in (mx.float32, t)
+    ],
+)
+
+
+def add_bias(y: mx.array, bias: mx.array) -> mx.array:
+    """``add_bias_reference`` as one kernel when recording; the reference elsewhere."""
+    C = bias.size
+    if not active() or y.dtype not in _F or bias.dtype not in _F or bias.ndim != 1:
+        return add_bias_reference(y, bias)
+    if y.shape[-1] != C:
+        return add_bias_reference(y, bias)  # MLX broadcasts or reports the mismatch
+    launch = _bias_kernel.launcher(
+        [y.dtype, bias.dtype],
+        grid=(y.size,),
+        threadgroup=(256,),
+        output_shapes=[y.shape],
+        output_dtypes=[y.dtype],
+        template={"T": y.dtype, "N": y.size, "C": C},
+    )
+    return launch(inputs=[y, bias])[0]
+
+
 def cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """``x.astype(dtype)``; in a recording of fp32 x, the cast-and-scale kernel with scale 1
     (exact: a rounded value times 1 is itself); x itself when it has the dtype already."""

@@ -347,6 +347,26 @@ def qk_norm_rope(
     return tuple(out)
 
 
+def qkv_rope(
+    q: mx.array | Heads,
+    k: mx.array | Heads,
+    v: mx.array | Heads,
+    inv_freq: mx.array,
+    *,
+    offset: int | mx.array = 0,
+    positions: mx.array | None = None,
+    scale: float = 1.0,
+    dims: int | None = None,
+    transpose: bool = True,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """RoPE of q and k with v laid out beside them, no norms, in one launch (Llama, Qwen 2):
+    q (B, L, Hq, D), k and v (B, L, Hk, D) (or ``Heads``) -> (q, k, v) (B, H, L, D)."""
+    rope, norm = (True, True, False), (False, False, False)
+    out = _launch((q, k, v), (None, None, None), rope, norm, inv_freq, 1e-6, offset, positions,
+                  scale, 0.0, dims or k.shape[-1], transpose)  # fmt: skip
+    return tuple(out)
+
+
 def rms_norm_rope(
     x: mx.array | Heads,
     weight: mx.array | None,

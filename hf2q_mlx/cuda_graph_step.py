@@ -18,8 +18,10 @@ back over it at the graph's end.
 The caches belong to the graph while it runs: after MLX changes them (``DecodeStep.adopt``,
 ``prefill``, the compiled step) the next ``decode`` copies the new contents into the graph's
 arrays first (``_bind``). No lazy positions, no token trees or verifies (one token a row), no
-TurboQuant caches or MLX 4-bit embeddings (their steps record MLX ops: ``GraphCaptureError``
-says which, and the caller keeps the compiled step).
+TurboQuant caches under ``HF2Q_TQ_GRAPH=0``, no step that still does MLX ops on a token's values
+(tiny Gemma 3 / Llama float models: their embedding scale, RoPE; float MoE experts):
+``GraphCaptureError`` says which, and the caller keeps the compiled step. MLX float and 4-/8-bit
+affine linears and embeddings take kernels since session 26 (``models/kernel_linears.py``).
 """
 
 from __future__ import annotations

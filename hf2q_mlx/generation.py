@@ -426,10 +426,10 @@ def decode_mode() -> str:
 def graph_step(step):
     """The CUDA graph step over ``step`` (made once, kept on it) when ``decode_mode()`` is
     ``graph`` (the default on CUDA) and MLX runs on CUDA; None otherwise, or when the model's
-    step records MLX ops (MLX 4-bit embeddings, TurboQuant caches with ``HF2Q_TQ_GRAPH=0``:
-    said once on stderr when ``HF2Q_DECODE=graph`` was asked for; the compiled step then
-    decodes). Greedy tokens come from the graph's argmax, sampled ones from MLX's sampler on the
-    graph's logits."""
+    step records MLX ops (e.g. a model with float MoE experts, or heads under 32 wide; TurboQuant
+    caches with ``HF2Q_TQ_GRAPH=0``: said once on stderr when ``HF2Q_DECODE=graph`` was asked
+    for; the compiled step then decodes). Greedy tokens come from the graph's argmax, sampled
+    ones from MLX's sampler on the graph's logits."""
     if decode_mode() != "graph" or not mx.cuda.is_available():
         return None
     graph = step.__dict__.get("_graph")

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels.graph_ops import cast
+from hf2q_mlx.custom_kernels.graph_ops import scale_cast
 from hf2q_mlx.custom_kernels.rms_norm_rope import rope_inv_freq
 from hf2q_mlx.errors import UnsupportedArchitectureError
 from hf2q_mlx.models import ops
@@ -165,9 +165,10 @@ class Gemma3Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         # the model dtype: a GGML embedding returns fp32 rows, which would run every layer in fp32
-        h = cast(self.embed_tokens(inputs), self.norm.weight.dtype)  # a kernel when recorded
-        # the scale is rounded to the activation dtype first, as the reference does
-        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)
+        # the scale is rounded to the activation dtype first, as the reference does; a kernel
+        # when recorded
+        h = scale_cast(self.embed_tokens(inputs), math.sqrt(self.args.hidden_size),
+                       self.norm.weight.dtype)  # fmt: skip
         cache = cache if cache is not None else [None] * len(self.layers)
         pos = ops.positions(cache[0])
         return ops.prenorm_layers(self.layers, h, cache, self.norm, pos)

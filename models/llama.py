@@ -100,8 +100,8 @@ class Attention(FusedQKV, nn.Module):
 
     def __call__(self, x: mx.array, cache, pos: mx.array) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = self.project_heads(x)  # each (B, H, L, D)
-        q, k = self.rope(q, pos), self.rope(k, pos)  # no q/k norms: no fused kernel
+        q, k, v = self.project_packed(x)  # each (B, L, H, D), unsplit: the kernel reads them
+        q, k, v = ops.rope_qkv(q, k, v, self.rope, pos)  # each (B, H, L, D)
         if cache is not None:
             k, v, mask = cache.update_and_fetch(k, v)
         else:

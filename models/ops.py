@@ -304,6 +304,18 @@ def qk_norm_rope(
     return q, k, _norm_rope(v, None, eps, pos, 0, None, 1.0, None, D)
 
 
+def rope_qkv(
+    q: mx.array | Heads, k: mx.array | Heads, v: mx.array | Heads, rope: RoPE, pos: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """RoPE of q and k, v only laid out, for attention without head norms (Llama, Qwen 2): q
+    (B, L, Hq, D), k and v (B, L, Hk, D) (or ``Heads`` of a fused projection) -> (B, H, L, D)
+    each, one kernel (which can also write k and v into a recorded graph's cache)."""
+    if use_kernels() and pos.ndim == 1:  # a token tree's (1, L) positions: the reference
+        return norm_rope_kernel.qkv_rope(q, k, v, rope.inv_freq, offset=pos, scale=rope.scale)
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in split_heads((q, k, v)))
+    return rope(q, pos), rope(k, pos), v
+
+
 # ---- activations ---------------------------------------------------------------------------------
 
 _ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx, "gelu": nn.gelu}

@@ -40,6 +40,7 @@ from hf2q_mlx.custom_kernels.dequant import (
     ggml_get_rows,
     row_bytes,
 )
+from hf2q_mlx.custom_kernels.graph_ops import add_bias
 from hf2q_mlx.custom_kernels.qmatmul import ggml_matmul
 from hf2q_mlx.errors import WeightMismatchError
 
@@ -179,7 +180,7 @@ class GGMLLinear(_GGMLModule):
         y = self._cpu_matmul(x)
         if y is None:
             y = ggml_matmul(x, self.weight, self.ggml_type, self.in_features)
-        return y + self.bias.astype(y.dtype) if "bias" in self else y
+        return add_bias(y, self.bias) if "bias" in self else y  # a kernel when recorded
 
 
 class GGMLEmbedding(_GGMLModule):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "kernels"))
@@ -100,8 +101,34 @@ def _shuffled_order(deps: list[set[int]], seed: int) -> list[int]:
     return order
 
 
+def build_llama(family: str, layers: int):
+    """Tiny Llama or Qwen 2 (q / k / v biases) with GGML Q8_0 / Q4_K weights and random biases:
+    heads of 32 (the norm + RoPE kernel's smallest) and 128-wide rows."""
+    from hf2q_mlx.io.random_weights import fill_ggml_modules
+    from hf2q_mlx.models import llama, qwen2
+    from hf2q_mlx.models.quantized import ggml_quantize_modules
+
+    module = qwen2 if family == "qwen2" else llama
+    cfg = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000.0,
+               tie_word_embeddings=family == "llama")  # fmt: skip
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.set_dtype(mx.bfloat16)
+    types = {p: (8 if m.weight.shape[1] % 256 else 12) for p, m in model.named_modules()
+             if isinstance(m, (nn.Linear, nn.Embedding))}  # Q8_0 / Q4_K by row width  # fmt: skip
+    ggml_quantize_modules(model, types)
+    fill_ggml_modules(model)
+    for i, (_, m) in enumerate(model.named_modules()):
+        if "bias" in m:
+            m.bias = mx.random.normal(m.bias.shape, key=mx.random.key(i)).astype(mx.bfloat16)
+    model.fuse_projections()
+    return model, cfg["vocab_size"]
+
+
 def build(family: str, shape: str, layers: int, window: int, fmt: str = "q4_k"):
     """GGML Q4_K, MLX affine 4-bit or plain bf16 weights (``fmt``)."""
+    if family in ("llama", "qwen2"):
+        return build_llama(family, layers)
     if family == "qwen3_5":  # layers: delta-net, then full attention
         from decode_profile import build as build_shape
 

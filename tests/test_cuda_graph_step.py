@@ -46,8 +46,11 @@ def _bits(a: mx.array) -> np.ndarray:
                              "affine_expert_glu"}, "mlx4"),
      ("qwen3_5:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "shared_gate_add",
                               "gated_delta_decode"}, "mlx4"),
-     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec", "shared_gate_add"}, "bf16")],
-    ids=["gemma4-q4_k", "qwen3_5-q4_k", "gemma4-mlx4", "qwen3_5-mlx4", "qwen3_5-bf16"],
+     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec", "shared_gate_add"}, "bf16"),
+     # Qwen 2 (Llama's attention with q / k / v biases): RoPE without head norms and the GGML
+     # linears' biases as kernels, the keys and values written by the RoPE kernel
+     ("qwen2:tiny", 3, {"add_bias", "rms_norm_rope", "gather_rows"}, "q4_k")],
+    ids=["gemma4-q4_k", "qwen3_5-q4_k", "gemma4-mlx4", "qwen3_5-mlx4", "qwen3_5-bf16", "qwen2"],
 )  # fmt: skip
 def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt):
     """Tiny Gemma 4 MoE (a 2-token window crossed) and Qwen 3.5 MoE (delta-net, then gated
@@ -72,10 +75,11 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
     # the delta-net kernel writes its recurrent and conv states over the old ones
     # (fuse_state_writes): nothing is copied back at the graph's end
     assert out["copies"] == 0
-    assert ("gated_delta_decode" in out["in_place"]) == model.startswith("qwen")
+    assert ("gated_delta_decode" in out["in_place"]) == model.startswith("qwen3_5")
     # replayed in a shuffled order that keeps launch_dependencies' edges: still bit for bit;
-    # the MoE layers hold launches a graph's lanes can run side by side
-    assert out["dependencies"] and out["reordered"] and out["lanes"] > 1
+    # the MoE layers hold launches a graph's lanes can run side by side (a dense model's
+    # launches form one chain)
+    assert out["dependencies"] and (out["reordered"] and out["lanes"] > 1) == ("moe" in model)
 
 
 # ---- the recorder -------------------------------------------------------------------------------
@@ -156,7 +160,8 @@ def graph_kernels(monkeypatch):
     """The graph ops' launchers resolve on the CPU (MLX's build stubbed: nothing runs)."""
     monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
     kernels = (graph_ops._kv_kernel, graph_ops._words_kernel, graph_ops._rows_kernel,
-               graph_ops._scale_kernel, graph_ops._affine_rows_kernel)  # fmt: skip
+               graph_ops._scale_kernel, graph_ops._affine_rows_kernel,
+               graph_ops._bias_kernel)  # fmt: skip
     for k in kernels:
         monkeypatch.setattr(k, "_kernel_for", lambda be, sig: print)
 
@@ -215,7 +220,8 @@ def test_kv_write_words_writes_packed_rows_at_the_scatter_slots(ring, graph_kern
 @needs_gxx
 def test_gather_rows_and_scale_cast_kernels_match_references(graph_kernels):
     """Recorded kernels run through the emulator: rows bit-equal to ``table[ids]``; the cast
-    and scale bit-equal to ``x.astype(T) * T(scale)`` for bf16, fp16 and fp32."""
+    and scale bit-equal to ``x.astype(T) * T(scale)`` for bf16, fp16 and fp32 (from fp32 and
+    from bf16 x); a linear's bias add bit-equal to ``y + bias.astype(T)``."""
     rng = np.random.default_rng(0)
     table = mx.array(rng.integers(0, 256, (50, 144), dtype=np.uint8))
     ids = mx.array([[3, 49, 0]], dtype=mx.int32)
@@ -225,9 +231,12 @@ def test_gather_rows_and_scale_cast_kernels_match_references(graph_kernels):
         graph_ops.gather_rows(table, ids)
         for dt in (mx.bfloat16, mx.float16, mx.float32):
             graph_ops.scale_cast(x, 2816**0.5, dt)
-    assert [launch.spec.kernel.name for launch in rec.launches] == ["gather_rows"] + [
-        "scale_cast"
-    ] * 3
+        graph_ops.scale_cast(x.astype(mx.bfloat16), 2816**0.5, mx.bfloat16)
+        y = (x * 3).astype(mx.bfloat16)
+        bias = mx.random.normal((48,), key=mx.random.key(2))
+        graph_ops.add_bias(y, bias)
+    names = [launch.spec.kernel.name for launch in rec.launches]
+    assert names == ["gather_rows"] + ["scale_cast"] * 4 + ["add_bias"]
     outs = []
     for launch in rec.launches:
         s = launch.spec
@@ -238,9 +247,12 @@ def test_gather_rows_and_scale_cast_kernels_match_references(graph_kernels):
     np.testing.assert_array_equal(
         np.array(outs[0].view(mx.uint8)), np.array(table[ids.reshape(-1)])
     )
-    for got, dt in zip(outs[1:], (mx.bfloat16, mx.float16, mx.float32)):
+    for got, dt in zip(outs[1:4], (mx.bfloat16, mx.float16, mx.float32)):
         want = graph_ops.scale_cast_reference(x, 2816**0.5, dt)
         np.testing.assert_array_equal(_bits(got), _bits(want))
+    want = graph_ops.scale_cast_reference(x.astype(mx.bfloat16), 2816**0.5, mx.bfloat16)
+    np.testing.assert_array_equal(_bits(outs[4]), _bits(want))
+    np.testing.assert_array_equal(_bits(outs[5]), _bits(graph_ops.add_bias_reference(y, bias)))
 
 
 @needs_gxx
@@ -295,17 +307,20 @@ def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit():
 
 
 @requires_gpu
-@pytest.mark.parametrize("fmt, kv_bits", [("q4_k", None), ("q4_k", 8), ("mlx4", None)],
-                         ids=["bf16", "tq8", "mlx4"])  # fmt: skip
-@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+@pytest.mark.parametrize(
+    "family, fmt, kv_bits",
+    [(f, fmt, kv) for f in ("gemma4", "qwen3_5")
+     for fmt, kv in (("q4_k", None), ("q4_k", 8), ("mlx4", None))] + [("qwen2", "q4_k", None)],
+    ids=[f"{f}-{v}" for f in ("gemma4", "qwen3_5") for v in ("bf16", "tq8", "mlx4")] + ["qwen2"],
+)  # fmt: skip
 def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, fmt, kv_bits, monkeypatch):
     """Tiny Gemma 4 MoE (split attention rows merged by their last part, the 16-token window
     crossed) and tiny Qwen 3.5 MoE (the recurrent state written in place) with GGML or MLX 4-bit
-    weights on CUDA: 40 greedy tokens after a prompt from the replayed graph and from the compiled
-    step: the same ids; the graph's logits at every step within 2 bf16 ulps of the compiled step's,
-    teacher-forced (the same kernels; where MLX ops of the compiled step became kernels, e.g.
-    the embedding's scale and cast, the roundings may differ: one ulp per rounding, two for
-    slack)."""
+    weights, tiny Qwen 2 (RoPE without head norms, GGML biases) on CUDA: 40 greedy tokens after
+    a prompt from the replayed graph and from the compiled step: the same ids; the graph's
+    logits at every step within 2 bf16 ulps of the compiled step's, teacher-forced (the same
+    kernels; where MLX ops of the compiled step became kernels, e.g. the embedding's scale and
+    cast, the roundings may differ: one ulp per rounding, two for slack)."""
     if not mx.cuda.is_available():
         pytest.skip("the CUDA graph step needs MLX's CUDA back end")
     sys.path.insert(0, str(HERE.parent / "bench"))
@@ -316,7 +331,12 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, fmt, kv_bits, mo
     from hf2q_mlx.decode_step import DecodeStep
 
     monkeypatch.delenv("HF2Q_TQ_GRAPH", raising=False)  # TurboQuant caches in the graph
-    model, vocab = build(family, "tiny-moe", fmt, mx.bfloat16)
+    if family == "qwen2":
+        from graph_step_emulated import build_llama
+
+        model, vocab = build_llama("qwen2", 2)
+    else:
+        model, vocab = build(family, "tiny-moe", fmt, mx.bfloat16)
     prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
     compiled = DecodeStep(model, 1, 64, kv_bits=kv_bits)
     replayed = DecodeStep(model, 1, 64, kv_bits=kv_bits)
