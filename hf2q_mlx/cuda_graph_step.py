@@ -19,7 +19,7 @@ The caches belong to the graph while it runs: after MLX changes them (``DecodeSt
 ``prefill``, the compiled step) the next ``decode`` copies the new contents into the graph's
 arrays first (``_bind``). No lazy positions, no token trees or verifies (one token a row), no
 TurboQuant caches under ``HF2Q_TQ_GRAPH=0``, no step that still does MLX ops on a token's values
-(tiny Gemma 3 / Llama float models: their embedding scale, RoPE; float MoE experts):
+(heads under 32 wide, whose RoPE stays an MLX op; MoE experts with float weights):
 ``GraphCaptureError`` says which, and the caller keeps the compiled step. MLX float and 4-/8-bit
 affine linears and embeddings take kernels since session 26 (``models/kernel_linears.py``).
 """

@@ -339,8 +339,8 @@ def test_gpu_stream_generate_turboquant_takes_the_step(monkeypatch):
     from hf2q_mlx import generation
 
     with mx.stream(mx.gpu):
-        # a family whose float step the graph holds (tiny Gemma 3 / Llama still do MLX ops:
-        # their embedding scale, RoPE)
+        # a model whose float step the graph holds (tiny Gemma 3's 16-wide heads are under the
+        # norm + RoPE kernel's 32: its step keeps MLX's RoPE)
         model, (prompt,) = tiny_model("gemma4-dense"), prompts([9], seed=2)
 
         def tokens() -> list[int]:
