@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import mlx.core as mx
 
@@ -314,28 +315,39 @@ def float_matvec_kernel(
     return _float_kernel(inputs, init_value=init_value, **launch)[0]
 
 
+# (kernel, shapes and dtypes of every input) -> (launcher, dims, the bias stand-in): a decode
+# step calls each linear with the same shapes every token
 _CALLS: dict[tuple, tuple] = {}
+
+
+def _key(kernel: Kernel, arrays: list, bias, *extra) -> tuple:
+    return (kernel, *extra, *((a.shape, a.dtype) for a in arrays),
+            None if bias is None else (bias.shape, bias.dtype))  # fmt: skip
+
+
+def _run(key: tuple, kernel: Kernel, arrays: list, bias, launch_and_dims) -> mx.array:
+    """The cached launch of ``kernel`` over ``arrays`` (x and the weight's), the bias (or its
+    stand-in) and the dims; ``launch_and_dims()`` makes the plan on the first call."""
+    plan = _CALLS.get(key)
+    if plan is None:
+        launch, dims = launch_and_dims()
+        stand_in = _no_bias(arrays[0])
+        dtypes = [a.dtype for a in arrays] + [(stand_in if bias is None else bias).dtype, mx.int32]
+        plan = (kernel.launcher(dtypes, **launch), device_array(dims, mx.int32), stand_in)
+        _CALLS[key] = plan
+    launch, dims, stand_in = plan
+    return launch(inputs=[*arrays, stand_in if bias is None else bias, dims])[0]
 
 
 def float_matvec(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
     """Dispatcher with the contract of :func:`float_matvec_reference`: one kernel on a GPU for
     1..32 rows of x, otherwise the reference."""
-    key = (_float_kernel, x.shape, x.dtype, w.shape, w.dtype,
-           None if bias is None else (bias.shape, bias.dtype))  # fmt: skip
-    if backend() is not None:
-        plan = _CALLS.get(key)
-        if plan is not None:
-            launch, dims, stand_in = plan
-            return launch(inputs=[x, w, stand_in if bias is None else bias, dims])[0]
-    _float_check(x, w, bias)
-    if not float_kernel_covers(x, w, bias):
-        return float_matvec_reference(x, w, bias)
-    launch, dims = _float_launch(x, w, bias)
-    stand_in = _no_bias(x)
-    dtypes = [x.dtype, w.dtype, stand_in.dtype if bias is None else bias.dtype, mx.int32]
-    launcher = _float_kernel.launcher(dtypes, **launch)
-    _CALLS[key] = (launcher, device_array(dims, mx.int32), stand_in)
-    return float_matvec(x, w, bias)
+    key = _key(_float_kernel, [x, w], bias)
+    if backend() is None or key not in _CALLS:  # a cached plan was checked when made
+        _float_check(x, w, bias)
+        if not float_kernel_covers(x, w, bias):
+            return float_matvec_reference(x, w, bias)
+    return _run(key, _float_kernel, [x, w], bias, partial(_float_launch, x, w, bias))
 
 
 # -- MLX affine weights ----------------------------------------------------------------------
@@ -412,22 +424,13 @@ def affine_matvec(
 ) -> mx.array:
     """Dispatcher with the contract of :func:`affine_matvec_reference`: one kernel on a GPU for
     1..32 rows of x and 4- or 8-bit codes, otherwise the reference."""
-    key = (_affine_kernel, group_size, bits, x.shape, x.dtype, wq.shape, wq.dtype,
-           scales.shape, scales.dtype, None if biases is None else (biases.shape, biases.dtype),
-           None if bias is None else (bias.shape, bias.dtype))  # fmt: skip
-    if backend() is not None:
-        plan = _CALLS.get(key)
-        if plan is not None:
-            launch, dims, stand_in = plan
-            inputs = [x, wq, scales, biases, stand_in if bias is None else bias, dims]
-            return launch(inputs=inputs)[0]
-    _affine_check(x, wq, scales, biases, group_size, bits, bias)
-    if not affine_kernel_covers(x, wq, scales, biases, group_size, bits, bias):
-        return affine_matvec_reference(x, wq, scales, biases, group_size, bits, bias)
-    launch, dims = _affine_launch(x, wq, group_size, bits, bias)
-    stand_in = _no_bias(x)
-    dtypes = [x.dtype, wq.dtype, scales.dtype, biases.dtype,
-              stand_in.dtype if bias is None else bias.dtype, mx.int32]  # fmt: skip
-    launcher = _affine_kernel.launcher(dtypes, **launch)
-    _CALLS[key] = (launcher, device_array(dims, mx.int32), stand_in)
-    return affine_matvec(x, wq, scales, biases, group_size, bits, bias)
+    if biases is None:  # a caller error _affine_check reports
+        _affine_check(x, wq, scales, biases, group_size, bits, bias)
+    arrays = [x, wq, scales, biases]
+    key = _key(_affine_kernel, arrays, bias, group_size, bits)
+    if backend() is None or key not in _CALLS:  # a cached plan was checked when made
+        _affine_check(x, wq, scales, biases, group_size, bits, bias)
+        if not affine_kernel_covers(x, wq, scales, biases, group_size, bits, bias):
+            return affine_matvec_reference(x, wq, scales, biases, group_size, bits, bias)
+    plan = partial(_affine_launch, x, wq, group_size, bits, bias)
+    return _run(key, _affine_kernel, arrays, bias, plan)
