@@ -176,6 +176,8 @@ step llama-small 420 "$PEER_UNPACK $GEMMA_GGUF && cat /tmp/s/part0* > /tmp/smoll
 # session 26: float / MLX affine mat-vecs (models/kernel_linears.py), dense heads' row parity, the
 # MLX 4-bit / float steps in the graph, stream_generate's TurboQuant step through the graph
 step dense-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_dense_matvec.py --tb=short --maxfail=5 --durations=5; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (F32 or F16)' tests/test_lm_head_rows.py --tb=line; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_stream_generate_turboquant or gpu_graph or gpu_stream_generate_graph or gpu_engine_graph' tests/test_decode_step.py tests/test_cuda_graph_step.py --tb=short --durations=8"
+# session 26: dense_matvec's (W, R) at the 31B / 9B shapes against the copy bandwidth (issue 15)
+step matvec-sweep 300 "python3 bench/matvec_sweep.py --json $OUT/matvec_sweep_mlx4.json && python3 bench/matvec_sweep.py --float --shapes '31b qkv,31b down' --json $OUT/matvec_sweep_bf16.json"
 step lm-head-rows 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/test_lm_head_rows.py --tb=line"
 # the dense heads alone (session 25: 16-row slices did not make MLX's matmul row-stable, not kept)
 step lm-head-dense 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (F32 or F16)' tests/test_lm_head_rows.py --tb=line"
