@@ -151,6 +151,19 @@ _rows_kernel = Kernel(
 )
 
 
+def _per_element(kernel: Kernel, inputs: list, n: int, shape, dtype, template: dict) -> mx.array:
+    """One launch of a one-thread-per-output-element ``kernel``: n threads in groups of 256."""
+    launch = kernel.launcher(
+        [a.dtype for a in inputs],
+        grid=(n,),
+        threadgroup=(256,),
+        output_shapes=[shape],
+        output_dtypes=[dtype],
+        template=template,
+    )
+    return launch(inputs=inputs)[0]
+
+
 def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
     """table (V, row_bytes) uint8, ids (...) int -> (..., row_bytes): ``table[ids]``, as one
     kernel when recording and row_bytes is whole 32-bit words; MLX's gather otherwise."""
@@ -159,16 +172,9 @@ def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
     if not active() or RB % 4 or table.dtype != mx.uint8 or ids.dtype != mx.int32:
         return table[ids]
     W = RB // 4
-    launch = _rows_kernel.launcher(
-        [mx.uint32, mx.int32],
-        grid=(R * W,),
-        threadgroup=(256,),
-        output_shapes=[(R, W)],
-        output_dtypes=[mx.uint32],
-        template={"R": R, "W": W},
-    )
-    rows = launch(inputs=[table.view(mx.uint32), ids.reshape(-1)])[0].view(mx.uint8)
-    return rows.reshape(*ids.shape, RB)
+    inputs = [table.view(mx.uint32), ids.reshape(-1)]
+    rows = _per_element(_rows_kernel, inputs, R * W, (R, W), mx.uint32, {"R": R, "W": W})
+    return rows.view(mx.uint8).reshape(*ids.shape, RB)
 
 
 def gather_affine_rows_reference(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
@@ -222,15 +228,9 @@ def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> m
     if not ok:
         return gather_affine_rows_reference(wq, scales, biases, ids, group_size, bits)
     R = ids.size
-    launch = _affine_rows_kernel.launcher(
-        [mx.uint32, dt, dt, mx.int32],
-        grid=(R * D,),
-        threadgroup=(256,),
-        output_shapes=[(R, D)],
-        output_dtypes=[dt],
-        template={"T": dt, "R": R, "D": D, "GS": group_size, "BITS": bits},
-    )
-    rows = launch(inputs=[wq, scales, biases, ids.reshape(-1)])[0]
+    template = {"T": dt, "R": R, "D": D, "GS": group_size, "BITS": bits}
+    inputs = [wq, scales, biases, ids.reshape(-1)]
+    rows = _per_element(_affine_rows_kernel, inputs, R * D, (R, D), dt, template)
     return rows.reshape(*ids.shape, D)
 
 
@@ -269,15 +269,8 @@ def scale_cast(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array:
     if not active() or x.dtype not in _F or dtype not in _F:
         return scale_cast_reference(x, scale, dtype)
     s = mx.array(scale, dtype=dtype).astype(mx.float32).item()
-    launch = _scale_kernel.launcher(
-        [x.dtype, mx.float32],
-        grid=(x.size,),
-        threadgroup=(256,),
-        output_shapes=[x.shape],
-        output_dtypes=[dtype],
-        template={"T": dtype, "N": x.size},
-    )
-    return launch(inputs=[x, device_constant((s,), mx.float32)])[0]
+    inputs = [x, device_constant((s,), mx.float32)]
+    return _per_element(_scale_kernel, inputs, x.size, x.shape, dtype, {"T": dtype, "N": x.size})
 
 
 # ---- a linear's bias ---------------------------------------------------------------------------
@@ -312,21 +305,14 @@ _bias_kernel = Kernel(
 
 
 def add_bias(y: mx.array, bias: mx.array) -> mx.array:
-    """``add_bias_reference`` as one kernel when recording; the reference elsewhere."""
+    """``add_bias_reference`` as one kernel when recording; the reference elsewhere (and where
+    the bias is not one value per output column: MLX broadcasts or reports the mismatch)."""
     C = bias.size
-    if not active() or y.dtype not in _F or bias.dtype not in _F or bias.ndim != 1:
+    ok = active() and y.dtype in _F and bias.dtype in _F and bias.ndim == 1 and y.shape[-1] == C
+    if not ok:
         return add_bias_reference(y, bias)
-    if y.shape[-1] != C:
-        return add_bias_reference(y, bias)  # MLX broadcasts or reports the mismatch
-    launch = _bias_kernel.launcher(
-        [y.dtype, bias.dtype],
-        grid=(y.size,),
-        threadgroup=(256,),
-        output_shapes=[y.shape],
-        output_dtypes=[y.dtype],
-        template={"T": y.dtype, "N": y.size, "C": C},
-    )
-    return launch(inputs=[y, bias])[0]
+    template = {"T": y.dtype, "N": y.size, "C": C}
+    return _per_element(_bias_kernel, [y, bias], y.size, y.shape, y.dtype, template)
 
 
 def cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
