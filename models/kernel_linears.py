@@ -14,23 +14,19 @@ and the compiled step run the same kernels. Metal and the CPU keep MLX's ops.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from hf2q_mlx.custom_kernels import backend, dense_matvec, launch_recorder
 from hf2q_mlx.custom_kernels.graph_ops import gather_affine_rows, gather_rows
 
-MAX_ROWS = 32  # rows of x the mat-vec kernels take; prefill keeps MLX's matmul
+MAX_ROWS = dense_matvec.MAX_TOKENS  # rows of x the kernels take; prefill keeps MLX's matmul
 
 
-def _kernel_rows(x: mx.array) -> bool:
-    """Whether x's rows go through our kernels: on CUDA (or while a graph is recorded), for
-    decode-sized inputs."""
-    if not (launch_recorder.active() or backend() == "cuda"):
-        return False
-    return x.ndim >= 1 and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS
+def _on_cuda() -> bool:
+    """Whether the linears take our kernels (their ``*_kernel_covers`` then check the rows): on
+    CUDA, or while a graph is recorded."""
+    return launch_recorder.active() or backend() == "cuda"
 
 
 def _affine(layer: nn.Module) -> bool:
@@ -38,13 +34,13 @@ def _affine(layer: nn.Module) -> bool:
 
 
 def _float_linear(x, w, bias):
-    if _kernel_rows(x) and dense_matvec.float_kernel_covers(x, w, bias):
+    if _on_cuda() and dense_matvec.float_kernel_covers(x, w, bias):
         return dense_matvec.float_matvec(x, w, bias)
     return None
 
 
 def _affine_linear(layer, x, bias):
-    if _kernel_rows(x) and _affine(layer):
+    if _on_cuda() and _affine(layer):
         args = (layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
         if dense_matvec.affine_kernel_covers(x, *args, bias):
             return dense_matvec.affine_matvec(x, *args, bias)
