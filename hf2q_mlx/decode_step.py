@@ -30,7 +30,7 @@ import mlx.core as mx
 from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array, launch_recorder, sampling
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import kernel_linears
-from hf2q_mlx.models.cache import KVCache, RotatingKVCache
+from hf2q_mlx.models.cache import KVCache, RotatingKVCache, ring_resume_floor
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
 from hf2q_mlx.models.static_cache import StaticKVCache, StaticRecurrentCache, StaticTQCache
 from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache, make_tq_cache
@@ -95,6 +95,42 @@ class RowSlots:
     def position(self, row: int) -> int:
         self._check_row(row)
         return self.positions[row]
+
+    def resume_floor(self, position: int) -> int:
+        """The fewest tokens a row saved at ``position`` can be cut back to on load (``load_row``'s
+        ``length``): any where every layer is full attention, ``position`` itself with a
+        recurrent state (it cannot be unwound)."""
+        return resume_floor(self._layers(), position)
+
+    def _layers(self) -> list:
+        """One cache per layer, as every row has them (their kinds and sizes)."""
+        raise NotImplementedError
+
+    def _check_length(self, saved_position: int, length: int | None) -> int:
+        """``length`` (None: all) of a row saved at ``saved_position``, checked."""
+        if length is None:
+            return saved_position
+        floor = self.resume_floor(saved_position)
+        if not (isinstance(length, int) and floor <= length <= saved_position):
+            raise InvalidArgumentError(
+                f"a row saved at {saved_position} tokens loads {floor}..{saved_position} of them, "
+                f"got {length!r}"
+            )
+        return length
+
+
+def resume_floor(caches: Sequence, position: int) -> int:
+    """The fewest of ``position`` written tokens that caches (a step's static ones or one
+    sequence's) can be cut back to: a full-attention layer any number, a ring only while every
+    slot the window before the cut reads still holds its token (``ring_resume_floor``), a
+    recurrent state none (``position``)."""
+    floor = 0
+    for c in caches:
+        if not isinstance(c, (StaticKVCache, KVCache, RotatingKVCache)):
+            return position  # a recurrent state (or a cache this rule does not know)
+        if getattr(c, "window", None) is not None:
+            floor = max(floor, ring_resume_floor(position, c.capacity, c.window))
+    return floor
 
 
 class DecodeStep(RowSlots):
@@ -203,6 +239,9 @@ class DecodeStep(RowSlots):
         mx.eval([s.arrays for s in out])
         return out
 
+    def _layers(self) -> list:
+        return self.caches
+
     def reset_row(self, row: int) -> None:
         """The row becomes empty. KV slots need no clearing (masks come from positions);
         recurrent states start from zero."""
@@ -304,12 +343,18 @@ class DecodeStep(RowSlots):
         mx.eval(arrays)
         return RowState(pos, arrays)
 
-    def load_row(self, row: int, saved: RowState) -> None:
+    def load_row(self, row: int, saved: RowState, length: int | None = None) -> None:
+        """Row ``row`` takes a saved row's state, or its first ``length`` tokens (from
+        ``resume_floor(saved.position)`` up: a shared prompt prefix)."""
         self._check_row(row)
+        n = self._check_length(saved.position, length)
         for s, arrs in zip(self.caches, saved.arrays):
-            counts = _slot_counts(s, saved.position)
-            s.arrays = [self._write_row(a, row, v, n) for a, v, n in zip(s.arrays, arrs, counts)]
-        self.positions[row], self._verified[row] = saved.position, 0
+            counts = _slot_counts(s, n)
+            # full-attention arrays keep their first n slots; ring slots past n are masked
+            # (a ring's mask comes from the row's position), the floor keeps the rest valid
+            arrs = [v if c is None else v[:, :c] for v, c in zip(arrs, counts)]
+            s.arrays = [self._write_row(a, row, v, c) for a, v, c in zip(s.arrays, arrs, counts)]
+        self.positions[row], self._verified[row] = n, 0
         self._set_lazy(row)
 
     # ---- the compiled step ---------------------------------------------------------------------

@@ -249,6 +249,15 @@ class RotatingKVCache(_KVBuffers):
         return n
 
 
+def ring_resume_floor(position: int, capacity: int, window: int) -> int:
+    """The fewest tokens a ring holding ``position`` written tokens can be cut back to: after a
+    cut to m, the next query reads positions m - window + 1 .. m - 1, and each must still be in
+    its slot (slot = position % capacity, overwritten by position + capacity once written)."""
+    if position <= capacity:
+        return 0
+    return max(0, position - capacity + window - 1)
+
+
 def trim_cache(cache: list, n: int) -> int:
     """Roll every layer's cache back by n tokens; returns the number trimmed."""
     trimmed = 0

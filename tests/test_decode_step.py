@@ -19,6 +19,7 @@ from hf2q_mlx import decode_step as decode_step_module
 from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import gemma3, gemma4, llama, qwen2, qwen3_5, qwen3_5_moe
+from hf2q_mlx.models.cache import trim_cache
 from hf2q_mlx.models.static_cache import StaticKVCache, StaticTQCache
 from hf2q_mlx.models.turboquant.cache import make_tq_cache
 
@@ -213,6 +214,62 @@ def test_inactive_rows_pause_and_rows_move(name):
     out = step.decode([0, 0, last], [False, False, True])
     want = eager_logits(model, p1, c1[:i1] + [last], kv)[-1]
     assert_close(out[2], want, f"{name} loaded row")
+
+
+@pytest.mark.parametrize("kind", ["DecodeStep", "SequentialStep"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_5-dense", "gemma4-moe@tq"])
+def test_load_row_cut_back_to_a_shared_prefix(name, kind):
+    """A row saved after prompt a, loaded with only its first m tokens (a later prompt sharing
+    them), continues as that prompt computed alone; ``resume_floor`` is the least m: 0 with full
+    attention or a ring that has not wrapped, P - 1 on a wrapped ring of the window's size
+    (tiny Gemma 3: window 5), P with a recurrent state. TurboQuant rows keep the balance
+    calibrated on a (the serving engine reuses them only where that is the prompt's own), so
+    their reference is a per-sequence cache prefilled with a and trimmed back to m."""
+    from hf2q_mlx.serving.sequential_step import SequentialStep
+
+    name, _, tq = name.partition("@")
+    kv = (8, 4) if tq else None
+    model = tiny_model(name)
+    a, tail, short = prompts([10, 5, 4], seed=7)
+    cls = DecodeStep if kind == "DecodeStep" else SequentialStep
+    step = cls(model, max_batch=2, max_len=32, kv_bits=kv)
+    want_floor = {"llama": 0, "gemma3": 9, "qwen3_5-dense": 10, "gemma4-moe": 0}[name]
+    if name == "gemma4-moe":
+        want_floor = 10 - 4 + 4 - 1  # its window is 4
+    assert step.resume_floor(10) == want_floor
+    assert step.resume_floor(4) == (4 if name == "qwen3_5-dense" else 0)  # a ring not wrapped
+    step.prefill(0, a)
+    saved = step.save_row(0)
+
+    def trimmed(m: int, tok: int) -> list[np.ndarray]:
+        cache = make_tq_cache(model, *kv)
+        model(mx.array([a]), cache=cache)
+        trim_cache(cache, 10 - m)
+        out = [model(mx.array([tail]), cache=cache)[0, -1]]
+        return [np.array(x) for x in out + [model(mx.array([[tok]]), cache=cache)[0, -1]]]
+
+    for m in sorted({want_floor, (want_floor + 10) // 2, 10}):
+        step.load_row(1, saved, m)
+        assert step.position(1) == m
+        got = [step.prefill(1, tail)]
+        tok = int(np.argmax(np.array(got[0])))
+        out = step.decode(mx.array([0, tok], dtype=mx.int32), [False, True])
+        got.append(out[1])
+        want = eager_logits(model, a[:m] + tail, [tok]) if kv is None else trimmed(m, tok)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"{name} {kind} cut to {m}, output {i}")
+    for bad in (want_floor - 1, 11, 2.0):
+        if bad == -1:
+            continue
+        with pytest.raises(InvalidArgumentError):
+            step.load_row(1, saved, bad)
+    # a short prompt's ring has not wrapped: any cut of it serves
+    if name != "qwen3_5-dense" and kv is None:
+        step.reset_row(0)
+        step.prefill(0, short)
+        step.load_row(1, step.save_row(0), 2)
+        assert_close(step.prefill(1, tail), eager_logits(model, short[:2] + tail, [])[0],
+                     f"{name} {kind} short prompt cut to 2")  # fmt: skip
 
 
 def test_chunked_prefill_adopt_and_greedy():

@@ -174,14 +174,54 @@ def test_prefix_pool_longest_match_and_lru_eviction_by_bytes():
     pool = PrefixPool(budget_bytes=100)
     a, b, c = Saved(40), Saved(40), Saved(40)
     assert pool.put([1, 2, 3], a) and pool.put([1, 2, 3, 4, 5], b)
-    assert pool.longest([1, 2, 3, 4, 5, 6]) == (5, b)
-    assert pool.longest([1, 2, 3, 9]) == (3, a)  # now a is the most recently used
-    assert pool.longest([1, 2]) == (0, None)
+    assert pool.match([1, 2, 3, 4, 5, 6]) == (5, b)
+    assert pool.match([1, 2, 3, 9]) == (3, a)  # now a is the most recently used
+    assert pool.match([1, 2]) == (0, None)  # whole entries only by default
+    assert pool.match([]) == (0, None)
     assert pool.put([7, 8], c)  # 120 > 100: the least recently used (b) goes
     assert [1, 2, 3, 4, 5] not in pool and [1, 2, 3] in pool and [7, 8] in pool
     assert pool.nbytes == 80 and pool.evictions == 1
     assert not pool.put([9], Saved(101))  # larger than the whole budget: not kept
     assert pool.nbytes == 80
+    # without eviction an entry takes only the budget left free
+    assert not pool.put([5, 5], Saved(21), evict=False) and pool.put([5, 5], Saved(20), evict=False)
+    assert pool.nbytes == 100 and pool.evictions == 1
+
+
+def test_prefix_pool_drops_entries_a_longer_one_covers():
+    pool = PrefixPool(budget_bytes=1000)
+    for key in ([1], [1, 2], [1, 2, 3], [1, 3], [2, 2, 3, 4]):
+        pool.put(key, Saved(10))
+    # [1] and [1, 2] begin the new key; the rule keeps the one of length 1
+    assert pool.drop_covered([1, 2, 3, 4], lambda n: n >= 2) == 2
+    assert [1, 2] not in pool and [1, 2, 3] not in pool and [1] in pool and [1, 3] in pool
+    assert pool.nbytes == 30 and len(pool) == 3
+    assert pool.drop_covered([1, 2, 3, 4], lambda n: True) == 1 and pool.nbytes == 20
+
+
+def test_prefix_pool_serves_shared_prefixes_by_rule():
+    """``usable(common, length, saved)`` decides how many shared tokens an entry serves; the
+    entry serving the most wins, whatever its own length."""
+    pool = PrefixPool(budget_bytes=1000)
+    a, b, c = Saved(10), Saved(10), Saved(10)
+    pool.put([1, 2, 3, 4, 5, 6], a)  # shares 4 tokens with the prompt below
+    pool.put([1, 2, 3, 9], b)  # shares 3
+    pool.put([7, 7, 7, 7, 7], c)  # shares none
+    prompt = [1, 2, 3, 4, 8, 8]
+    seen = []
+
+    def cut_back(common, length, saved):
+        seen.append((common, length, saved))
+        return common
+
+    assert pool.match(prompt, cut_back) == (4, a)
+    assert sorted(seen, key=lambda s: s[1]) == [(3, 4, b), (4, 6, a)]  # no call for c
+    assert pool.match(prompt) == (0, None)  # neither is whole in the prompt
+    assert pool.match(prompt, lambda common, length, saved: common if saved is b else 0) == (3, b)
+    # the entry matched last is the most recently used: evictions (c, then a) spare it
+    pool.budget = 20
+    assert pool.put([4], Saved(10)) and [1, 2, 3, 9] in pool and [1, 2, 3, 4, 5, 6] not in pool
+    assert len(pool) == 2 and pool.evictions == 2
 
 
 class _Detok:

@@ -1,7 +1,8 @@
 """The serving engine: one background thread owns MLX and runs a continuous-batching loop.
 
 Every iteration (a *step*) the loop (1) takes new requests and cancellations from a thread-safe
-inbox, (2) admits waiting requests into free rows, reusing the longest saved prompt prefix,
+inbox, (2) admits waiting requests into free rows, each from the saved row that holds most of
+its prompt (the prefix pool),
 (3) feeds at most ``prefill_chunk`` prompt tokens in all, over as many rows as fit (whole
 chunks, evaluated together, so a long prompt delays the running streams by one chunk at most),
 (4) builds one batched decode over every row that is generating plus each row's sampling and
@@ -21,7 +22,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import itertools
-import operator
 import queue
 import sys
 import threading
@@ -387,15 +387,9 @@ class Engine:
                 continue
             req = self.waiting.popleft()
             n = len(req.prompt)
-            usable = None
-            if getattr(self.step, "kv_bits", None) is not None:
-                # a TurboQuant row's balance is calibrated on its first prefill chunk: a saved
-                # prompt serves only when it holds this prompt's whole first chunk (the same
-                # calibration), else the tokens would differ from the request run alone
-                usable = partial(operator.le, min(self.prefill_chunk, n - 1))
-            reused, saved = self.pool.longest(req.prompt[: n - 1], usable)
+            reused, saved = self.pool.match(req.prompt[: n - 1], partial(self._servable, n))
             if saved is not None:
-                self.step.load_row(row, saved)
+                self.step.load_row(row, saved, reused)
             else:
                 self.step.reset_row(row)
             req.row, req.cursor, req.reused = row, reused, reused
@@ -407,10 +401,26 @@ class Engine:
             if req.cursor == n - 1:
                 req.pending = req.prompt[-1]
 
+    def _servable(self, n: int, common: int, length: int, saved: Any) -> int:
+        """Tokens a saved row of ``length`` tokens, sharing its first ``common`` with a prompt
+        of ``n``, can serve it: all of them, or the shared ones where the row's state can be cut
+        back to them (``resume_floor``); 0 if none."""
+        m = min(common, length)
+        if m < self.min_prefix_tokens or m < self.step.resume_floor(length):
+            return 0
+        if getattr(self.step, "kv_bits", None) is not None:
+            # a TurboQuant row's balance is calibrated on its first prefill chunk: a saved row
+            # serves only where its calibration is this prompt's (its whole first chunk shared),
+            # else the tokens would differ from the request run alone
+            chunk = self.prefill_chunk
+            if m < min(chunk, n - 1) or (m < length and m < chunk):
+                return 0
+        return m
+
     def _prefill(self) -> None:
         """Whole chunks of the oldest prefilling rows, at most ``prefill_chunk`` tokens in all
         (the first chunk always runs), evaluated together once."""
-        spent, done = 0, []
+        spent, done, partway = 0, [], []
         for req in sorted((r for r in self.rows if r is not None), key=lambda r: r.submitted):
             end = len(req.prompt) - 1
             if req.cursor >= end:
@@ -423,13 +433,19 @@ class Engine:
             spent += size
             if req.cursor == end:
                 done.append(req)
+            elif self.step.resume_floor(end) > req.cursor:
+                partway.append(req)  # the prompt's own snapshot could not be cut back to here
         if not spent:
             return
         self._materialize()
         self.metrics.inc("prefill_tokens_total", spent)
         for req in done:
             req.pending = req.prompt[-1]
-            self._save_prefix(req)
+            self._save_prefix(req, req.cursor)
+        for req in partway:
+            # a chunk boundary of a state that cannot be unwound (recurrent layers, wrapped
+            # rings): kept only in the budget left free, never evicting a whole prompt's
+            self._save_prefix(req, req.cursor, evict=False)
 
     def _materialize(self) -> None:
         """Evaluate the rows' caches now (not the chunk's logits), so the chunk's cost lands in
@@ -440,11 +456,21 @@ class Engine:
         else:
             mx.eval(cache_arrays(caches))
 
-    def _save_prefix(self, req: Request) -> None:
-        key = req.prompt[: len(req.prompt) - 1]
-        if self.pool.budget == 0 or len(key) < self.min_prefix_tokens or key in self.pool:
+    def _save_prefix(self, req: Request, length: int, evict: bool = True) -> None:
+        """The row's state, holding the prompt's first ``length`` tokens, into the pool."""
+        key = req.prompt[:length]
+        if self.pool.budget == 0 or length < self.min_prefix_tokens or key in self.pool:
             return
-        self.pool.put(key, self.step.save_row(req.row))
+        if not evict and self.pool.nbytes >= self.pool.budget:
+            return
+        if self.pool.put(key, self.step.save_row(req.row), evict) and (
+            self.step.resume_floor(length) == 0
+        ):
+            # a row that cuts back to any length serves whatever a saved start of its prompt
+            # served (a chat's earlier turns): those go; TurboQuant keeps the ones shorter than a
+            # chunk, which serve a prompt of their own length that this row cannot
+            tq = getattr(self.step, "kv_bits", None) is not None
+            self.pool.drop_covered(key, lambda n: not tq or n >= self.prefill_chunk)
 
     def _decode(self) -> None:
         """Submit this step's decode and sampling, then stream the previous step's tokens."""

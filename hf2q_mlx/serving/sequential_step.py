@@ -50,6 +50,9 @@ class SequentialStep(RowSlots):
     def supports(model: Any, kv_bits: Any = None) -> bool:
         return True
 
+    def _layers(self) -> list:
+        return self.caches[0]
+
     def reset_row(self, row: int) -> None:
         self._check_row(row)
         self.caches[row] = make_prompt_cache(self.model, self.kv_bits)
@@ -99,9 +102,16 @@ class SequentialStep(RowSlots):
         mx.eval(cache_arrays(saved))
         return SavedRow(self.positions[row], saved)
 
-    def load_row(self, row: int, saved: SavedRow) -> None:
+    def load_row(self, row: int, saved: SavedRow, length: int | None = None) -> None:
+        """Row ``row`` takes a saved row's caches, or their first ``length`` tokens (from
+        ``resume_floor(saved.position)`` up)."""
         self._check_row(row)
         if saved.position > self.max_len:
             raise ContextLengthError(f"{saved.position} saved tokens exceed max_len {self.max_len}")
-        self.caches[row] = copy.deepcopy(saved.caches)
-        self.positions[row] = saved.position
+        n = self._check_length(saved.position, length)
+        caches = copy.deepcopy(saved.caches)
+        if n < saved.position:
+            for c in {id(c): c for c in caches}.values():  # a cache object listed twice trims once
+                c.trim(saved.position - n)
+        self.caches[row] = caches
+        self.positions[row] = n
