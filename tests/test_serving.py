@@ -192,7 +192,8 @@ def _error(resp) -> dict:
         ({"model": MODEL_ID, "messages": CHAT, "temperature": -1}, "temperature", None),
         ({"model": MODEL_ID, "messages": CHAT, "top_p": 1.5}, "top_p", None),
         ({"model": MODEL_ID, "messages": CHAT, "max_tokens": 0}, "max_tokens", None),
-        ({"model": MODEL_ID, "messages": CHAT, "n": 2}, "n", "unsupported"),
+        ({"model": MODEL_ID, "messages": CHAT, "n": 0}, "n", None),
+        ({"model": MODEL_ID, "messages": CHAT, "n": 21}, "n", None),  # 4 rows + 16 queued
         ({"model": MODEL_ID, "messages": []}, "messages", None),
         ({"model": MODEL_ID, "messages": CHAT, "top_logprobs": 30, "logprobs": True},
          "top_logprobs", None),
@@ -284,6 +285,50 @@ def test_prefix_reuse_same_tokens_and_skips_prefill(smollm2, server, client):
     text4, prefilled4, reused4, cached4 = run(other)
     assert text4 == ref_other and reused4 == shared == cached4
     assert prefilled4 == len(ids4) - shared
+
+
+def test_n_choices_share_one_prefill_and_repeat_alone(smollm2, server, client):
+    """n = 3 seeded sampled choices: choice i equals the request alone with seed + i; the
+    prompt is prefilled once (the other choices compute only its last token); usage counts the
+    prompt once. Streamed, each chunk names its choice and the texts are the same."""
+    messages = [{"role": "user", "content": "Write one word about the sea, please."}]
+    opts = dict(model=MODEL_ID, messages=messages, max_tokens=5, temperature=0.9, seed=40)
+    runs = [client.chat.completions.create(**{**opts, "seed": 40 + i}) for i in range(3)]
+    alone = [run.choices[0].message.content for run in runs]
+    assert len(set(alone)) > 1  # the seeds give different samples: the check below can fail
+    wait_idle(server)
+    n_prompt = len(encode_prompt(smollm2[1], messages))
+    p0, r0 = metric(server, "prefill_tokens_total"), metric(server, "prefix_reused_tokens_total")
+    r = client.chat.completions.create(**opts, n=3)
+    wait_idle(server)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == alone
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens == sum(run.usage.completion_tokens for run in runs)
+    assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    # the three seeded requests above saved this prompt: every choice reuses it whole
+    assert metric(server, "prefix_reused_tokens_total") - r0 == 3 * (n_prompt - 1)
+    assert metric(server, "prefill_tokens_total") - p0 == 3
+
+    texts = ["", "", ""]
+    finishes = [None, None, None]
+    for chunk in client.chat.completions.create(**opts, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == alone and None not in finishes
+
+
+def test_n_choices_prefill_a_new_prompt_once(smollm2, server, client):
+    prompt = "Seven unusual words about mountains:"
+    p0 = metric(server, "prefill_tokens_total")
+    r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3, n=2, seed=1)
+    wait_idle(server)
+    n_prompt = r.usage.prompt_tokens
+    assert [c.index for c in r.choices] == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 6  # 1..3 each
+    # the first choice prefills the prompt, the second waits for it and computes its last token
+    assert metric(server, "prefill_tokens_total") - p0 == n_prompt + 1
 
 
 def test_metrics_count_requests_and_ttft(server):

@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,98 +70,133 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise oa.bad_request(f"malformed JSON body: {err}", None, "invalid_json") from None
 
-    def submit(parsed: oa.ParsedRequest) -> tuple[str, asyncio.Queue]:
+    def submit(parsed: oa.ParsedRequest) -> tuple[list[str], asyncio.Queue]:
+        """One engine request per choice (the later ones wait for the first's prompt and reuse
+        it); their events arrive on one queue as (choice index, event)."""
+        room = engine.max_batch + engine.max_queue
+        if parsed.n > room:
+            raise oa.bad_request(
+                f"n = {parsed.n} choices exceed this server's {room} places "
+                f"(max_batch {engine.max_batch} + max_queue {engine.max_queue})",
+                "n",
+            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        def sink(index: int, event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-        return engine.submit(parsed.prompt, parsed.params, sink), events
+        rids: list[str] = []
+        try:
+            for i, params in enumerate(parsed.choice_params()):
+                first = rids[0] if rids else None
+                rids.append(engine.submit(parsed.prompt, params, partial(sink, i), first))
+        except Hf2qError:
+            cancel(rids)  # a full queue part-way: the choices already in go too
+            raise
+        return rids, events
 
-    async def collect(request: Request, rid: str, events: asyncio.Queue) -> list[Event] | None:
-        """All events of a request; None when the client went away (the request is cancelled)."""
-        out: list[Event] = []
+    def cancel(rids: list[str]) -> None:
+        for rid in rids:
+            engine.cancel(rid)
+
+    async def collect(
+        request: Request, rids: list[str], events: asyncio.Queue
+    ) -> list[list[Event]] | None:
+        """Every choice's events; None when the client went away (the choices are cancelled)."""
+        out: list[list[Event]] = [[] for _ in rids]
+        left = len(rids)
         while True:
             try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                i, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    engine.cancel(rid)
+                    cancel(rids)
                     metrics.inc("client_disconnects_total")
                     return None
                 continue
-            out.append(event)
-            if event.finish_reason is not None:
+            out[i].append(event)
+            left -= event.finish_reason is not None
+            if left == 0:
                 return out
 
     async def stream(
-        rid: str, events: asyncio.Queue, first: list[dict], chunk: Callable[[Event], dict | None],
-        last: Callable[[Event], list[dict]],
+        rids: list[str], events: asyncio.Queue, first: list[dict],
+        chunk: Callable[[int, Event], dict | None], last: Callable[[int, Event], dict],
+        tail: Callable[[list[Event]], list[dict]],
     ) -> AsyncIterator[str]:  # fmt: skip
+        """SSE of every choice as its tokens come (each chunk names its choice's index), each
+        choice's finish chunk, then ``tail`` of the choices' last events (usage) and [DONE]."""
         done = False
         try:
             for obj in first:
                 yield _sse(obj)
-            while True:
-                event = await events.get()
+            lasts: list[Event | None] = [None] * len(rids)
+            while None in lasts:
+                i, event = await events.get()
                 if event.finish_reason == "error":
                     err = oa.error_body(Exception(event.error or "internal error"), "server_error")
                     yield _sse(err)
+                    cancel(rids)
                     break
-                obj = chunk(event)
+                obj = chunk(i, event)
                 if obj is not None:
                     yield _sse(obj)
                 if event.finish_reason is not None:
-                    for obj in last(event):
-                        yield _sse(obj)
-                    break
+                    yield _sse(last(i, event))
+                    lasts[i] = event
+            else:
+                for obj in tail(lasts):
+                    yield _sse(obj)
             done = True
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (or the server is stopping): free the row
-                engine.cancel(rid)
+            if not done:  # the client went away (or the server is stopping): free the rows
+                cancel(rids)
                 metrics.inc("client_disconnects_total")
 
-    def finished(events: list[Event] | None, build: Callable[[list[Event]], dict]):
-        if events is None:
+    def finished(choices: list[list[Event]] | None, build: Callable[[list[list[Event]]], dict]):
+        if choices is None:
             metrics.inc("http_requests_total", status="499")
             return JSONResponse({}, status_code=499)
-        if events[-1].finish_reason == "error":
+        failed = [events[-1] for events in choices if events[-1].finish_reason == "error"]
+        if failed:
             metrics.inc("http_requests_total", status="500")
-            return _error(500, Exception(events[-1].error or "internal error"), "server_error")
+            return _error(500, Exception(failed[0].error or "internal error"), "server_error")
         metrics.inc("http_requests_total", status="200")
-        return JSONResponse(build(events))
+        return JSONResponse(build(choices))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_of(request)
         parsed = await run_in_threadpool(oa.parse_chat, body, tokenizer, model_ids, engine.max_len)
-        rid, events = submit(parsed)
+        rids, events = submit(parsed)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         want_lp = parsed.params.logprobs
+        model = parsed.model
         if not parsed.stream:
-            got = await collect(request, rid, events)
-            return finished(
-                got, lambda ev: oa.chat_response(cid, parsed.model, tokenizer, ev, want_lp)
-            )
+            got = await collect(request, rids, events)
+            return finished(got, lambda ch: oa.chat_response(cid, model, tokenizer, ch, want_lp))
 
-        def chunk(e: Event) -> dict | None:
+        def chunk(i: int, e: Event) -> dict | None:
             lp = oa.chat_logprobs(tokenizer, [e]) if want_lp and e.token is not None else None
             if e.text or lp is not None:
-                return oa.chat_chunk(cid, parsed.model, {"content": e.text}, None, lp)
+                return oa.chat_chunk(cid, model, {"content": e.text}, None, lp, i)
             return None
 
-        def last(e: Event) -> list[dict]:
-            out = [oa.chat_chunk(cid, parsed.model, {}, e.finish_reason)]
-            if parsed.include_usage:
-                out.append(oa.usage_chunk(cid, parsed.model, "chat.completion.chunk", e))
-            return out
+        def last(i: int, e: Event) -> dict:
+            return oa.chat_chunk(cid, model, {}, e.finish_reason, index=i)
 
-        first = [oa.chat_chunk(cid, parsed.model, {"role": "assistant", "content": ""}, None)]
+        def tail(lasts: list[Event]) -> list[dict]:
+            if not parsed.include_usage:
+                return []
+            return [oa.usage_chunk(cid, model, "chat.completion.chunk", lasts)]
+
+        role = {"role": "assistant", "content": ""}
+        first = [oa.chat_chunk(cid, model, role, None, index=i) for i in range(parsed.n)]
         metrics.inc("http_requests_total", status="200")
         return StreamingResponse(
-            stream(rid, events, first, chunk, last), media_type="text/event-stream"
+            stream(rids, events, first, chunk, last, tail), media_type="text/event-stream"
         )
 
     @app.post("/v1/completions")
@@ -169,30 +205,33 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
         parsed = await run_in_threadpool(
             oa.parse_completion, body, tokenizer, model_ids, engine.max_len
         )
-        rid, events = submit(parsed)
+        rids, events = submit(parsed)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         want_lp = parsed.params.logprobs
+        model = parsed.model
         if not parsed.stream:
-            got = await collect(request, rid, events)
+            got = await collect(request, rids, events)
             return finished(
-                got, lambda ev: oa.completion_response(cid, parsed.model, tokenizer, ev, want_lp)
+                got, lambda ch: oa.completion_response(cid, model, tokenizer, ch, want_lp)
             )
 
-        def chunk(e: Event) -> dict | None:
+        def chunk(i: int, e: Event) -> dict | None:
             lp = oa.completion_logprobs(tokenizer, [e]) if want_lp and e.token is not None else None
             if e.text or lp is not None:
-                return oa.completion_chunk(cid, parsed.model, e.text, None, lp)
+                return oa.completion_chunk(cid, model, e.text, None, lp, i)
             return None
 
-        def last(e: Event) -> list[dict]:
-            out = [oa.completion_chunk(cid, parsed.model, "", e.finish_reason)]
-            if parsed.include_usage:
-                out.append(oa.usage_chunk(cid, parsed.model, "text_completion", e))
-            return out
+        def last(i: int, e: Event) -> dict:
+            return oa.completion_chunk(cid, model, "", e.finish_reason, index=i)
+
+        def tail(lasts: list[Event]) -> list[dict]:
+            if not parsed.include_usage:
+                return []
+            return [oa.usage_chunk(cid, model, "text_completion", lasts)]
 
         metrics.inc("http_requests_total", status="200")
         return StreamingResponse(
-            stream(rid, events, [], chunk, last), media_type="text/event-stream"
+            stream(rids, events, [], chunk, last, tail), media_type="text/event-stream"
         )
 
     @app.get("/v1/models")

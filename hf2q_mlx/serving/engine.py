@@ -168,6 +168,7 @@ class Request:
     reused: int = 0
     text: StopText | None = None
     eos: frozenset = frozenset()
+    after: str | None = None  # admitted once this request's prompt is prefilled (or it ended)
 
 
 class Engine:
@@ -230,11 +231,17 @@ class Engine:
     # ---- caller side (any thread) --------------------------------------------------------------
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None]
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Callable[[Event], None],
+        after: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises SamplingOptionsError, InvalidArgumentError,
         ContextLengthError before queueing, QueueFullError when max_batch + max_queue requests
-        are already in the engine."""
+        are already in the engine. ``after``: the id of a request with the same prompt (another
+        choice of one API request); this one waits until that prompt is prefilled, then takes
+        its saved row from the prefix pool instead of prefilling it again."""
         if self._stop.is_set():
             raise InvalidArgumentError("this engine has been shut down; make a new one")
         params.validate()
@@ -254,7 +261,7 @@ class Engine:
             self._outstanding += 1
             rid = f"req-{next(self._ids)}"
         budget = min(params.max_tokens, self.max_len - len(prompt) + 1)
-        req = Request(rid, list(prompt), params, sink, budget)
+        req = Request(rid, list(prompt), params, sink, budget, after=after)
         self.metrics.inc("requests_total")
         self.metrics.inc("prompt_tokens_total", len(prompt))
         self.inbox.put(("add", req))
@@ -379,13 +386,21 @@ class Engine:
             except Exception:
                 traceback.print_exc()
 
+    def _ready(self, req: Request) -> bool:
+        """A waiting request may take a row: it waits for no prompt, or that prompt is done."""
+        first = self.by_id.get(req.after) if req.after is not None else None
+        return first is None or (first.row >= 0 and first.cursor >= len(first.prompt) - 1)
+
     def _admit(self) -> None:
         for row in range(self.max_batch):
             if not self.waiting:
                 return
             if self.rows[row] is not None:
                 continue
-            req = self.waiting.popleft()
+            req = next((r for r in self.waiting if self._ready(r)), None)
+            if req is None:
+                return
+            self.waiting.remove(req)
             n = len(req.prompt)
             reused, saved = self.pool.match(req.prompt[: n - 1], partial(self._servable, n))
             if saved is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hf2q_mlx.errors import Hf2qError, InvalidArgumentError, SamplingOptionsError
@@ -47,6 +47,9 @@ def error_body(err: Exception, kind: str = "invalid_request_error") -> dict[str,
                       "code": getattr(err, "code", None)}}  # fmt: skip
 
 
+MAX_CHOICES = 128  # OpenAI's bound on ``n``
+
+
 @dataclass
 class ParsedRequest:
     prompt: list[int]
@@ -54,6 +57,16 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    n: int = 1  # choices: one engine request each, choice i seeded seed + i
+
+    def choice_params(self) -> list[SamplingParams]:
+        """Each choice's sampling: the request's, the seed (where given) moved by the index so
+        the choices differ yet repeat."""
+        seed = self.params.seed
+        return [
+            self.params if seed is None else replace(self.params, seed=(seed + i) % 2**63)
+            for i in range(self.n)
+        ]
 
 
 def _number(body: dict, name: str, default: float, integer: bool = False) -> Any:
@@ -87,8 +100,8 @@ def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, lo
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server", name, "unsupported")
     n = _number(body, "n", 1, integer=True)
-    if n != 1:
-        raise bad_request(f"n must be 1 (one choice per request), got {n}", "n", "unsupported")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
@@ -121,7 +134,7 @@ def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, lo
         ignore_eos=bool(body.get("ignore_eos", False)),
     )
     params.validate()
-    return params, stream, bool(options.get("include_usage", False)), model
+    return params, stream, bool(options.get("include_usage", False)), model, n
 
 
 def _message_text(i: int, content: Any) -> str:
@@ -156,12 +169,12 @@ def parse_chat(body: Any, tokenizer: Any, model_ids: set[str], max_len: int) -> 
     top = _number(body, "top_logprobs", 0, integer=True)
     if top and not logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    params, stream, usage, model = _common(body, model_ids, max_len, top, logprobs)
+    common = _common(body, model_ids, max_len, top, logprobs)
     try:
         ids = encode_prompt(tokenizer, rendered)
     except InvalidArgumentError as err:
         raise bad_request(str(err), "messages") from None
-    return ParsedRequest(ids, params, stream, usage, model)
+    return ParsedRequest(ids, *common)
 
 
 def parse_completion(body: Any, tokenizer: Any, model_ids: set[str], max_len: int) -> ParsedRequest:
@@ -186,8 +199,7 @@ def parse_completion(body: Any, tokenizer: Any, model_ids: set[str], max_len: in
     n = body.get("logprobs")
     if n is not None and (not is_int(n) or not 0 <= n <= 5):
         raise bad_request(f"logprobs must be an integer in [0, 5], got {n!r}", "logprobs")
-    params, stream, usage, model = _common(body, model_ids, max_len, n or 0, n is not None)
-    return ParsedRequest(ids, params, stream, usage, model)
+    return ParsedRequest(ids, *_common(body, model_ids, max_len, n or 0, n is not None))
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -226,17 +238,23 @@ def completion_logprobs(tokenizer: Any, events: list[Event], offset: int = 0) ->
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(last: Event) -> dict[str, Any]:
+def usage(lasts: list[Event]) -> dict[str, Any]:
+    """The request's usage from each choice's last event: the prompt counted once (its cached
+    tokens are the first choice's; the others reuse that choice's prompt), completions summed."""
+    prompt = lasts[0].prompt_tokens
+    completion = sum(e.completion_tokens for e in lasts)
     return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": lasts[0].cached_tokens},
     }
 
 
-def chat_response(rid: str, model: str, tokenizer: Any, events: list[Event], lp: bool) -> dict:
-    last = events[-1]
+def chat_response(
+    rid: str, model: str, tokenizer: Any, choices: list[list[Event]], lp: bool
+) -> dict:
+    """The non-streaming body; ``choices``: each choice's events, in index order."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -244,20 +262,20 @@ def chat_response(rid: str, model: str, tokenizer: Any, events: list[Event], lp:
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "message": {"role": "assistant", "content": "".join(e.text for e in events)},
                 "logprobs": chat_logprobs(tokenizer, events) if lp else None,
-                "finish_reason": last.finish_reason,
+                "finish_reason": events[-1].finish_reason,
             }
+            for i, events in enumerate(choices)
         ],
-        "usage": usage(last),
+        "usage": usage([events[-1] for events in choices]),
     }
 
 
 def completion_response(
-    rid: str, model: str, tokenizer: Any, events: list[Event], lp: bool
+    rid: str, model: str, tokenizer: Any, choices: list[list[Event]], lp: bool
 ) -> dict:
-    last = events[-1]
     return {
         "id": rid,
         "object": "text_completion",
@@ -265,36 +283,43 @@ def completion_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "text": "".join(e.text for e in events),
                 "logprobs": completion_logprobs(tokenizer, events) if lp else None,
-                "finish_reason": last.finish_reason,
+                "finish_reason": events[-1].finish_reason,
             }
+            for i, events in enumerate(choices)
         ],
-        "usage": usage(last),
+        "usage": usage([events[-1] for events in choices]),
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, logprobs=None) -> dict:
+def chat_chunk(
+    rid: str, model: str, delta: dict, finish: str | None, logprobs=None, index: int = 0
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        ],
     }
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None, logprobs=None) -> dict:
+def completion_chunk(
+    rid: str, model: str, text: str, finish: str | None, logprobs=None, index: int = 0
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
 
 
-def usage_chunk(rid: str, model: str, obj: str, last: Event) -> dict:
+def usage_chunk(rid: str, model: str, obj: str, lasts: list[Event]) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [], "usage": usage(last)}  # fmt: skip
+            "choices": [], "usage": usage(lasts)}  # fmt: skip
