@@ -100,11 +100,13 @@ class RowSlots:
         """The fewest tokens a row saved at ``position`` can be cut back to on load (``load_row``'s
         ``length``): any where every layer is full attention, ``position`` itself with a
         recurrent state (it cannot be unwound)."""
-        return resume_floor(self._layers(), position)
+        layers = self._layers()
+        return position if layers is None else resume_floor(layers, position)
 
-    def _layers(self) -> list:
-        """One cache per layer, as every row has them (their kinds and sizes)."""
-        raise NotImplementedError
+    def _layers(self) -> list | None:
+        """One cache per layer, as every row has them (their kinds and sizes); None: unknown,
+        so a saved row is never cut back."""
+        return None
 
     def _check_length(self, saved_position: int, length: int | None) -> int:
         """``length`` (None: all) of a row saved at ``saved_position``, checked."""
