@@ -189,6 +189,10 @@ step tq-step-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and
 # TurboQuant through the CUDA graph (the default since session 25) against bf16 through it; the
 # same with TurboQuant kept on the compiled step (session 25's run of that: TQ8 0.69x at 4K)
 step tq-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step.json"
+# session 27: TurboQuant's fused launches (HF2Q_TQ_FOLD=1: the reduce folded into the last
+# partition, the quantize writing the cache words): their GPU tests, then the A/B in one process
+step tq-fold-tests 300 "HF2Q_TQ_FOLD=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (flash or quantize)' tests/kernels/test_tq_kernels.py --tb=short; HF2Q_TQ_FOLD=1 python3 -m pytest -q -p no:cacheprovider -rA -k 'gpu_graph_step_gives and tq8' tests/test_cuda_graph_step.py --tb=short"
+step tq-fold-step 420 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --fold-ab --json $OUT/tq_fold_step.json"
 step tq-step-compiled 360 "HF2Q_TQ_GRAPH=0 python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step_compiled.json"
 # the graph against the compiled step on tiny models (bf16 and TQ8 caches)
 step tq-graph-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_graph_step_gives tests/test_cuda_graph_step.py --tb=short"

@@ -367,7 +367,7 @@ COUNTER_SETS = 64
 COUNTER_BYTES = 256 * 1024  # at most this much counter memory per plan (fewer sets if more rows)
 
 
-class _Plan:
+class CountedPlan:
     """One call shape's launch, its constant inputs and its counter sets."""
 
     __slots__ = ("launch", "consts", "counter", "sets", "turn")
@@ -391,7 +391,7 @@ class _Plan:
 
 @lru_cache(maxsize=256)
 def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False):
-    """The ``_Plan`` of one call shape, or None for the reference. ``flat`` (one token per
+    """The ``CountedPlan`` of one call shape, or None for the reference. ``flat`` (one token per
     row): the output shaped (B, 1, Hq * Dv)."""
     B, Hq, L, D = q_shape
     dt = sig[0]
@@ -417,4 +417,4 @@ def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False)
         backend=be,
     )  # fmt: skip
     consts = (device_array([scale], mx.float32), device_array([Hq, rows], mx.int32))
-    return _Plan(launch, consts, rows, parts)
+    return CountedPlan(launch, consts, rows, parts)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, env_int
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.decode_attention import CountedPlan
 from hf2q_mlx.custom_kernels.tq_quantize import stand_in
 
 # the kernels cover up to this many query rows per sequence (decode, short drafts)
@@ -55,6 +56,7 @@ _PARTIAL_BODY = """
   SHARED float vcb[1 << VB];
   SHARED float wm[W * RG];
   SHARED float wl[W * RG];
+@FOLD_SHARED@
   const uint b = gid_z;
   const int offset = off[ROWS ? b : 0u] + OFF_ADD;
   const int cap = consts[0];
@@ -278,8 +280,93 @@ _PARTIAL_BODY = """
         for (int w = 0; w < W; ++w) lall += wl[w * RG + int(i)] * exp_f(wm[w * RG + int(i)] - mall);
         v = j == uint(PV) ? mall : lall;
       }
-      partials[o + j] = v;
+      if (FOLD) ATOMIC_STORE_U32(DEVICE_CAST(uint, partials) + o + j, bitcast<uint>(v));
+      else partials[o + j] = v;
     }
+  }
+"""
+
+# The reduce folded into the partial kernel (``tq_flash_decode_fused``): the threadgroup of a
+# (batch, KV head, row group) that finishes last merges every partition of its rows. Partials go
+# out as coherent stores above (FOLD) and come back as coherent loads here.
+_FOLD_SHARED = """  SHARED float wts[@MAXP@];
+  SHARED uint last_part[1];"""
+
+_FOLD_BODY = """
+  // The fold: count this threadgroup in on its (batch, KV head, row group) counter (set cset[0]
+  // of the plan's, B * HKV * NG counters a set). The one taking ticket n_parts - 1 zeroes it for
+  // the next call and, row by row, weighs each partition by its max and sum, sums their values
+  // (thread t owns rotated coordinates t, t + nthr, ...), rotates back (butterflies in shared
+  // memory), applies the sign flip and value scale and rounds once to T; the others leave. One
+  // partition: no counter, that threadgroup merges.
+  if (n_parts > 1) {
+    BARRIER_DEVICE_FENCE();
+    if (tid == 0) {
+      const uint per_set = ngroups_z * uint(HKV * NG);
+      DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, counter) + size_t(cset[0]) * per_set
+                             + (b * uint(HKV) + kvh) * uint(NG) + grp;
+      const uint ticket = ATOMIC_ADD_U32(ctr, 1u);
+      last_part[0] = ticket == uint(n_parts - 1) ? 1u : 0u;
+      if (ticket == uint(n_parts - 1)) ATOMIC_STORE_U32(ctr, 0u);
+    }
+    BARRIER_DEVICE_FENCE();
+    if (last_part[0] == 0u) return;  // the whole threadgroup leaves together
+  } else {
+    BARRIER_DEVICE_FENCE();
+  }
+  DEVICE_PTR(uint) pb = DEVICE_CAST(uint, partials);
+  const uint kv_row = ROWS ? b * uint(HKV) + kvh : kvh;
+  for (int i = 0; i < RG; ++i) {
+    const uint r = grp * uint(RG) + uint(i);
+    if (r >= uint(REP * M)) break;  // the same for every thread
+    const uint h = kvh * uint(REP) + r / uint(M);
+    const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
+    const uint64_t base = uint64_t(qrow) * uint64_t(n_parts) * uint64_t(PV + 2);
+    float mall = NEG;
+    for (int p = int(tid); p < n_parts; p += int(nthr))
+      mall = max_f(mall, bitcast<float>(ATOMIC_LOAD_U32(pb + base + uint64_t(p) * (PV + 2) + PV)));
+    mall = simd_max(mall);
+    if (lane == 0) wm[simd_id] = mall;
+    BARRIER();
+    mall = wm[0];
+    for (int w = 1; w < W; ++w) mall = max_f(mall, wm[w]);
+    float den = 0.0f;
+    for (int p = int(tid); p < n_parts; p += int(nthr)) {
+      const uint64_t o = base + uint64_t(p) * uint64_t(PV + 2);
+      const float wgt = exp_f(bitcast<float>(ATOMIC_LOAD_U32(pb + o + PV)) - mall);
+      wts[p] = wgt;
+      den = fma_f(wgt, bitcast<float>(ATOMIC_LOAD_U32(pb + o + PV + 1)), den);
+    }
+    den = simd_sum(den);
+    if (lane == 0) wl[simd_id] = den;
+    BARRIER();  // also: every partition's weight is in wts
+    den = 0.0f;
+    for (int w = 0; w < W; ++w) den += wl[w];
+    for (int j = int(tid); j < PV; j += int(nthr)) {
+      float num = 0.0f;
+      for (int p = 0; p < n_parts; ++p) {
+        const float v = bitcast<float>(ATOMIC_LOAD_U32(pb + base + uint64_t(p) * (PV + 2) + j));
+        num = fma_f(wts[p], v, num);
+      }
+      qs[j] = num / den;
+    }
+    BARRIER();
+    for (uint hh = 1; hh < uint(PV); hh <<= 1) {
+      for (uint t = tid; t < uint(PV / 2); t += nthr) {
+        const uint a = (t / hh) * 2 * hh + (t % hh);
+        const float x0 = qs[a];
+        const float x1 = qs[a + hh];
+        qs[a] = x0 + x1;
+        qs[a + hh] = x0 - x1;
+      }
+      BARRIER();
+    }
+    for (int j = int(tid); j < DV; j += int(nthr)) {
+      float o = qs[j] * (1.0f / sqrt_f(float(PV))) * vsigns[j];
+      if (HAS_VS) o *= vscale[kv_row * uint(DV) + uint(j)];
+      out[uint64_t(qrow) * uint64_t(DV) + uint64_t(j)] = from_float<T>(o);
+    }
+    BARRIER();  // qs, wm, wl and wts serve the next row
   }
 """
 
@@ -343,34 +430,55 @@ _REDUCE_BODY = """
 """
 
 
-def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0) -> Example:
+def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0) -> Example:
     pk, pv = max(32, 1 << (dk - 1).bit_length()), max(32, 1 << (dv - 1).bit_length())
-    return Example(
-        {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
-         "kscale": mx.float32, "kcodebook": mx.float32, "vcodebook": mx.float32,
-         "consts": (mx.int32, 4), "off": (mx.int32, 1)},
-        {"partials": mx.float32},
-        {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
-         "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
-         "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows,
-         "OFF_ADD": rows},
-    )  # fmt: skip
+    inputs = {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
+              "kscale": mx.float32, "kcodebook": mx.float32, "vcodebook": mx.float32,
+              "consts": (mx.int32, 4), "off": (mx.int32, 1)}  # fmt: skip
+    outputs = {"partials": mx.float32}
+    template = {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
+                "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
+                "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows,
+                "OFF_ADD": rows, "FOLD": fold}  # fmt: skip
+    if fold:
+        inputs.update(vsigns=mx.float32, vscale=mx.float32, counter=(mx.uint32, 64),
+                      cset=(mx.int32, 1))  # fmt: skip
+        outputs["out"] = dt
+        template["HAS_VS"] = 1
+    return Example(inputs, outputs, template)
 
 
 # SIMD groups per flash-decode threadgroup; most split-K partitions (the reduce's shared weights)
 _W = 4
 _MAX_PARTS = 512
 
+_PARTIAL_INPUTS = ["q", "krows", "vrows", "ksigns", "kscale", "kcodebook", "vcodebook", "consts",
+                   "off"]  # fmt: skip
+
 _partial_kernel = Kernel(
     "tq_flash_decode_partial",
-    inputs=["q", "krows", "vrows", "ksigns", "kscale", "kcodebook", "vcodebook", "consts", "off"],
+    inputs=_PARTIAL_INPUTS,
     outputs=["partials"],
-    body=_PARTIAL_BODY,
+    body=_PARTIAL_BODY.replace("@FOLD_SHARED@", ""),
     examples=[
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8),  # Gemma 3 270M
         _partial_example(mx.float16, 512, 512, 8, 3, 8, 1, 4, 2, 2, 2),  # Gemma 4 global layer
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4),  # padded K, small M
         _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1),  # static cache rows
+    ],
+)
+
+# the partial kernel with the reduce folded in (FOLD): one launch writes the output
+_fused_kernel = Kernel(
+    "tq_flash_decode_fused",
+    inputs=_PARTIAL_INPUTS + ["vsigns", "vscale", "counter", "cset"],
+    outputs=["partials", "out"],
+    body=_PARTIAL_BODY.replace("@FOLD_SHARED@", _FOLD_SHARED.replace("@MAXP@", str(_MAX_PARTS)))
+    + _FOLD_BODY,
+    examples=[
+        _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8, fold=1),
+        _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4, fold=1),
+        _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1, fold=1),
     ],
 )
 
@@ -475,10 +583,10 @@ def _offset_view(offset: int) -> mx.array:
 
 def _flash_plan(
     queries: mx.array, keys: mx.array, pk: int, kb: int, dv: int, pv: int, vb: int,
-    has_ks: bool, has_vs: bool, rows: bool = False, offset_add: int = 0,
+    has_ks: bool, has_vs: bool, rows: bool = False, offset_add: int = 0, fold: bool = False,
 ):  # fmt: skip
-    """The two resolved launches and the partition count for one call signature, or None where
-    the kernels do not apply."""
+    """(partial launch, reduce launch, partition count) for one call signature, or None where
+    the kernels do not apply. ``fold``: (``CountedPlan`` of the fused launch, None, count)."""
     B, Hq, M, Dk = queries.shape
     Hkv, capacity, krw = keys.shape[1:]
     vrw = pv * vb // 32 + 1
@@ -496,17 +604,28 @@ def _flash_plan(
     rg, ng = row_groups(rep * M, pk, pv)
     u = tokens_per_step(pk, pv, kb, vb)
     n_parts = default_parts(capacity, B * Hkv * ng, min_keys(rep * M, pv, u, krw + vrw))
+    template = {"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
+                "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
+                "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
+                "OFF_ADD": offset_add, "FOLD": int(fold)}  # fmt: skip
+    in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
+    geometry = dict(grid=(n_parts * ng * 32 * _W, Hkv, B), threadgroup=(32 * _W, 1, 1))
+    if fold:
+        fused = _fused_kernel.launcher(
+            in_dtypes + [mx.float32, mx.float32, mx.uint32, mx.int32],
+            output_shapes=[(B * Hq * M, n_parts, pv + 2), (B, Hq, M, dv)],
+            output_dtypes=[mx.float32, queries.dtype],
+            template={**template, "HAS_VS": int(has_vs)},
+            **geometry,
+        )
+        return CountedPlan(fused, (), B * Hkv * ng, n_parts), None, n_parts
     partial = _partial_kernel.launcher(
-        [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32],
-        grid=(n_parts * ng * 32 * _W, Hkv, B),
-        threadgroup=(32 * _W, 1, 1),
+        in_dtypes,
         output_shapes=[(B * Hq * M, n_parts, pv + 2)],
         output_dtypes=[mx.float32],
-        template={"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
-                  "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
-                  "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
-                  "OFF_ADD": offset_add},
-    )  # fmt: skip
+        template=template,
+        **geometry,
+    )
     reduce = _reduce_kernel.launcher(
         [mx.float32, mx.float32, mx.float32, mx.int32],
         grid=(B * Hq * M * pv,),
@@ -547,7 +666,8 @@ def flash_decode(
     value for full attention). ``*_signs`` (P,) / ``*_codebook`` / ``*_bits``: each codec's
     tables. ``k_scale`` / ``v_scale`` (Hkv, D) fp32 or None: the partial kernel multiplies the
     queries by the key scales as it loads them, the reduce kernel the fp32 output by the value
-    scales before its one rounding to the queries' dtype. Two launches in all.
+    scales before its one rounding to the queries' dtype. Two launches in all, or one with the
+    reduce folded into the partial kernel (``fold()``: HF2Q_TQ_FOLD=1).
 
     ``offset`` as a (B,) int32 array: each batch row's own, plus ``offset_add`` (at least 1: a
     static cache's rows, read on the device), and the scales, where given, (B, Hkv, D): one per
@@ -562,15 +682,17 @@ def flash_decode(
     pk, pv = k_signs.shape[0], v_signs.shape[0]
     has_ks, has_vs = k_scale is not None, v_scale is not None
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
+    folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
-           has_vs, rows, offset_add)  # fmt: skip
+           has_vs, rows, offset_add, folded)  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
         plan = _PLANS[key] = _flash_plan(
-            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs, rows, offset_add
-        )
+            queries, keys, pk, k_bits, v_dim, pv, v_bits, has_ks, has_vs, rows, offset_add,
+            folded,
+        )  # fmt: skip
     if plan is None:
         return None
     partial, reduce, n_parts = plan
@@ -578,10 +700,17 @@ def flash_decode(
     ks = stand_in() if k_scale is None else k_scale
     vs = stand_in() if v_scale is None else v_scale
     off = offset.astype(mx.int32) if rows else _offset_view(offset)
-    (partials,) = partial(
-        inputs=[queries, keys, values, k_signs, ks, k_codebook, v_codebook, consts, off]
-    )  # fmt: skip
+    inputs = [queries, keys, values, k_signs, ks, k_codebook, v_codebook, consts, off]
+    if reduce is None:  # folded: partial is a CountedPlan (its counter and this call's set)
+        return partial.launch(inputs=inputs + [v_signs, vs, *partial.inputs()])[1]
+    (partials,) = partial(inputs=inputs)
     return reduce(inputs=[partials, v_signs, vs, consts])[0]
+
+
+def fold() -> bool:
+    """The reduce folded into the partial kernel (one launch a call): HF2Q_TQ_FOLD=1. Off by
+    default until its H200 run (its CPU emulator tests pass)."""
+    return env_int("HF2Q_TQ_FOLD", 0, 1) == 1
 
 
 _MISSING = object()

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, launch_into
 
 
 def stored_vectors(x: mx.array, scale: mx.array | None, mean: mx.array | None) -> mx.array:
@@ -46,6 +47,7 @@ _BODY = """
   const uint j = tid;
   // the balance's row: one (H, D) table, or (B, H, D) with one per batch row (ROWS)
   const uint srow = ROWS ? gid_z * ngroups_y + head : head;
+@OUT_ROW@
   float xv = 0.0f;
   if (j < uint(D)) {
     xv = to_float(x[row * uint(D) + j]);
@@ -95,14 +97,14 @@ _BODY = """
       const int sh = int(i * uint(BITS)) - int(32 * j);
       word |= sh >= 0 ? (codes[i] << uint(sh)) : (codes[i] >> uint(-sh));
     }
-    out[row * uint(CW + 1) + j] = word;
+    out[orow * uint64_t(CW + 1) + j] = word;
   }
   if (j == 0) {
     // scale = norm * P / sum(c * u): the decoded vector's projection on x is exactly |x|
     float dot = 0.0f;
     for (uint s = 0; s < uint(P) / 32; ++s) dot += dots[s];
     const float scale = dot > 0.0f ? norm * (float(P) / dot) : 0.0f;
-    out[row * uint(CW + 1) + uint(CW)] = bitcast<uint>(scale);
+    out[orow * uint64_t(CW + 1) + uint(CW)] = bitcast<uint>(scale);
   }
 """
 
@@ -110,7 +112,7 @@ _kernel = Kernel(
     "tq_quantize",
     inputs=["x", "signs", "scale", "mean", "boundaries", "codebook"],
     outputs=["out"],
-    body=_BODY,
+    body=_BODY.replace("@OUT_ROW@", "  const uint64_t orow = row;"),
     examples=[
         Example(
             {
@@ -140,6 +142,99 @@ _kernel = Kernel(
         )
     ],
 )
+
+
+# The same kernel writing each packed row into a cache's slot in place (a recorded CUDA graph's
+# TurboQuant write: no separate kv_write_words launch). Cache (B, H, C, CW + 1) words; the
+# token's slot is pos[batch] + token (modulo C with RING).
+_INTO_ROW = """  uint slot = uint(pos[gid_z]) + gid_x;
+  if (RING) slot %= uint(C);
+  const uint64_t orow = uint64_t(gid_z * ngroups_y + head) * uint64_t(C) + slot;"""
+
+_into_kernel = Kernel(
+    "tq_quantize_into",
+    inputs=["x", "signs", "scale", "mean", "boundaries", "codebook", "pos"],
+    outputs=["out"],
+    body=_BODY.replace("@OUT_ROW@", _INTO_ROW),
+    examples=[
+        Example(
+            {
+                "x": dt,
+                "signs": mx.float32,
+                "scale": mx.float32,
+                "mean": mx.float32,
+                "boundaries": mx.float32,
+                "codebook": mx.float32,
+                "pos": mx.int32,
+            },
+            {"out": mx.uint32},
+            {
+                "T": dt,
+                "D": d,
+                "P": p,
+                "BITS": b,
+                "CW": p * b // 32,
+                "HAS_SCALE": 1,
+                "HAS_MEAN": hm,
+                "ROWS": 1,
+                "C": 64,
+                "RING": ring,
+            },
+        )  # fmt: skip
+        for dt, d, p, b, hm, ring in (
+            (mx.bfloat16, 256, 256, 8, 1, 1),
+            (mx.float16, 96, 128, 4, 0, 0),
+        )
+    ],
+)
+
+
+def into_launch(cache_shape: tuple, x_shape: tuple, dtype: mx.Dtype, padded_dim: int, bits: int,
+                has_scale: bool, has_mean: bool, rows: bool, ring: bool):  # fmt: skip
+    """The launch quantizing x (B, H, L, D) into a cache of ``cache_shape`` (B, H, C, words) at
+    each batch row's slots (``tq_quantize_into``), or None where the kernel does not apply."""
+    B, H, L, D = x_shape
+    P, CW = padded_dim, padded_dim * bits // 32
+    ok = dtype in (mx.float16, mx.bfloat16, mx.float32) and P <= 1024 and B * H * L > 0
+    if not ok or tuple(cache_shape[:2]) != (B, H) or cache_shape[3] != CW + 1:
+        return None
+    return _into_kernel.launcher(
+        [dtype] + [mx.float32] * 5 + [mx.int32],
+        grid=(L * P, H, B),
+        threadgroup=(P, 1, 1),
+        output_shapes=[tuple(cache_shape)],
+        output_dtypes=[mx.uint32],
+        template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW, "HAS_SCALE": int(has_scale),
+                  "HAS_MEAN": int(has_mean), "ROWS": int(rows), "C": cache_shape[2],
+                  "RING": int(ring)},
+    )  # fmt: skip
+
+
+def quantize_rows_into(
+    cache: mx.array,
+    x: mx.array,
+    signs: mx.array,
+    boundaries: mx.array,
+    codebook: mx.array,
+    bits: int,
+    scale: mx.array | None,
+    mean: mx.array | None,
+    pos: mx.array,
+    ring: bool,
+) -> mx.array:
+    """In a recording: x (B, H, L, dim) quantized straight into ``cache`` (B, H, C, words) at
+    slots pos[b] + l (modulo C for a ring), in place; the same array back. ``scale`` / ``mean``
+    as ``quantize_rows``' (B, H, dim) tables. Raises GraphCaptureError where it does not apply."""
+    given = [a for a in (scale, mean) if a is not None]
+    rows = bool(given) and given[0].ndim == 3
+    launch = into_launch(tuple(cache.shape), tuple(x.shape), x.dtype, signs.shape[0], bits,
+                         scale is not None, mean is not None, rows, ring)  # fmt: skip
+    if launch is None:
+        raise GraphCaptureError(f"tq_quantize_into: no kernel for {x.shape} into {cache.shape}")
+    one = stand_in()
+    inputs = [x, signs, one if scale is None else scale, one if mean is None else mean,
+              boundaries, codebook, pos]  # fmt: skip
+    return launch_into(launch, inputs, [cache])[0]
 
 
 _PLANS: dict[tuple, tuple | None] = {}

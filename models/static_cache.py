@@ -25,6 +25,7 @@ from hf2q_mlx.custom_kernels import env_int, launch_recorder
 from hf2q_mlx.custom_kernels.decode_attention import decode_attention, visible
 from hf2q_mlx.custom_kernels.graph_ops import kv_write, scatter_slots
 from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError
+from hf2q_mlx.custom_kernels.tq_flash_decode import fold
 from hf2q_mlx.errors import Hf2qError, InvalidArgumentError
 from hf2q_mlx.models.turboquant.cache import (
     FULL_WINDOW,
@@ -32,7 +33,7 @@ from hf2q_mlx.models.turboquant.cache import (
     TQPacked,
     TQRotatingKVCache,
 )
-from hf2q_mlx.models.turboquant.kernels import tq_quantize
+from hf2q_mlx.models.turboquant.kernels import tq_quantize, tq_quantize_into
 from hf2q_mlx.models.turboquant.state import TQBalance, TQState
 
 
@@ -149,9 +150,19 @@ class StaticTQCache(StaticKVCache):
         if launch_recorder.active() and not tq_graph():
             raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
         L = keys.shape[2]
-        pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
-        pv = tq_quantize(values, self.v_codec, self.v_scale)
-        self._write(pk, pv)  # in a graph: kv_write_words, the packed rows in place
+        if launch_recorder.active() and fold():
+            # HF2Q_TQ_FOLD=1: each quantize launch writes its packed rows into the cache
+            ring = self.window is not None
+            self.keys = tq_quantize_into(
+                self.keys, keys, self.k_codec, self.k_scale, self.k_mean, self.pos, ring
+            )
+            self.values = tq_quantize_into(
+                self.values, values, self.v_codec, self.v_scale, None, self.pos, ring
+            )
+        else:
+            pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
+            pv = tq_quantize(values, self.v_codec, self.v_scale)
+            self._write(pk, pv)  # in a graph: kv_write_words, the packed rows in place
         balance = TQBalance(k_scale=self.k_scale, v_scale=self.v_scale)
         # the kernel adds L to the positions itself: a recorded graph reads the step's input
         state = TQState(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from hf2q_mlx.custom_kernels.tq_flash_decode import flash_decode
-from hf2q_mlx.custom_kernels.tq_quantize import quantize_rows, stored_vectors
+from hf2q_mlx.custom_kernels.tq_quantize import quantize_rows, quantize_rows_into, stored_vectors
 from hf2q_mlx.models.turboquant.codec import TQCodec
 from hf2q_mlx.models.turboquant.state import TQState
 
@@ -38,6 +38,22 @@ def tq_quantize(
     """
     rows = quantize_rows(x, codec.signs, codec.boundaries, codec.codebook, codec.bits, scale, mean)
     return tq_quantize_reference(x, codec, scale, mean) if rows is None else rows
+
+
+def tq_quantize_into(
+    cache: mx.array,
+    x: mx.array,
+    codec: TQCodec,
+    scale: mx.array | None,
+    mean: mx.array | None,
+    pos: mx.array,
+    ring: bool,
+) -> mx.array:
+    """In a recorded CUDA graph: x (B, H, L, dim) quantized into ``cache`` (B, H, C, row_words)
+    at each row's slots pos[b] + l (modulo C for a ring), in place, one launch; the reference
+    is ``tq_quantize`` then ``graph_ops.kv_write_reference``."""
+    return quantize_rows_into(cache, x, codec.signs, codec.boundaries, codec.codebook,
+                              codec.bits, scale, mean, pos, ring)  # fmt: skip
 
 
 # ---- flash-decode attention -------------------------------------------------------------------

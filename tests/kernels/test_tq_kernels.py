@@ -11,7 +11,7 @@ import pytest
 from conftest import requires_gpu
 
 from hf2q_mlx import custom_kernels as ck
-from hf2q_mlx.custom_kernels import reference_only
+from hf2q_mlx.custom_kernels import _render, graph_ops, reference_only
 from hf2q_mlx.custom_kernels import tq_flash_decode as fd
 from hf2q_mlx.custom_kernels import tq_quantize as tqq
 from hf2q_mlx.models.turboquant import kernels as tqk
@@ -35,10 +35,12 @@ def emulated(monkeypatch):
         "quantize": Emulated(tqq._kernel),
         "partial": Emulated(fd._partial_kernel),
         "reduce": Emulated(fd._reduce_kernel),
+        "fused": Emulated(fd._fused_kernel),
     }
     monkeypatch.setattr(tqq, "_kernel", kernels["quantize"])
     monkeypatch.setattr(fd, "_partial_kernel", kernels["partial"])
     monkeypatch.setattr(fd, "_reduce_kernel", kernels["reduce"])
+    monkeypatch.setattr(fd, "_fused_kernel", kernels["fused"])
     monkeypatch.setattr(tqq, "backend", _emulated_backend)
     monkeypatch.setattr(fd, "backend", _emulated_backend)
     # launch plans made here hold the emulated kernels: keep them out of the module caches
@@ -284,6 +286,81 @@ def test_flash_decode_emulated_many_partitions(emulated, monkeypatch):
     monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 32))
     _check_flash(("ring", 4, 2, 64, 64, 4, 4, 50, 30, [300, 1], 1), seed=3)
     _check_flash(("growing", 4, 2, 64, 64, 4, 4, None, 0, [333, 2], 2), seed=4)
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
+def test_flash_decode_fused_emulated(emulated, monkeypatch, case):
+    """HF2Q_TQ_FOLD=1: the reduce in the last partition's threadgroup, one launch a call; the
+    output poisoned first would show any row it left unwritten (the reference check)."""
+    monkeypatch.setenv("HF2Q_TQ_FOLD", "1")
+    _check_flash(case, seed=11)
+    assert emulated["fused"].launches == 1
+    assert emulated["partial"].launches == 0 and emulated["reduce"].launches == 0
+
+
+@needs_gxx
+def test_flash_decode_fused_emulated_many_partitions_and_rows(emulated, monkeypatch):
+    """Many partitions (some fully masked by the window) count in on their counters: every row
+    group's last one merges, and every counter is back at zero for the next call."""
+    monkeypatch.setenv("HF2Q_TQ_FOLD", "1")
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 32))
+    _check_flash(("ring", 4, 2, 64, 64, 4, 4, 50, 30, [300, 1], 1), seed=3)
+    _check_flash(("growing", 16, 2, 128, 128, 3, 4, None, 0, [333, 2], 2), seed=4)
+    for case in ROW_CASES:
+        _check_rows_flash(case, seed=5)
+    plans = [p[0] for p in fd._PLANS.values() if p is not None]
+    assert len(plans) == 4 and all(isinstance(p, fd.CountedPlan) for p in plans)
+    assert not any(np.array(p.counter).any() for p in plans)  # every counter back at zero
+    assert emulated["partial"].launches == 0 and emulated["fused"].launches == 4
+
+
+@needs_gxx
+@pytest.mark.parametrize("ring", [False, True])
+def test_quantize_into_writes_the_kernels_rows_at_the_slots(emulated, ring, monkeypatch):
+    """``tq_quantize_into`` (a recorded graph's TurboQuant write, HF2Q_TQ_FOLD=1) over a cache
+    of random words: each token's packed row equals the quantize kernel's row for it, word for
+    word, at slot pos[b] + l (wrapped on a ring); every other word is left as it was."""
+    rng = np.random.default_rng(9 + ring)
+    B, H, L, D, C = 2, 2, 3, 96, 8
+    codec = TQCodec(D, 5, seed=2)
+    x, _, _ = _balanced_input(rng, (B, H, L, D), mx.bfloat16)
+    scale = mx.array(np.exp(rng.uniform(-1.0, 1.0, (B, H, D))).astype(np.float32))
+    mean = mx.array(rng.standard_normal((B, H, D)).astype(np.float32))
+    words = codec.row_words
+    cache = mx.array(rng.integers(0, 2**32, (B, H, C, words), dtype=np.uint64).astype(np.uint32))
+    pos = mx.array([6, 1] if ring else [0, 5], dtype=mx.int32)
+    # the launch resolves on the CPU (MLX's build stubbed: the emulator runs its rendering)
+    monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(tqq._into_kernel, "_kernel_for", lambda be, sig: print)
+    launch = tqq.into_launch(tuple(cache.shape), tuple(x.shape), x.dtype, codec.padded_dim,
+                             codec.bits, True, True, True, ring)  # fmt: skip
+    s = launch.spec
+    one_inputs = [x, codec.signs, scale, mean, codec.boundaries, codec.codebook, pos]
+    (got,) = kernel_emulator.emulate(
+        s.kernel, one_inputs, grid=s.grid, threadgroup=s.threadgroup,
+        output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+        template=dict(s.template), initial=[cache],
+    )  # fmt: skip
+    rows = tqk.tq_quantize(x, codec, scale, mean)  # the emulated quantize kernel
+    assert emulated["quantize"].launches == 1
+    want = graph_ops.kv_write_reference(cache, rows, pos, ring)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert not np.array_equal(np.array(got), np.array(cache))
+    assert (
+        tqq.into_launch(
+            (B, H, C, words + 1),
+            tuple(x.shape),
+            x.dtype,
+            codec.padded_dim,
+            codec.bits,
+            True,
+            True,
+            True,
+            ring,
+        )
+        is None
+    )  # wrong row width
 
 
 def test_partition_and_row_group_choices():
