@@ -137,10 +137,12 @@ def prompts_for(n: int, vocab: int, seed: int, length: int | None = None) -> lis
     return [[rng.randrange(vocab) for _ in range(m)] for m in lengths]
 
 
-def run_ours(model, n, gen, vocab, max_len, compiled=None, prefill_chunk=512) -> dict:
+def run_ours(
+    model, n, gen, vocab, max_len, compiled=None, prefill_chunk=512, batch_prefill=False
+) -> dict:
     engine = Engine(model, StubTokenizer(), max_batch=n, max_queue=0, max_len=max_len,
-                    prefix_cache_bytes=0, compiled=compiled,
-                    prefill_chunk=prefill_chunk).start()  # fmt: skip
+                    prefix_cache_bytes=0, compiled=compiled, prefill_chunk=prefill_chunk,
+                    batch_prefill=batch_prefill).start()  # fmt: skip
     # warm-up: compile the step at every attention span the wave will reach (DecodeStep
     # buckets the span by the longest row: powers of two from 256, capped at max_len); the
     # sequential step compiles nothing: one short request
@@ -158,7 +160,7 @@ def run_ours(model, n, gen, vocab, max_len, compiled=None, prefill_chunk=512) ->
     steps0, t0 = engine.steps, time.perf_counter()
     starts, stamps = _wave(engine, prompts_for(n, vocab, 0), gen)
     steps, wall = engine.steps - steps0, time.perf_counter() - t0
-    step = type(engine.step).__name__
+    step = type(engine.step).__name__ + ("+pack" if batch_prefill else "")
     engine.shutdown()
     # engine steps of the wave and their mean wall time (prefill steps included)
     return {**summarize(f"hf2q_mlx ({step})", n, starts, stamps), "engine_steps": steps,
@@ -243,6 +245,11 @@ def main(argv=None) -> None:
         help="with mlx4: the mlx-lm column alone (ours skipped)",
     )
     p.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk (512)")
+    p.add_argument(
+        "--batch-prefill-ab",
+        action="store_true",
+        help="also ours with batch_prefill (the rows' chunks in one pass): 'ours-bp'",
+    )
     p.add_argument("--step", choices=["auto", "compiled", "sequential"], default="auto",
                    help="decode step: auto = DecodeStep on a GPU")  # fmt: skip
     p.add_argument("--time-cap", type=float, default=None,
@@ -270,6 +277,8 @@ def main(argv=None) -> None:
             model, config, family = build(shape, fmt, dtype)
             vocab = config["vocab_size"]
             impls = [] if a.mlx_lm_only and fmt == "mlx4" else [("ours", model)]
+            if impls and a.batch_prefill_ab:
+                impls.append(("ours-bp", model))
             if fmt == "mlx4" and not a.no_mlx_lm:
                 try:
                     twin = mlx_lm_twin(family, config, model)
@@ -288,9 +297,10 @@ def main(argv=None) -> None:
                         print(f"time cap: {shape} {fmt} {kind} n={n} not run")
                         continue
                     try:
-                        if kind == "ours":
+                        if kind in ("ours", "ours-bp"):
                             compiled = {"auto": None, "compiled": True}.get(a.step, False)
-                            r = run_ours(m, n, a.gen, vocab, max_len, compiled, a.prefill_chunk)
+                            r = run_ours(m, n, a.gen, vocab, max_len, compiled, a.prefill_chunk,
+                                         kind == "ours-bp")  # fmt: skip
                         else:
                             r = run_mlx_lm(m, n, a.gen, vocab)
                     except Exception as err:  # noqa: BLE001 - report and go on

@@ -22,6 +22,7 @@ back; recurrent layers take the state kept for that token). It needs ``reserve >
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array, launch_recor
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import kernel_linears
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, ring_resume_floor
+from hf2q_mlx.models.packed_rows import PackedRows, segment_positions
 from hf2q_mlx.models.recurrent_cache import RecurrentCache
 from hf2q_mlx.models.static_cache import StaticKVCache, StaticRecurrentCache, StaticTQCache
 from hf2q_mlx.models.turboquant.cache import TQKVCache, TQRotatingKVCache, make_tq_cache
@@ -316,6 +318,37 @@ class DecodeStep(RowSlots):
             s.arrays = slots + tables
         self.positions[row], self._verified[row] = pos, 0
         self._set_lazy(row)
+
+    @property
+    def packs_rows(self) -> bool:
+        """Whether ``prefill_rows`` runs one forward pass for several rows: not with recurrent
+        layers (a state per segment) or layers reading another layer's keys and values."""
+        shared = getattr(getattr(self.model, "args", None), "kv_source", None) or []
+        return not self.recurrent and all(s is None for s in shared)
+
+    def prefill_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
+        """Feed each row its chunk, the rows' tokens packed into one forward pass
+        (``models/packed_rows.py``: one weight read for all of them); each row's caches end as
+        ``prefill`` leaves them, its attention over its own tokens only. One ``prefill`` per row
+        where the model cannot be packed (``packs_rows``). Lazy: nothing is evaluated."""
+        if len(rows) != len(chunks) or len(set(rows)) != len(rows):
+            raise InvalidArgumentError("prefill_rows needs distinct rows, one chunk each")
+        for row, ids in zip(rows, chunks):
+            self._check_prefill(row, len(ids))
+        if len(rows) < 2 or not self.packs_rows:
+            for row, ids in zip(rows, chunks):
+                self.prefill(row, ids)
+            return
+        lengths = [len(ids) for ids in chunks]
+        ends = list(itertools.accumulate(lengths))
+        bounds = list(zip([0] + ends[:-1], ends))
+        positions = segment_positions([self.positions[r] for r in rows], lengths)
+        views = [self._row_views(row) for row in rows]  # per row: one cache per layer
+        layers = [PackedRows(layer, bounds, positions) for layer in zip(*views)]
+        tokens = mx.array([[t for ids in chunks for t in ids]], dtype=mx.int32)  # (1, T)
+        self.model(tokens, cache=layers)  # the caches' writes; the logits stay unbuilt
+        for row, v in zip(rows, views):
+            self.adopt(row, v)
 
     def prefill(self, row: int, ids: Sequence[int]) -> mx.array:
         """Feed prompt tokens to ``row`` after what it holds -> logits (V,) of the last token."""

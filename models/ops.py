@@ -48,6 +48,9 @@ def positions(cache) -> mx.array:
     pos = getattr(cache, "pos", None)
     if pos is not None:
         return pos
+    packed = getattr(cache, "segment_positions", None)
+    if packed is not None:  # several rows' chunks in one pass (models/packed_rows.py): (1, T)
+        return packed
     tree = getattr(cache, "tree", None)
     if tree is not None:  # a token tree (speculative verify): (1, L), offset + depth per token
         return tree.positions

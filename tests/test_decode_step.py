@@ -272,6 +272,44 @@ def test_load_row_cut_back_to_a_shared_prefix(name, kind):
                      f"{name} {kind} short prompt cut to 2")  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "name", ["llama", "gemma3", "gemma4-moe", "gemma4-moe@tq", "qwen3_5-dense", "gemma4-eseries"]
+)
+def test_prefill_rows_packs_chunks_into_one_pass(name, monkeypatch):
+    """Three rows' chunks (one row already holding a prompt) in one forward pass: every row's
+    caches and next logits as one ``prefill`` per row leaves them (fp32: the same math, the
+    tokens batched otherwise). Recurrent layers or layers sharing K/V: one prefill per row."""
+    name, _, tq = name.partition("@")
+    kv = (8, 4) if tq else None
+    model = tiny_model(name)
+    a, b, c, d = prompts([7, 12, 3, 9], seed=4)
+    packed, alone = (DecodeStep(model, max_batch=3, max_len=40, kv_bits=kv) for _ in range(2))
+    packed.prefill(1, a)
+    alone.prefill(1, a)
+    calls = []
+    real = DecodeStep.prefill
+    monkeypatch.setattr(DecodeStep, "prefill", lambda s, r, ids: calls.append(r) or real(s, r, ids))
+    packed.prefill_rows([2, 1, 0], [b, d, c])
+    packs = name not in ("qwen3_5-dense", "gemma4-eseries")
+    assert packed.packs_rows == packs and calls == ([] if packs else [2, 1, 0])
+    for row, ids in ((2, b), (1, d), (0, c)):
+        real(alone, row, ids)
+    assert packed.positions == alone.positions == [3, 16, 12]
+    for s, t in zip(packed.caches, alone.caches):
+        for x, y in zip(s.arrays, t.arrays):
+            if x.dtype == mx.uint32:  # TurboQuant codes: the same quantizer on the same keys
+                assert np.mean(np.array(x) != np.array(y)) < 1e-3
+            else:  # KV rows, balance tables (zero offsets where a layer keeps none)
+                np.testing.assert_allclose(np.array(x), np.array(y), rtol=RTOL, atol=1e-6)
+    got, want = packed.decode([5, 6, 7]), alone.decode([5, 6, 7])
+    for r in range(3):
+        assert_close(got[r], want[r], f"{name} row {r} after the packed chunks")
+    with pytest.raises(InvalidArgumentError):
+        packed.prefill_rows([0, 0], [c, c])
+    with pytest.raises(ContextLengthError):
+        packed.prefill_rows([0, 1], [c, list(range(30))])
+
+
 def test_chunked_prefill_adopt_and_greedy():
     model = tiny_model("gemma3")
     (p,) = prompts([13], seed=5)

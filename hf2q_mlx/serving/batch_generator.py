@@ -62,7 +62,9 @@ class BatchGenerator:
     Options of ``submit`` / ``generate``: those of ``SamplingParams`` (max_tokens, temperature,
     top_k, top_p, min_p, seed, stop, logprobs, top_logprobs, presence_penalty,
     frequency_penalty, ignore_eos); the defaults decode greedily, as ``generate`` does.
-    ``compiled`` picks the batched ``DecodeStep`` (default: on a GPU) or the sequential rows.
+    ``compiled`` picks the batched ``DecodeStep`` (default: on a GPU) or the sequential rows;
+    ``batch_prefill`` packs a step's prompt chunks of several rows into one forward pass (the
+    batched step only, not for Qwen 3.5; off by default: docs/serving.md).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class BatchGenerator:
         prefill_chunk: int = 512,
         prefix_cache_bytes: int = 256 << 20,
         compiled: bool | None = None,
+        batch_prefill: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.engine = Engine(
@@ -88,6 +91,7 @@ class BatchGenerator:
             prefill_chunk=prefill_chunk,
             prefix_cache_bytes=prefix_cache_bytes,
             compiled=compiled,
+            batch_prefill=batch_prefill,
         ).start()
         self._events: queue.Queue[Event] = queue.Queue()
         self._open: set[str] = set()

@@ -188,6 +188,7 @@ class Engine:
         min_prefix_tokens: int = 1,
         compiled: bool | None = None,
         step: Any = None,
+        batch_prefill: bool = False,
     ) -> None:
         for name, v, low in (
             ("max_batch", max_batch, 1),
@@ -208,6 +209,8 @@ class Engine:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.max_len = max_len if limit is None else min(max_len, limit)
         self.min_prefix_tokens = min_prefix_tokens
+        # a step's prompt chunks of several rows in one forward pass (DecodeStep.prefill_rows)
+        self.batch_prefill = bool(batch_prefill)
         self.vocab = vocab_limit(model, tokenizer)
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.step = step or make_step(model, max_batch, self.max_len, kv_bits, compiled)
@@ -434,8 +437,9 @@ class Engine:
 
     def _prefill(self) -> None:
         """Whole chunks of the oldest prefilling rows, at most ``prefill_chunk`` tokens in all
-        (the first chunk always runs), evaluated together once."""
-        spent, done, partway = 0, [], []
+        (the first chunk always runs), evaluated together once; with ``batch_prefill`` in one
+        forward pass where the step packs rows (``DecodeStep.prefill_rows``)."""
+        spent, done, partway, chunks = 0, [], [], []
         for req in sorted((r for r in self.rows if r is not None), key=lambda r: r.submitted):
             end = len(req.prompt) - 1
             if req.cursor >= end:
@@ -443,7 +447,7 @@ class Engine:
             size = min(self.prefill_chunk, end - req.cursor)
             if spent and spent + size > self.prefill_chunk:
                 continue  # a shorter chunk further on may still fit
-            self.step.prefill(req.row, req.prompt[req.cursor : req.cursor + size])
+            chunks.append((req.row, req.prompt[req.cursor : req.cursor + size]))
             req.cursor += size
             spent += size
             if req.cursor == end:
@@ -452,6 +456,11 @@ class Engine:
                 partway.append(req)  # the prompt's own snapshot could not be cut back to here
         if not spent:
             return
+        if self.batch_prefill and len(chunks) > 1 and hasattr(self.step, "prefill_rows"):
+            self.step.prefill_rows([row for row, _ in chunks], [ids for _, ids in chunks])
+        else:
+            for row, ids in chunks:
+                self.step.prefill(row, ids)
         self._materialize()
         self.metrics.inc("prefill_tokens_total", spent)
         for req in done:

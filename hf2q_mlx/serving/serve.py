@@ -89,6 +89,11 @@ def add_serve_parser(sub: Any, model_parent: argparse.ArgumentParser) -> None:
         "--prefix-cache-mb", type=int, default=256, help="prefix reuse memory (256 MB; 0 = off)"
     )
     p.add_argument("--model-id", default=None, help="model name clients send (the --model value)")
+    p.add_argument(
+        "--batch-prefill",
+        action="store_true",
+        help="prompt chunks of several streams in one forward pass (GPU step; not Qwen 3.5)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace, load: Any) -> int:
@@ -123,6 +128,7 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
         kv_bits=kv_bits,
         prefill_chunk=args.prefill_chunk,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
+        batch_prefill=args.batch_prefill,
     ).start()
     from hf2q_mlx.io.default_model import DEFAULT_CHAT_MODEL
 
