@@ -321,10 +321,10 @@ class DecodeStep(RowSlots):
 
     @property
     def packs_rows(self) -> bool:
-        """Whether ``prefill_rows`` runs one forward pass for several rows: not with recurrent
-        layers (a state per segment) or layers reading another layer's keys and values."""
+        """Whether ``prefill_rows`` runs one forward pass for several rows: not with layers
+        reading another layer's keys and values (Gemma 4 E-series)."""
         shared = getattr(getattr(self.model, "args", None), "kv_source", None) or []
-        return not self.recurrent and all(s is None for s in shared)
+        return all(s is None for s in shared)
 
     def prefill_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
         """Feed each row its chunk, the rows' tokens packed into one forward pass

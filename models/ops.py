@@ -30,6 +30,7 @@ from hf2q_mlx.custom_kernels import softcap as softcap_kernel
 from hf2q_mlx.custom_kernels.decode_attention import heads_merged
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, rope_inv_freq, split_heads
 from hf2q_mlx.models.attention import attend
+from hf2q_mlx.models.packed_rows import PackedRows
 
 
 def use_kernels() -> bool:
@@ -172,6 +173,9 @@ def gated_delta_net(net, qkv, z, a, b, cache) -> mx.array:
     cache's L > 1 call (a speculative verify, decode_step.py) is that kernel over the L tokens
     (or its token-by-token reference), which also leaves each token's states in
     ``cache.history`` for an exact rollback; plain prefill keeps the chunked path."""
+    if isinstance(cache, PackedRows):  # several rows' chunks: each from its row's states
+        parts = (delta_decode_kernel.dense(x) for x in (qkv, z, a, b))
+        return cache.per_row(lambda c, *xs: gated_delta_net(net, *xs, c), *parts)
     B, L, _ = qkv.shape
     conv, state = (None, None) if cache is None else (cache.conv_state, cache.state)
     gate_args = (net.A_log, net.dt_bias)

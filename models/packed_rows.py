@@ -4,7 +4,8 @@ The rows' tokens are packed into one sequence (1, T): norms, projections, MLPs a
 tokens at once (one weight read for all of them), while each layer's ``PackedRows`` cache sends
 every row's segment of the keys and values to that row's own per-sequence cache and runs each
 segment's queries against it. RoPE takes one position per token (``segment_positions``, read by
-``ops.positions``), so each segment rotates from its row's position.
+``ops.positions``), so each segment rotates from its row's position. A recurrent layer (Qwen
+3.5's gated delta-net) runs each segment from its row's state (``per_row``).
 """
 
 from __future__ import annotations
@@ -48,3 +49,9 @@ class PackedRows:
         ]
         self._fetched = []
         return mx.concatenate(outs, axis=2 if outs[0].ndim == 4 else 1)
+
+    def per_row(self, fn, *xs: mx.array) -> mx.array:
+        """``fn(view, *segments)`` for each row, each x (1, T, ...) cut to the row's tokens,
+        the outputs joined on the token axis: a recurrent layer (its state is per row)."""
+        outs = [fn(view, *(x[:, a:b] for x in xs)) for view, (a, b) in zip(self.views, self.bounds)]
+        return mx.concatenate(outs, axis=1)

@@ -273,12 +273,15 @@ def test_load_row_cut_back_to_a_shared_prefix(name, kind):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "gemma3", "gemma4-moe", "gemma4-moe@tq", "qwen3_5-dense", "gemma4-eseries"]
-)
+    "name",
+    ["llama", "gemma3", "gemma4-moe", "gemma4-moe@tq", "qwen3_5-dense", "qwen3_5-moe",
+     "gemma4-eseries"],
+)  # fmt: skip
 def test_prefill_rows_packs_chunks_into_one_pass(name, monkeypatch):
     """Three rows' chunks (one row already holding a prompt) in one forward pass: every row's
     caches and next logits as one ``prefill`` per row leaves them (fp32: the same math, the
-    tokens batched otherwise). Recurrent layers or layers sharing K/V: one prefill per row."""
+    tokens batched otherwise; Qwen 3.5's delta-net runs each row's segment from its own state).
+    Layers sharing K/V (Gemma 4 E-series): one prefill per row."""
     name, _, tq = name.partition("@")
     kv = (8, 4) if tq else None
     model = tiny_model(name)
@@ -290,7 +293,7 @@ def test_prefill_rows_packs_chunks_into_one_pass(name, monkeypatch):
     real = DecodeStep.prefill
     monkeypatch.setattr(DecodeStep, "prefill", lambda s, r, ids: calls.append(r) or real(s, r, ids))
     packed.prefill_rows([2, 1, 0], [b, d, c])
-    packs = name not in ("qwen3_5-dense", "gemma4-eseries")
+    packs = name != "gemma4-eseries"
     assert packed.packs_rows == packs and calls == ([] if packs else [2, 1, 0])
     for row, ids in ((2, b), (1, d), (0, c)):
         real(alone, row, ids)

@@ -64,7 +64,7 @@ class BatchGenerator:
     frequency_penalty, ignore_eos); the defaults decode greedily, as ``generate`` does.
     ``compiled`` picks the batched ``DecodeStep`` (default: on a GPU) or the sequential rows;
     ``batch_prefill`` packs a step's prompt chunks of several rows into one forward pass (the
-    batched step only, not for Qwen 3.5; off by default: docs/serving.md).
+    batched step only; off by default: docs/serving.md).
     """
 
     def __init__(

@@ -92,7 +92,7 @@ def add_serve_parser(sub: Any, model_parent: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-prefill",
         action="store_true",
-        help="prompt chunks of several streams in one forward pass (GPU step; not Qwen 3.5)",
+        help="prompt chunks of several streams in one forward pass (the batched GPU step)",
     )
 
 
