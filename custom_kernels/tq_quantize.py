@@ -108,38 +108,28 @@ _BODY = """
   }
 """
 
+
+def _example(dt, d, p, b, hs, hm, rows, ring=None) -> Example:
+    """An example signature; ``ring`` (0 / 1): the in-place kernel's, with its pos input."""
+    inputs = {"x": dt, "signs": mx.float32, "scale": mx.float32, "mean": mx.float32,
+              "boundaries": mx.float32, "codebook": mx.float32}  # fmt: skip
+    template = {"T": dt, "D": d, "P": p, "BITS": b, "CW": p * b // 32, "HAS_SCALE": hs,
+                "HAS_MEAN": hm, "ROWS": rows}  # fmt: skip
+    if ring is not None:
+        inputs["pos"] = mx.int32
+        template.update(C=64, RING=ring)
+    return Example(inputs, {"out": mx.uint32}, template)
+
+
 _kernel = Kernel(
     "tq_quantize",
     inputs=["x", "signs", "scale", "mean", "boundaries", "codebook"],
     outputs=["out"],
     body=_BODY.replace("@OUT_ROW@", "  const uint64_t orow = row;"),
     examples=[
-        Example(
-            {
-                "x": dt,
-                "signs": mx.float32,
-                "scale": mx.float32,
-                "mean": mx.float32,
-                "boundaries": mx.float32,
-                "codebook": mx.float32,
-            },
-            {"out": mx.uint32},
-            {
-                "T": dt,
-                "D": d,
-                "P": p,
-                "BITS": b,
-                "CW": p * b // 32,
-                "HAS_SCALE": hs,
-                "HAS_MEAN": hm,
-                "ROWS": rows,
-            },
-        )  # fmt: skip
-        for dt, d, p, b, hs, hm, rows in (
-            (mx.float16, 256, 256, 4, 1, 0, 0),
-            (mx.bfloat16, 512, 512, 3, 1, 1, 1),
-            (mx.float32, 96, 128, 8, 0, 0, 0),
-        )
+        _example(mx.float16, 256, 256, 4, 1, 0, 0),
+        _example(mx.bfloat16, 512, 512, 3, 1, 1, 1),
+        _example(mx.float32, 96, 128, 8, 0, 0, 0),
     ],
 )
 
@@ -157,34 +147,8 @@ _into_kernel = Kernel(
     outputs=["out"],
     body=_BODY.replace("@OUT_ROW@", _INTO_ROW),
     examples=[
-        Example(
-            {
-                "x": dt,
-                "signs": mx.float32,
-                "scale": mx.float32,
-                "mean": mx.float32,
-                "boundaries": mx.float32,
-                "codebook": mx.float32,
-                "pos": mx.int32,
-            },
-            {"out": mx.uint32},
-            {
-                "T": dt,
-                "D": d,
-                "P": p,
-                "BITS": b,
-                "CW": p * b // 32,
-                "HAS_SCALE": 1,
-                "HAS_MEAN": hm,
-                "ROWS": 1,
-                "C": 64,
-                "RING": ring,
-            },
-        )  # fmt: skip
-        for dt, d, p, b, hm, ring in (
-            (mx.bfloat16, 256, 256, 8, 1, 1),
-            (mx.float16, 96, 128, 4, 0, 0),
-        )
+        _example(mx.bfloat16, 256, 256, 8, 1, 1, 1, ring=1),
+        _example(mx.float16, 96, 128, 4, 1, 0, 1, ring=0),
     ],
 )
 
