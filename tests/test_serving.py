@@ -193,6 +193,14 @@ def _error(resp) -> dict:
         ({"model": MODEL_ID, "messages": CHAT, "top_p": 1.5}, "top_p", None),
         ({"model": MODEL_ID, "messages": CHAT, "max_tokens": 0}, "max_tokens", None),
         ({"model": MODEL_ID, "messages": CHAT, "n": 0}, "n", None),
+        ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"12": 101}}, "logit_bias", None),
+        ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias", None),
+        ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"99999999": 1}}, "logit_bias",
+         None),
+        ({"model": MODEL_ID, "messages": CHAT, "response_format": {"type": "json_object"}},
+         "response_format", "unsupported"),
+        ({"model": MODEL_ID, "messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty",
+         "unsupported"),
         ({"model": MODEL_ID, "messages": CHAT, "n": 21}, "n", None),  # 4 rows + 16 queued
         ({"model": MODEL_ID, "messages": []}, "messages", None),
         ({"model": MODEL_ID, "messages": CHAT, "top_logprobs": 30, "logprobs": True},
@@ -285,6 +293,25 @@ def test_prefix_reuse_same_tokens_and_skips_prefill(smollm2, server, client):
     text4, prefilled4, reused4, cached4 = run(other)
     assert text4 == ref_other and reused4 == shared == cached4
     assert prefilled4 == len(ids4) - shared
+
+
+def test_logit_bias_steers_the_tokens(smollm2, client):
+    """+100 on one token: a greedy stream is that token throughout; -100 on the reference's
+    first token: the stream starts otherwise (and equals generate with that token banned)."""
+    model, tokenizer = smollm2
+    ids, _ = reference(smollm2, CHAT, 4)
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    r = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=3,
+                                       temperature=0, logit_bias={str(forced): 100})  # fmt: skip
+    assert r.choices[0].message.content == tokenizer.decode([forced] * 3)
+    r = client.completions.create(model=MODEL_ID, prompt=encode_prompt(tokenizer, CHAT),
+                                  max_tokens=1, temperature=0, logprobs=0,
+                                  logit_bias={str(ids[0]): -100})  # fmt: skip
+    assert r.choices[0].logprobs.tokens[0] != tokenizer.decode([ids[0]])
+    ok = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=1,
+                                        response_format={"type": "text"}, temperature=0,
+                                        extra_body={"repetition_penalty": 1.0})  # fmt: skip
+    assert ok.choices[0].finish_reason == "length"
 
 
 def test_n_choices_share_one_prefill_and_repeat_alone(smollm2, server, client):

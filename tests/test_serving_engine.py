@@ -51,6 +51,44 @@ def test_greedy_rows_take_the_argmax_with_its_logprob():
         )
 
 
+def test_logit_bias_moves_each_rows_own_logits():
+    """Row 0 pushes its second-best token over the best (+ a margin), row 1 sinks its best
+    (-100), row 2 has no bias, row 3 samples with a bias on one token that the draw must then
+    take at a low temperature; each row's log-probs are the biased logits' log-softmax."""
+    logits = random_logits(4, 7)
+    ref = np.asarray(logits).astype(np.float64)
+    order = np.argsort(-ref, axis=-1)
+    gap = ref[0, order[0, 0]] - ref[0, order[0, 1]]
+    s = BatchSampler(4, V)
+    s.set_row(0, SamplingParams(logprobs=True, logit_bias={int(order[0, 1]): gap + 1.0}))
+    s.set_row(1, SamplingParams(logit_bias={int(order[1, 0]): -100, int(order[1, 5]): 0.5}))
+    s.set_row(2, SamplingParams())
+    s.set_row(3, SamplingParams(temperature=0.05, seed=3, logit_bias={int(order[3, 30]): 60}))
+    out = s.sample(logits, [True] * 4)
+    biased = ref[1].copy()
+    biased[order[1, 0]] -= 100
+    biased[order[1, 5]] += 0.5
+    assert out.tokens == [order[0, 1], biased.argmax(), order[2, 0], order[3, 30]]
+    row0 = ref[0].copy()
+    row0[order[0, 1]] += gap + 1.0
+    logsm = row0 - row0.max() - np.log(np.exp(row0 - row0.max()).sum())
+    assert out.logprobs[0] == pytest.approx(logsm.max(), abs=1e-5)  # of the biased logits
+    assert not s.plain_greedy([True, False, False, False]) and s.plain_greedy([0, 0, 1, 0])
+    s.clear_row(1)  # the bias table is rebuilt without row 1's entries
+    s.set_row(1, SamplingParams())
+    assert s.sample(logits, [True] * 4).tokens[1] == order[1, 0]
+
+
+@pytest.mark.parametrize(
+    "bias, fragment",
+    [({-1: 1.0}, "keys"), ({3: 101}, "[-100, 100]"), ({3: True}, "numbers"), ([1], "map")],
+)
+def test_logit_bias_is_checked(bias, fragment):
+    with pytest.raises(SamplingOptionsError, match="logit_bias") as info:
+        SamplingParams(logit_bias=bias).validate()
+    assert fragment in str(info.value)
+
+
 @pytest.mark.parametrize(
     "options", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=0.999), dict(top_k=3, top_p=1e-6)]
 )

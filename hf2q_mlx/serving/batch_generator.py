@@ -61,7 +61,8 @@ class BatchGenerator:
 
     Options of ``submit`` / ``generate``: those of ``SamplingParams`` (max_tokens, temperature,
     top_k, top_p, min_p, seed, stop, logprobs, top_logprobs, presence_penalty,
-    frequency_penalty, ignore_eos); the defaults decode greedily, as ``generate`` does.
+    frequency_penalty, ignore_eos, logit_bias); the defaults decode greedily, as ``generate``
+    does.
     ``compiled`` picks the batched ``DecodeStep`` (default: on a GPU) or the sequential rows;
     ``batch_prefill`` packs a step's prompt chunks of several rows into one forward pass (the
     batched step only; off by default: docs/serving.md).

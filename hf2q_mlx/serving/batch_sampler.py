@@ -1,11 +1,11 @@
 """Per-row sampling of a (B, V) logits batch on the device; only token ids (and the log-probs a
 request asked for) go to the host.
 
-Each row has its own temperature, top-k, top-p, min-p, presence / frequency penalties and random
-key. The order is that of ``hf2q_mlx.sampling``: penalties, log-softmax, temperature, top-k, top-p,
-min-p, then a Gumbel-max draw with the row's key (a seeded request draws the same tokens whatever
-else shares the batch). Temperature 0 rows take the argmax of the log-probs, as
-``stream_generate`` does.
+Each row has its own temperature, top-k, top-p, min-p, presence / frequency penalties, logit bias
+and random key. The order is that of ``hf2q_mlx.sampling``: logit bias and penalties,
+log-softmax, temperature, top-k, top-p, min-p, then a Gumbel-max draw with the row's key (a
+seeded request draws the same tokens whatever else shares the batch). Temperature 0 rows take
+the argmax of the log-probs, as ``stream_generate`` does.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from hf2q_mlx.generation import check_generation_arguments, is_int
 from hf2q_mlx.sampling import validate_sampling_options
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI allows 300)
 
 
 @dataclass
@@ -31,8 +32,10 @@ class SamplingParams:
     """One request's generation options (OpenAI's names; ``top_k`` and ``min_p`` as in vLLM).
 
     Penalties count the tokens generated so far (OpenAI's definition): ``logit -= count *
-    frequency_penalty + (count > 0) * presence_penalty``. ``logprobs`` returns the log-probability
-    of each chosen token and ``top_logprobs`` (0..20) the most likely alternatives.
+    frequency_penalty + (count > 0) * presence_penalty``. ``logit_bias`` ({token id: bias in
+    [-100, 100]}, OpenAI's) is added to those tokens' logits first. ``logprobs`` returns the
+    log-probability of each chosen token and ``top_logprobs`` (0..20) the most likely
+    alternatives.
     """
 
     max_tokens: int = 256
@@ -47,6 +50,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         """SamplingOptionsError (one line, naming the option) for any value out of range."""
@@ -71,6 +75,18 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
                 raise SamplingOptionsError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingOptionsError(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers"
+            )
+        for t, v in self.logit_bias.items():
+            if not is_int(t) or t < 0:
+                raise SamplingOptionsError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not number or not -100.0 <= v <= 100.0:
+                raise SamplingOptionsError(
+                    f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}"
+                )
 
 
 @dataclass
@@ -143,6 +159,8 @@ class BatchSampler:
                 "presence": device_array([float(p.presence_penalty) for p in ps], f32),
                 "frequency": device_array([float(p.frequency_penalty) for p in ps], f32),
             }
+            if any(p.logit_bias for p in ps):
+                self._rows["bias"] = _bias_table(ps)
         return self._rows
 
     def plain_greedy(self, active: Sequence[bool]) -> bool:
@@ -153,7 +171,7 @@ class BatchSampler:
         return all(
             p is not None and p.temperature == 0 and not p.presence_penalty
             and not p.frequency_penalty and not p.logprobs and not p.top_logprobs
-            for p in live
+            and not p.logit_bias for p in live
         )  # fmt: skip
 
     def _mask(self, name: str, values: Sequence, dtype: mx.Dtype) -> mx.array:
@@ -174,6 +192,10 @@ class BatchSampler:
         r = self._row_arrays()
         live = [p for p, a in zip(self.params, active) if a and p is not None]
         logits = logits.astype(mx.float32)
+        if "bias" in r:  # (B, K) ids and biases, each row's padded with its own first entry
+            ids, bias = r["bias"]
+            picked = mx.take_along_axis(logits, ids, axis=-1)
+            logits = mx.put_along_axis(logits, ids, picked + bias, axis=-1)
         if any(p.presence_penalty or p.frequency_penalty for p in live):
             if self.counts is None:
                 self.counts = mx.zeros((self.B, self.V), mx.float32)
@@ -244,6 +266,20 @@ class BatchSampler:
         order = mx.argsort(-x, axis=-1)  # (B, V), most likely first
         s = _nucleus(mx.take_along_axis(x, order, axis=-1), r, self.V)
         return _gumbel_max(mx.put_along_axis(x, order, s, axis=-1), noise, r["log_min_p"])
+
+
+def _bias_table(ps: list[SamplingParams]) -> tuple[mx.array, mx.array]:
+    """Every row's logit bias as (B, K) token ids and fp32 biases, K the most any row has. A
+    row's padding repeats its first entry (or token 0 with 0 for a row without bias), so every
+    write at one id carries the same value whatever order the scatter runs in."""
+    K = max(len(p.logit_bias) for p in ps)
+    ids, vals = [], []
+    for p in ps:
+        items = sorted(p.logit_bias.items()) or [(0, 0.0)]
+        items += [items[0]] * (K - len(items))
+        ids.append([t for t, _ in items])
+        vals.append([float(v) for _, v in items])
+    return mx.array(ids, dtype=mx.int32), mx.array(vals, dtype=mx.float32)
 
 
 def _nucleus(s: mx.array, r: dict[str, mx.array], n: int) -> mx.array:

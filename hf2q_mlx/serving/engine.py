@@ -38,7 +38,12 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels import device_array
 from hf2q_mlx.decode_step import DecodeStep
-from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, QueueFullError
+from hf2q_mlx.errors import (
+    ContextLengthError,
+    InvalidArgumentError,
+    QueueFullError,
+    SamplingOptionsError,
+)
 from hf2q_mlx.generation import (
     cache_arrays,
     check_token_ids,
@@ -248,6 +253,11 @@ class Engine:
         if self._stop.is_set():
             raise InvalidArgumentError("this engine has been shut down; make a new one")
         params.validate()
+        top = max(params.logit_bias, default=-1)
+        if self.vocab is not None and top >= self.vocab:
+            raise SamplingOptionsError(
+                f"logit_bias token id {top} is outside the vocabulary [0, {self.vocab})"
+            )
         if not prompt:
             raise InvalidArgumentError("prompt is empty: give at least one token or character")
         check_token_ids(prompt, self.vocab)

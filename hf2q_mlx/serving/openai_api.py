@@ -99,6 +99,17 @@ def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, lo
     for name in UNSUPPORTED:
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server", name, "unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request(
+            "response_format: only {\"type\": \"text\"} is supported by this server",
+            "response_format", "unsupported",
+        )  # fmt: skip
+    if _number(body, "repetition_penalty", 1.0) != 1.0:
+        raise bad_request(
+            "repetition_penalty is not supported by this server (use presence_penalty / "
+            "frequency_penalty)", "repetition_penalty", "unsupported",
+        )  # fmt: skip
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
@@ -132,9 +143,26 @@ def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, lo
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         ignore_eos=bool(body.get("ignore_eos", False)),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
     params.validate()
     return params, stream, bool(options.get("include_usage", False)), model, n
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` ({"token id": bias}, JSON keys are strings) -> {id: bias}; the
+    ranges are checked by ``SamplingParams.validate`` and the vocabulary by the engine."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object of token ids to numbers", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        text = key.strip() if isinstance(key, str) else ""
+        if not text.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(text)] = bias
+    return out
 
 
 def _message_text(i: int, content: Any) -> str:
