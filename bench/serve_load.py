@@ -31,6 +31,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "tests" / "data" / "us_constitution.txt").read_text().split()
 MODEL_ID = "load-test"
+SYSTEMS = [" ".join(TEXT[i : i + 60]) for i in (0, 500, 1000)]  # shared chat system prompts
 
 
 def free_port() -> int:
@@ -84,8 +85,15 @@ def random_body(rng: random.Random, a: argparse.Namespace) -> dict:
         body["seed"] = rng.randrange(1 << 30)
     if rng.random() < 0.3:
         body["top_k"] = rng.choice([5, 40])
+    if rng.random() < 0.1:  # several choices: the later ones wait for the first one's prompt
+        body["n"] = rng.choice([2, 3])
+    if rng.random() < 0.1:
+        body["logit_bias"] = {str(rng.randrange(1000)): rng.choice([-100, 5, 100])}
     if rng.random() < a.chat_rate:
         body["messages"] = [{"role": "user", "content": words}]
+        if rng.random() < 0.5:  # a shared system prompt: reused from the pool, cut back
+            system = SYSTEMS[rng.randrange(len(SYSTEMS))]
+            body["messages"].insert(0, {"role": "system", "content": system})
     else:
         body["prompt"] = words
     return body
@@ -145,6 +153,8 @@ def client(idx: int, url: str, a: argparse.Namespace, stop_at: float, tally: Cou
                 with lock:
                     tally[outcome] += 1
                     tally["sent"] += 1
+                if outcome == "rejected_429":  # as a client honouring Retry-After would
+                    time.sleep(rng.uniform(0.5, 1.5))
 
 
 def load_phase(url, a, seconds, tally, seed_offset, server=None) -> tuple[int, list]:

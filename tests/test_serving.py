@@ -240,7 +240,7 @@ def test_queue_full_answers_429(smollm2):
             with h.stream("POST", srv.url + "/v1/completions", json=body) as b:
                 assert a.status_code == 200 and b.status_code == 200
                 c = h.post(srv.url + "/v1/completions", json=body)
-                assert c.status_code == 429
+                assert c.status_code == 429 and c.headers["retry-after"] == "1"
                 err = c.json()["error"]
                 assert err["type"] == "rate_limit_exceeded" and "retry" in err["message"]
         assert wait_idle(srv)["outstanding"] == 0

@@ -49,7 +49,9 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
     async def on_hf2q_error(request: Request, err: Hf2qError) -> JSONResponse:
         if isinstance(err, QueueFullError):
             metrics.inc("http_requests_total", status="429")
-            return _error(429, err, "rate_limit_exceeded")
+            resp = _error(429, err, "rate_limit_exceeded")
+            resp.headers["Retry-After"] = "1"  # seconds: clients that honour it back off
+            return resp
         metrics.inc("http_requests_total", status="400")
         return _error(400, err)
 
