@@ -574,7 +574,8 @@ def test_engine_takes_the_graphs_ids_for_plain_greedy_rows(monkeypatch):
 def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
     """The serving engine with HF2Q_DECODE=graph on CUDA (a stand-in graph running the compiled
     step, keeping its logits): two rows, one greedy with logprobs, one sampled with a seed,
-    give HF2Q_DECODE=compiled's tokens and logprobs, every token through the graph."""
+    give HF2Q_DECODE=compiled's tokens and logprobs, every token through the graph; the same
+    with both prompts prefilled in one packed pass (``batch_prefill``)."""
     from conftest import IdsTokenizer
 
     import hf2q_mlx
@@ -582,10 +583,10 @@ def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
     calls = _StandInGraph.calls = []
     StandIn = _StandInGraph
 
-    def run():
+    def run(batch_prefill=False):
         model = _tiny_generation_model()
-        with hf2q_mlx.BatchGenerator(model, IdsTokenizer(), max_batch=2, max_len=64,
-                                     compiled=True) as gen:  # fmt: skip
+        opts = dict(max_batch=2, max_len=64, compiled=True, batch_prefill=batch_prefill)
+        with hf2q_mlx.BatchGenerator(model, IdsTokenizer(), **opts) as gen:
             uids = [
                 gen.submit([5, 9, 2, 7], max_tokens=6, ignore_eos=True, logprobs=True),
                 gen.submit([3, 1], max_tokens=5, ignore_eos=True, temperature=0.9, seed=4),
@@ -602,12 +603,14 @@ def test_engine_decodes_through_the_graph_step_when_asked(monkeypatch):
         assert graph is None and [len(w) for w in want] == [6, 5]
         _use_stand_in_graph(monkeypatch)
         got, graph = run()
+        packed, _ = run(batch_prefill=True)
     assert isinstance(graph, StandIn)
+    assert [[t for t, _ in g] for g in packed] == [[t for t, _ in w] for w in want]
     assert [[t for t, _ in g] for g in got] == [[t for t, _ in w] for w in want]
     np.testing.assert_allclose([lp for lp in (x[1] for x in got[0])],
                                [lp for lp in (x[1] for x in want[0])], rtol=1e-5)  # fmt: skip
-    # every generated token went through the graph: at most 6 steps with a row active
-    assert 6 <= len(calls) <= 11
+    # every generated token went through the graph: at most 6 steps with a row active, per run
+    assert 12 <= len(calls) <= 22
 
 
 def test_graph_step_refuses_bad_arguments_before_any_launch():
