@@ -30,6 +30,7 @@ PROPERTIES = [  # pytest node ids under tests/test_fuzz.py
     "test_fuzz_config_json",
     "test_fuzz_tokenizer_json",
     "test_fuzz_api_arguments",
+    "test_fuzz_openai_request_bodies",
     "test_fuzz_load_arguments",
 ]
 

@@ -53,7 +53,7 @@ def env_int(name: str, lo: int, hi: int) -> int | None:
     text = os.environ.get(name, "").strip()
     if not text:
         return None
-    if not text.isdigit() or not lo <= int(text) <= hi:
+    if not (text.isascii() and text.isdigit()) or not lo <= int(text) <= hi:
         raise InvalidArgumentError(f"{name}={text!r}: expected an integer in {lo}..{hi}")
     return int(text)
 

@@ -84,7 +84,9 @@ class ModelArgs(BaseModelArgs):
         self.kv_source = _kv_sources(self.layer_types, self.num_kv_shared_layers)
         if self.per_layer_config is not None:
             self.per_layer_config = {
-                int(k): dict(v) for k, v in self.per_layer_config.items() if str(k).isdigit()
+                int(k): dict(v)
+                for k, v in self.per_layer_config.items()
+                if str(k).isascii() and str(k).isdigit()
             }
 
     def layer_geometry(self, i: int) -> tuple[int, int, bool]:

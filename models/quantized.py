@@ -212,7 +212,9 @@ class GGMLEmbedding(_GGMLModule):
 
 def _child(parent, key: str):
     if isinstance(parent, list):
-        return parent[int(key)] if key.isdigit() and int(key) < len(parent) else None
+        return (
+            parent[int(key)] if key.isascii() and key.isdigit() and int(key) < len(parent) else None
+        )
     return parent.get(key) if isinstance(parent, dict) else None
 
 

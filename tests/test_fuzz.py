@@ -474,6 +474,78 @@ def test_fuzz_api_arguments(loaded_tiny):
     run()
 
 
+def _mostly(valid, odd=ANY_VALUE):
+    """``valid`` about nine times in ten, else any value: most bodies reach the later checks.
+    (A drawn digit picks the side: one_of would weigh every branch of either side alike.)"""
+    return st.tuples(st.integers(0, 9), valid, odd).map(lambda t: t[2] if t[0] == 9 else t[1])
+
+
+TEXT_OR_IDS = st.text(min_size=1, max_size=12) | st.lists(st.integers(0, VOCAB - 1), min_size=1)
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text()}),
+    min_size=1, max_size=3,
+)  # fmt: skip
+BODIES = st.fixed_dictionaries(
+    {"model": _mostly(st.just("m")), "messages": _mostly(MESSAGES, PROMPTS),
+     "prompt": _mostly(TEXT_OR_IDS, PROMPTS)},
+    optional={
+        "max_tokens": _mostly(st.integers(1, 4)),
+        "max_completion_tokens": _mostly(st.integers(1, 4)),
+        "temperature": _mostly(st.floats(0, 2)),
+        "top_p": _mostly(st.floats(0.01, 1)),
+        "top_k": _mostly(st.integers(0, 50)),
+        "min_p": _mostly(st.floats(0, 1)),
+        "n": _mostly(st.integers(1, 3)),
+        "seed": _mostly(st.integers(0, 2**40)),
+        "stop": _mostly(st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+        "logprobs": _mostly(st.booleans() | st.integers(0, 5)),
+        "top_logprobs": _mostly(st.integers(0, 5)),
+        "presence_penalty": _mostly(st.floats(-2, 2)),
+        "frequency_penalty": _mostly(st.floats(-2, 2)),
+        "logit_bias": _mostly(
+            st.dictionaries(st.integers(0, VOCAB + 2).map(str), st.floats(-100, 100), max_size=3),
+            st.dictionaries(st.text(max_size=4), ANY_VALUE, max_size=3) | ANY_VALUE,
+        ),
+        "response_format": _mostly(st.just({"type": "text"})),
+        "repetition_penalty": _mostly(st.just(1.0)),
+        "stream": _mostly(st.booleans()),
+        "stream_options": _mostly(st.just({"include_usage": True})),
+        "echo": _mostly(st.just(False)),
+        "best_of": _mostly(st.just(1)),
+        "tools": _mostly(st.none()),
+    },
+)  # fmt: skip
+
+
+def test_fuzz_openai_request_bodies(loaded_tiny):
+    """Request bodies of the OpenAI endpoints: parsed, submitted to an engine (not started: the
+    submit's checks only) and each choice's options sampled once by the batch sampler; a 400-
+    class Hf2qError or success, never another exception."""
+    from hf2q_mlx.serving import openai_api as oa
+    from hf2q_mlx.serving.batch_sampler import BatchSampler
+    from hf2q_mlx.serving.engine import Engine
+
+    model, tok = loaded_tiny
+    engine = Engine(model, tok, max_batch=2, max_queue=1 << 30, max_len=64)
+    sampler = BatchSampler(2, model.args.vocab_size)
+    logits = mx.random.normal((2, model.args.vocab_size), key=mx.random.key(0))
+
+    @FUZZ
+    @given(body=BODIES, chat=st.booleans())
+    def run(body, chat) -> None:
+        def call() -> None:
+            parse = oa.parse_chat if chat else oa.parse_completion
+            parsed = parse(body, tok, {"m"}, engine.max_len)
+            for params in parsed.choice_params():
+                engine.submit(parsed.prompt, params, lambda event: None)
+                sampler.set_row(0, params)
+                sampler.sample(logits, [True, False])
+
+        outcome("OpenAI bodies", call)
+
+    run()
+
+
 @given(path=ANY_VALUE, dtype=ANY_VALUE | st.sampled_from(["float32", "bfloat16", "f8", mx.int8]))
 @FUZZ
 def test_fuzz_load_arguments(path, dtype, tmp_path_factory):

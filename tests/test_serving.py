@@ -195,6 +195,7 @@ def _error(resp) -> dict:
         ({"model": MODEL_ID, "messages": CHAT, "n": 0}, "n", None),
         ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"12": 101}}, "logit_bias", None),
         ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias", None),
+        ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"²": 1}}, "logit_bias", None),
         ({"model": MODEL_ID, "messages": CHAT, "logit_bias": {"99999999": 1}}, "logit_bias",
          None),
         ({"model": MODEL_ID, "messages": CHAT, "response_format": {"type": "json_object"}},
@@ -312,6 +313,10 @@ def test_logit_bias_steers_the_tokens(smollm2, client):
                                         response_format={"type": "text"}, temperature=0,
                                         extra_body={"repetition_penalty": 1.0})  # fmt: skip
     assert ok.choices[0].finish_reason == "length"
+    # a top-k past the vocabulary (valid: it keeps it all) once failed the engine's whole step
+    wide = client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=2, seed=1,
+                                          temperature=1.0, extra_body={"top_k": 2**31})  # fmt: skip
+    assert wide.choices[0].finish_reason in ("length", "stop")
 
 
 def test_n_choices_share_one_prefill_and_repeat_alone(smollm2, server, client):

@@ -102,6 +102,19 @@ def test_filters_that_keep_one_token_give_the_argmax(options):
         assert out.tokens == np.asarray(logits).argmax(-1).tolist()
 
 
+def test_a_top_k_past_the_vocabulary_keeps_it_all():
+    """top_k = 2**31 (valid: any k >= 0) samples as top_k = 0 with the same seed; it once
+    overflowed the sampler's int32 vector, failing every running request of the engine."""
+    logits = random_logits(2, 8)
+    outs = []
+    for k in (2**31, 0):
+        s = BatchSampler(2, V)
+        s.set_row(0, SamplingParams(temperature=1.0, top_k=k, seed=5))
+        s.set_row(1, SamplingParams(temperature=1.0, top_p=0.9, seed=6))
+        outs.append(s.sample(logits, [True, True]).tokens)
+    assert outs[0] == outs[1]
+
+
 def test_top_k_keeps_only_the_k_best():
     s = BatchSampler(2, V)
     s.set_row(0, SamplingParams(temperature=5.0, top_k=3, seed=1))

@@ -181,3 +181,16 @@ def test_chat_messages_to_a_model_without_its_own_template_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stream_generate(MODEL, TOK, messages, max_tokens=1)
+
+
+@pytest.mark.parametrize("text", ["²", "x", "-1", "1.5", "3"])
+def test_environment_switches_take_ascii_digits_in_range(text, monkeypatch):
+    """``env_int``: '²' is a digit to Python's str.isdigit but not to int(); it, and anything
+    else outside 0..2, raises InvalidArgumentError naming the variable, never a ValueError."""
+    from hf2q_mlx.custom_kernels import env_int
+
+    monkeypatch.setenv("HF2Q_TEST_SWITCH", text)
+    with pytest.raises(InvalidArgumentError, match="HF2Q_TEST_SWITCH"):
+        env_int("HF2Q_TEST_SWITCH", 0, 2)
+    monkeypatch.setenv("HF2Q_TEST_SWITCH", " 2 ")
+    assert env_int("HF2Q_TEST_SWITCH", 0, 2) == 2

@@ -151,7 +151,10 @@ class BatchSampler:
                     [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in ps], f32
                 ),
                 "greedy": device_array([p.temperature == 0 for p in ps], mx.bool_),
-                "top_k": device_array([p.top_k if p.top_k > 0 else self.V for p in ps], mx.int32),
+                # a top-k past the vocabulary keeps all of it (and fits the int32 vector)
+                "top_k": device_array(
+                    [min(p.top_k, self.V) if p.top_k > 0 else self.V for p in ps], mx.int32
+                ),
                 "top_p": device_array([float(p.top_p) for p in ps], f32),
                 "log_min_p": device_array(
                     [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps], f32

@@ -159,7 +159,7 @@ def _logit_bias(value: Any) -> dict[int, float]:
     out = {}
     for key, bias in value.items():
         text = key.strip() if isinstance(key, str) else ""
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # int() refuses '²', a digit too
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         out[int(text)] = bias
     return out
