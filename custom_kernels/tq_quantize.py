@@ -153,25 +153,47 @@ _into_kernel = Kernel(
 )
 
 
+def _launch(kernel: Kernel, x_shape: tuple, dtype: mx.Dtype, padded_dim: int, bits: int,
+            has_scale: bool, has_mean: bool, rows: bool, out_shape=None, **template):  # fmt: skip
+    """One threadgroup of P threads per head vector of x (B, H, L, D): ``kernel``'s launch
+    writing (B, H, L, words) rows, or ``out_shape`` (an in-place cache, extra ``template``
+    values); None where the kernel does not apply."""
+    B, H, L, D = x_shape
+    P, CW = padded_dim, padded_dim * bits // 32
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or P > 1024 or B * H * L == 0:
+        return None
+    extra_inputs = [mx.int32] if template else []  # the in-place kernel's pos
+    return kernel.launcher(
+        [dtype] + [mx.float32] * 5 + extra_inputs,
+        grid=(L * P, H, B),
+        threadgroup=(P, 1, 1),
+        output_shapes=[tuple(out_shape or (B, H, L, CW + 1))],
+        output_dtypes=[mx.uint32],
+        template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW,
+                  "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean), "ROWS": int(rows),
+                  **template},
+    )  # fmt: skip
+
+
+def _table_inputs(signs, scale, mean, boundaries, codebook) -> tuple[bool, list[mx.array]]:
+    """(the tables are per batch row, the kernel's inputs after x): an absent scale or mean
+    passes the stand-in its template flag skips."""
+    given = [a for a in (scale, mean) if a is not None]
+    one = stand_in()
+    tables = [signs, one if scale is None else scale, one if mean is None else mean,
+              boundaries, codebook]  # fmt: skip
+    return bool(given) and given[0].ndim == 3, tables
+
+
 def into_launch(cache_shape: tuple, x_shape: tuple, dtype: mx.Dtype, padded_dim: int, bits: int,
                 has_scale: bool, has_mean: bool, rows: bool, ring: bool):  # fmt: skip
     """The launch quantizing x (B, H, L, D) into a cache of ``cache_shape`` (B, H, C, words) at
     each batch row's slots (``tq_quantize_into``), or None where the kernel does not apply."""
-    B, H, L, D = x_shape
-    P, CW = padded_dim, padded_dim * bits // 32
-    ok = dtype in (mx.float16, mx.bfloat16, mx.float32) and P <= 1024 and B * H * L > 0
-    if not ok or tuple(cache_shape[:2]) != (B, H) or cache_shape[3] != CW + 1:
+    B, H = x_shape[:2]
+    if tuple(cache_shape[:2]) != (B, H) or cache_shape[3] != padded_dim * bits // 32 + 1:
         return None
-    return _into_kernel.launcher(
-        [dtype] + [mx.float32] * 5 + [mx.int32],
-        grid=(L * P, H, B),
-        threadgroup=(P, 1, 1),
-        output_shapes=[tuple(cache_shape)],
-        output_dtypes=[mx.uint32],
-        template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW, "HAS_SCALE": int(has_scale),
-                  "HAS_MEAN": int(has_mean), "ROWS": int(rows), "C": cache_shape[2],
-                  "RING": int(ring)},
-    )  # fmt: skip
+    return _launch(_into_kernel, x_shape, dtype, padded_dim, bits, has_scale, has_mean, rows,
+                   cache_shape, C=cache_shape[2], RING=int(ring))  # fmt: skip
 
 
 def quantize_rows_into(
@@ -189,16 +211,12 @@ def quantize_rows_into(
     """In a recording: x (B, H, L, dim) quantized straight into ``cache`` (B, H, C, words) at
     slots pos[b] + l (modulo C for a ring), in place; the same array back. ``scale`` / ``mean``
     as ``quantize_rows``' (B, H, dim) tables. Raises GraphCaptureError where it does not apply."""
-    given = [a for a in (scale, mean) if a is not None]
-    rows = bool(given) and given[0].ndim == 3
+    rows, tables = _table_inputs(signs, scale, mean, boundaries, codebook)
     launch = into_launch(tuple(cache.shape), tuple(x.shape), x.dtype, signs.shape[0], bits,
                          scale is not None, mean is not None, rows, ring)  # fmt: skip
     if launch is None:
         raise GraphCaptureError(f"tq_quantize_into: no kernel for {x.shape} into {cache.shape}")
-    one = stand_in()
-    inputs = [x, signs, one if scale is None else scale, one if mean is None else mean,
-              boundaries, codebook, pos]  # fmt: skip
-    return launch_into(launch, inputs, [cache])[0]
+    return launch_into(launch, [x, *tables, pos], [cache])[0]
 
 
 _PLANS: dict[tuple, tuple | None] = {}
@@ -229,20 +247,8 @@ def _plan(
         if has_scale or has_mean:
             raise ValueError(f"tq_quantize with a scale or mean takes (B, H, L, D), got {shape}")
         shape = (1, 1, math.prod(shape[:-1]), shape[-1])
-    B, H, L, D = shape
-    P, CW = padded_dim, padded_dim * bits // 32
-    if B * H * L == 0:
-        return None
-    launch = _kernel.launcher(
-        [dtype] + [mx.float32] * 5,
-        grid=(L * P, H, B),
-        threadgroup=(P, 1, 1),
-        output_shapes=[(B, H, L, CW + 1)],
-        output_dtypes=[mx.uint32],
-        template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW,
-                  "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean), "ROWS": int(rows)},
-    )  # fmt: skip
-    return launch, shape
+    launch = _launch(_kernel, shape, dtype, padded_dim, bits, has_scale, has_mean, rows)
+    return None if launch is None else (launch, shape)
 
 
 def quantize_rows(
@@ -266,8 +272,7 @@ def quantize_rows(
     if backend() is None:
         return None
     P = signs.shape[0]
-    given = [a for a in (scale, mean) if a is not None]
-    rows = bool(given) and given[0].ndim == 3
+    rows, tables = _table_inputs(signs, scale, mean, boundaries, codebook)
     # ints only: the key is built every call
     key = (x.shape, x.dtype, P, bits, scale is not None, mean is not None, rows)
     plan = _PLANS.get(key, _MISSING)
@@ -279,11 +284,7 @@ def quantize_rows(
     if plan is None:
         return None
     launch, shape = plan
-    one = stand_in()
-    inputs = [x.reshape(shape) if x.ndim != 4 else x, signs,
-              one if scale is None else scale, one if mean is None else mean,
-              boundaries, codebook]  # fmt: skip
-    out = launch(inputs=inputs)[0]
+    out = launch(inputs=[x.reshape(shape) if x.ndim != 4 else x, *tables])[0]
     return out if x.ndim == 4 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
