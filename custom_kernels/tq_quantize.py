@@ -30,9 +30,11 @@ def stored_vectors(x: mx.array, scale: mx.array | None, mean: mx.array | None) -
 # Template: T (input dtype), D (dim), P (padded dim, a power of two), BITS, CW (code words),
 # HAS_SCALE / HAS_MEAN (the TQBalance transform of the input), ROWS (that transform given per
 # batch row: (B, H, D) tables, a static cache's rows each calibrated on its own prompt).
+# @SELECT@ defines bz (the batch row) and mean_on; the K + V kernel also picks its side's arrays.
 _BODY = """
   // One threadgroup per head vector (gid_x = token, gid_y = head, gid_z = batch of x (B, H, L,
-  // D)), one thread per rotated coordinate (P threads): the balance transform, sign flip,
+  // D); the K + V kernel: z < B keys, z >= B values), one thread per rotated coordinate (P
+  // threads): the balance transform, sign flip,
   // Walsh-Hadamard butterflies in shared memory, the norm from SIMD sums, a binary search of
   // the Lloyd-Max boundaries, the dot of codebook values with the unit coordinates (SIMD sums
   // again) for the stored scale, then thread w < CW assembles packed word w from the codes.
@@ -42,16 +44,17 @@ _BODY = """
   SHARED uint codes[P];
   SHARED float bnd[1 << BITS];  // the binary search reads these many times: shared, not device
   SHARED float cbk[1 << BITS];
+@SELECT@
   const uint head = gid_y;
-  const uint row = (gid_z * ngroups_y + head) * ngroups_x + gid_x;
+  const uint row = (bz * ngroups_y + head) * ngroups_x + gid_x;
   const uint j = tid;
   // the balance's row: one (H, D) table, or (B, H, D) with one per batch row (ROWS)
-  const uint srow = ROWS ? gid_z * ngroups_y + head : head;
+  const uint srow = ROWS ? bz * ngroups_y + head : head;
 @OUT_ROW@
   float xv = 0.0f;
   if (j < uint(D)) {
     xv = to_float(x[row * uint(D) + j]);
-    if (HAS_MEAN) xv -= mean[srow * uint(D) + j];
+    if (mean_on) xv -= mean[srow * uint(D) + j];
     if (HAS_SCALE) xv /= scale[srow * uint(D) + j];
   }
   buf[j] = xv * signs[j];
@@ -121,11 +124,13 @@ def _example(dt, d, p, b, hs, hm, rows, ring=None) -> Example:
     return Example(inputs, {"out": mx.uint32}, template)
 
 
+_ONE = "  const uint bz = gid_z;\n  const bool mean_on = HAS_MEAN;"
+
 _kernel = Kernel(
     "tq_quantize",
     inputs=["x", "signs", "scale", "mean", "boundaries", "codebook"],
     outputs=["out"],
-    body=_BODY.replace("@OUT_ROW@", "  const uint64_t orow = row;"),
+    body=_BODY.replace("@SELECT@", _ONE).replace("@OUT_ROW@", "  const uint64_t orow = row;"),
     examples=[
         _example(mx.float16, 256, 256, 4, 1, 0, 0),
         _example(mx.bfloat16, 512, 512, 3, 1, 1, 1),
@@ -137,15 +142,15 @@ _kernel = Kernel(
 # The same kernel writing each packed row into a cache's slot in place (a recorded CUDA graph's
 # TurboQuant write: no separate kv_write_words launch). Cache (B, H, C, CW + 1) words; the
 # token's slot is pos[batch] + token (modulo C with RING).
-_INTO_ROW = """  uint slot = uint(pos[gid_z]) + gid_x;
+_INTO_ROW = """  uint slot = uint(pos[bz]) + gid_x;
   if (RING) slot %= uint(C);
-  const uint64_t orow = uint64_t(gid_z * ngroups_y + head) * uint64_t(C) + slot;"""
+  const uint64_t orow = uint64_t(bz * ngroups_y + head) * uint64_t(C) + slot;"""
 
 _into_kernel = Kernel(
     "tq_quantize_into",
     inputs=["x", "signs", "scale", "mean", "boundaries", "codebook", "pos"],
     outputs=["out"],
-    body=_BODY.replace("@OUT_ROW@", _INTO_ROW),
+    body=_BODY.replace("@SELECT@", _ONE).replace("@OUT_ROW@", _INTO_ROW),
     examples=[
         _example(mx.bfloat16, 256, 256, 8, 1, 1, 1, ring=1),
         _example(mx.float16, 96, 128, 4, 1, 0, 1, ring=0),
@@ -153,22 +158,62 @@ _into_kernel = Kernel(
 )
 
 
+# K and V of one layer's tokens into their two caches in ONE launch (grid z = 2B), each side with
+# its own signs, balance and codebook; the same D, P and BITS on both, the mean on K only (a
+# TurboQuant cache centers keys, never values).
+_KV_SELECT = """  const bool is_v = gid_z >= ngroups_z / 2;
+  const uint bz = is_v ? gid_z - ngroups_z / 2 : gid_z;
+  const bool mean_on = HAS_MEAN && !is_v;
+  DEVICE_PTR(const T) x = is_v ? vx : kx;
+  DEVICE_PTR(const float) signs = is_v ? vsigns : ksigns;
+  DEVICE_PTR(const float) scale = is_v ? vscale : kscale;
+  DEVICE_PTR(const float) mean = kmean;
+  DEVICE_PTR(const float) boundaries = is_v ? vboundaries : kboundaries;
+  DEVICE_PTR(const float) codebook = is_v ? vcodebook : kcodebook;
+  DEVICE_PTR(uint) out = is_v ? vout : kout;"""
+
+KV_INPUTS = ["kx", "vx", "ksigns", "kscale", "kmean", "kboundaries", "kcodebook", "vsigns",
+             "vscale", "vboundaries", "vcodebook", "pos"]  # fmt: skip
+
+
+def _kv_example(dt, d, p, b, hs, hm, ring) -> Example:
+    inputs = {name: mx.float32 for name in KV_INPUTS}
+    inputs.update(kx=dt, vx=dt, pos=mx.int32)
+    template = {"T": dt, "D": d, "P": p, "BITS": b, "CW": p * b // 32, "HAS_SCALE": hs,
+                "HAS_MEAN": hm, "ROWS": 1, "C": 64, "RING": ring}  # fmt: skip
+    return Example(inputs, {"kout": mx.uint32, "vout": mx.uint32}, template)
+
+
+_kv_into_kernel = Kernel(
+    "tq_quantize_kv_into",
+    inputs=KV_INPUTS,
+    outputs=["kout", "vout"],
+    body=_BODY.replace("@SELECT@", _KV_SELECT).replace("@OUT_ROW@", _INTO_ROW),
+    examples=[
+        _kv_example(mx.bfloat16, 256, 256, 8, 1, 1, 1),
+        _kv_example(mx.float16, 96, 128, 4, 1, 0, 0),
+    ],
+)
+
+
 def _launch(kernel: Kernel, x_shape: tuple, dtype: mx.Dtype, padded_dim: int, bits: int,
             has_scale: bool, has_mean: bool, rows: bool, out_shape=None, **template):  # fmt: skip
-    """One threadgroup of P threads per head vector of x (B, H, L, D): ``kernel``'s launch
-    writing (B, H, L, words) rows, or ``out_shape`` (an in-place cache, extra ``template``
-    values); None where the kernel does not apply."""
+    """One threadgroup of P threads per head vector of x (B, H, L, D) (of K and of V for the
+    two-output kernel): ``kernel``'s launch writing (B, H, L, words) rows, or ``out_shape``
+    (an in-place cache, extra ``template`` values); None where the kernel does not apply."""
     B, H, L, D = x_shape
     P, CW = padded_dim, padded_dim * bits // 32
     if dtype not in (mx.float16, mx.bfloat16, mx.float32) or P > 1024 or B * H * L == 0:
         return None
-    extra_inputs = [mx.int32] if template else []  # the in-place kernel's pos
+    sides = len(kernel.outputs)  # 2: the K + V kernel, its grid z = 2B
+    in_dtypes = [dtype if n in ("x", "kx", "vx") else mx.int32 if n == "pos" else mx.float32
+                 for n in kernel.inputs]  # fmt: skip
     return kernel.launcher(
-        [dtype] + [mx.float32] * 5 + extra_inputs,
-        grid=(L * P, H, B),
+        in_dtypes,
+        grid=(L * P, H, sides * B),
         threadgroup=(P, 1, 1),
-        output_shapes=[tuple(out_shape or (B, H, L, CW + 1))],
-        output_dtypes=[mx.uint32],
+        output_shapes=[tuple(out_shape or (B, H, L, CW + 1))] * sides,
+        output_dtypes=[mx.uint32] * sides,
         template={"T": dtype, "D": D, "P": P, "BITS": bits, "CW": CW,
                   "HAS_SCALE": int(has_scale), "HAS_MEAN": int(has_mean), "ROWS": int(rows),
                   **template},
@@ -194,6 +239,50 @@ def into_launch(cache_shape: tuple, x_shape: tuple, dtype: mx.Dtype, padded_dim:
         return None
     return _launch(_into_kernel, x_shape, dtype, padded_dim, bits, has_scale, has_mean, rows,
                    cache_shape, C=cache_shape[2], RING=int(ring))  # fmt: skip
+
+
+def kv_into_launch(cache_shape: tuple, x_shape: tuple, dtype: mx.Dtype, padded_dim: int,
+                   bits: int, has_scale: bool, has_mean: bool, ring: bool):  # fmt: skip
+    """The one launch quantizing keys and values, both x (B, H, L, D) with (B, H, D) tables, into
+    their caches, both of ``cache_shape`` (``tq_quantize_kv_into``); None where it does not
+    apply (then a launch each)."""
+    B, H = x_shape[:2]
+    if tuple(cache_shape[:2]) != (B, H) or cache_shape[3] != padded_dim * bits // 32 + 1:
+        return None
+    return _launch(_kv_into_kernel, x_shape, dtype, padded_dim, bits, has_scale, has_mean, True,
+                   cache_shape, C=cache_shape[2], RING=int(ring))  # fmt: skip
+
+
+def quantize_kv_rows_into(
+    caches: tuple[mx.array, mx.array],
+    xs: tuple[mx.array, mx.array],
+    tables: tuple[tuple, tuple],
+    bits: int,
+    pos: mx.array,
+    ring: bool,
+) -> tuple[mx.array, mx.array] | None:
+    """In a recording: keys and values (``xs``, each (B, H, L, dim)) quantized into their
+    ``caches`` (B, H, C, words) at slots pos[b] + l in ONE launch; the same arrays back, or None
+    where the pair does not share one (other shapes, dtypes, widths or bits, a table not per
+    batch row, a mean on the values: then ``quantize_rows_into`` twice). ``tables``: per side
+    (signs, scale, mean, boundaries, codebook) as ``quantize_rows_into`` takes them."""
+    (kc, vc), (xk, xv) = caches, xs
+    (ks, kscale, kmean, kb, kcb), (vs, vscale, vmean, vb, vcb) = tables
+    if (
+        kc.shape != vc.shape or xk.shape != xv.shape or xk.dtype != xv.dtype
+        or ks.shape != vs.shape or vmean is not None or (kscale is None) != (vscale is None)
+        or any(t is not None and t.ndim != 3 for t in (kscale, kmean, vscale))
+    ):  # fmt: skip
+        return None
+    launch = kv_into_launch(tuple(kc.shape), tuple(xk.shape), xk.dtype, ks.shape[0], bits,
+                            kscale is not None, kmean is not None, ring)  # fmt: skip
+    if launch is None:
+        return None
+    one = stand_in()
+    inputs = [xk, xv, ks, one if kscale is None else kscale, one if kmean is None else kmean,
+              kb, kcb, vs, one if vscale is None else vscale, vb, vcb, pos]  # fmt: skip
+    kc, vc = launch_into(launch, inputs, [kc, vc])
+    return kc, vc
 
 
 def quantize_rows_into(

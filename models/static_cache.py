@@ -33,7 +33,7 @@ from hf2q_mlx.models.turboquant.cache import (
     TQPacked,
     TQRotatingKVCache,
 )
-from hf2q_mlx.models.turboquant.kernels import tq_quantize, tq_quantize_into
+from hf2q_mlx.models.turboquant.kernels import tq_quantize, tq_quantize_kv_into
 from hf2q_mlx.models.turboquant.state import TQBalance, TQState
 
 
@@ -151,14 +151,11 @@ class StaticTQCache(StaticKVCache):
             raise GraphCaptureError("TurboQuant caches kept out of graphs (HF2Q_TQ_GRAPH=0)")
         L = keys.shape[2]
         if launch_recorder.active() and fold():
-            # HF2Q_TQ_FOLD=1: each quantize launch writes its packed rows into the cache
-            ring = self.window is not None
-            self.keys = tq_quantize_into(
-                self.keys, keys, self.k_codec, self.k_scale, self.k_mean, self.pos, ring
-            )
-            self.values = tq_quantize_into(
-                self.values, values, self.v_codec, self.v_scale, None, self.pos, ring
-            )
+            # HF2Q_TQ_FOLD=1: one quantize launch writes the K and V rows into their caches
+            self.keys, self.values = tq_quantize_kv_into(
+                (self.keys, self.values), (keys, values), (self.k_codec, self.v_codec),
+                (self.k_scale, self.v_scale), self.k_mean, self.pos, self.window is not None,
+            )  # fmt: skip
         else:
             pk = tq_quantize(keys, self.k_codec, self.k_scale, self.k_mean)
             pv = tq_quantize(values, self.v_codec, self.v_scale)

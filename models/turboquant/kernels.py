@@ -7,7 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from hf2q_mlx.custom_kernels.tq_flash_decode import flash_decode
-from hf2q_mlx.custom_kernels.tq_quantize import quantize_rows, quantize_rows_into, stored_vectors
+from hf2q_mlx.custom_kernels.tq_quantize import (
+    quantize_kv_rows_into,
+    quantize_rows,
+    quantize_rows_into,
+    stored_vectors,
+)
 from hf2q_mlx.models.turboquant.codec import TQCodec
 from hf2q_mlx.models.turboquant.state import TQState
 
@@ -54,6 +59,33 @@ def tq_quantize_into(
     is ``tq_quantize`` then ``graph_ops.kv_write_reference``."""
     return quantize_rows_into(cache, x, codec.signs, codec.boundaries, codec.codebook,
                               codec.bits, scale, mean, pos, ring)  # fmt: skip
+
+
+def tq_quantize_kv_into(
+    caches: tuple[mx.array, mx.array],
+    xs: tuple[mx.array, mx.array],
+    codecs: tuple[TQCodec, TQCodec],
+    scales: tuple[mx.array | None, mx.array | None],
+    k_mean: mx.array | None,
+    pos: mx.array,
+    ring: bool,
+) -> tuple[mx.array, mx.array]:
+    """``tq_quantize_into`` for a layer's keys and values: one launch where both sides share
+    its shape, dtype, width and bits, else a launch each. ``caches`` / ``xs`` / ``codecs`` /
+    ``scales``: (keys, values); ``k_mean``: the keys' offset (values have none)."""
+    (kc, vc), (xk, xv), (k_codec, v_codec), (k_scale, v_scale) = caches, xs, codecs, scales
+    if k_codec.bits == v_codec.bits:
+        tables = tuple(
+            (c.signs, s, m, c.boundaries, c.codebook)
+            for c, s, m in ((k_codec, k_scale, k_mean), (v_codec, v_scale, None))
+        )
+        both = quantize_kv_rows_into(caches, xs, tables, k_codec.bits, pos, ring)
+        if both is not None:
+            return both
+    return (
+        tq_quantize_into(kc, xk, k_codec, k_scale, k_mean, pos, ring),
+        tq_quantize_into(vc, xv, v_codec, v_scale, None, pos, ring),
+    )
 
 
 # ---- flash-decode attention -------------------------------------------------------------------

@@ -165,6 +165,7 @@ class Emulated:
 
     def __init__(self, kernel: Kernel):
         self.kernel = kernel
+        self.name, self.inputs, self.outputs = kernel.name, kernel.inputs, kernel.outputs
         self.launches = 0
 
     def __call__(self, inputs, **launch):

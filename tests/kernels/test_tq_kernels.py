@@ -363,6 +363,70 @@ def test_quantize_into_writes_the_kernels_rows_at_the_slots(emulated, ring, monk
     )  # wrong row width
 
 
+@needs_gxx
+@pytest.mark.parametrize("ring", [False, True])
+def test_quantize_kv_into_writes_both_caches_in_one_launch(emulated, ring, monkeypatch):
+    """``tq_quantize_kv_into`` (HF2Q_TQ_FOLD=1 in a recorded graph): ONE launch writes each
+    token's key row (its own signs, scale and mean) and value row (own signs and scale, no mean)
+    into their caches, word for word the quantize kernel's rows at slot pos[b] + l; every other
+    word is left as it was. Keys and values of other bits fall back to a launch each."""
+    rng = np.random.default_rng(21 + ring)
+    B, H, L, D, C = 2, 2, 3, 96, 8
+    k_codec, v_codec = TQCodec(D, 5, seed=2), TQCodec(D, 5, seed=7)
+    xk, _, _ = _balanced_input(rng, (B, H, L, D), mx.bfloat16)
+    xv, _, _ = _balanced_input(rng, (B, H, L, D), mx.bfloat16)
+    k_scale, v_scale = (
+        mx.array(np.exp(rng.uniform(-1.0, 1.0, (B, H, D))).astype(np.float32)) for _ in "kv"
+    )
+    k_mean = mx.array(rng.standard_normal((B, H, D)).astype(np.float32))
+    words = k_codec.row_words
+    kc, vc = (
+        mx.array(rng.integers(0, 2**32, (B, H, C, words), dtype=np.uint64).astype(np.uint32))
+        for _ in "kv"
+    )
+    pos = mx.array([6, 1] if ring else [0, 5], dtype=mx.int32)
+    monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(tqq._kv_into_kernel, "_kernel_for", lambda be, sig: print)
+    launch = tqq.kv_into_launch(tuple(kc.shape), tuple(xk.shape), xk.dtype, k_codec.padded_dim,
+                                k_codec.bits, True, True, ring)  # fmt: skip
+    s = launch.spec
+    assert s.grid[2] == 2 * B and len(s.output_shapes) == 2
+    inputs = [xk, xv, k_codec.signs, k_scale, k_mean, k_codec.boundaries, k_codec.codebook,
+              v_codec.signs, v_scale, v_codec.boundaries, v_codec.codebook, pos]  # fmt: skip
+    got_k, got_v = kernel_emulator.emulate(
+        s.kernel, inputs, grid=s.grid, threadgroup=s.threadgroup,
+        output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+        template=dict(s.template), initial=[kc, vc],
+    )  # fmt: skip
+    k_rows = tqk.tq_quantize(xk, k_codec, k_scale, k_mean)  # the emulated quantize kernel
+    v_rows = tqk.tq_quantize(xv, v_codec, v_scale)
+    assert emulated["quantize"].launches == 2
+    for got, cache, rows in ((got_k, kc, k_rows), (got_v, vc, v_rows)):
+        want = graph_ops.kv_write_reference(cache, rows, pos, ring)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    # the pair that cannot share a launch: values of other bits, a mean on the values
+    tables = [(k_codec.signs, k_scale, k_mean, k_codec.boundaries, k_codec.codebook)] * 2
+    assert tqq.quantize_kv_rows_into((kc, vc), (xk, xv), tuple(tables), 5, pos, ring) is None
+    assert tqq.kv_into_launch((B, H, C, words + 1), tuple(xk.shape), xk.dtype,
+                              k_codec.padded_dim, 5, True, True, ring) is None  # fmt: skip
+
+
+def test_quantize_kv_into_falls_back_to_a_launch_each(monkeypatch):
+    """Keys and values of different bits (K8 / V4) take ``tq_quantize_into`` twice, the same
+    pair of bits one ``quantize_kv_rows_into``."""
+    calls = []
+    monkeypatch.setattr(tqk, "quantize_kv_rows_into", lambda *a: calls.append("kv") or a[0])
+    monkeypatch.setattr(tqk, "quantize_rows_into", lambda cache, *a: calls.append("one") or cache)
+    x = mx.random.normal((1, 2, 1, 64), key=mx.random.key(3))  # routing only: stubs take it
+    caches = (mx.array([[[[1]]]], dtype=mx.uint32), mx.array([[[[2]]]], dtype=mx.uint32))
+    pos = mx.array([5], dtype=mx.int32)
+    for bits, want in (((8, 8), ["kv"]), ((8, 4), ["one", "one"])):
+        calls.clear()
+        codecs = (TQCodec(64, bits[0], seed=0), TQCodec(64, bits[1], seed=1))
+        got = tqk.tq_quantize_kv_into(caches, (x, x), codecs, (None, None), None, pos, False)
+        assert calls == want and got[0] is caches[0] and got[1] is caches[1]
+
+
 def test_partition_and_row_group_choices():
     assert fd.row_groups(4, 256, 256) == (4, 1)
     assert fd.row_groups(8, 512, 512) == (4, 2)  # 4 * (16 + 16) registers per lane at P = 512
