@@ -1,9 +1,12 @@
 // A CPU stand-in for the CUDA built-ins our rendered kernels use, so g++ can (1) syntax-check a
-// CUDA rendering and (2) run it: each threadgroup runs as tg_size fibers (ucontext) on one OS
-// thread, switching at barriers and warp operations. Strict where portability needs it: a
+// CUDA rendering and (2) run it: each threadgroup runs as tg_size fibers on one OS thread,
+// switching at barriers and warp operations (_setjmp / _longjmp; swapcontext, which makes a
+// signal-mask syscall per switch and ran the emulated tests 3-6x slower, with HQ_EMU_UCONTEXT:
+// kernel_emulator.py takes it where a probe finds the fast switch broken). Strict where portability needs it: a
 // barrier or warp operation that not every thread (lane) reaches aborts as a deadlock.
 // Groups run one after another, so `__shared__` as `static` gives each group one shared array.
 #pragma once
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <cmath>
@@ -74,10 +77,17 @@ struct Strides { long long v[8]; long long operator[](int i) const { return v[i]
 }}}  // namespace mlx::core::cu
 
 namespace hq_emu {
-struct Fiber { ucontext_t ctx; unsigned tid = 0; bool done = false; std::vector<char> stack; };
+struct Fiber {
+  ucontext_t ctx;  // its own stack; with the fast switch, only its first entry
+  jmp_buf jb;
+  unsigned tid = 0;
+  bool done = false, started = false;
+  std::vector<char> stack;
+};
 struct State {
   std::vector<Fiber> f;
-  ucontext_t main;
+  ucontext_t main_ctx;
+  jmp_buf main;
   unsigned cur = 0;
   uint3 bidx{0, 0, 0}, bdim{1, 1, 1}, gdim{1, 1, 1};
   unsigned bar_count = 0;
@@ -93,7 +103,28 @@ inline uint3 tidx() {
   const unsigned t = s.f[s.cur].tid;
   return uint3{t % s.bdim.x, (t / s.bdim.x) % s.bdim.y, t / (s.bdim.x * s.bdim.y)};
 }
-inline void yield() { State& s = S(); swapcontext(&s.f[s.cur].ctx, &s.main); }
+// The switches: fiber -> main loop (yield, finish) and main loop -> fiber s.cur (resume).
+inline void yield() {
+  State& s = S();
+#ifdef HQ_EMU_UCONTEXT
+  swapcontext(&s.f[s.cur].ctx, &s.main_ctx);
+#else
+  if (!_setjmp(s.f[s.cur].jb)) _longjmp(s.main, 1);
+#endif
+}
+inline void resume() {
+  State& s = S();
+  Fiber& fb = s.f[s.cur];
+#ifdef HQ_EMU_UCONTEXT
+  swapcontext(&s.main_ctx, &fb.ctx);
+#else
+  if (!_setjmp(s.main)) {
+    if (fb.started) _longjmp(fb.jb, 1);
+    fb.started = true;
+    setcontext(&fb.ctx);
+  }
+#endif
+}
 inline void group_barrier() {
   State& s = S();
   const unsigned long g = s.bar_gen;
@@ -127,6 +158,9 @@ inline void trampoline() {
   s.body();
   s.f[s.cur].done = true;
   ++s.progress;
+#ifndef HQ_EMU_UCONTEXT
+  _longjmp(s.main, 1);  // never returns (uc_link takes the ucontext switch back)
+#endif
 }
 inline void run_group() {
   State& s = S();
@@ -141,11 +175,12 @@ inline void run_group() {
     Fiber& fb = s.f[i];
     fb.tid = i;
     fb.done = false;
+    fb.started = false;
     fb.stack.resize(1 << 18);
     getcontext(&fb.ctx);
     fb.ctx.uc_stack.ss_sp = fb.stack.data();
     fb.ctx.uc_stack.ss_size = fb.stack.size();
-    fb.ctx.uc_link = &s.main;
+    fb.ctx.uc_link = &s.main_ctx;
     makecontext(&fb.ctx, trampoline, 0);
   }
   for (;;) {
@@ -155,7 +190,7 @@ inline void run_group() {
       if (s.f[i].done) continue;
       all_done = false;
       s.cur = i;
-      swapcontext(&s.main, &s.f[i].ctx);
+      resume();
     }
     if (all_done) return;
     if (s.progress == p0) {

@@ -75,6 +75,57 @@ def _harness(kernel: Kernel, in_types: list[str], out_types: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# A fiber program of the emulator's switches: 3 groups of 64 threads, each thread a shared
+# write, a barrier, a read of its neighbour's value and a warp shuffle; prints the sum.
+_PROBE = r"""
+#include <cstdio>
+int main() {
+  long long total = 0;
+  dim3 g, b;
+  g.x = 3;
+  b.x = 64;
+  hq_emu::launch(g, b, [&] {
+    static int vals[64];
+    const unsigned t = threadIdx.x;
+    vals[t] = int(t * 3 + blockIdx.x);
+    __syncthreads();
+    const int v = vals[(t + 1) % 64] + __shfl_xor_sync(0xffffffffu, int(t), 1);
+    __syncthreads();
+    total += v;
+  });
+  std::printf("%lld\n", total);
+  return 0;
+}
+"""
+# sum over groups b and threads t of 3 ((t + 1) mod 64) + b + (t xor 1)
+PROBE_SUM = sum(3 * ((t + 1) % 64) + b + (t ^ 1) for b in range(3) for t in range(64))
+_SWITCH_FLAGS: list[list[str]] = []
+
+
+def probe(flags: list[str]) -> bool:
+    """Does the emulator's fiber switch work here with ``flags`` (compiled and run once)?"""
+    with tempfile.TemporaryDirectory() as tmp:
+        cpp, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
+        cpp.write_text(_PROBE)
+        cmd = ["g++", "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", *flags,
+               "-I", str(stub_include_dir()), "-include", str(EMU_HEADER), str(cpp), "-o", str(exe)]  # fmt: skip
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return False
+        try:
+            res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            return False
+        return res.returncode == 0 and res.stdout.strip() == str(PROBE_SUM)
+
+
+def switch_flags() -> list[str]:
+    """[] for the fast fiber switch (_setjmp / _longjmp), or ["-DHQ_EMU_UCONTEXT"] where a probe
+    finds it broken (a libc whose longjmp refuses another stack, shadow stacks)."""
+    if not _SWITCH_FLAGS:
+        _SWITCH_FLAGS.append([] if probe([]) else ["-DHQ_EMU_UCONTEXT"])
+    return _SWITCH_FLAGS[0]
+
+
 def build(kernel: Kernel, example: Example) -> Path:
     """Compile (or reuse) the emulator binary for one instantiation."""
     src = kernel.render("cuda", example)
@@ -86,7 +137,8 @@ def build(kernel: Kernel, example: Example) -> Path:
     ]
     out_types = [_render._CUDA_TYPES[v] for v in example.outputs.values()]
     text = src + "\n" + _harness(kernel, in_types, out_types)
-    key = hashlib.sha256((text + EMU_HEADER.read_text()).encode()).hexdigest()[:20]
+    flags = switch_flags()
+    key = hashlib.sha256((text + EMU_HEADER.read_text() + str(flags)).encode()).hexdigest()[:20]
     exe = _CACHE / f"{kernel.name}_{key}"
     if exe.exists():
         return exe
@@ -99,7 +151,9 @@ def build(kernel: Kernel, example: Example) -> Path:
         "g++",
         "-std=c++17",
         "-O1",
+        "-U_FORTIFY_SOURCE",  # its longjmp check refuses a jump onto another fiber's stack
         "-w",
+        *flags,
         "-I",
         str(stub_include_dir()),
         "-include",

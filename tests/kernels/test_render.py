@@ -247,3 +247,24 @@ def test_cuda_vocabulary_on_the_emulator():
         np.array(rb.astype(mx.float32))
         == np.array(mx.array(y).astype(mx.bfloat16).astype(mx.float32))
     ).all()
+
+
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+def test_emulator_fiber_switches_and_deadlock_report():
+    """Both fiber switches (_setjmp / _longjmp, the one taken where it works, and swapcontext
+    under HQ_EMU_UCONTEXT) run the probe's barriers and shuffles to the right sum; a barrier one
+    thread skips ends the run as a reported deadlock, not a hang or a wrong output."""
+    assert kernel_emulator.probe([]) and kernel_emulator.probe(["-DHQ_EMU_UCONTEXT"])
+    assert kernel_emulator.switch_flags() in ([], ["-DHQ_EMU_UCONTEXT"])
+    k = Kernel(
+        "deadlock_demo",
+        ["x"],
+        ["out"],
+        "  if (tid != 5) BARRIER();\n  out[tid] = x[tid];\n",
+        examples=[Example({"x": mx.float32}, {"out": mx.float32})],
+        register=False,
+    )
+    x = mx.array(np.random.default_rng(1).normal(size=64).astype(np.float32))
+    launch = dict(grid=(64,), threadgroup=(64,), output_shapes=[(64,)], output_dtypes=[mx.float32])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        kernel_emulator.emulate(k, [x], **launch)
