@@ -102,14 +102,19 @@ PROBE_SUM = sum(3 * ((t + 1) % 64) + b + (t ^ 1) for b in range(3) for t in rang
 _SWITCH_FLAGS: list[list[str]] = []
 
 
+def _compile_cmd(cpp: Path, exe: Path | str, flags: list[str]) -> list[str]:
+    # no _FORTIFY_SOURCE: its longjmp check refuses a jump onto another fiber's stack
+    return ["g++", "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", *flags, "-I",
+            str(stub_include_dir()), "-include", str(EMU_HEADER), str(cpp), "-o",
+            str(exe)]  # fmt: skip
+
+
 def probe(flags: list[str]) -> bool:
     """Does the emulator's fiber switch work here with ``flags`` (compiled and run once)?"""
     with tempfile.TemporaryDirectory() as tmp:
         cpp, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
         cpp.write_text(_PROBE)
-        cmd = ["g++", "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", *flags,
-               "-I", str(stub_include_dir()), "-include", str(EMU_HEADER), str(cpp), "-o", str(exe)]  # fmt: skip
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
+        if subprocess.run(_compile_cmd(cpp, exe, flags), capture_output=True).returncode != 0:
             return False
         try:
             res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
@@ -147,22 +152,7 @@ def build(kernel: Kernel, example: Example) -> Path:
     tag = f".{os.getpid()}.{threading.get_ident()}"
     cpp = exe.with_name(exe.name + tag + ".cpp")
     cpp.write_text(text)
-    cmd = [
-        "g++",
-        "-std=c++17",
-        "-O1",
-        "-U_FORTIFY_SOURCE",  # its longjmp check refuses a jump onto another fiber's stack
-        "-w",
-        *flags,
-        "-I",
-        str(stub_include_dir()),
-        "-include",
-        str(EMU_HEADER),
-        str(cpp),
-        "-o",
-        str(exe) + tag,
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(_compile_cmd(cpp, str(exe) + tag, flags), capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"emulator build failed for {kernel.name}:\n{res.stderr[-6000:]}")
     os.replace(str(exe) + tag, exe)
