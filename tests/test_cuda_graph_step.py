@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -289,21 +290,32 @@ def _max_ulps(a: mx.array, b: mx.array) -> float:
 
 
 @needs_gxx
-def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit():
+@pytest.mark.parametrize("fold", ["0", "1"])
+def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit(fold):
     """TurboQuant caches (``kv_bits``, ``HF2Q_TQ_GRAPH`` on) in the recorded step, two rows
     each calibrated on its own 2-token prompt, one idling a step: the replay gives the MLX step's
-    tokens, last logits and every cache byte (packed rows written in place by kv_write_words,
-    the balance tables unchanged), with the TurboQuant kernels inside the graph."""
+    tokens, last logits and every cache byte (packed rows written in place, the balance tables
+    unchanged), with the TurboQuant kernels inside the graph: by kv_write_words after the
+    quantize kernel, or with ``HF2Q_TQ_FOLD=1`` by the K + V quantize launch itself (and the
+    fused flash-decode)."""
     script = HERE / "graph_step_emulated.py"
     cmd = [sys.executable, str(script), "gemma4:tiny-moe", "--steps", "2", "--batch", "2",
            "--prefill", "2", "--kv-bits", "8"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "HF2Q_TQ_FOLD": fold}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["got"] == out["want"] and len(out["want"]) == 2 and len(out["want"][0]) == 2
     assert out["logits_equal"] and out["caches_equal"]
-    tq = {"tq_quantize", "tq_flash_decode_partial", "tq_flash_decode_reduce", "kv_write_words"}
-    assert tq <= set(out["kernels"]) and out["in_place"] == ["kv_write_words"]
+    if fold == "1":
+        tq, writer = {"tq_quantize_kv_into", "tq_flash_decode_fused"}, "tq_quantize_kv_into"
+    else:
+        tq = {"tq_quantize", "tq_flash_decode_partial", "tq_flash_decode_reduce"}
+        writer = "kv_write_words"
+    assert tq | {writer} <= set(out["kernels"]) and out["in_place"] == [writer]
+    other = {"tq_quantize", "tq_flash_decode_partial", "tq_flash_decode_reduce", "kv_write_words",
+             "tq_quantize_kv_into", "tq_flash_decode_fused"} - tq - {writer}  # fmt: skip
+    assert not other & set(out["kernels"])
 
 
 @requires_gpu
