@@ -9,6 +9,7 @@ pooling, the dense projections, optional Matryoshka truncation, then L2 normaliz
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,6 +191,67 @@ def _token_ids(tokenizer, text: str, max_length: int | None) -> list[int]:
     return prefix + plain[: max_length - len(prefix) - len(suffix)] + suffix
 
 
+def is_embedding_model(model: nn.Module) -> bool:
+    """Whether ``model`` was loaded from a sentence-transformers folder (``embed`` takes it)."""
+    return isinstance(getattr(model, "sentence_transformers", None), SentenceTransformersSpec)
+
+
+def max_input_tokens(model: nn.Module) -> int | None:
+    """Tokens an input may have: the folder's max_seq_length, else the model's positions."""
+    spec = embedding_spec(model)
+    return spec.max_seq_length or getattr(model.args, "max_position_embeddings", None)
+
+
+def _is_id_list(row) -> bool:
+    if isinstance(row, np.ndarray):
+        return row.ndim == 1 and np.issubdtype(row.dtype, np.integer)
+    if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
+        return False
+    return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in row)
+
+
+def check_embedding_ids(model: nn.Module, ids: Sequence[Sequence[int]], what: str = "texts"):
+    """Raise InvalidArgumentError for an input without tokens, with an id outside the
+    vocabulary or longer than ``max_input_tokens`` (``what`` names the inputs in the message)."""
+    vocab, limit = model.args.vocab_size, max_input_tokens(model)
+    for i, row in enumerate(ids):
+        if not row:
+            raise InvalidArgumentError(f"{what}[{i}] has no tokens (an empty text and prompt)")
+        low, high = min(row), max(row)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise InvalidArgumentError(
+                f"{what}[{i}] has token id {bad} outside the model's {vocab}"
+            )
+        if limit is not None and len(row) > limit:
+            raise InvalidArgumentError(
+                f"{what}[{i}] has {len(row)} tokens, over this model's {limit}"
+            )
+
+
+def embedding_token_ids(
+    model: nn.Module,
+    tokenizer,
+    texts: str | Sequence[str],
+    *,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+    what: str = "texts",
+) -> list[list[int]]:
+    """The token ids ``embed`` runs for ``texts``: the task prompt prepended, the tokenizer's
+    special tokens added, cut to ``max_input_tokens`` (sentence-transformers' truncation).
+    ``what`` names the texts in error messages."""
+    spec = embedding_spec(model)
+    texts = _check_texts(texts)
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise InvalidArgumentError(f"tokenizer has no encode(): got {type(tokenizer).__name__}")
+    prefix = _prompt(spec, prompt_name, prompt)
+    max_length = max_input_tokens(model)
+    ids = [_token_ids(tokenizer, prefix + t, max_length) for t in texts]
+    check_embedding_ids(model, ids, what)
+    return ids
+
+
 def embed(
     model: nn.Module,
     tokenizer,
@@ -207,24 +269,31 @@ def embed(
     ``prompt`` gives the text to prepend; neither: the config's default prompt, if any.
     ``dimensions`` keeps the first D values (Matryoshka), before the L2 normalization that
     ``normalize`` applies. Texts are sorted by length and run ``batch_size`` at a time."""
+    ids = embedding_token_ids(model, tokenizer, texts, prompt_name=prompt_name, prompt=prompt)
+    return embed_token_ids(
+        model, ids, batch_size=batch_size, normalize=normalize, dimensions=dimensions
+    )
+
+
+def embed_token_ids(
+    model: nn.Module,
+    ids: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 32,
+    normalize: bool = True,
+    dimensions: int | None = None,
+) -> mx.array:
+    """``embed`` from token ids (each input's whole sequence, special tokens included, as
+    ``embedding_token_ids`` makes them): (N, D) fp32 in the inputs' order."""
     spec = embedding_spec(model)
-    texts = _check_texts(texts)
-    if not callable(getattr(tokenizer, "encode", None)):
-        raise InvalidArgumentError(f"tokenizer has no encode(): got {type(tokenizer).__name__}")
-    prefix = _prompt(spec, prompt_name, prompt)
     _positive_int("batch_size", batch_size)
     if dimensions is not None:
         _positive_int("dimensions", dimensions, spec.head.dims)
-    max_length = spec.max_seq_length or getattr(model.args, "max_position_embeddings", None)
-    ids = [_token_ids(tokenizer, prefix + t, max_length) for t in texts]
-    vocab = model.args.vocab_size
-    for i, row in enumerate(ids):
-        if not row:
-            raise InvalidArgumentError(f"texts[{i}] has no tokens (an empty text and prompt)")
-        if max(row) >= vocab:
-            raise InvalidArgumentError(
-                f"texts[{i}] has token id {max(row)} outside the model's {vocab}"
-            )
+    rows_ok = isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)) and len(ids) > 0
+    if not rows_ok or not all(_is_id_list(row) for row in ids):
+        raise InvalidArgumentError("ids must be a non-empty list of lists of integer token ids")
+    ids = [[int(t) for t in row] for row in ids]
+    check_embedding_ids(model, ids, "ids")
 
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # little padding per batch
     rows: list[mx.array] = []

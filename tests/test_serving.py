@@ -230,6 +230,16 @@ def test_malformed_json_and_openai_client_errors(server, client):
     assert wait_idle(server)["outstanding"] == 0  # no request leaked into the engine
 
 
+def test_generation_server_refuses_embeddings(server, client):
+    """/v1/embeddings belongs to a server of an embedding model: 400, and nothing queued."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL_ID, input="hi")
+    assert "embedding model" in info.value.message
+    resp = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL_ID, "input": "hi"})
+    assert resp.status_code == 400 and _error(resp)["code"] == "unsupported_endpoint"
+    assert wait_idle(server)["outstanding"] == 0
+
+
 def test_queue_full_answers_429(smollm2):
     model, tokenizer = smollm2
     step = SequentialStep(model, 1, MAX_LEN)

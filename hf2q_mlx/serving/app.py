@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health,
-metrics. Handlers never touch MLX: they tokenize, submit to the engine thread and await the
-events it sends back through ``loop.call_soon_threadsafe``.
+metrics, and embeddings when the model is an embedding model. Handlers never touch MLX: they
+tokenize, submit to the engine (or embedding worker) thread and await what it sends back through
+``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hf2q_mlx.errors import ContextLengthError, Hf2qError, QueueFullError
 from hf2q_mlx.serving import openai_api as oa
+from hf2q_mlx.serving import openai_embeddings as oe
+from hf2q_mlx.serving.embedding_worker import EmbeddingWorker
 from hf2q_mlx.serving.engine import Engine, Event
 
 DISCONNECT_POLL_S = 0.5
@@ -37,9 +40,11 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine: Engine, model_id: str) -> FastAPI:
-    """The app serving ``engine`` under the model name ``model_id``."""
+def create_app(engine: Engine | EmbeddingWorker, model_id: str) -> FastAPI:
+    """The app serving ``engine`` under the model name ``model_id``: text generation through an
+    ``Engine``, or ``/v1/embeddings`` through an ``EmbeddingWorker``."""
     app = FastAPI(title="hf2q-mlx", docs_url=None, redoc_url=None)
+    embeddings_only = isinstance(engine, EmbeddingWorker)
     tokenizer = engine.tokenizer
     model_ids = {model_id}
     metrics = engine.metrics
@@ -168,8 +173,17 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
         metrics.inc("http_requests_total", status="200")
         return JSONResponse(build(choices))
 
+    def generating() -> None:
+        if embeddings_only:
+            raise oa.bad_request(
+                f"model {model_id!r} is an embedding model: this server answers /v1/embeddings",
+                "model",
+                "unsupported_endpoint",
+            )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        generating()
         body = await body_of(request)
         parsed = await run_in_threadpool(oa.parse_chat, body, tokenizer, model_ids, engine.max_len)
         rids, events = submit(parsed)
@@ -203,6 +217,7 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        generating()
         body = await body_of(request)
         parsed = await run_in_threadpool(
             oa.parse_completion, body, tokenizer, model_ids, engine.max_len
@@ -236,6 +251,45 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
             stream(rids, events, [], chunk, last, tail), media_type="text/event-stream"
         )
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        if not embeddings_only:
+            raise oa.bad_request(
+                f"model {model_id!r} generates text; /v1/embeddings needs a server of an "
+                "embedding model (e.g. hf2q-mlx serve --model embeddinggemma-300m)",
+                "model",
+                "unsupported_endpoint",
+            )
+        body = await body_of(request)
+        parsed = await run_in_threadpool(
+            oe.parse_embeddings, body, model_ids, engine.model, tokenizer, engine.dims
+        )
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def settle(vectors, error) -> None:
+            if not answer.done():
+                answer.set_result((vectors, error))
+
+        job = engine.submit(
+            parsed.ids, parsed.dimensions, lambda v, e: loop.call_soon_threadsafe(settle, v, e)
+        )
+        while not answer.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(answer), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    engine.cancel(job)
+                    metrics.inc("client_disconnects_total")
+                    metrics.inc("http_requests_total", status="499")
+                    return JSONResponse({}, status_code=499)
+        vectors, error = answer.result()
+        if error is not None:
+            metrics.inc("http_requests_total", status="500")
+            return _error(500, Exception(error), "server_error")
+        metrics.inc("http_requests_total", status="200")
+        return JSONResponse(oe.embeddings_response(parsed, vectors))
+
     @app.get("/v1/models")
     async def models():
         return {
@@ -246,7 +300,7 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = engine._thread is not None and engine._thread.is_alive()
+        alive = engine.alive()
         body = {"status": "ok" if alive else "engine stopped", **engine.stats()}
         return JSONResponse(body, status_code=200 if alive else 503)
 

@@ -298,6 +298,9 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stats(self) -> dict[str, int]:
         """Running rows, waiting requests and outstanding requests (a snapshot)."""
         with self._lock:

@@ -86,7 +86,8 @@ def _number(body: dict, name: str, default: float, integer: bool = False) -> Any
     return value
 
 
-def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, logprobs: bool):
+def model_of(body: dict, model_ids: set[str]) -> str:
+    """The request's ``model``, one of ``model_ids`` (else the 400 error)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model must be a non-empty string", "model", "invalid_type")
@@ -96,6 +97,11 @@ def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, lo
             "model",
             "model_not_found",
         )
+    return model
+
+
+def _common(body: dict, model_ids: set[str], max_len: int, top_logprobs: int, logprobs: bool):
+    model = model_of(body, model_ids)
     for name in UNSUPPORTED:
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server", name, "unsupported")

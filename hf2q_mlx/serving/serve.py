@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from hf2q_mlx.errors import Hf2qError, InvalidArgumentError
 
 if TYPE_CHECKING:  # the CLI imports this module for its parser: no MLX import at module level
+    from hf2q_mlx.serving.embedding_worker import EmbeddingWorker
     from hf2q_mlx.serving.engine import Engine
 
 
@@ -37,7 +38,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerThread:
     """The HTTP server for ``engine`` on ``host:port`` in a daemon thread; ``stop()`` ends both."""
 
-    def __init__(self, engine: Engine, model_id: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        engine: Engine | EmbeddingWorker,
+        model_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
         _require_serve_extra()
         import uvicorn
 
@@ -96,13 +103,31 @@ def add_serve_parser(sub: Any, model_parent: argparse.ArgumentParser) -> None:
     )
 
 
+def _embedding_worker(args: argparse.Namespace, model: Any, tokenizer: Any) -> EmbeddingWorker:
+    """The worker of an embedding model; refuses the options that only text generation has."""
+    from hf2q_mlx.serving.embedding_worker import EmbeddingWorker
+
+    given = [flag for flag, on in (("--kv-bits", args.kv_bits is not None),
+                                   ("--batch-prefill", args.batch_prefill),
+                                   ("--max-len", args.max_len is not None)) if on]  # fmt: skip
+    if given:
+        raise InvalidArgumentError(
+            f"{', '.join(given)}: options of text generation; this is an embedding model"
+        )
+    return EmbeddingWorker(
+        model, tokenizer, max_queue=args.max_queue, batch_size=args.max_batch
+    ).start()
+
+
 def cmd_serve(args: argparse.Namespace, load: Any) -> int:
     """Run the server until Ctrl-C; ``load(path) -> (model, tokenizer)`` is the CLI's loader."""
     _require_serve_extra()
     import uvicorn
 
+    from hf2q_mlx.embedding import is_embedding_model
     from hf2q_mlx.generation import parse_kv_bits
     from hf2q_mlx.serving.app import create_app
+    from hf2q_mlx.serving.embedding_worker import EmbeddingWorker
     from hf2q_mlx.serving.engine import Engine
 
     kv_bits = parse_kv_bits(args.kv_bits)
@@ -119,23 +144,31 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
         if not ok:
             raise InvalidArgumentError(message)
     model, tokenizer = load(args.model)
-    engine = Engine(
-        model,
-        tokenizer,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        max_len=args.max_len,
-        kv_bits=kv_bits,
-        prefill_chunk=args.prefill_chunk,
-        prefix_cache_bytes=args.prefix_cache_mb << 20,
-        batch_prefill=args.batch_prefill,
-    ).start()
+    if is_embedding_model(model):
+        engine = _embedding_worker(args, model, tokenizer)
+    else:
+        engine = Engine(
+            model,
+            tokenizer,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            max_len=args.max_len,
+            kv_bits=kv_bits,
+            prefill_chunk=args.prefill_chunk,
+            prefix_cache_bytes=args.prefix_cache_mb << 20,
+            batch_prefill=args.batch_prefill,
+        ).start()
     from hf2q_mlx.io.default_model import DEFAULT_CHAT_MODEL
 
     model_id = args.model_id or (Path(args.model).name if args.model else DEFAULT_CHAT_MODEL)
+    if isinstance(engine, EmbeddingWorker):
+        what = f"/v1/embeddings, {engine.dims} dimensions, batch {engine.batch_size}"
+    else:
+        what = (
+            f"{type(engine.step).__name__}, max_batch {engine.max_batch}, max_len {engine.max_len}"
+        )
     print(
-        f"serving {model_id} on http://{args.host}:{args.port}/v1 "
-        f"({type(engine.step).__name__}, max_batch {engine.max_batch}, max_len {engine.max_len})",
+        f"serving {model_id} on http://{args.host}:{args.port}/v1 ({what})",
         file=sys.stderr,
         flush=True,
     )
