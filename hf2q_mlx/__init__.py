@@ -80,6 +80,8 @@ _mount_source_tree()
 
 def _fast_cpu_blas() -> None:
     # before anything imports mlx: libmlx binds its BLAS on load (custom_kernels/cpu_blas.py)
+    import warnings
+
     if "mlx.core" not in sys.modules:
         from hf2q_mlx.custom_kernels import cpu_blas
         from hf2q_mlx.errors import Hf2qError
@@ -87,9 +89,26 @@ def _fast_cpu_blas() -> None:
         try:
             cpu_blas.enable()
         except Hf2qError as err:  # a bad $HF2Q_CPU_BLAS: say so, keep the reference BLAS
-            import warnings
-
             warnings.warn(str(err), stacklevel=2)
+    elif _cpu_blas_missed():
+        warnings.warn(
+            "mlx.core was imported before hf2q_mlx, so MLX's CPU matmuls keep the Linux mlx "
+            "wheel's reference BLAS (several times slower on the CPU): import hf2q_mlx first "
+            "(HF2Q_CPU_BLAS=off silences this)",
+            stacklevel=3,
+        )
+
+
+def _cpu_blas_missed() -> bool:
+    """mlx.core came first on Linux, computing on the CPU, with the routing not turned off."""
+    off = os.environ.get("HF2Q_CPU_BLAS", "").strip().lower() in ("off", "0", "none", "no")
+    if off or not sys.platform.startswith("linux"):
+        return False
+    mx = sys.modules["mlx.core"]
+    try:
+        return mx.default_device() == mx.cpu
+    except Exception:  # an MLX without these names: nothing to say
+        return False
 
 
 _fast_cpu_blas()

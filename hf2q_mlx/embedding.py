@@ -309,8 +309,14 @@ def embed_token_ids(
         mx.eval(vectors)
         rows.append(vectors)
     out = mx.concatenate(rows, axis=0)[mx.array(np.argsort(order))]  # back to the text order
+    return finish_vectors(out, dimensions, normalize)
+
+
+def finish_vectors(out: mx.array, dimensions: int | None, normalize: bool = True) -> mx.array:
+    """(N, D) pooled vectors -> the first ``dimensions`` values of each, then L2-normalized (as
+    torch.nn.functional.normalize: eps 1e-12 keeps a zero vector zero)."""
     if dimensions is not None:
         out = out[:, :dimensions]
-    if normalize:  # as torch.nn.functional.normalize: eps 1e-12 keeps a zero vector zero
+    if normalize:
         out = out / mx.maximum(mx.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
     return out

@@ -199,6 +199,26 @@ def test_blas_off_and_too_late(tmp_path):
     assert desc != "None" and routed == "False"  # loaded, but MLX had bound its BLAS already
 
 
+@needs_shim
+def test_importing_mlx_first_warns_that_the_cpu_blas_stays_slow(tmp_path):
+    """mlx.core imported before hf2q_mlx on a CPU: a warning says the routing missed and how to
+    avoid it; hf2q_mlx first, or the routing turned off, says nothing."""
+
+    def stderr(code: str, **env: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+            timeout=300, env={**os.environ, "HF2Q_CPU_BLAS": "", "HF2Q_MLX_CACHE": str(tmp_path),
+                              **env},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stderr
+
+    late = stderr("import mlx.core; import hf2q_mlx")
+    assert "mlx.core was imported before hf2q_mlx" in late and "import hf2q_mlx first" in late
+    assert "imported before" not in stderr("import hf2q_mlx; import mlx.core")
+    assert "imported before" not in stderr("import mlx.core; import hf2q_mlx", HF2Q_CPU_BLAS="off")
+
+
 def test_blas_caller_errors(monkeypatch, tmp_path):
     with pytest.raises(InvalidArgumentError, match="integer >= 1"):
         cpu_blas.set_threads(0)

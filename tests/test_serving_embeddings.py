@@ -149,7 +149,9 @@ def test_embedding_server_refuses_text_generation_and_reports_health(server, cli
 
 
 def test_concurrent_requests_each_get_their_own_vectors(loaded, server, client):
-    """Eight clients at once, each with other texts: every answer is its own texts' vectors."""
+    """Eight clients at once, each with other texts: every answer is its own texts' vectors (to
+    fp32 rounding: requests that wait together share forward passes, and a row's padding
+    differs from its run alone)."""
     sets = [[f"{t} {i}" for t in TEXTS[: 1 + i % len(TEXTS)]] for i in range(8)]
     got: dict[int, np.ndarray] = {}
 
@@ -162,7 +164,57 @@ def test_concurrent_requests_each_get_their_own_vectors(loaded, server, client):
     for t in threads:
         t.join(60)
     for i, texts in enumerate(sets):
-        np.testing.assert_array_equal(got[i], direct(loaded, texts))
+        np.testing.assert_allclose(got[i], direct(loaded, texts), rtol=1e-5, atol=1e-6)
+
+
+def test_waiting_requests_share_forward_passes(loaded, monkeypatch):
+    """Requests queued together run as one batch of their inputs: one embed call for three
+    requests, each answered with its own rows of it, cut to its own dimensions and normalized
+    (bit for bit what embed_token_ids + finish_vectors give those rows), close to each alone.
+    A model call that fails answers every request of the batch with the error; the worker
+    lives on."""
+    from hf2q_mlx.embedding import finish_vectors
+    from hf2q_mlx.serving import embedding_worker as ew
+
+    model, tokenizer = loaded
+    ids = embedding_token_ids(model, tokenizer, TEXTS)
+    answers: dict[str, tuple] = {}
+    worker = EmbeddingWorker(model, tokenizer, batch_size=8)
+    jobs = [
+        worker.submit(ids[:2], None, lambda v, e: answers.setdefault("a", (v, e))),
+        worker.submit(ids[2:3], 6, lambda v, e: answers.setdefault("b", (v, e))),
+        worker.submit(ids[3:], None, lambda v, e: answers.setdefault("c", (v, e))),
+    ]
+    worker.start()
+    wait_for(lambda: len(answers) == 3)
+    assert worker.metrics.value("embedding_batches_total") == 1
+    pooled = embed_token_ids(model, ids, batch_size=8, normalize=False)
+    for key, rows, dims in (
+        ("a", slice(0, 2), None),
+        ("b", slice(2, 3), 6),
+        ("c", slice(3, 4), None),
+    ):
+        got, err = answers[key]
+        assert err is None
+        np.testing.assert_array_equal(got, np.array(finish_vectors(pooled[rows], dims)))
+        alone = direct(loaded, TEXTS[rows], dimensions=dims)
+        np.testing.assert_allclose(got, alone, rtol=1e-5, atol=1e-6)
+    assert all(j.id.startswith("emb-") for j in jobs)
+
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(ew, "embed_token_ids", broken)
+    failed: list = []
+    worker.submit(ids[:1], None, lambda v, e: failed.append((v, e)))
+    wait_for(lambda: len(failed) == 1)
+    assert failed[0][0] is None and "device lost" in failed[0][1]
+    monkeypatch.undo()
+    ok: list = []
+    worker.submit(ids[:1], None, lambda v, e: ok.append((v, e)))
+    wait_for(lambda: len(ok) == 1)
+    assert ok[0][1] is None and worker.alive()
+    worker.shutdown()
 
 
 def wait_for(condition, timeout: float = 60.0) -> None:
@@ -174,8 +226,8 @@ def wait_for(condition, timeout: float = 60.0) -> None:
 
 def test_worker_queue_cancel_errors_and_shutdown(loaded):
     """A full queue raises QueueFullError; a request cancelled before it runs is answered
-    "cancelled"; inputs the model refuses are answered with the error, and the worker lives on;
-    a shutdown answers what is still queued."""
+    "cancelled"; inputs the model cannot run are refused at submit; a shutdown answers what is
+    still queued."""
     model, tokenizer = loaded
     ids = embedding_token_ids(model, tokenizer, TEXTS)
     answers: list[tuple] = []
@@ -188,13 +240,12 @@ def test_worker_queue_cancel_errors_and_shutdown(loaded):
     worker.cancel(first)
     worker.start()
     wait_for(lambda: len(answers) == 2)
-    bad = worker.submit([[10**6]], None, done)  # past the vocabulary: the worker reports it
-    assert bad.id.startswith("emb-")
-    wait_for(lambda: len(answers) == 3)
+    for bad_ids, dims in (([[10**6]], None), ([[]], None), (ids, 0), (ids, 25)):
+        with pytest.raises(InvalidArgumentError):  # refused before it is queued
+            worker.submit(bad_ids, dims, done)
     worker.shutdown()
     assert [a[1] for a in answers[:1]] == ["cancelled"]
     np.testing.assert_array_equal(answers[1][0], direct(loaded, TEXTS[:1], dimensions=4))
-    assert answers[2][0] is None and "outside the model" in answers[2][1]
     assert worker.stats()["outstanding"] == 0 and not worker.alive()
     queued = EmbeddingWorker(model, tokenizer)
     queued.submit(ids, None, done)

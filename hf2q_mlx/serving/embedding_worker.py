@@ -1,6 +1,8 @@
 """The server's worker for an embedding model (EmbeddingGemma): one thread owns the model (every
-MLX call happens there) and runs the queued requests' token ids through ``embed_token_ids``, a
-request at a time; the HTTP handlers tokenize and wait, as they do for ``Engine``.
+MLX call happens there) and runs the queued requests' token ids through ``embed_token_ids``; the
+HTTP handlers tokenize and wait, as they do for ``Engine``. Requests waiting together run
+together: their inputs fill forward passes of ``batch_size`` (on the 2-core CPU, 32 texts of 18
+tokens took 1.33 s in one batch against 3.1 s one at a time).
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.embedding import embed_token_ids, embedding_spec, max_input_tokens
+from hf2q_mlx.embedding import (
+    check_embedding_ids,
+    embed_token_ids,
+    embedding_spec,
+    finish_vectors,
+    max_input_tokens,
+)
 from hf2q_mlx.errors import InvalidArgumentError, QueueFullError
+from hf2q_mlx.generation import is_int
 from hf2q_mlx.serving.engine import release_memory
 from hf2q_mlx.serving.metrics import Metrics
 
@@ -39,7 +48,10 @@ class EmbeddingJob:
 class EmbeddingWorker:
     """``Engine``'s counterpart for embedding models: ``submit`` queues token ids and returns at
     once (QueueFullError past ``max_queue`` waiting requests), ``cancel`` drops a request that
-    has not started, ``batch_size`` inputs of a request run in one forward pass."""
+    has not started. The requests waiting when the worker is free are taken together, up to
+    ``batch_size`` inputs (a larger request alone), and their inputs run ``batch_size`` to a
+    forward pass: a vector is the same as the request run alone up to fp32 rounding (the
+    padding of its batch differs; ~1e-7 on EmbeddingGemma)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_queue: int = 64, batch_size: int = 32):
         embedding_spec(model)  # raises for a model that is not an embedding model
@@ -67,9 +79,15 @@ class EmbeddingWorker:
         dimensions: int | None,
         done: Callable[[np.ndarray | None, str | None], None],
     ) -> EmbeddingJob:
-        """Queue one request's inputs (checked by the caller: ``check_embedding_ids``)."""
+        """Queue one request's inputs; raises InvalidArgumentError for ids the model cannot run
+        (``check_embedding_ids``) or a bad ``dimensions``, before queueing."""
         if self._stop.is_set():
             raise InvalidArgumentError("this worker has been shut down; make a new one")
+        check_embedding_ids(self.model, ids, "ids")
+        if dimensions is not None and (not is_int(dimensions) or not 1 <= dimensions <= self.dims):
+            raise InvalidArgumentError(
+                f"dimensions must be an integer in [1, {self.dims}], got {dimensions!r}"
+            )
         with self._lock:
             if self._outstanding >= 1 + self.max_queue:
                 raise QueueFullError(
@@ -125,7 +143,7 @@ class EmbeddingWorker:
                 except queue.Empty:
                     continue
                 if job is not None:
-                    self._serve(job)
+                    self._serve([job, *self._more(len(job.ids))])
                 if self.inbox.empty():
                     release_memory()
         finally:
@@ -143,19 +161,50 @@ class EmbeddingWorker:
             if job is not None:
                 self._finish(job, None, "the server is shutting down", "cancelled")
 
-    def _serve(self, job: EmbeddingJob) -> None:
-        if job.cancelled:
-            self._finish(job, None, "cancelled", "cancelled")
+    def _more(self, inputs: int) -> list[EmbeddingJob]:
+        """Queued requests to run with one of ``inputs`` inputs, while they fit a batch."""
+        more: list[EmbeddingJob] = []
+        while inputs < self.batch_size:
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:  # shutdown: leave the sentinel for the loop
+                self.inbox.put(None)
+                break
+            if inputs + len(job.ids) > self.batch_size:
+                more.append(job)  # taken now, so the queue order holds; past the batch size
+                break
+            more.append(job)
+            inputs += len(job.ids)
+        return more
+
+    def _serve(self, jobs: list[EmbeddingJob]) -> None:
+        live = []
+        for job in jobs:
+            if job.cancelled:
+                self._finish(job, None, "cancelled", "cancelled")
+            else:
+                live.append(job)
+        if not live:
             return
         try:
-            vectors = embed_token_ids(
-                self.model, job.ids, batch_size=self.batch_size, dimensions=job.dimensions
-            )
-            out = np.array(vectors.astype(mx.float32))
-        except Exception as err:  # an answer for the client, never a dead worker
-            self._finish(job, None, f"{type(err).__name__}: {err}", "error")
+            pooled = embed_token_ids(  # every request's inputs, not yet cut or normalized
+                self.model, [r for j in live for r in j.ids], batch_size=self.batch_size,
+                normalize=False,
+            )  # fmt: skip
+            self.metrics.inc("embedding_batches_total")
+            outs, start = [], 0
+            for job in live:
+                rows = pooled[start : start + len(job.ids)]
+                outs.append(np.array(finish_vectors(rows, job.dimensions).astype(mx.float32)))
+                start += len(job.ids)
+        except Exception as err:  # an answer for the clients, never a dead worker
+            for job in live:
+                self._finish(job, None, f"{type(err).__name__}: {err}", "error")
             return
-        self._finish(job, out, None, "stop")
+        for job, out in zip(live, outs):
+            self._finish(job, out, None, "stop")
 
     def _finish(self, job: EmbeddingJob, out, error: str | None, reason: str) -> None:
         with self._lock:
