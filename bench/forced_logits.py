@@ -20,10 +20,13 @@ import argparse
 import json
 import sys
 
+# isort: off
+import hf2q_mlx  # before mlx.core: it routes MLX's CPU matmuls to a fast BLAS
+# isort: on
+
 import mlx.core as mx
 import numpy as np
 
-import hf2q_mlx
 from hf2q_mlx.custom_kernels import backend, reference_only
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.generation import encode_prompt, graph_step, make_prompt_cache

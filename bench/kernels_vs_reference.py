@@ -17,9 +17,12 @@ import json
 import sys
 import time
 
+# isort: off
+import hf2q_mlx  # before mlx.core: it routes MLX's CPU matmuls to a fast BLAS
+# isort: on
+
 import mlx.core as mx
 
-import hf2q_mlx
 from hf2q_mlx.custom_kernels import backend, reference_only
 
 PROMPTS = [

@@ -27,11 +27,14 @@ import json
 import time
 from pathlib import Path
 
+# isort: off
+import hf2q_mlx  # before mlx.core: it routes MLX's CPU matmuls to a fast BLAS
+# isort: on
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-import hf2q_mlx
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.models.quantized import GGMLEmbedding, GGMLLinear
 from hf2q_mlx.models.turboquant.cache import make_tq_cache
