@@ -144,6 +144,7 @@ def test_embedding_server_refuses_text_generation_and_reports_health(server, cli
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["outstanding"] == 0
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    client.embeddings.create(model=MODEL_ID, input="ok")
     metrics = httpx.get(server.url + "/metrics").text
     assert 'requests_finished_total{reason="stop"}' in metrics
 
@@ -275,13 +276,16 @@ def test_embed_token_ids_checks_its_input(loaded):
 def test_serve_refuses_generation_flags_for_an_embedding_model(loaded):
     model, tokenizer = loaded
     args = argparse.Namespace(kv_bits="8", batch_prefill=False, max_len=None, max_queue=4,
-                              max_batch=2)  # fmt: skip
+                              max_batch=2, step="auto")  # fmt: skip
     with pytest.raises(InvalidArgumentError, match="--kv-bits"):
         _embedding_worker(args, model, tokenizer)
     args.kv_bits, args.batch_prefill = None, True
     with pytest.raises(InvalidArgumentError, match="--batch-prefill"):
         _embedding_worker(args, model, tokenizer)
-    args.batch_prefill = False
+    args.batch_prefill, args.step = False, "batched"
+    with pytest.raises(InvalidArgumentError, match="--step"):
+        _embedding_worker(args, model, tokenizer)
+    args.step = "auto"
     worker = _embedding_worker(args, model, tokenizer)
     assert worker.alive() and worker.batch_size == 2 and worker.max_queue == 4
     worker.shutdown()

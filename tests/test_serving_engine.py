@@ -16,7 +16,7 @@ import pytest
 from conftest import requires_gpu
 
 from hf2q_mlx.decode_step import RowSlots
-from hf2q_mlx.errors import SamplingOptionsError
+from hf2q_mlx.errors import InvalidArgumentError, SamplingOptionsError
 from hf2q_mlx.serving import engine as engine_module
 from hf2q_mlx.serving.batch_generator import sampling_params
 from hf2q_mlx.serving.batch_sampler import BatchSampler, SamplingParams
@@ -326,6 +326,30 @@ def test_serve_rejects_bad_flags_before_loading(flags, fragment, capsys, monkeyp
     assert commands.main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "step, compiled", [("auto", None), ("batched", True), ("sequential", False)]
+)
+def test_serve_step_flag_reaches_the_engine(step, compiled, capsys, monkeypatch):
+    """``--step`` picks the engine's decode step: auto leaves it to make_step (batched on a GPU,
+    per row on the CPU), batched / sequential force it."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from hf2q_mlx.cli import commands
+    from hf2q_mlx.serving import engine
+
+    seen = {}
+
+    def fake_engine(model, tokenizer, **kw):
+        seen.update(kw)
+        raise InvalidArgumentError("stopped before serving")
+
+    monkeypatch.setattr(commands, "_load", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(engine, "Engine", fake_engine)
+    assert commands.main(["serve", "--step", step]) == 2
+    assert "stopped before serving" in capsys.readouterr().err
+    assert seen["compiled"] is compiled
 
 
 class _AnyDetok:

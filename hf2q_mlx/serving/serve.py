@@ -97,10 +97,21 @@ def add_serve_parser(sub: Any, model_parent: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model-id", default=None, help="model name clients send (the --model value)")
     p.add_argument(
+        "--step",
+        choices=STEPS,
+        default="auto",
+        help="decode step: auto (batched on a GPU, per row on the CPU), batched (one compiled "
+        "step for all rows: faster on the CPU when most rows are busy), sequential (per row)",
+    )
+    p.add_argument(
         "--batch-prefill",
         action="store_true",
         help="prompt chunks of several streams in one forward pass (the batched GPU step)",
     )
+
+
+# --step -> Engine(compiled=...): None lets make_step pick (the batched step on a GPU only)
+STEPS = {"auto": None, "batched": True, "sequential": False}
 
 
 def _embedding_worker(args: argparse.Namespace, model: Any, tokenizer: Any) -> EmbeddingWorker:
@@ -109,7 +120,8 @@ def _embedding_worker(args: argparse.Namespace, model: Any, tokenizer: Any) -> E
 
     given = [flag for flag, on in (("--kv-bits", args.kv_bits is not None),
                                    ("--batch-prefill", args.batch_prefill),
-                                   ("--max-len", args.max_len is not None)) if on]  # fmt: skip
+                                   ("--max-len", args.max_len is not None),
+                                   ("--step", args.step != "auto")) if on]  # fmt: skip
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)}: options of text generation; this is an embedding model"
@@ -157,6 +169,7 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
             prefill_chunk=args.prefill_chunk,
             prefix_cache_bytes=args.prefix_cache_mb << 20,
             batch_prefill=args.batch_prefill,
+            compiled=STEPS[args.step],
         ).start()
     from hf2q_mlx.io.default_model import DEFAULT_CHAT_MODEL
 
