@@ -22,7 +22,6 @@ from hf2q_mlx.embedding import (
     embed_token_ids,
     embedding_spec,
     finish_vectors,
-    max_input_tokens,
 )
 from hf2q_mlx.errors import InvalidArgumentError, QueueFullError
 from hf2q_mlx.generation import is_int
@@ -54,14 +53,13 @@ class EmbeddingWorker:
     padding of its batch differs; ~1e-7 on EmbeddingGemma)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_queue: int = 64, batch_size: int = 32):
-        embedding_spec(model)  # raises for a model that is not an embedding model
+        spec = embedding_spec(model)  # raises for a model that is not an embedding model
         for name, v, low in (("max_queue", max_queue, 0), ("batch_size", batch_size, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
         self.model, self.tokenizer = model, tokenizer
         self.max_queue, self.batch_size = max_queue, batch_size
-        self.max_len = max_input_tokens(model)
-        self.dims = embedding_spec(model).head.dims
+        self.dims = spec.head.dims
         self.metrics = Metrics(batch_size)
         self.inbox: queue.Queue[EmbeddingJob | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -126,12 +124,8 @@ class EmbeddingWorker:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            outstanding = self._outstanding
-        return {
-            "outstanding": outstanding,
-            "waiting": self.inbox.qsize(),
-            "finished": self.finished,
-        }
+            outstanding, finished = self._outstanding, self.finished
+        return {"outstanding": outstanding, "waiting": self.inbox.qsize(), "finished": finished}
 
     # ---- worker thread -------------------------------------------------------------------------
 
@@ -207,9 +201,9 @@ class EmbeddingWorker:
             self._finish(job, out, None, "stop")
 
     def _finish(self, job: EmbeddingJob, out, error: str | None, reason: str) -> None:
-        with self._lock:
+        with self._lock:  # the worker thread, or shutdown's caller draining the queue
             self._outstanding -= 1
-        self.finished += 1
+            self.finished += 1
         self.metrics.inc("requests_finished_total", reason=reason)
         self.metrics.set("queue_depth", self.inbox.qsize())
         try:
