@@ -2,8 +2,9 @@
 // CUDA rendering and (2) run it: each threadgroup runs as tg_size fibers on one OS thread,
 // switching at barriers and warp operations (_setjmp / _longjmp; swapcontext, which makes a
 // signal-mask syscall per switch and ran the emulated tests 3-6x slower, with HQ_EMU_UCONTEXT:
-// kernel_emulator.py takes it where a probe finds the fast switch broken). Strict where portability needs it: a
-// barrier or warp operation that not every thread (lane) reaches aborts as a deadlock.
+// kernel_emulator.py takes it where a probe finds the fast switch broken). Strict where
+// portability needs it: a barrier or warp operation that not every thread (lane) reaches
+// aborts as a deadlock.
 // Groups run one after another, so `__shared__` as `static` gives each group one shared array.
 #pragma once
 #include <setjmp.h>

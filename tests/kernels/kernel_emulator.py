@@ -150,9 +150,23 @@ def probe(flags: list[str]) -> bool:
 
 def switch_flags() -> list[str]:
     """[] for the fast fiber switch (_setjmp / _longjmp), or ["-DHQ_EMU_UCONTEXT"] where a probe
-    finds it broken (a libc whose longjmp refuses another stack, shadow stacks)."""
+    finds it broken (a libc whose longjmp refuses another stack, shadow stacks). The probe's
+    answer is kept in the cache beside the binaries, per header text: a process whose binaries
+    are all built compiles nothing (the whole-step tests start several)."""
     if not _SWITCH_FLAGS:
-        _SWITCH_FLAGS.append([] if probe([]) else ["-DHQ_EMU_UCONTEXT"])
+        key = hashlib.sha256(EMU_HEADER.read_text().encode()).hexdigest()[:16]
+        record = _CACHE / f"switch_{key}"
+        try:
+            known = record.read_text().split()
+        except OSError:
+            known = None
+        if known is None:
+            known = [] if probe([]) else ["-DHQ_EMU_UCONTEXT"]
+            _CACHE.mkdir(parents=True, exist_ok=True)
+            tmp = record.with_name(f"{record.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(" ".join(known))
+            os.replace(tmp, record)
+        _SWITCH_FLAGS.append(known)
     return _SWITCH_FLAGS[0]
 
 
