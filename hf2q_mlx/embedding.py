@@ -22,6 +22,7 @@ from hf2q_mlx.errors import (
     CheckpointFormatError,
     InvalidArgumentError,
     NotAnEmbeddingModelError,
+    PromptNameError,
     UnsupportedArchitectureError,
     WeightMismatchError,
 )
@@ -141,7 +142,7 @@ def embedding_spec(model: nn.Module) -> SentenceTransformersSpec:
 
 def _prompt(spec: SentenceTransformersSpec, prompt_name: str | None, prompt: str | None) -> str:
     if prompt is not None and prompt_name is not None:
-        raise InvalidArgumentError("give prompt or prompt_name, not both")
+        raise PromptNameError("give prompt or prompt_name, not both")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise InvalidArgumentError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -151,7 +152,7 @@ def _prompt(spec: SentenceTransformersSpec, prompt_name: str | None, prompt: str
         return ""
     if name not in spec.prompts:
         known = ", ".join(spec.prompts) or "none"
-        raise InvalidArgumentError(f"unknown prompt name {name!r}; this model has: {known}")
+        raise PromptNameError(f"unknown prompt name {name!r}; this model has: {known}")
     return spec.prompts[name]
 
 

@@ -49,6 +49,10 @@ class NotAnEmbeddingModelError(InvalidArgumentError):
     """``embed`` was given a model without sentence-embedding modules (a text generator)."""
 
 
+class PromptNameError(InvalidArgumentError):
+    """An embedding task prompt that cannot apply: unknown name, or given with a prompt / ids."""
+
+
 class SamplingOptionsError(InvalidArgumentError):
     """Invalid generation / sampling options (temperature < 0, top_p outside (0, 1], ...)."""
 

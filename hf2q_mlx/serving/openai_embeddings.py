@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hf2q_mlx.embedding import check_embedding_ids, embedding_token_ids
-from hf2q_mlx.errors import InvalidArgumentError
+from hf2q_mlx.errors import InvalidArgumentError, PromptNameError
 from hf2q_mlx.generation import is_int
 from hf2q_mlx.serving.openai_api import bad_request, model_of
 
@@ -83,11 +83,12 @@ def parse_embeddings(
             )
         else:
             if prompt_name is not None:
-                raise InvalidArgumentError("prompt_name applies to text input, not token ids")
+                raise PromptNameError("prompt_name applies to text input, not token ids")
             check_embedding_ids(model, ids, "input")
+    except PromptNameError as err:
+        raise bad_request(str(err), "prompt_name") from None
     except InvalidArgumentError as err:
-        about_prompt = str(err).startswith(("unknown prompt name", "prompt_name"))
-        raise bad_request(str(err), "prompt_name" if about_prompt else "input") from None
+        raise bad_request(str(err), "input") from None
     return ParsedEmbeddings(ids, name, dimensions, fmt)
 
 
