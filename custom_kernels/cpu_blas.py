@@ -143,10 +143,16 @@ def enable(cache_dir: str | Path | None = None) -> str | None:
     return result
 
 
+def wanted() -> bool:
+    """Whether the routing applies here: Linux, and ``HF2Q_CPU_BLAS`` does not turn it off."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    return sys.platform.startswith("linux") and choice not in ("off", "0", "none", "no")
+
+
 def _enable(cache_dir: str | Path | None) -> str | None:
-    choice = os.environ.get(ENV_VAR, "").strip()
-    if not sys.platform.startswith("linux") or choice.lower() in ("off", "0", "none", "no"):
+    if not wanted():
         return None
+    choice = os.environ.get(ENV_VAR, "").strip()
     target = None  # (library, symbol, ilp64, description)
     if choice:
         try:

@@ -101,8 +101,9 @@ def _fast_cpu_blas() -> None:
 
 def _cpu_blas_missed() -> bool:
     """mlx.core came first on Linux, computing on the CPU, with the routing not turned off."""
-    off = os.environ.get("HF2Q_CPU_BLAS", "").strip().lower() in ("off", "0", "none", "no")
-    if off or not sys.platform.startswith("linux"):
+    from hf2q_mlx.custom_kernels import cpu_blas
+
+    if not cpu_blas.wanted():
         return False
     mx = sys.modules["mlx.core"]
     try:
