@@ -37,10 +37,11 @@ def head_gate_reference(x: mx.array, qg: mx.array | Heads) -> mx.array:
 
 
 _HEAD_BODY = """
-  // One thread per output element e of (rows, H D): its gate is channel d of its head's gate
-  // half in the [query | gate] heads, which start OFF values into each RS-value row of qg.
-  const uint e = gid_x * tg_size + tid;
-  if (e >= N) return;
+  // One thread per output element e of (rows, H D); TG divides H D, so the grid is exactly the
+  // elements and the token count stays out of the template (one compile for every length). Its
+  // gate is channel d of its head's gate half in the [query | gate] heads, which start OFF
+  // values into each RS-value row of qg.
+  const uint e = gid_x * uint(TG) + tid;
   const uint d = e % D;
   const uint h = (e / D) % H;
   const uint row = e / (D * H);
@@ -49,6 +50,7 @@ _HEAD_BODY = """
   out[e] = from_float<T>(to_float(x[e]) * to_float(s));
 """
 
+
 _head_kernel = Kernel(
     "head_gate",
     inputs=["x", "qg"],
@@ -56,7 +58,7 @@ _head_kernel = Kernel(
     body=_HEAD_BODY,
     examples=[
         Example({"x": t, "qg": t}, {"out": t},
-                {"T": t, "N": 256, "D": 32, "H": 4, "RS": rs, "OFF": off})
+                {"T": t, "TG": 128, "D": 32, "H": 4, "RS": rs, "OFF": off})
         for t, rs, off in ((mx.float32, 256, 0), (mx.bfloat16, 320, 0), (mx.float16, 384, 64))
     ],
 )  # fmt: skip
@@ -71,17 +73,25 @@ def head_gate(x: mx.array, qg: mx.array | Heads) -> mx.array:
         data, rs, off = qg, H * D2, 0
         if isinstance(qg, Heads):
             data, rs, off = qg.data, qg.data.shape[-1], qg.first * qg.width
-        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0 and data.size < 2**31:
-            plan = _head_plan(be, x.size, D2 // 2, H, rs, off, x.shape, x.dtype)
+        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0 and x.size and data.size < 2**31:
+            tg = head_threads(H * (D2 // 2))
+            plan = _head_plan(be, x.size, tg, D2 // 2, H, rs, off, x.shape, x.dtype)
             return plan(inputs=[x, data])[0]
     return head_gate_reference(x, qg)
 
 
+def head_threads(width: int) -> int:
+    """Threads a group for rows of ``width`` (H D) elements: the largest power of two up to 256
+    dividing it (256 for every Qwen 3.5 shape; a narrow odd width runs slowly, not wrongly)."""
+    return min(width & -width, 256)
+
+
 @lru_cache(maxsize=64)
-def _head_plan(be, n, D, H, rs, off, shape, dtype):
+def _head_plan(be, n, tg, D, H, rs, off, shape, dtype):
     return _head_kernel.launcher(
-        [dtype, dtype], grid=(n,), threadgroup=(256,), output_shapes=[shape],
-        output_dtypes=[dtype], template={"T": dtype, "N": n, "D": D, "H": H, "RS": rs, "OFF": off},
+        [dtype, dtype], grid=(n,), threadgroup=(tg,), output_shapes=[shape],
+        output_dtypes=[dtype], template={"T": dtype, "TG": tg, "D": D, "H": H, "RS": rs,
+                                         "OFF": off},
         backend=be,
     )  # fmt: skip
 

@@ -131,10 +131,11 @@ def test_head_gate_gpu_fused_heads(dtype, shape):
 def test_head_gate_gpu(dtype, shape):
     x, qg = _heads(*shape, seed=sum(shape), dtype=dtype)
     got = sg.head_gate(x, qg)
+    tg = sg.head_threads(shape[2] * shape[3])
     # the kernel with its output poisoned first: every element written, the same bits
     poisoned = sg._head_kernel(
-        [x, qg], grid=(x.size,), threadgroup=(256,), output_shapes=[x.shape],
-        output_dtypes=[dtype], template={"T": dtype, "N": x.size, "D": shape[3], "H": shape[2],
+        [x, qg], grid=(x.size,), threadgroup=(tg,), output_shapes=[x.shape],
+        output_dtypes=[dtype], template={"T": dtype, "TG": tg, "D": shape[3], "H": shape[2],
                                          "RS": 2 * shape[2] * shape[3], "OFF": 0},
         init_value=float("nan"),
     )[0]  # fmt: skip

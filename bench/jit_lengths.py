@@ -1,0 +1,102 @@
+"""Which of our kernels compile anew for a new prompt length, found without a GPU.
+
+MLX's CUDA back end compiles a kernel once per (name, template values), about 1.5 s each on the
+H200 (``custom_kernels/cuda_cache.py``). A template value that follows the token count makes
+every new prompt length, and every new packed total of a batched prefill, pay that again inside
+a request's time to first token. This fakes the CUDA back end on the CPU (the dispatchers take
+their GPU branch; each launch records its kernel and template values and returns zeros, so no
+kernel runs), builds a model with random weights, prefills one row at each length through a
+``DecodeStep`` and prints the instantiations each length adds. Past the lengths where a
+dispatcher switches kernels (wide MMA tiles, dequantize + GEMM) a length should add none.
+
+    python3 bench/jit_lengths.py qwen3_5:35b-a3b --layers 4 --lengths 31,127,511,1023,3384
+    python3 bench/jit_lengths.py gemma4:tiny-moe --json OUT.json     # tiny shapes: seconds
+
+Session 30 found Qwen 3.5's ``head_gate`` carrying the element count: a compile for every
+prompt length (and every packed total) on Qwen 3.5, none on Gemma 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hf2q_mlx.custom_kernels as ck  # noqa: E402
+from hf2q_mlx.custom_kernels import _render, sigmoid_gate  # noqa: E402
+from hf2q_mlx.models import quantized  # noqa: E402
+
+DEFAULT_LENGTHS = "31,127,511,700,1023,1692"
+
+
+def fake_cuda(seen: dict, current: list) -> None:
+    """Dispatchers take their CUDA branch on the CPU; a launch records (kernel, dtype signature,
+    template values) into ``seen`` (the first length, ``current[0]``, to ask for it) and returns
+    zeros of its output shapes."""
+
+    def kernel_for(self, backend, sig):
+        def launch(*, inputs, template=None, grid, threadgroup, output_shapes, output_dtypes,
+                   init_value=None, verbose=False):  # fmt: skip
+            key = (self.name, sig, tuple(_render._norm_template(template)))
+            seen.setdefault(key, current[0])
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    ck._gpu = ("cuda", mx.default_device(), mx.default_device)
+    sigmoid_gate.GPU_VERIFIED = True
+    _render.Kernel._kernel_for = kernel_for
+    _render.gpu_backend = lambda: "cuda"
+    quantized._cpu_affine_path = lambda: False
+
+
+def probe(
+    spec: str, fmt: str, layers: int | None, lengths: list[int], kv_bits: int | None = None
+) -> dict:
+    """-> {length: [(kernel, template values) first asked for at that length]}; length 0: those
+    the step asked for when it was built."""
+    from decode_profile import build
+
+    from hf2q_mlx.decode_step import DecodeStep
+
+    seen: dict = {}
+    current: list = [0]
+    fake_cuda(seen, current)
+    family, shape = spec.split(":")
+    model, vocab = build(family, shape, fmt, mx.bfloat16, layers)
+    step = DecodeStep(model, max_batch=1, max_len=max(lengths) + 8, kv_bits=kv_bits)
+    out = {0: [(k[0], [list(v) for v in k[2]]) for k in seen]}
+    for n in lengths:
+        before = set(seen)
+        current[0] = n
+        step.reset_row(0)
+        step.prefill(0, [(7 * i + 3) % vocab for i in range(n)])
+        mx.eval([c.arrays for c in step.caches])
+        out[n] = [(k[0], [list(v) for v in k[2]]) for k in seen if k not in before]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="family:shape of bench/decode_profile.py, e.g. qwen3_5:9b")
+    ap.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4"])
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first layers")
+    ap.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths, in order")
+    ap.add_argument("--kv-bits", type=int, default=None, help="a TurboQuant cache of 4 or 8 bits")
+    ap.add_argument("--json", help="write {length: [[kernel, template], ...]} here")
+    a = ap.parse_args()
+    lengths = [int(n) for n in a.lengths.split(",")]
+    out = probe(a.model, a.format, a.layers, lengths, a.kv_bits)
+    for n, new in out.items():
+        print(f"{n:6d} tokens: {len(new):3d} new  {sorted({k for k, _ in new})}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({str(n): v for n, v in out.items()}, default=str))
+
+
+if __name__ == "__main__":
+    main()

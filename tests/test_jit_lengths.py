@@ -1,0 +1,45 @@
+"""No kernel compiles anew for a new prompt length once past the dispatchers' switch points.
+
+MLX's CUDA back end compiles each (kernel, template values) once, ~1.5 s on the H200: a template
+value that follows the token count would put that into the time to first token of every new
+prompt length (session 30: Qwen 3.5's ``head_gate`` did). ``bench/jit_lengths.py`` fakes the
+CUDA back end on the CPU and records what each prefill length asks for; it runs in a process of
+its own (the fake stays in the dispatchers' plan caches).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def new_per_length(tmp_path, model: str, lengths: str, *extra: str) -> dict[int, list]:
+    out = tmp_path / "jit.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "jit_lengths.py"), model, "--lengths", lengths,
+           "--json", str(out), *extra]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600, cwd=ROOT)
+    return {int(n): v for n, v in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("gemma4:tiny-moe", ()),
+        ("qwen3_5:tiny-moe", ()),
+        ("qwen3_5:tiny", ("--format", "mlx4")),
+        ("gemma4:tiny-moe", ("--kv-bits", "8")),
+    ],
+    ids=["gemma4-moe-q4k", "qwen35-moe-q4k", "qwen35-mlx4", "gemma4-moe-tq8"],
+)
+def test_long_prompt_lengths_compile_nothing_new(tmp_path, model, extra):
+    new = new_per_length(tmp_path, model, "31,127,300,517,1000", *extra)
+    # the probe saw kernels at all (the step's build and the first lengths ask for some)
+    assert sum(len(new[n]) for n in (0, 31, 127)) >= 5, new
+    for n in (300, 517, 1000):
+        assert new[n] == [], f"{model}: {n} tokens compile {[k for k, _ in new[n]]} again"
