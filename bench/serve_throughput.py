@@ -3,17 +3,17 @@ Gemma-4-26B-A4B and Qwen3.5-35B-A3B shapes, next to mlx-lm's BatchGenerator (the
 engine behind `mlx_lm.server`) on the very same MLX 4-bit arrays.
 
 Per stream count n: n requests submitted at once, prompts of mixed lengths (32..1024 tokens),
-EOS ignored, ``--gen`` tokens each. Reports aggregate decode tok/s (tokens after the first /
-time from the first first-token to the last token, so other streams' prefill counts against
-it), the steady rate (tokens per second while all n streams decode: from the last first-token
-to the first last-token), p50/p99 time to first token and p50/p99 inter-token latency, and the
-ratios to the single-stream rates. The engine is driven directly (no HTTP), with the batched
-compiled DecodeStep on a GPU. A prefill step delays the running streams once, so p99
-inter-token latency depends on ``--prefill-chunk`` (the prefill tokens of all rows per step:
-a larger one means fewer, longer stalls). Before each measured wave one request per attention
-span the wave reaches compiles the step (2 tokens each). Ours and mlx-lm alternate per stream
-count (a time cap then cuts both columns at the same row). Prints a table and writes JSON after
-every row (a run cut short keeps what it measured).
+EOS ignored, ``--gen`` tokens each, after the engine's warm-up (``Engine(warmup=True)``) and
+one wave of the same lengths (mlx-lm gets that wave too). Reports aggregate decode tok/s
+(tokens after the first / time from the first first-token to the last token, so other
+streams' prefill counts against it), the steady rate (tokens per second while all n streams
+decode: from the last first-token to the first last-token), p50/p99 time to first token and
+p50/p99 inter-token latency, and the ratios to the single-stream rates. The engine is driven
+directly (no HTTP), with the batched compiled DecodeStep on a GPU. A prefill step delays the
+running streams once, so p99 inter-token latency depends on ``--prefill-chunk`` (the prefill
+tokens of all rows per step: a larger one means fewer, longer stalls). Ours and mlx-lm
+alternate per stream count (a time cap then cuts both columns at the same row). Prints a table
+and writes JSON after every row (a run cut short keeps what it measured).
 
     python bench/serve_throughput.py                          # both shapes, H200
     python bench/serve_throughput.py --shapes gemma4-26b-a4b --streams 1,8,32
@@ -43,7 +43,6 @@ import gemma4 as g4bench  # noqa: E402  (bench/gemma4.py: model builders at the 
 import qwen3_5 as q35bench  # noqa: E402
 
 from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
-from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
 from hf2q_mlx.serving.batch_sampler import SamplingParams  # noqa: E402
 from hf2q_mlx.serving.engine import Engine  # noqa: E402
@@ -140,23 +139,14 @@ def prompts_for(n: int, vocab: int, seed: int, length: int | None = None) -> lis
 def run_ours(
     model, n, gen, vocab, max_len, compiled=None, prefill_chunk=512, batch_prefill=False
 ) -> dict:
+    # the engine's warm-up builds every prefill kernel, the step or CUDA graph at every attention
+    # span and the sampling before start() returns (on the H200 a first call's JIT had put
+    # ~50 s into the first wave's TTFT)
     engine = Engine(model, StubTokenizer(), max_batch=n, max_queue=0, max_len=max_len,
                     prefix_cache_bytes=0, compiled=compiled, prefill_chunk=prefill_chunk,
-                    batch_prefill=batch_prefill).start()  # fmt: skip
-    # warm-up: compile the step at every attention span the wave will reach (DecodeStep
-    # buckets the span by the longest row: powers of two from 256, capped at max_len); the
-    # sequential step compiles nothing: one short request
-    span = 256 if isinstance(engine.step, DecodeStep) else 8
-    while True:
-        length = min(span, max_len - 2)
-        _wave(engine, prompts_for(1, vocab, span, length), 2)
-        if length < span or span >= max_len or span < 256:
-            break
-        span *= 2
-    # and the wave's prompt lengths: the prefill kernels of every length it uses (a first call
-    # JIT-compiles them; on the H200 that put ~50 s into the first wave's TTFT)
-    for length in PROMPT_LENGTHS[: max(1, min(n, len(PROMPT_LENGTHS)))]:
-        _wave(engine, prompts_for(n, vocab, 7, length), 2)
+                    batch_prefill=batch_prefill, warmup=True).start()  # fmt: skip
+    # and one wave of the measured lengths, as mlx-lm gets (MLX's own first calls at a shape)
+    _wave(engine, prompts_for(n, vocab, 7), 2)
     steps0, t0 = engine.steps, time.perf_counter()
     starts, stamps = _wave(engine, prompts_for(n, vocab, 0), gen)
     steps, wall = engine.steps - steps0, time.perf_counter() - t0
@@ -164,7 +154,7 @@ def run_ours(
     engine.shutdown()
     # engine steps of the wave and their mean wall time (prefill steps included)
     return {**summarize(f"hf2q_mlx ({step})", n, starts, stamps), "engine_steps": steps,
-            "step_ms": wall / max(steps, 1) * 1e3}  # fmt: skip
+            "step_ms": wall / max(steps, 1) * 1e3, "warmup_s": engine.warmup_s}  # fmt: skip
 
 
 def _wave(engine: Engine, prompts: list[list[int]], gen: int) -> tuple[dict, dict]:

@@ -395,6 +395,18 @@ class CudaGraphStep:
         self.recordings[span] = rec
         return rec
 
+    def prepare(self, span: int) -> Recording:
+        """The graph of ``span`` (a bucket of ``DecodeStep.spans()``), recorded and captured
+        now if it is not yet. Recording runs the step on the rows' caches at their positions:
+        call it where no row holds a request, or where those slots are written next anyway
+        (as ``decode`` does)."""
+        rec = self.recordings.get(span)
+        if rec is None:
+            rec = self.record(span)
+        if rec.exe is None:
+            self._capture(rec)
+        return rec
+
     def _recording_inputs(self, span, tokens, seed):
         st = self.step
         positions = [min(p + seed - 1, span - 1) for p in st.positions]
@@ -505,12 +517,7 @@ class CudaGraphStep:
         longest = max((p for p, a in zip(st.positions, active) if a), default=0) + 1
         if longest > st.max_len:
             raise ContextLengthError(f"a row would pass max_len {st.max_len}")
-        span = st._span(longest)
-        rec = self.recordings.get(span)
-        if rec is None:
-            rec = self.record(span)
-        if rec.exe is None:
-            self._capture(rec)
+        rec = self.prepare(st._span(longest))
         self._bind()
         self._set_inputs(tokens, st.positions, active)
         if os.environ.get("HF2Q_GRAPH_DEBUG") == "1":

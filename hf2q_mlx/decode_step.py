@@ -466,6 +466,33 @@ class DecodeStep(RowSlots):
         """The attention-span bucket (a compiled trace each) covering ``longest`` tokens."""
         return min(self.max_len, max(MIN_SPAN, 1 << (longest - 1).bit_length()))
 
+    def spans(self) -> list[int]:
+        """Every attention-span bucket a decode can take: MIN_SPAN doubling up to max_len."""
+        tops = [1 << k for k in range(self.max_len.bit_length()) if 1 << k <= self.max_len]
+        return sorted({self._span(n) for n in tops + [self.max_len]})
+
+    def warm_span(self, span: int, greedy: bool = False) -> bool:
+        """Trace the one-token step at ``span`` (one of ``spans()``) with every row idle,
+        evaluate it and drop its outputs: the rows' caches and positions stay as they were, and
+        no request pays the trace (with its kernels' JIT) when a row first reaches the span.
+        -> False where that trace was made already."""
+        if span not in self.spans():
+            raise InvalidArgumentError(f"span {span!r} is not one of {self.spans()}")
+        if (1, span, greedy) in self._traced:
+            return False
+        B, kept = self.max_batch, [s.arrays for s in self.caches]
+        try:
+            out = self._compiled(
+                mx.zeros((B, 1), dtype=mx.int32), self._padded(self.positions, mx.int32),
+                self._padded([False] * B, mx.bool_), kept, span, greedy,
+            )  # fmt: skip
+            mx.eval(out)
+        finally:
+            for s, a in zip(self.caches, kept):  # the trace left its own arrays on the caches
+                s.arrays = a
+        self._traced.add((1, span, greedy))
+        return True
+
     def warm_verify(self, row: int, lengths: Sequence[int]) -> int:
         """Trace the verify of each L in ``lengths`` (2 .. reserve + 1) at ``row``'s position,
         the other rows idle: a verify of zeros, evaluated, then rolled back, so the row's caches

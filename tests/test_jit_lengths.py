@@ -43,3 +43,21 @@ def test_long_prompt_lengths_compile_nothing_new(tmp_path, model, extra):
     assert sum(len(new[n]) for n in (0, 31, 127)) >= 5, new
     for n in (300, 517, 1000):
         assert new[n] == [], f"{model}: {n} tokens compile {[k for k, _ in new[n]]} again"
+
+
+def _instantiations(per_length: dict[int, list]) -> set[str]:
+    return {json.dumps(k) for v in per_length.values() for k in v}
+
+
+@pytest.mark.parametrize("model", ["gemma4:tiny-moe", "qwen3_5:tiny-moe"])
+def test_the_warm_up_lengths_meet_every_prefill_kernel(tmp_path, model):
+    """The serving engine's warm-up prefills ``PREFILL_SWITCH_TOKENS``: together they ask for
+    every kernel that any chunk of 1..140 tokens (and longer ones) asks for."""
+    from hf2q_mlx.serving.engine import PREFILL_SWITCH_TOKENS
+
+    every = ",".join(str(n) for n in [*range(1, 141), 200, 333, 700])
+    seen_all = _instantiations(new_per_length(tmp_path, model, every))
+    warm = ",".join(str(n) for n in PREFILL_SWITCH_TOKENS)
+    seen_warm = _instantiations(new_per_length(tmp_path, model, warm))
+    assert seen_all - seen_warm == set()
+    assert len(seen_warm) > 10  # the probe saw kernels (the step's own and the prefills')

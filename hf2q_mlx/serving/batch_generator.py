@@ -65,7 +65,9 @@ class BatchGenerator:
     does.
     ``compiled`` picks the batched ``DecodeStep`` (default: on a GPU) or the sequential rows;
     ``batch_prefill`` packs a step's prompt chunks of several rows into one forward pass (the
-    batched step only; off by default: docs/serving.md).
+    batched step only; off by default: docs/serving.md). ``warmup`` runs every kernel, trace
+    and CUDA graph a request can meet before the constructor returns (default: where kernels
+    run, on a GPU), so no request waits on a JIT compile.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class BatchGenerator:
         prefix_cache_bytes: int = 256 << 20,
         compiled: bool | None = None,
         batch_prefill: bool = False,
+        warmup: bool | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.engine = Engine(
@@ -93,6 +96,7 @@ class BatchGenerator:
             prefix_cache_bytes=prefix_cache_bytes,
             compiled=compiled,
             batch_prefill=batch_prefill,
+            warmup=warmup,
         ).start()
         self._events: queue.Queue[Event] = queue.Queue()
         self._open: set[str] = set()

@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import device_array
+from hf2q_mlx.custom_kernels import backend, device_array
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import (
     ContextLengthError,
@@ -64,6 +64,10 @@ from hf2q_mlx.serving.sequential_step import SequentialStep
 from hf2q_mlx.serving.stop_text import StopText
 
 DEFAULT_MAX_LEN = 4096
+# Prompt tokens of one prefill chunk at which a kernel dispatcher may pick other kernels (an MMA
+# tile, the dequantize + GEMM path). The warm-up prefills each once, so no request pays the JIT
+# compile of a new kernel (~1.5 s each on the H200); tests/test_jit_lengths.py keeps it whole.
+PREFILL_SWITCH_TOKENS = (1, 2, 8, 9, 16, 17, 33, 65)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -88,6 +92,12 @@ def make_step(
     if compiled and DecodeStep.supports(model, kv_bits):
         return DecodeStep(model, max_batch, max_len, kv_bits=parse_kv_bits(kv_bits))
     return SequentialStep(model, max_batch, max_len, kv_bits)
+
+
+def _set_at_end(flag: threading.Event, event: Event) -> None:
+    """A warm-up request's sink: nothing is streamed, its end is flagged."""
+    if event.finish_reason is not None:
+        flag.set()
 
 
 def _materialize_model(model: Any) -> None:
@@ -195,6 +205,7 @@ class Engine:
         compiled: bool | None = None,
         step: Any = None,
         batch_prefill: bool = False,
+        warmup: bool | None = None,
     ) -> None:
         for name, v, low in (
             ("max_batch", max_batch, 1),
@@ -236,6 +247,10 @@ class Engine:
         self._stop = threading.Event()
         self._inflight: _Inflight | None = None
         self.steps = 0
+        # run every kernel a request can meet before serving (None: where kernels run, a GPU)
+        self.warmup = backend() is not None if warmup is None else bool(warmup)
+        self.warmup_s: float | None = None  # what the warm-up took, once done
+        self._warmed = threading.Event()
 
     # ---- caller side (any thread) --------------------------------------------------------------
 
@@ -286,10 +301,13 @@ class Engine:
         self.inbox.put(("cancel", request_id))
 
     def start(self) -> Engine:
+        """Start the loop thread; returns once the warm-up (if any) is done. Requests submitted
+        from other threads meanwhile wait in the queue."""
         if self._thread is None:
             _LIVE.add(self)
             self._thread = threading.Thread(target=self._run, name="hf2q-engine", daemon=True)
             self._thread.start()
+            self._warmed.wait()
         return self
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -319,6 +337,11 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            try:
+                if self.warmup:
+                    self._warm_up()
+            finally:
+                self._warmed.set()
             self._loop()
         finally:
             # MLX keeps a worker per thread-local stream: without this, the process may abort
@@ -346,6 +369,58 @@ class Engine:
                 self._fail_all(f"internal error: {type(err).__name__}: {err}")
             self._update_gauges()
         self._fail_all("server shutting down", reason="cancelled")
+
+    def _warm_up(self) -> None:
+        """One request at a time through the loop's own paths: a prefill chunk of each of
+        ``PREFILL_SWITCH_TOKENS`` and two decode steps (the last request samples with every
+        option, the others are greedy); then the decode at every attention span. The kernels,
+        the compiled step or the CUDA graph and the sampling are then built before a client
+        waits on them. Counted in no metric, saved in no prefix pool; a failure is printed and
+        serving goes on (it only costs time)."""
+        t0 = time.perf_counter()
+        metrics, pool = self.metrics, self.pool
+        self.metrics, self.pool = Metrics(self.max_batch), PrefixPool(0)
+        vocab = self.vocab or self.model.args.vocab_size
+        top = min(self.prefill_chunk, self.max_len - 3)  # room for the prompt's 2 tokens
+        lengths = [n for n in PREFILL_SWITCH_TOKENS if n <= top]
+        sampled = SamplingParams(max_tokens=2, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05,
+                                 seed=0, logprobs=True, top_logprobs=2, presence_penalty=0.1,
+                                 frequency_penalty=0.1, ignore_eos=True)  # fmt: skip
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+        try:
+            for i, n in enumerate(lengths):
+                ended = threading.Event()
+                prompt = [(7 * j + 3 + i) % vocab for j in range(n + 1)]
+                params = sampled if i == len(lengths) - 1 else greedy
+                req = Request(f"warm-up-{i}", prompt, params, partial(_set_at_end, ended), 2)
+                with self._lock:
+                    self._outstanding += 1
+                self.waiting.append(req)
+                self.by_id[req.id] = req
+                for _ in range(n + 8):  # a prefill step, two decode steps, one to read back
+                    if ended.is_set() or self._stop.is_set():
+                        break
+                    self._admit()
+                    self._prefill()
+                    self._decode()
+                if self._stop.is_set():
+                    return  # shut down while warming up
+                if not ended.is_set():
+                    raise RuntimeError(f"warm-up request of {n + 1} tokens did not end")
+            # every attention span a row can reach: the graph's recordings, or the compiled step's
+            # traces (of the logits the sampler reads: the engine's decode)
+            if self.graph is not None:
+                for span in self.step.spans():
+                    self.graph.prepare(span)
+            elif isinstance(self.step, DecodeStep):
+                for span in self.step.spans():
+                    self.step.warm_span(span)
+        except Exception:  # noqa: BLE001  (a warm-up that fails leaves a slower first request)
+            traceback.print_exc()
+            self._fail_all("warm-up failed")
+        finally:
+            self.metrics, self.pool = metrics, pool
+            self.warmup_s = time.perf_counter() - t0
 
     def _drain(self, block: bool) -> None:
         try:

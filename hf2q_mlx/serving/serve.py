@@ -108,6 +108,12 @@ def add_serve_parser(sub: Any, model_parent: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prompt chunks of several streams in one forward pass (the batched GPU step)",
     )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="listen at once; by default a GPU server first builds every kernel, trace and "
+        "CUDA graph a request can meet (no request then waits on a JIT compile)",
+    )
 
 
 # --step -> Engine(compiled=...): None lets make_step pick (the batched step on a GPU only)
@@ -121,7 +127,8 @@ def _embedding_worker(args: argparse.Namespace, model: Any, tokenizer: Any) -> E
     given = [flag for flag, on in (("--kv-bits", args.kv_bits is not None),
                                    ("--batch-prefill", args.batch_prefill),
                                    ("--max-len", args.max_len is not None),
-                                   ("--step", args.step != "auto")) if on]  # fmt: skip
+                                   ("--step", args.step != "auto"),
+                                   ("--no-warmup", args.no_warmup)) if on]  # fmt: skip
     if given:
         raise InvalidArgumentError(
             f"{', '.join(given)}: options of text generation; this is an embedding model"
@@ -136,6 +143,7 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
     _require_serve_extra()
     import uvicorn
 
+    from hf2q_mlx.custom_kernels import backend
     from hf2q_mlx.embedding import is_embedding_model
     from hf2q_mlx.generation import parse_kv_bits
     from hf2q_mlx.serving.app import create_app
@@ -159,6 +167,13 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
     if is_embedding_model(model):
         engine = _embedding_worker(args, model, tokenizer)
     else:
+        if not args.no_warmup and backend() is not None:
+            print(
+                "warming up: the kernels, traces and CUDA graphs of every prompt-length bucket "
+                "and attention span (--no-warmup skips)",
+                file=sys.stderr,
+                flush=True,
+            )
         engine = Engine(
             model,
             tokenizer,
@@ -170,6 +185,7 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
             prefix_cache_bytes=args.prefix_cache_mb << 20,
             batch_prefill=args.batch_prefill,
             compiled=STEPS[args.step],
+            warmup=False if args.no_warmup else None,
         ).start()
     from hf2q_mlx.io.default_model import DEFAULT_CHAT_MODEL
 
@@ -180,6 +196,8 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
         what = (
             f"{type(engine.step).__name__}, max_batch {engine.max_batch}, max_len {engine.max_len}"
         )
+        if engine.warmup_s is not None:
+            what += f", warmed up in {engine.warmup_s:.1f} s"
     print(
         f"serving {model_id} on http://{args.host}:{args.port}/v1 ({what})",
         file=sys.stderr,
