@@ -198,6 +198,12 @@ step tq-step-compiled 360 "HF2Q_TQ_GRAPH=0 python3 bench/turboquant_speed.py --m
 step tq-graph-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_graph_step_gives tests/test_cuda_graph_step.py --tb=short"
 # session 25: the chunked delta-net prefill, the CUDA default now
 step gdn-tests 120 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_chunked tests/kernels/test_gated_delta.py --tb=short"
+# session 30: head_gate with the element count out of its template (Qwen 3.5 compiled it for every
+# prompt length and packed total), and the serving engine's warm-up (every prefill-length bucket,
+# every span's graph before start() returns): their GPU tests, then the packed-prefill A/B on
+# 35B-A3B again (session 29: packed lost, 343 against 514 tok/s at 32 streams), with warmup_s
+step warmup-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_sigmoid_gate.py tests/test_engine_warmup.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives and qwen3_5' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
+step pack-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,8,32 --gen 128 --prefill-chunk 4096 --batch-prefill-ab --time-cap 420 --json $OUT/serve_batch_prefill_35b.json"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

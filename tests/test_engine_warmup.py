@@ -5,12 +5,14 @@ row. CPU: a model-free step, then a tiny random model through the compiled ``Dec
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import IdsTokenizer
+from conftest import IdsTokenizer, requires_gpu
 from test_decode_step import prompts, tiny_model
 from test_serving_engine import _CountModel, _CountStep, _CountTok
 
@@ -19,6 +21,8 @@ from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import InvalidArgumentError
 from hf2q_mlx.serving.batch_sampler import SamplingParams
 from hf2q_mlx.serving.engine import PREFILL_SWITCH_TOKENS, Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 @pytest.fixture(autouse=True)
@@ -150,3 +154,36 @@ def test_serve_no_warmup_flag_reaches_the_engine(capsys, monkeypatch):
         assert commands.main(["serve", *flags]) == 2
         assert "stopped before serving" in capsys.readouterr().err
     assert seen == [None, False]  # None: the engine warms up where kernels run
+
+
+@requires_gpu
+def test_gpu_warmed_graph_engine_gives_the_cold_engines_tokens(monkeypatch):
+    """On CUDA through the graph step: the warm-up records every span's graph before start()
+    returns, and greedy and seeded sampled streams equal those of a cold engine."""
+    if not mx.cuda.is_available():
+        pytest.skip("the CUDA graph step needs MLX's CUDA back end")
+    from decode_profile import build
+
+    from hf2q_mlx.cuda_graph_step import CudaGraphStep
+
+    monkeypatch.setenv("HF2Q_DECODE", "graph")
+    model, _ = build("gemma4", "tiny-moe", "q4_k", mx.bfloat16)
+    batch = prompts([30, 5, 70], seed=9)
+    options = [dict(max_tokens=8, ignore_eos=True),
+               dict(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.9, seed=4),
+               dict(max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)]  # fmt: skip
+
+    def run(warmup: bool):
+        with (
+            mx.stream(mx.default_device()),
+            hf2q_mlx.BatchGenerator(
+                model, IdsTokenizer(), max_batch=2, max_len=600, warmup=warmup
+            ) as gen,
+        ):
+            graph = gen.engine.graph
+            assert isinstance(graph, CudaGraphStep)
+            if warmup:
+                assert sorted(graph.recordings) == gen.engine.step.spans() == [256, 512, 600]
+            return [gen.generate([p], **o)[0] for p, o in zip(batch, options)]
+
+    assert run(True) == run(False)
