@@ -89,7 +89,7 @@ def test_no_warm_up_unless_asked_on_the_cpu():
         engine.shutdown()
 
 
-def test_warm_span_traces_without_touching_the_rows():
+def test_warm_span_traces_without_touching_the_rows(monkeypatch):
     model = tiny_model("llama")
     step = DecodeStep(model, max_batch=2, max_len=600)
     assert step.spans() == [256, 512, 600]
@@ -111,6 +111,15 @@ def test_warm_span_traces_without_touching_the_rows():
     assert np.array_equal(np.array(got[0]), np.array(want[0]))
     with pytest.raises(InvalidArgumentError, match="span 300"):
         step.warm_span(300)
+    # the warm trace is the one a decode takes: a row reaching span 512 runs no Python model
+    # code (a new trace would call the model)
+    step.prefill(1, prompts([300], seed=3)[0])
+    calls = []
+    real_call = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__", lambda m, *a, **k: calls.append(1) or
+                        real_call(m, *a, **k))  # fmt: skip
+    mx.eval(step.decode([5, 7], [True, True]))
+    assert step._span(step.positions[1]) == 512 and calls == []
 
 
 @pytest.mark.parametrize("name", ["gemma4-moe", "qwen3_5-dense"])
