@@ -12,6 +12,13 @@ dispatcher switches kernels (wide MMA tiles, dequantize + GEMM) a length should 
     python3 bench/jit_lengths.py qwen3_5:35b-a3b --layers 4 --lengths 31,127,511,1023,3384
     python3 bench/jit_lengths.py gemma4:tiny-moe --json OUT.json     # tiny shapes: seconds
 
+With ``--engine`` it checks the serving engine's warm-up instead: an ``Engine(warmup=True)``
+on the model, then a varied load (prompts of 1..140 tokens and some several chunks long, four
+streams at a time, greedy and sampled with every top-k class, penalties, log-probs, a logit
+bias), and prints what the load asked for that the warm-up had not (nothing, if it is whole).
+
+    python3 bench/jit_lengths.py gemma4:tiny-moe --engine --kv-bits 8 --batch-prefill
+
 Session 30 found Qwen 3.5's ``head_gate`` carrying the element count: a compile for every
 prompt length (and every packed total) on Qwen 3.5, none on Gemma 4.
 """
@@ -81,6 +88,80 @@ def probe(
     return out
 
 
+class _Tokenizer:
+    """Token ids in and out: the engine needs EOS ids and a detokenizer only."""
+
+    eos_token_ids: list = []
+
+    class _Detok:
+        last_segment = ""
+
+        def add_token(self, t: int) -> None:
+            pass
+
+        def finalize(self) -> None:
+            pass
+
+    def detokenizer(self):
+        return self._Detok()
+
+
+def load_params(i: int, vocab: int):
+    """The i-th load request's sampling options: greedy, or sampled with a top-k from 1 to 64
+    (every class of the sampling kernels), some with penalties, log-probs and a logit bias."""
+    from hf2q_mlx.serving.batch_sampler import SamplingParams
+
+    k = 1 + (i * 7) % 64
+    if i % 3 == 0:
+        return SamplingParams(max_tokens=3, ignore_eos=True)
+    extra = dict(presence_penalty=0.2, logprobs=True, top_logprobs=1 + i % 5,
+                 logit_bias={i % vocab: 1.0}) if i % 5 == 0 else {}  # fmt: skip
+    return SamplingParams(max_tokens=3, temperature=0.7, top_k=k, top_p=0.95, seed=i,
+                          ignore_eos=True, **extra)  # fmt: skip
+
+
+def probe_engine(spec: str, fmt: str, layers: int | None, kv_bits: int | None,
+                 batch_prefill: bool) -> dict:  # fmt: skip
+    """-> {"warm-up": [...], "load": [...]}: the instantiations the engine's warm-up asked for,
+    and those a varied load asked for after it."""
+    import threading
+
+    from decode_profile import build
+
+    from hf2q_mlx.serving.engine import Engine
+
+    seen: dict = {}
+    current: list = ["warm-up"]
+    fake_cuda(seen, current)
+    family, shape = spec.split(":")
+    model, vocab = build(family, shape, fmt, mx.bfloat16, layers)
+    engine = Engine(model, _Tokenizer(), max_batch=4, max_queue=1 << 20, max_len=600,
+                    kv_bits=kv_bits, prefill_chunk=64, prefix_cache_bytes=64 << 20,
+                    compiled=True, batch_prefill=batch_prefill, warmup=True).start()  # fmt: skip
+    lengths = [*range(1, 141), 150, 211, 300, 333]
+    current[0] = "load"
+    try:
+        for wave in range(0, len(lengths), 4):
+            done = threading.Semaphore(0)
+
+            def sink(e, done=done) -> None:
+                if e.finish_reason is not None:
+                    done.release()
+
+            batch = lengths[wave : wave + 4]
+            for j, n in enumerate(batch):
+                prompt = [(11 * t + wave + j) % vocab for t in range(n)]
+                engine.submit(prompt, load_params(wave + j, vocab), sink)
+            for _ in batch:
+                done.acquire()
+    finally:
+        engine.shutdown()
+    out: dict = {"warm-up": [], "load": []}
+    for k, when in seen.items():
+        out[when].append((k[0], [list(v) for v in k[2]]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="family:shape of bench/decode_profile.py, e.g. qwen3_5:9b")
@@ -88,8 +169,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep only the first layers")
     ap.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths, in order")
     ap.add_argument("--kv-bits", type=int, default=None, help="a TurboQuant cache of 4 or 8 bits")
+    ap.add_argument("--engine", action="store_true", help="the engine's warm-up, then a load")
+    ap.add_argument("--batch-prefill", action="store_true", help="with --engine: packed prefill")
     ap.add_argument("--json", help="write {length: [[kernel, template], ...]} here")
     a = ap.parse_args()
+    if a.engine:
+        out = probe_engine(a.model, a.format, a.layers, a.kv_bits, a.batch_prefill)
+        for when, new in out.items():
+            print(f"{when}: {len(new)} instantiations {sorted({k for k, _ in new})}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, default=str))
+        return
     lengths = [int(n) for n in a.lengths.split(",")]
     out = probe(a.model, a.format, a.layers, lengths, a.kv_bits)
     for n, new in out.items():

@@ -153,3 +153,11 @@ def device_constant(values: tuple, dtype) -> mx.array:
     """``device_array`` of ``values``, made once per distinct (values, dtype): a kernel's small
     parameter arrays, shared by every call that passes the same ones (no upload per step)."""
     return device_array(list(values), dtype)
+
+
+def row_threads(width: int) -> int:
+    """Threads a group for a one-thread-per-element kernel over rows of ``width`` elements: the
+    largest of 256, 128, 64, 32 dividing it (0: none). The grid is then exactly the elements,
+    with no bounds check, so the row count stays out of the kernel's template: one JIT compile
+    for every prompt length."""
+    return next((t for t in (256, 128, 64, 32) if width % t == 0), 0)

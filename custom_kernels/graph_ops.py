@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_constant
+from hf2q_mlx.custom_kernels import backend, device_constant, row_threads
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, active, launch_into
 
@@ -184,10 +184,10 @@ def gather_affine_rows_reference(wq, scales, biases, ids, group_size: int, bits:
 
 
 _AFFINE_ROWS_BODY = """
-  // One thread per output element (r, d) of (R, D): code d of row ids[r], times its group's
+  // One thread per output element (r, d) of (rows, D): code d of row ids[r], times its group's
   // scale, plus its bias, in T arithmetic (each operation rounded to T) as MLX's dequantize.
-  const uint e = gid_x * tg_size + tid;
-  if (e >= R * D) return;
+  // TG divides D: the grid is exactly the elements, the row count no template value.
+  const uint e = gid_x * uint(TG) + tid;
   const uint r = e / D;
   const uint d = e % D;
   const uint64_t row = uint64_t(uint(ids[r]));
@@ -208,7 +208,7 @@ _affine_rows_kernel = Kernel(
         Example(
             {"wq": mx.uint32, "sc": t, "bi": t, "ids": mx.int32},
             {"out": t},
-            {"T": t, "R": 2, "D": 256, "GS": gs, "BITS": bits},
+            {"T": t, "TG": 256, "D": 256, "GS": gs, "BITS": bits},
         )  # fmt: skip
         for t, gs, bits in ((mx.bfloat16, 64, 4), (mx.float16, 32, 8), (mx.float32, 128, 4))
     ],
@@ -218,19 +218,22 @@ _affine_rows_kernel = Kernel(
 def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
     """``gather_affine_rows_reference`` as one kernel when recording, or on CUDA for up to 32
     rows (so the compiled step's rows are the graph's: MLX's CUDA dequantize may round
-    otherwise; the row count is a template constant, so prompts keep MLX's op), the reference
-    elsewhere."""
+    otherwise; longer prompts keep MLX's op), the reference elsewhere. Rows of a multiple of 32
+    values (every real model's)."""
     D = scales.shape[-1] * group_size
     dt = scales.dtype
+    tg = row_threads(D)
     ok = active() or (backend() == "cuda" and ids.size <= 32)
-    ok = ok and bits in (4, 8) and dt in _F and ids.dtype == mx.int32
+    ok = ok and bits in (4, 8) and dt in _F and ids.dtype == mx.int32 and tg and ids.size
     ok = ok and biases is not None and biases.dtype == dt and wq.shape[-1] * 32 == D * bits
     if not ok:
         return gather_affine_rows_reference(wq, scales, biases, ids, group_size, bits)
     R = ids.size
-    template = {"T": dt, "R": R, "D": D, "GS": group_size, "BITS": bits}
-    inputs = [wq, scales, biases, ids.reshape(-1)]
-    rows = _per_element(_affine_rows_kernel, inputs, R * D, (R, D), dt, template)
+    launch = _affine_rows_kernel.launcher(
+        [wq.dtype, dt, dt, mx.int32], grid=(R * D,), threadgroup=(tg,), output_shapes=[(R, D)],
+        output_dtypes=[dt], template={"T": dt, "TG": tg, "D": D, "GS": group_size, "BITS": bits},
+    )  # fmt: skip
+    rows = launch(inputs=[wq, scales, biases, ids.reshape(-1)])[0]
     return rows.reshape(*ids.shape, D)
 
 

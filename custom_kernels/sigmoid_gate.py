@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend
+from hf2q_mlx.custom_kernels import backend, row_threads
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads, split_heads
 
@@ -65,25 +65,19 @@ _head_kernel = Kernel(
 
 
 def head_gate(x: mx.array, qg: mx.array | Heads) -> mx.array:
-    """Dispatcher: one kernel for float arrays of matching shapes, reading ``Heads`` of a fused
-    q/k/v output in place; the reference otherwise."""
+    """Dispatcher: one kernel for float arrays of matching shapes with H D a multiple of 32,
+    reading ``Heads`` of a fused q/k/v output in place; the reference otherwise."""
     be = backend()
     if be is not None and x.dtype in _F and qg.dtype == x.dtype and x.size < 2**31:
         B, L, H, D2 = qg.shape
         data, rs, off = qg, H * D2, 0
         if isinstance(qg, Heads):
             data, rs, off = qg.data, qg.data.shape[-1], qg.first * qg.width
-        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0 and x.size and data.size < 2**31:
-            tg = head_threads(H * (D2 // 2))
+        tg = row_threads(H * (D2 // 2))
+        if x.shape == (B, L, H * (D2 // 2)) and D2 % 2 == 0 and tg and x.size and data.size < 2**31:
             plan = _head_plan(be, x.size, tg, D2 // 2, H, rs, off, x.shape, x.dtype)
             return plan(inputs=[x, data])[0]
     return head_gate_reference(x, qg)
-
-
-def head_threads(width: int) -> int:
-    """Threads a group for rows of ``width`` (H D) elements: the largest power of two up to 256
-    dividing it (256 for every Qwen 3.5 shape; a narrow odd width runs slowly, not wrongly)."""
-    return min(width & -width, 256)
 
 
 @lru_cache(maxsize=64)

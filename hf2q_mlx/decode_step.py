@@ -485,8 +485,8 @@ class DecodeStep(RowSlots):
             out = self._compiled(
                 mx.zeros((B, 1), dtype=mx.int32), self._padded(self.positions, mx.int32),
                 self._padded([False] * B, mx.bool_), kept, span, greedy,
-            )  # fmt: skip
-            mx.eval(out)
+            )[0]  # fmt: skip
+            mx.eval(out)  # the caches' new arrays only as intermediates: one at a time
         finally:
             for s, a in zip(self.caches, kept):  # the trace left its own arrays on the caches
                 s.arrays = a

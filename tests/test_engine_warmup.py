@@ -20,7 +20,7 @@ import hf2q_mlx
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import InvalidArgumentError
 from hf2q_mlx.serving.batch_sampler import SamplingParams
-from hf2q_mlx.serving.engine import PREFILL_SWITCH_TOKENS, Engine
+from hf2q_mlx.serving.engine import PREFILL_SWITCH_TOKENS, WARM_TOP_K, Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -63,10 +63,15 @@ def test_warm_up_prefills_every_switch_length_and_leaves_no_trace():
                     prefix_cache_bytes=0, step=step, warmup=True)  # fmt: skip
     engine.start()
     try:
-        # the lengths that leave the prompt and 2 tokens inside max_len 64, one request each
-        assert step.chunks == [n for n in PREFILL_SWITCH_TOKENS if n <= 61]
+        # a request at each length that leaves the prompt and 2 tokens inside max_len 64 (again
+        # from the first while sampling options are left), then chunks of 1..9 tokens after a
+        # 9-token one (65 does not fit)
+        lengths = [n for n in PREFILL_SWITCH_TOKENS if n <= 61]
+        n_requests = max(len(lengths), 1 + len(WARM_TOP_K))
+        after = [c for m in range(1, 10) for c in (9, m)]
+        assert step.chunks == [lengths[i % len(lengths)] for i in range(n_requests)] + after
         assert engine.warmup_s is not None and engine.warmup_s > 0
-        assert len(step.fed) >= 2 * len(step.chunks)  # two decode steps a request at least
+        assert len(step.fed) >= 2 * n_requests  # two decode steps a request at least
         stats = engine.stats()
         assert stats["outstanding"] == stats["running"] == stats["prefix_entries"] == 0
         for name in ("requests_total", "prompt_tokens_total", "prefill_tokens_total",
@@ -77,6 +82,65 @@ def test_warm_up_prefills_every_switch_length_and_leaves_no_trace():
         assert engine.metrics.value("requests_total") == 1
     finally:
         engine.shutdown()
+
+
+class _GatedStep(_ChunkStep):
+    """The chunk-recording step whose first prefill waits for ``gate``: a warm-up in progress."""
+
+    def __init__(self, max_batch: int, vocab: int) -> None:
+        super().__init__(max_batch, vocab)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def prefill(self, row: int, ids) -> mx.array:
+        self.entered.set()
+        assert self.gate.wait(60)
+        return super().prefill(row, ids)
+
+
+def test_a_request_sent_during_the_warm_up_is_queued_and_counted():
+    """max_batch 1, max_queue 0: the warm-up's requests take no place in the 429 count, and a
+    client's request sent meanwhile is counted in the real metrics and served after it."""
+    step = _GatedStep(1, 50)
+    engine = Engine(_CountModel(), _CountTok(), max_batch=1, max_queue=0, max_len=64,
+                    prefix_cache_bytes=0, step=step, warmup=True)  # fmt: skip
+    starter = threading.Thread(target=engine.start)
+    starter.start()
+    try:
+        assert step.entered.wait(30)
+        tokens, ended = [], threading.Event()
+
+        def sink(e) -> None:
+            tokens.append(e.token)
+            if e.finish_reason is not None:
+                ended.set()
+
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=20), sink)  # no QueueFullError
+        assert engine.metrics.value("requests_total") == 1
+        step.gate.set()
+        starter.join(60)
+        assert ended.wait(60) and tokens == [4, 5, 6]
+        assert engine.metrics.value("requests_finished_total", reason="stop") == 1
+        assert engine.metrics.value("requests_finished_total", reason="cancelled") == 0
+        assert engine.stats()["outstanding"] == 0
+    finally:
+        step.gate.set()
+        engine.shutdown()
+
+
+def test_a_shutdown_during_the_warm_up_ends_it_quietly():
+    step = _GatedStep(2, 50)
+    engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_len=64, prefix_cache_bytes=0,
+                    step=step, warmup=True)  # fmt: skip
+    starter = threading.Thread(target=engine.start)
+    starter.start()
+    assert step.entered.wait(30)
+    threading.Timer(0.2, step.gate.set).start()
+    engine.shutdown()
+    starter.join(30)
+    assert not starter.is_alive() and not engine.alive()
+    assert step.chunks == [1]  # stopped after its first request's prefill
+    assert engine.metrics.value("requests_finished_total", reason="cancelled") == 0
+    assert engine.stats()["outstanding"] == 0
 
 
 def test_no_warm_up_unless_asked_on_the_cpu():

@@ -61,3 +61,36 @@ def test_the_warm_up_lengths_meet_every_prefill_kernel(tmp_path, model):
     seen_warm = _instantiations(new_per_length(tmp_path, model, warm))
     assert seen_all - seen_warm == set()
     assert len(seen_warm) > 10  # the probe saw kernels (the step's own and the prefills')
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("gemma4:tiny-moe", ("--kv-bits", "8", "--batch-prefill")),
+        ("qwen3_5:tiny-moe", ("--kv-bits", "8", "--batch-prefill")),
+        ("qwen3_5:tiny-moe", ()),
+        ("qwen3_5:tiny", ("--format", "mlx4")),
+        ("gemma4:tiny-dense", ("--kv-bits", "4")),
+    ],
+    ids=[
+        "gemma4-moe-tq8-packed",
+        "qwen35-moe-tq8-packed",
+        "qwen35-moe",
+        "qwen35-mlx4",
+        "gemma4-dense-tq4",
+    ],  # fmt: skip
+)
+def test_after_the_engine_warm_up_a_varied_load_compiles_nothing(tmp_path, model, extra):
+    """The serving engine's warm-up, then prompts of 1..140 tokens and longer ones in several
+    chunks (prefix reuse on: short continuation chunks), four streams at a time, greedy and
+    sampled with every top-k from 1 to 64, penalties, log-probs, a logit bias: the load asks
+    for no kernel instantiation the warm-up did not (session 30 found three that it did:
+    TurboQuant's flash-decode per chunk length, the delta-net step on a packed row's own
+    inputs, and MLX 4-bit embedding rows per prompt length up to 32)."""
+    out = tmp_path / "engine.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "jit_lengths.py"), model, "--engine",
+           "--json", str(out), *extra]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600, cwd=ROOT)
+    seen = json.loads(out.read_text())
+    assert len(seen["warm-up"]) > 10
+    assert seen["load"] == [], sorted({k for k, _ in seen["load"]})

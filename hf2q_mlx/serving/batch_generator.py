@@ -65,9 +65,10 @@ class BatchGenerator:
     does.
     ``compiled`` picks the batched ``DecodeStep`` (default: on a GPU) or the sequential rows;
     ``batch_prefill`` packs a step's prompt chunks of several rows into one forward pass (the
-    batched step only; off by default: docs/serving.md). ``warmup`` runs every kernel, trace
-    and CUDA graph a request can meet before the constructor returns (default: where kernels
-    run, on a GPU), so no request waits on a JIT compile.
+    batched step only; off by default: docs/serving.md). ``warmup`` builds the kernels, traces
+    and CUDA graphs of each prompt-length bucket, sampling class and attention span before the
+    constructor returns (default: where kernels run, on a GPU), so requests do not wait on JIT
+    compiles (docs/serving.md, "Warm-up").
     """
 
     def __init__(

@@ -68,6 +68,9 @@ DEFAULT_MAX_LEN = 4096
 # tile, the dequantize + GEMM path). The warm-up prefills each once, so no request pays the JIT
 # compile of a new kernel (~1.5 s each on the H200); tests/test_jit_lengths.py keeps it whole.
 PREFILL_SWITCH_TOKENS = (1, 2, 8, 9, 16, 17, 33, 65)
+# top-k values, one of each class of the sampling kernels' launch shapes (values per thread
+# switch past 8, the merge's threads double with the candidates): ``custom_kernels/sampling.py``
+WARM_TOP_K = (64, 1, 2, 4, 8, 16, 32)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -92,6 +95,20 @@ def make_step(
     if compiled and DecodeStep.supports(model, kv_bits):
         return DecodeStep(model, max_batch, max_len, kv_bits=parse_kv_bits(kv_bits))
     return SequentialStep(model, max_batch, max_len, kv_bits)
+
+
+def _warm_params(n: int) -> list[SamplingParams]:
+    """``n`` warm-up requests' options: greedy first, then one sampled request per top-k class
+    of the sampling kernels (the first with every other option too), then greedy again."""
+    sampled = [
+        SamplingParams(max_tokens=2, temperature=0.8, top_k=k, ignore_eos=True) for k in WARM_TOP_K
+    ]
+    sampled[0] = SamplingParams(max_tokens=2, temperature=0.8, top_k=WARM_TOP_K[0], top_p=0.9,
+                                min_p=0.05, seed=0, logprobs=True, top_logprobs=2,
+                                presence_penalty=0.1, frequency_penalty=0.1, ignore_eos=True,
+                                logit_bias={1: 0.5})  # fmt: skip
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    return ([greedy] + sampled + [greedy] * n)[:n]
 
 
 def _set_at_end(flag: threading.Event, event: Event) -> None:
@@ -182,6 +199,7 @@ class Request:
     launched: int = 0  # decode steps submitted for the row (tokens computed or in flight)
     generated: int = 0  # tokens read back and emitted
     reused: int = 0
+    counted: bool = True  # in the 429 count (a warm-up request is not)
     text: StopText | None = None
     eos: frozenset = frozenset()
     after: str | None = None  # admitted once this request's prompt is prefilled (or it ended)
@@ -236,6 +254,7 @@ class Engine:
         self.sampler = BatchSampler(max_batch, model.args.vocab_size)
         self.pool = PrefixPool(prefix_cache_bytes)
         self.metrics = Metrics(max_batch)
+        self._tally = self.metrics  # what the engine thread counts into (not during warm-up)
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.inbox: queue.Queue = queue.Queue()
@@ -247,7 +266,7 @@ class Engine:
         self._stop = threading.Event()
         self._inflight: _Inflight | None = None
         self.steps = 0
-        # run every kernel a request can meet before serving (None: where kernels run, a GPU)
+        # build the kernels, traces and graphs requests meet before serving (None: on a GPU)
         self.warmup = backend() is not None if warmup is None else bool(warmup)
         self.warmup_s: float | None = None  # what the warm-up took, once done
         self._warmed = threading.Event()
@@ -372,29 +391,29 @@ class Engine:
 
     def _warm_up(self) -> None:
         """One request at a time through the loop's own paths: a prefill chunk of each of
-        ``PREFILL_SWITCH_TOKENS`` and two decode steps (the last request samples with every
-        option, the others are greedy); then the decode at every attention span. The kernels,
-        the compiled step or the CUDA graph and the sampling are then built before a client
-        waits on them. Counted in no metric, saved in no prefix pool; a failure is printed and
-        serving goes on (it only costs time)."""
+        ``PREFILL_SWITCH_TOKENS`` and two decode steps each, greedy and then sampling through
+        each top-k class of the sampling kernels (``WARM_TOP_K``; penalties, log-probs and a
+        logit bias once); a chunk after a chunk and, with ``batch_prefill``, packed chunks;
+        then the decode at every attention span. The kernels, the compiled step or the CUDA
+        graph and the sampling are then built before a client waits on them. Counted in no
+        metric and no 429 decision, saved in no prefix pool; a failure is printed and serving
+        goes on (it only costs time). ``tests/test_jit_lengths.py`` checks that a varied load
+        after it asks for no new kernel."""
         t0 = time.perf_counter()
-        metrics, pool = self.metrics, self.pool
-        self.metrics, self.pool = Metrics(self.max_batch), PrefixPool(0)
+        pool = self.pool
+        self._tally, self.pool = Metrics(self.max_batch), PrefixPool(0)
         vocab = self.vocab or self.model.args.vocab_size
         top = min(self.prefill_chunk, self.max_len - 3)  # room for the prompt's 2 tokens
         lengths = [n for n in PREFILL_SWITCH_TOKENS if n <= top]
-        sampled = SamplingParams(max_tokens=2, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05,
-                                 seed=0, logprobs=True, top_logprobs=2, presence_penalty=0.1,
-                                 frequency_penalty=0.1, ignore_eos=True)  # fmt: skip
-        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
         try:
-            for i, n in enumerate(lengths):
+            for i, params in enumerate(_warm_params(max(len(lengths), 1 + len(WARM_TOP_K)))):
+                if not lengths or self._stop.is_set():
+                    return
+                n = lengths[i % len(lengths)]
                 ended = threading.Event()
                 prompt = [(7 * j + 3 + i) % vocab for j in range(n + 1)]
-                params = sampled if i == len(lengths) - 1 else greedy
-                req = Request(f"warm-up-{i}", prompt, params, partial(_set_at_end, ended), 2)
-                with self._lock:
-                    self._outstanding += 1
+                req = Request(f"warm-up-{i}", prompt, params, partial(_set_at_end, ended), 2,
+                              counted=False)  # fmt: skip
                 self.waiting.append(req)
                 self.by_id[req.id] = req
                 for _ in range(n + 8):  # a prefill step, two decode steps, one to read back
@@ -403,24 +422,46 @@ class Engine:
                     self._admit()
                     self._prefill()
                     self._decode()
-                if self._stop.is_set():
-                    return  # shut down while warming up
-                if not ended.is_set():
+                if not ended.is_set() and not self._stop.is_set():
                     raise RuntimeError(f"warm-up request of {n + 1} tokens did not end")
-            # every attention span a row can reach: the graph's recordings, or the compiled step's
-            # traces (of the logits the sampler reads: the engine's decode)
-            if self.graph is not None:
-                for span in self.step.spans():
+            self._warm_chunks(vocab, top)
+            # every attention span a row can reach: the graph's recordings, or the compiled
+            # step's traces (of the logits the sampler reads: the engine's decode)
+            for span in self.step.spans() if isinstance(self.step, DecodeStep) else []:
+                if self._stop.is_set():
+                    return
+                if self.graph is not None:
                     self.graph.prepare(span)
-            elif isinstance(self.step, DecodeStep):
-                for span in self.step.spans():
+                else:
                     self.step.warm_span(span)
         except Exception:  # noqa: BLE001  (a warm-up that fails leaves a slower first request)
             traceback.print_exc()
-            self._fail_all("warm-up failed")
         finally:
-            self.metrics, self.pool = metrics, pool
+            self._fail_all("warm-up over", reason="cancelled")  # rows and queue empty again
+            self.sampler.counts = None  # the penalties' counts, allocated by a warm-up row
+            self._tally, self.pool = self.metrics, pool
+            release_memory()
             self.warmup_s = time.perf_counter() - t0
+
+    def _warm_chunks(self, vocab: int, top: int) -> None:
+        """On free rows: a chunk of 1..8, 9 and 65 tokens after a first chunk (TurboQuant's
+        flash-decode takes a chunk of up to 8 tokens with one build per count, its quantize
+        the calibrated means); where the engine packs rows, packed chunks with a one-token
+        segment (the delta-net's step kernel on a row's own inputs), first and after."""
+        ids = [(5 * j + 1) % vocab for j in range(65)]
+        for n in [m for m in (*range(1, 10), 65) if 9 + m + 2 <= self.max_len and m <= top]:
+            self.step.reset_row(0)
+            self.step.prefill(0, ids[:9])
+            self.step.prefill(0, ids[:n])
+            self._materialize()
+        if self.batch_prefill and getattr(self.step, "packs_rows", False) and self.max_batch > 1:
+            for row in (0, 1):
+                self.step.reset_row(row)
+            for n in [m for m in (9, 65) if 2 * m + 2 <= self.max_len and m <= top]:
+                self.step.prefill_rows([0, 1], [ids[:n], ids[:1]])
+                self._materialize()
+        for row in range(min(2, self.max_batch)):
+            self.step.reset_row(row)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -455,9 +496,10 @@ class Engine:
         req.row = -1
         if self.by_id.pop(req.id, None) is None:
             return
-        with self._lock:
-            self._outstanding -= 1
-        self.metrics.inc("requests_finished_total", reason=reason)
+        if req.counted:
+            with self._lock:
+                self._outstanding -= 1
+        self._tally.inc("requests_finished_total", reason=reason)
         self._send(req, Event(req.id, text, None, None, [], reason, len(req.prompt),
                               req.generated, req.reused, error))  # fmt: skip
 
@@ -504,7 +546,7 @@ class Engine:
             req.eos = frozenset() if req.params.ignore_eos else self.eos
             self.rows[row] = req
             self.sampler.set_row(row, req.params)
-            self.metrics.inc("prefix_reused_tokens_total", reused)
+            self._tally.inc("prefix_reused_tokens_total", reused)
             if req.cursor == n - 1:
                 req.pending = req.prompt[-1]
 
@@ -551,7 +593,7 @@ class Engine:
             for row, ids in chunks:
                 self.step.prefill(row, ids)
         self._materialize()
-        self.metrics.inc("prefill_tokens_total", spent)
+        self._tally.inc("prefill_tokens_total", spent)
         for req in done:
             req.pending = req.prompt[-1]
             self._save_prefix(req, req.cursor)
@@ -661,12 +703,12 @@ class Engine:
                 continue  # ended or cancelled since: its token is discarded
             if req.generated == 0:
                 # the last prompt token went through this step
-                self.metrics.inc("prefill_tokens_total", 1)
-                self.metrics.observe_ttft(now - req.submitted)
+                self._tally.inc("prefill_tokens_total", 1)
+                self._tally.observe_ttft(now - req.submitted)
             n_new += 1
             req.pending = out.tokens[row]  # what the graph step feeds next (unused otherwise)
             self._emit(req, out.tokens[row], out.logprobs[row], out.top[row])
-        self.metrics.tokens_generated(n_new)
+        self._tally.tokens_generated(n_new)
 
     def _emit(self, req: Request, token: int, logprob: float, top: list) -> None:
         req.generated += 1
@@ -690,16 +732,17 @@ class Engine:
         self.sampler.clear_row(req.row)
         req.row = -1
         self.by_id.pop(req.id, None)
-        with self._lock:
-            self._outstanding -= 1
-        self.metrics.inc("requests_finished_total", reason=finish)
+        if req.counted:
+            with self._lock:
+                self._outstanding -= 1
+        self._tally.inc("requests_finished_total", reason=finish)
         event.finish_reason = finish
         self._send(req, event)
 
     def _update_gauges(self) -> None:
-        self.metrics.set("running", sum(r is not None for r in self.rows))
-        self.metrics.set("queue_depth", len(self.waiting) + self.inbox.qsize())
-        self.metrics.set("prefix_pool_bytes", self.pool.nbytes)
-        self.metrics.set("prefix_pool_entries", len(self.pool))
-        self.metrics.set("mlx_active_memory_bytes", mx.get_active_memory())
-        self.metrics.set("mlx_cache_memory_bytes", mx.get_cache_memory())
+        self._tally.set("running", sum(r is not None for r in self.rows))
+        self._tally.set("queue_depth", len(self.waiting) + self.inbox.qsize())
+        self._tally.set("prefix_pool_bytes", self.pool.nbytes)
+        self._tally.set("prefix_pool_entries", len(self.pool))
+        self._tally.set("mlx_active_memory_bytes", mx.get_active_memory())
+        self._tally.set("mlx_cache_memory_bytes", mx.get_cache_memory())

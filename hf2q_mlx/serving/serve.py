@@ -111,8 +111,8 @@ def add_serve_parser(sub: Any, model_parent: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warmup",
         action="store_true",
-        help="listen at once; by default a GPU server first builds every kernel, trace and "
-        "CUDA graph a request can meet (no request then waits on a JIT compile)",
+        help="listen at once; by default a GPU server first builds the kernels, traces and "
+        "CUDA graphs of each prompt-length bucket, sampling class and attention span",
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 from conftest import requires_gpu
 from test_norm_rope import assert_one_rounding, emulate, needs_gxx
 
+from hf2q_mlx.custom_kernels import row_threads
 from hf2q_mlx.custom_kernels import sigmoid_gate as sg
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads
 
@@ -131,7 +132,7 @@ def test_head_gate_gpu_fused_heads(dtype, shape):
 def test_head_gate_gpu(dtype, shape):
     x, qg = _heads(*shape, seed=sum(shape), dtype=dtype)
     got = sg.head_gate(x, qg)
-    tg = sg.head_threads(shape[2] * shape[3])
+    tg = row_threads(shape[2] * shape[3])
     # the kernel with its output poisoned first: every element written, the same bits
     poisoned = sg._head_kernel(
         [x, qg], grid=(x.size,), threadgroup=(tg,), output_shapes=[x.shape],
