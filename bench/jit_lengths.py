@@ -41,10 +41,22 @@ from hf2q_mlx.models import quantized  # noqa: E402
 DEFAULT_LENGTHS = "31,127,511,700,1023,1692"
 
 
+def install_fake_cuda(kernel_for) -> None:
+    """Dispatchers take their CUDA branch on the CPU, and MLX's kernel objects are what
+    ``kernel_for(kernel, backend, signature)`` returns (tests/graph_step_emulated.py: the
+    kernel emulator)."""
+    ck._gpu = ("cuda", mx.default_device(), mx.default_device)
+    # the gate kernels as a recorded step takes them (their numerics: their own tests)
+    sigmoid_gate.GPU_VERIFIED = True
+    _render.Kernel._kernel_for = kernel_for
+    _render.gpu_backend = lambda: "cuda"
+    quantized._cpu_affine_path = lambda: False
+
+
 def fake_cuda(seen: dict, current: list) -> None:
-    """Dispatchers take their CUDA branch on the CPU; a launch records (kernel, dtype signature,
-    template values) into ``seen`` (the first length, ``current[0]``, to ask for it) and returns
-    zeros of its output shapes."""
+    """``install_fake_cuda`` where a launch records (kernel, dtype signature, template values)
+    into ``seen`` (the first length, ``current[0]``, to ask for it) and returns zeros of its
+    output shapes."""
 
     def kernel_for(self, backend, sig):
         def launch(*, inputs, template=None, grid, threadgroup, output_shapes, output_dtypes,
@@ -55,11 +67,7 @@ def fake_cuda(seen: dict, current: list) -> None:
 
         return launch
 
-    ck._gpu = ("cuda", mx.default_device(), mx.default_device)
-    sigmoid_gate.GPU_VERIFIED = True
-    _render.Kernel._kernel_for = kernel_for
-    _render.gpu_backend = lambda: "cuda"
-    quantized._cpu_affine_path = lambda: False
+    install_fake_cuda(kernel_for)
 
 
 def probe(
@@ -88,24 +96,6 @@ def probe(
     return out
 
 
-class _Tokenizer:
-    """Token ids in and out: the engine needs EOS ids and a detokenizer only."""
-
-    eos_token_ids: list = []
-
-    class _Detok:
-        last_segment = ""
-
-        def add_token(self, t: int) -> None:
-            pass
-
-        def finalize(self) -> None:
-            pass
-
-    def detokenizer(self):
-        return self._Detok()
-
-
 def load_params(i: int, vocab: int):
     """The i-th load request's sampling options: greedy, or sampled with a top-k from 1 to 64
     (every class of the sampling kernels), some with penalties, log-probs and a logit bias."""
@@ -127,6 +117,7 @@ def probe_engine(spec: str, fmt: str, layers: int | None, kv_bits: int | None,
     import threading
 
     from decode_profile import build
+    from serve_throughput import StubTokenizer
 
     from hf2q_mlx.serving.engine import Engine
 
@@ -135,7 +126,7 @@ def probe_engine(spec: str, fmt: str, layers: int | None, kv_bits: int | None,
     fake_cuda(seen, current)
     family, shape = spec.split(":")
     model, vocab = build(family, shape, fmt, mx.bfloat16, layers)
-    engine = Engine(model, _Tokenizer(), max_batch=4, max_queue=1 << 20, max_len=600,
+    engine = Engine(model, StubTokenizer(), max_batch=4, max_queue=1 << 20, max_len=600,
                     kv_bits=kv_bits, prefill_chunk=64, prefix_cache_bytes=64 << 20,
                     compiled=True, batch_prefill=batch_prefill, warmup=True).start()  # fmt: skip
     lengths = [*range(1, 141), 150, 211, 300, 333]

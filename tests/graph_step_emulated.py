@@ -26,17 +26,15 @@ sys.path.insert(0, str(HERE.parent / "bench"))
 
 import kernel_emulator  # noqa: E402
 from decode_profile import _bench_module  # noqa: E402
+from jit_lengths import install_fake_cuda  # noqa: E402
 
-import hf2q_mlx.custom_kernels as ck  # noqa: E402
 from hf2q_mlx.cuda_graph_step import (  # noqa: E402
     CudaGraphStep,
     launch_dependencies,
     schedule_lanes,
 )
-from hf2q_mlx.custom_kernels import _render, sigmoid_gate  # noqa: E402
 from hf2q_mlx.custom_kernels.cuda_driver import data_ptr  # noqa: E402
 from hf2q_mlx.decode_step import DecodeStep  # noqa: E402
-from hf2q_mlx.models import quantized  # noqa: E402
 
 
 def fake_cuda() -> None:
@@ -53,13 +51,7 @@ def fake_cuda() -> None:
 
         return launch
 
-    ck._gpu = ("cuda", mx.default_device(), mx.default_device)
-    # the MLX step takes the same gate kernels as the recording: this compares the replay, not
-    # kernel numerics (those: tests/kernels/test_sigmoid_gate.py)
-    sigmoid_gate.GPU_VERIFIED = True
-    _render.Kernel._kernel_for = fake_kernel_for
-    _render.gpu_backend = lambda: "cuda"
-    quantized._cpu_affine_path = lambda: False
+    install_fake_cuda(fake_kernel_for)
 
 
 def replay(rec, order=None) -> None:
