@@ -276,7 +276,7 @@ def test_embed_token_ids_checks_its_input(loaded):
 def test_serve_refuses_generation_flags_for_an_embedding_model(loaded):
     model, tokenizer = loaded
     args = argparse.Namespace(kv_bits="8", batch_prefill=False, max_len=None, max_queue=4,
-                              max_batch=2, step="auto")  # fmt: skip
+                              max_batch=2, step="auto", no_warmup=False)  # fmt: skip
     with pytest.raises(InvalidArgumentError, match="--kv-bits"):
         _embedding_worker(args, model, tokenizer)
     args.kv_bits, args.batch_prefill = None, True
@@ -285,7 +285,10 @@ def test_serve_refuses_generation_flags_for_an_embedding_model(loaded):
     args.batch_prefill, args.step = False, "batched"
     with pytest.raises(InvalidArgumentError, match="--step"):
         _embedding_worker(args, model, tokenizer)
-    args.step = "auto"
+    args.step, args.no_warmup = "auto", True
+    with pytest.raises(InvalidArgumentError, match="--no-warmup"):
+        _embedding_worker(args, model, tokenizer)
+    args.no_warmup = False
     worker = _embedding_worker(args, model, tokenizer)
     assert worker.alive() and worker.batch_size == 2 and worker.max_queue == 4
     worker.shutdown()
