@@ -49,18 +49,24 @@ def _instantiations(per_length: dict[int, list]) -> set[str]:
     return {json.dumps(k) for v in per_length.values() for k in v}
 
 
-@pytest.mark.parametrize("model", ["gemma4:tiny-moe", "qwen3_5:tiny-moe"])
-def test_the_warm_up_lengths_meet_every_prefill_kernel(tmp_path, model):
+@pytest.mark.parametrize(
+    "model, extra",
+    [("gemma4:tiny-moe", ()), ("qwen3_5:tiny-moe", ()), ("qwen3_5:tiny", ("--format", "mlx4"))],
+    ids=["gemma4-moe-q4k", "qwen35-moe-q4k", "qwen35-mlx4"],
+)
+def test_the_warm_up_lengths_meet_every_prefill_kernel(tmp_path, model, extra):
     """The serving engine's warm-up prefills ``PREFILL_SWITCH_TOKENS``: together they ask for
     every kernel that any chunk of 1..140 tokens (and longer ones) asks for."""
     from hf2q_mlx.serving.engine import PREFILL_SWITCH_TOKENS
 
-    every = ",".join(str(n) for n in [*range(1, 141), 200, 333, 700])
-    seen_all = _instantiations(new_per_length(tmp_path, model, every))
+    # MLX 4-bit runs its matmuls for real on the CPU: a shorter sweep (its switches end at 33)
+    top = 41 if "mlx4" in extra else 141
+    every = ",".join(str(n) for n in [*range(1, top), 200, 333, 700])
+    seen_all = _instantiations(new_per_length(tmp_path, model, every, *extra))
     warm = ",".join(str(n) for n in PREFILL_SWITCH_TOKENS)
-    seen_warm = _instantiations(new_per_length(tmp_path, model, warm))
+    seen_warm = _instantiations(new_per_length(tmp_path, model, warm, *extra))
     assert seen_all - seen_warm == set()
-    assert len(seen_warm) > 10  # the probe saw kernels (the step's own and the prefills')
+    assert len(seen_warm) > 5  # the probe saw kernels (the step's own and the prefills')
 
 
 @pytest.mark.parametrize(
@@ -69,16 +75,9 @@ def test_the_warm_up_lengths_meet_every_prefill_kernel(tmp_path, model):
         ("gemma4:tiny-moe", ("--kv-bits", "8", "--batch-prefill")),
         ("qwen3_5:tiny-moe", ("--kv-bits", "8", "--batch-prefill")),
         ("qwen3_5:tiny-moe", ()),
-        ("qwen3_5:tiny", ("--format", "mlx4")),
         ("gemma4:tiny-dense", ("--kv-bits", "4")),
     ],
-    ids=[
-        "gemma4-moe-tq8-packed",
-        "qwen35-moe-tq8-packed",
-        "qwen35-moe",
-        "qwen35-mlx4",
-        "gemma4-dense-tq4",
-    ],  # fmt: skip
+    ids=["gemma4-moe-tq8-packed", "qwen35-moe-tq8-packed", "qwen35-moe", "gemma4-dense-tq4"],
 )
 def test_after_the_engine_warm_up_a_varied_load_compiles_nothing(tmp_path, model, extra):
     """The serving engine's warm-up, then prompts of 1..140 tokens and longer ones in several
@@ -86,7 +85,8 @@ def test_after_the_engine_warm_up_a_varied_load_compiles_nothing(tmp_path, model
     sampled with every top-k from 1 to 64, penalties, log-probs, a logit bias: the load asks
     for no kernel instantiation the warm-up did not (session 30 found three that it did:
     TurboQuant's flash-decode per chunk length, the delta-net step on a packed row's own
-    inputs, and MLX 4-bit embedding rows per prompt length up to 32)."""
+    inputs, and MLX 4-bit embedding rows per prompt length up to 32, which the length sweep
+    above checks: on the CPU the MLX 4-bit load takes 25 s)."""
     out = tmp_path / "engine.json"
     cmd = [sys.executable, str(ROOT / "bench" / "jit_lengths.py"), model, "--engine",
            "--json", str(out), *extra]  # fmt: skip
