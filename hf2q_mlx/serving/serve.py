@@ -143,7 +143,6 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
     _require_serve_extra()
     import uvicorn
 
-    from hf2q_mlx.custom_kernels import backend
     from hf2q_mlx.embedding import is_embedding_model
     from hf2q_mlx.generation import parse_kv_bits
     from hf2q_mlx.serving.app import create_app
@@ -167,13 +166,6 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
     if is_embedding_model(model):
         engine = _embedding_worker(args, model, tokenizer)
     else:
-        if not args.no_warmup and backend() is not None:
-            print(
-                "warming up: the kernels, traces and CUDA graphs of every prompt-length bucket "
-                "and attention span (--no-warmup skips)",
-                file=sys.stderr,
-                flush=True,
-            )
         engine = Engine(
             model,
             tokenizer,
@@ -186,7 +178,15 @@ def cmd_serve(args: argparse.Namespace, load: Any) -> int:
             batch_prefill=args.batch_prefill,
             compiled=STEPS[args.step],
             warmup=False if args.no_warmup else None,
-        ).start()
+        )
+        if engine.warmup:  # the engine's own decision (on where kernels run)
+            print(
+                "warming up: the kernels, traces and CUDA graphs of every prompt-length bucket "
+                "and attention span (--no-warmup skips)",
+                file=sys.stderr,
+                flush=True,
+            )
+        engine.start()
     from hf2q_mlx.io.default_model import DEFAULT_CHAT_MODEL
 
     model_id = args.model_id or (Path(args.model).name if args.model else DEFAULT_CHAT_MODEL)
