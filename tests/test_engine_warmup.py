@@ -248,7 +248,7 @@ def test_gpu_warmed_graph_engine_gives_the_cold_engines_tokens(monkeypatch):
 
     def run(warmup: bool):
         with (
-            mx.stream(mx.default_device()),
+            mx.stream(mx.gpu),  # the module's autouse fixture put the CPU stream first
             hf2q_mlx.BatchGenerator(
                 model, IdsTokenizer(), max_batch=2, max_len=600, warmup=warmup
             ) as gen,
