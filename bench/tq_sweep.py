@@ -1,0 +1,134 @@
+"""Split-K partitions of the TurboQuant flash-decode kernels (``custom_kernels/tq_flash_decode.py``)
+at Gemma-4-26B-A4B's attention shapes: the default partition count against more, smaller
+partitions, in interleaved rounds in one process.
+
+A partition's SIMD groups walk their keys one token after another, so a launch with few
+partitions leaves most of the GPU idle waiting on loads (session 31: the partial kernel took
+about the same time at 4K and 16K keys). A variant ``(d, g)`` divides ``min_keys`` (the fewest
+keys worth a partition) by ``d`` and multiplies the threadgroups aimed at by ``g``.
+
+Each evaluation runs ``--chain`` calls (fresh queries each); with torch and CUDA present every
+evaluation is under CUPTI and the kernels' GPU time per call is reported (launches excluded),
+else the wall time per call. Every variant's output is checked against the default's (fp32 sums
+in another order: bf16 outputs within two ulps of the largest output).
+
+    python3 bench/tq_sweep.py --json bench/results/tq_sweep_h200.json
+    python3 bench/tq_sweep.py --tiny --rounds 1 --chain 2     # CPU smoke run (reference only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from turboquant_speed import cupti_profiler, fill, make_layer_cache  # noqa: E402
+
+from hf2q_mlx.custom_kernels import tq_flash_decode as TF  # noqa: E402
+from hf2q_mlx.models.turboquant.kernels import tq_flash_decode  # noqa: E402
+
+# (label, Hq, Hkv, D, window or None, tokens in the cache)
+SHAPES = [
+    ("sliding 4K", 16, 8, 256, 1024, 4096),
+    ("global 4K", 16, 2, 512, None, 4096),
+    ("global 16K", 16, 2, 512, None, 16384),
+]
+TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
+VARIANTS = [(1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)]
+
+
+def use(variant, base_min_keys, base_target) -> None:
+    d, g = variant
+    TF.min_keys = lambda *a: max(1, base_min_keys(*a) // d)
+    TF._TARGET_GROUPS = base_target * g
+    TF._PLANS.clear()
+
+
+def call_time(calls, prof_on: bool) -> float:
+    """us per call of one evaluated chain: CUPTI kernel time where available, else wall."""
+    prof = cupti_profiler() if prof_on else None
+    if prof is None:
+        tic = time.perf_counter()
+        mx.eval(calls())
+        return (time.perf_counter() - tic) * 1e6
+    from torch.autograd import DeviceType
+
+    with prof:
+        mx.eval(calls())
+        mx.synchronize()
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def run_shape(shape, a, bits: int) -> dict:
+    label, Hq, Hkv, D, window, n = shape
+    dt = mx.bfloat16
+    cache = make_layer_cache(window, bits, seed=3)
+    fill(cache, Hkv, D, n, dt)
+    state = cache.packed_state()
+    qs = [mx.random.normal((1, Hq, 1, D), key=mx.random.key(i)).astype(dt) for i in range(a.chain)]
+    mx.eval(qs)
+    base_mk, base_tg = TF.min_keys, TF._TARGET_GROUPS
+    times = {v: [] for v in VARIANTS}
+    outs, parts = {}, {}
+    try:
+        for v in VARIANTS:  # warm-up: compile, keep each variant's output of q 0 and its split
+            use(v, base_mk, base_tg)
+            outs[v] = tq_flash_decode(qs[0], state, D**-0.5)
+            mx.eval(outs[v])
+            plans = [p for p in TF._PLANS.values() if p is not None]
+            parts[v] = plans[0][2] if plans else 1
+        for _ in range(a.rounds):
+            for v in VARIANTS:
+                use(v, base_mk, base_tg)
+                t = call_time(lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti)
+                times[v].append(t / a.chain)
+    finally:
+        TF.min_keys, TF._TARGET_GROUPS = base_mk, base_tg
+        TF._PLANS.clear()
+    ref = outs[VARIANTS[0]].astype(mx.float32)
+    tol = 2 * 2.0**-8 * mx.abs(ref).max().item()
+    base = statistics.median(times[VARIANTS[0]])
+    rows = []
+    print(f"\n{label} TQ{bits}: Hq {Hq}, Hkv {Hkv}, D {D}, {n} tokens, us per call")
+    for v in VARIANTS:
+        med = statistics.median(times[v])
+        err = mx.abs(outs[v].astype(mx.float32) - ref).max().item()
+        row = {"variant": list(v), "parts": parts[v], "us": med, "min": min(times[v]),
+               "max": max(times[v]), "vs_default": base / med, "max_err": err,
+               "ok": err <= tol}  # fmt: skip
+        rows.append(row)
+        print(f"  keys/{v[0]:<2} groups x{v[1]}  parts {parts[v]:4d}  {med:8.2f} "
+              f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "
+              f"{'ok' if row['ok'] else 'DIFF'}")  # fmt: skip
+    return {"shape": label, "bits": bits, "Hq": Hq, "Hkv": Hkv, "D": D, "tokens": n, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--chain", type=int, default=32)
+    ap.add_argument("--bits", default="8,4", help="TurboQuant bits, comma list")
+    ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
+    ap.add_argument("--no-cupti", dest="cupti", action="store_false", help="wall time only")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    timing = "CUPTI kernel time" if a.cupti and cupti_profiler() is not None else "wall time"
+    print(f"mlx {mx.__version__} on {mx.default_device()}, {timing}")
+    results = [run_shape(s, a, int(b)) for b in a.bits.split(",")
+               for s in (TINY if a.tiny else SHAPES)]  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": str(mx.default_device()), "timing": timing,
+                                            "shapes": results}, indent=1))  # fmt: skip
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
