@@ -42,29 +42,35 @@ SHAPES = [
     ("global 16K", 16, 2, 512, None, 16384),
 ]
 TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
-VARIANTS = [(1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)]
+VARIANTS = [(1, 1), (0.25, 1), (0.5, 1), (2, 1), (4, 1), (16, 4)]
 
 
 def use(variant, base_min_keys, base_target) -> None:
     d, g = variant
-    TF.min_keys = lambda *a: max(1, base_min_keys(*a) // d)
+    TF.min_keys = lambda *a: max(1, int(base_min_keys(*a) / d))
     TF._TARGET_GROUPS = base_target * g
     TF._PLANS.clear()
 
 
-def call_time(calls, prof_on: bool) -> float:
-    """us per call of one evaluated chain: CUPTI kernel time where available, else wall."""
+def call_time(calls, prof_on: bool) -> tuple[float, dict[str, float]]:
+    """us of one evaluated chain: CUPTI kernel time where available (and us by kernel name),
+    else wall time."""
     prof = cupti_profiler() if prof_on else None
     if prof is None:
         tic = time.perf_counter()
         mx.eval(calls())
-        return (time.perf_counter() - tic) * 1e6
+        return (time.perf_counter() - tic) * 1e6, {}
     from torch.autograd import DeviceType
 
     with prof:
         mx.eval(calls())
         mx.synchronize()
-    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            name = next((k for k in ("partial", "reduce", "fused") if k in e.name), e.name[:40])
+            by_name[name] = by_name.get(name, 0.0) + e.time_range.elapsed_us()
+    return sum(by_name.values()), by_name
 
 
 def run_shape(shape, a, bits: int) -> dict:
@@ -77,6 +83,7 @@ def run_shape(shape, a, bits: int) -> dict:
     mx.eval(qs)
     base_mk, base_tg = TF.min_keys, TF._TARGET_GROUPS
     times = {v: [] for v in VARIANTS}
+    kernels = {v: {} for v in VARIANTS}  # us per call by kernel, summed over rounds
     outs, parts = {}, {}
     try:
         for v in VARIANTS:  # warm-up: compile, keep each variant's output of q 0 and its split
@@ -88,8 +95,12 @@ def run_shape(shape, a, bits: int) -> dict:
         for _ in range(a.rounds):
             for v in VARIANTS:
                 use(v, base_mk, base_tg)
-                t = call_time(lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti)
+                t, names = call_time(
+                    lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti
+                )
                 times[v].append(t / a.chain)
+                for k, us in names.items():
+                    kernels[v][k] = kernels[v].get(k, 0.0) + us / a.chain / a.rounds
     finally:
         TF.min_keys, TF._TARGET_GROUPS = base_mk, base_tg
         TF._PLANS.clear()
@@ -103,11 +114,12 @@ def run_shape(shape, a, bits: int) -> dict:
         err = mx.abs(outs[v].astype(mx.float32) - ref).max().item()
         row = {"variant": list(v), "parts": parts[v], "us": med, "min": min(times[v]),
                "max": max(times[v]), "vs_default": base / med, "max_err": err,
-               "ok": err <= tol}  # fmt: skip
+               "ok": err <= tol, "kernels_us": kernels[v]}  # fmt: skip
         rows.append(row)
-        print(f"  keys/{v[0]:<2} groups x{v[1]}  parts {parts[v]:4d}  {med:8.2f} "
+        print(f"  keys/{v[0]:<4} groups x{v[1]}  parts {parts[v]:4d}  {med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "
-              f"{'ok' if row['ok'] else 'DIFF'}")  # fmt: skip
+              f"{'ok' if row['ok'] else 'DIFF'}  "
+              + " ".join(f"{k} {us:.1f}" for k, us in sorted(kernels[v].items())))  # fmt: skip
     return {"shape": label, "bits": bits, "Hq": Hq, "Hkv": Hkv, "D": D, "tokens": n, "rows": rows}
 
 
