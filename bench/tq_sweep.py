@@ -130,12 +130,16 @@ def main() -> None:
     ap.add_argument("--bits", default="8,4", help="TurboQuant bits, comma list")
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
     ap.add_argument("--no-cupti", dest="cupti", action="store_false", help="wall time only")
+    ap.add_argument("--only", default="", help="shapes whose label contains this")
+    ap.add_argument("--default-only", action="store_true", help="the default split alone")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.default_only:
+        VARIANTS[1:] = []
     timing = "CUPTI kernel time" if a.cupti and cupti_profiler() is not None else "wall time"
     print(f"mlx {mx.__version__} on {mx.default_device()}, {timing}")
     results = [run_shape(s, a, int(b)) for b in a.bits.split(",")
-               for s in (TINY if a.tiny else SHAPES)]  # fmt: skip
+               for s in (TINY if a.tiny else SHAPES) if a.only in s[0]]  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({"device": str(mx.default_device()), "timing": timing,
                                             "shapes": results}, indent=1))  # fmt: skip
