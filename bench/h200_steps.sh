@@ -204,6 +204,12 @@ step gdn-tests 120 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_chunked 
 # 35B-A3B again (session 29: packed lost, 343 against 514 tok/s at 32 streams), with warmup_s
 step warmup-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_sigmoid_gate.py tests/test_engine_warmup.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives and qwen3_5' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
 step pack-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,8,32 --gen 128 --prefill-chunk 4096 --batch-prefill-ab --time-cap 420 --json $OUT/serve_batch_prefill_35b.json"
+# session 31: the TurboQuant flash-decode call at 26B-A4B's layer shapes, default split-K
+# partitions against more / fewer (CUPTI time by kernel), then Nsight Compute on one partial
+# launch where ncu is installed (stall reasons, achieved occupancy: its cost does not follow
+# its tokens per threadgroup, docs/kernel_notes.md session 31)
+step tq-sweep 150 "python3 bench/tq_sweep.py --bits ${TQ_BITS:-8} --rounds 3 --json $OUT/tq_sweep.json"
+step tq-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); echo ncu: \$NCU; [ -n \"\$NCU\" ] && \$NCU --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/tq_sweep.py --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-sliding}' --default-only"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then
