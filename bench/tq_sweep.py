@@ -37,6 +37,9 @@ from hf2q_mlx.models.turboquant.kernels import tq_flash_decode  # noqa: E402
 
 # (label, Hq, Hkv, D, window or None, tokens in the cache)
 SHAPES = [
+    # few tokens: what a call costs with next to no work (a fixed cost per launch shows here)
+    ("sliding 64", 16, 8, 256, 1024, 64),
+    ("global 256", 16, 2, 512, None, 256),
     ("sliding 4K", 16, 8, 256, 1024, 4096),
     ("global 4K", 16, 2, 512, None, 4096),
     ("global 16K", 16, 2, 512, None, 16384),
