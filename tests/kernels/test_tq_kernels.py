@@ -289,6 +289,23 @@ def test_flash_decode_emulated_many_partitions(emulated, monkeypatch):
 
 
 @needs_gxx
+@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("parts", [1, 7, 8, 9, 17])
+def test_flash_decode_sums_any_partition_count(emulated, monkeypatch, parts, fold):
+    """The merge sums the partitions _SUM_LOADS at a time (reduce and fold): counts below, at
+    and past a multiple of it, each against the reference. Every partition holds keys (the
+    cache holds exactly a pass of every SIMD group per partition), so one left out or counted
+    twice moves the output far past the fp32 tolerance."""
+    monkeypatch.setenv("HF2Q_TQ_FOLD", fold)
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: parts)
+    assert fd._SUM_LOADS == 8
+    n = parts * fd._W * fd.tokens_per_step(64, 64, 4, 4)
+    _check_flash(("growing", 4, 2, 64, 64, 4, 4, None, 0, [n - 2, 2], 2), seed=parts)
+    plans = [p for p in fd._PLANS.values() if p is not None]
+    assert plans and all(p[2] == parts for p in plans)
+
+
+@needs_gxx
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
 def test_flash_decode_fused_emulated(emulated, monkeypatch, case):
     """HF2Q_TQ_FOLD=1: the reduce in the last partition's threadgroup, one launch a call; the
