@@ -343,7 +343,7 @@ _FOLD_BODY = """
     den = 0.0f;
     for (int w = 0; w < W; ++w) den += wl[w];
     for (int j = int(tid); j < PV; j += int(nthr)) {
-@SUM(bitcast<float>(ATOMIC_LOAD_U32(pb + base + uint64_t(p_k) * (PV + 2) + j)), num)@
+@SUM@
       qs[j] = num / den;
     }
     BARRIER();
@@ -371,18 +371,14 @@ _FOLD_BODY = """
 _SUM_LOADS = 8
 
 
-def _weighted_sum(body: str) -> str:
-    """``body`` with each ``@SUM(LOAD, NAME)@`` replaced by ``float NAME`` = the sum over
-    partitions p of ``wts[p] * LOAD`` (LOAD written with ``p_k`` for p), _SUM_LOADS independent
-    chains of loads at a time, added up in a fixed order at the end."""
+def _weighted_sum(load: str) -> str:
+    """Code for ``@SUM@``: ``const float num`` = the sum over partitions p of ``wts[p] * LOAD``
+    (``load`` written with ``p_k`` for p), _SUM_LOADS independent chains of loads at a time,
+    added up in a fixed order at the end."""
     n = _SUM_LOADS
-    while "@SUM(" in body:
-        start = body.index("@SUM(")
-        end = body.index(")@", start)
-        load, name = (t.strip() for t in body[start + 5 : end].rsplit(",", 1))
-        total = " + ".join(f"{name}_[{k}]" for k in range(n))
-        code = f"""float {name}_[{n}];
-  UNROLL for (int k = 0; k < {n}; ++k) {name}_[k] = 0.0f;
+    total = " + ".join(f"num_[{k}]" for k in range(n))
+    return f"""  float num_[{n}];
+  UNROLL for (int k = 0; k < {n}; ++k) num_[k] = 0.0f;
   for (int p = 0; p < n_parts; p += {n}) {{
     float ld_[{n}];
     UNROLL for (int k = 0; k < {n}; ++k) {{
@@ -390,12 +386,10 @@ def _weighted_sum(body: str) -> str:
       ld_[k] = {load};
     }}
     UNROLL for (int k = 0; k < {n}; ++k) {{
-      if (p + k < n_parts) {name}_[k] = fma_f(wts[p + k], ld_[k], {name}_[k]);
+      if (p + k < n_parts) num_[k] = fma_f(wts[p + k], ld_[k], num_[k]);
     }}
   }}
-  const float {name} = {total};"""
-        body = body[:start] + code + body[end + 2 :]
-    return body
+  const float num = {total};"""
 
 
 _REDUCE_BODY = """
@@ -429,7 +423,7 @@ _REDUCE_BODY = """
   BARRIER();
   den = 0.0f;
   for (int s = 0; s < PV / 32; ++s) den += red[s];
-@SUM(base[p_k * (PV + 2) + int(j)], num)@
+@SUM@
   buf[j] = num / den;
   BARRIER();
   for (uint h = 1; h < uint(PV); h <<= 1) {
@@ -495,7 +489,10 @@ _fused_kernel = Kernel(
     inputs=_PARTIAL_INPUTS + ["vsigns", "vscale", "counter", "cset"],
     outputs=["partials", "out"],
     body=_PARTIAL_BODY.replace("@FOLD_SHARED@", _FOLD_SHARED.replace("@MAXP@", str(_MAX_PARTS)))
-    + _weighted_sum(_FOLD_BODY),
+    + _FOLD_BODY.replace(
+        "@SUM@",
+        _weighted_sum("bitcast<float>(ATOMIC_LOAD_U32(pb + base + uint64_t(p_k) * (PV + 2) + j))"),
+    ),
     examples=[
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8, fold=1),
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4, fold=1),
@@ -507,7 +504,7 @@ _reduce_kernel = Kernel(
     "tq_flash_decode_reduce",
     inputs=["partials", "vsigns", "vscale", "consts"],
     outputs=["out"],
-    body=_weighted_sum(_REDUCE_BODY),
+    body=_REDUCE_BODY.replace("@SUM@", _weighted_sum("base[p_k * (PV + 2) + int(j)]")),
     examples=[
         Example(
             {

@@ -406,8 +406,10 @@ class Engine:
         top = min(self.prefill_chunk, self.max_len - 3)  # room for the prompt's 2 tokens
         lengths = [n for n in PREFILL_SWITCH_TOKENS if n <= top]
         try:
+            if not lengths:
+                return
             for i, params in enumerate(_warm_params(max(len(lengths), 1 + len(WARM_TOP_K)))):
-                if not lengths or self._stop.is_set():
+                if self._stop.is_set():
                     return
                 n = lengths[i % len(lengths)]
                 ended = threading.Event()
@@ -490,18 +492,24 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, text: str, error: str | None = None) -> None:
         """Free the request's row and send its last event."""
+        if self._release(req, reason):
+            self._send(req, Event(req.id, text, None, None, [], reason, len(req.prompt),
+                                  req.generated, req.reused, error))  # fmt: skip
+
+    def _release(self, req: Request, reason: str) -> bool:
+        """Free the request's row, drop it from the live requests and count its end; False
+        (nothing counted) if it had ended already."""
         if req.row >= 0 and self.rows[req.row] is req:
             self.rows[req.row] = None
             self.sampler.clear_row(req.row)
         req.row = -1
         if self.by_id.pop(req.id, None) is None:
-            return
+            return False
         if req.counted:
             with self._lock:
                 self._outstanding -= 1
         self._tally.inc("requests_finished_total", reason=reason)
-        self._send(req, Event(req.id, text, None, None, [], reason, len(req.prompt),
-                              req.generated, req.reused, error))  # fmt: skip
+        return True
 
     def _send(self, req: Request, event: Event) -> None:
         try:
@@ -727,15 +735,8 @@ class Engine:
         if finish is None:
             self._send(req, event)
             return
-        # the token and the end travel in one event
-        self.rows[req.row] = None
-        self.sampler.clear_row(req.row)
-        req.row = -1
-        self.by_id.pop(req.id, None)
-        if req.counted:
-            with self._lock:
-                self._outstanding -= 1
-        self._tally.inc("requests_finished_total", reason=finish)
+        # the token and the end travel in one event (the row is live: the caller skips ended ones)
+        self._release(req, finish)
         event.finish_reason = finish
         self._send(req, event)
 
