@@ -210,6 +210,11 @@ step pack-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --
 # its tokens per threadgroup, docs/kernel_notes.md session 31)
 step tq-sweep 150 "python3 bench/tq_sweep.py --bits ${TQ_BITS:-8} --rounds 3 --json $OUT/tq_sweep.json"
 step tq-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); echo ncu: \$NCU; [ -n \"\$NCU\" ] && \$NCU --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/tq_sweep.py --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-sliding}' --default-only"
+# session 32: Gemma-4-31B's dense mat-vecs (issue 15: its weights read at 40 % of the copy
+# bandwidth) run the tensor-core kernels at M = 1 (q | k | v 16384 x 5376, down 5376 x 21504,
+# o 5376 x 8192; gate | up as the dense GLU, F 21504 x K 5376): their (U, W) swept under
+# CUPTI against the default and the scalar kernel, M = 1 and 8, weights rotated past L2
+step mma-31b 420 "python3 bench/qmatmul.py $OUT/mma_31b.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs 1x4,1x8,2x4,4x4,4x8,3x8 && python3 bench/qmatmul.py $OUT/glu_31b.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs 1x2,2x2,2x4,1x8,2x8,3x4"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

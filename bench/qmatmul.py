@@ -24,7 +24,8 @@ qmatmul_tuning.MT_ROWS.
 launch_config default) on bf16 x, in one process and interleaved (ROUNDS alternations, medians
 kept), at M = 1, 2, 5, 8, 16 for Q4_K, Q6_K, Q5_0, Q8_0 (or --types) on MMA_SHAPES, printing
 mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: about 1).
---mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel.
+--mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel;
+--mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it).
 
 --glu does the same for the dense gate/up + activation kernel (expert_glu.dense_glu): its
 tensor-core version (dense_glu_mma_kernel) against the scalar one (dense_config's launch) at
@@ -241,7 +242,7 @@ def bench_mma(tname, n, k, args, glu: bool = False) -> list[dict]:
     ws = [w0] + [
         random_ggml_blocks(w0.shape[0], k, t, seed=2 + i) for i in range(_copies(w0.nbytes) - 1)
     ]
-    ms = GLU_ROWS if glu else MMA_ROWS
+    ms = args.mma_rows or (GLU_ROWS if glu else MMA_ROWS)
     # small x for the GLU: moderate gate sums, no inf in the activation
     xs = {m: (0.05 * mx.random.normal((m, k))).astype(mx.bfloat16) for m in ms}
     mx.eval(ws, xs)
@@ -357,7 +358,9 @@ def main() -> None:
     ap.add_argument(
         "--mma-configs", default="", help="--mma, --glu: also time these UxW, e.g. 2x4,4x8"
     )
+    ap.add_argument("--mma-rows", default="", help="--mma, --glu: these M only (1 first), e.g. 1,8")
     args = ap.parse_args()
+    args.mma_rows = tuple(int(v) for v in args.mma_rows.split(",") if v)
     args.mma_configs = [
         tuple(int(v) for v in c.split("x")) for c in args.mma_configs.split(",") if c
     ]
