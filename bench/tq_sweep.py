@@ -45,13 +45,18 @@ SHAPES = [
     ("global 16K", 16, 2, 512, None, 16384),
 ]
 TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
-VARIANTS = [(1, 1), (0.25, 1), (0.5, 1), (2, 1), (4, 1), (16, 4)]
+# (d, g, w): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None: _W's
+# default). Session 32 (H200): one SIMD group per scheduler at the default (ncu: 4.6 cycles per
+# issued instruction, 222 registers on the global layers), so w = 8 doubles the warps per SM.
+VARIANTS = [(1, 1, None), (1, 1, 8), (2, 1, 8), (0.5, 1, 8), (0.25, 1, None), (0.5, 1, None),
+            (2, 1, None), (4, 1, None)]  # fmt: skip
 
 
-def use(variant, base_min_keys, base_target) -> None:
-    d, g = variant
+def use(variant, base_min_keys, base_target, base_w) -> None:
+    d, g, w = variant
     TF.min_keys = lambda *a: max(1, int(base_min_keys(*a) / d))
     TF._TARGET_GROUPS = base_target * g
+    TF._W = base_w if w is None else w
     TF._PLANS.clear()
 
 
@@ -84,20 +89,20 @@ def run_shape(shape, a, bits: int) -> dict:
     state = cache.packed_state()
     qs = [mx.random.normal((1, Hq, 1, D), key=mx.random.key(i)).astype(dt) for i in range(a.chain)]
     mx.eval(qs)
-    base_mk, base_tg = TF.min_keys, TF._TARGET_GROUPS
+    base_mk, base_tg, base_w = TF.min_keys, TF._TARGET_GROUPS, TF._W
     times = {v: [] for v in VARIANTS}
     kernels = {v: {} for v in VARIANTS}  # us per call by kernel, summed over rounds
     outs, parts = {}, {}
     try:
         for v in VARIANTS:  # warm-up: compile, keep each variant's output of q 0 and its split
-            use(v, base_mk, base_tg)
+            use(v, base_mk, base_tg, base_w)
             outs[v] = tq_flash_decode(qs[0], state, D**-0.5)
             mx.eval(outs[v])
             plans = [p for p in TF._PLANS.values() if p is not None]
             parts[v] = plans[0][2] if plans else 1
         for _ in range(a.rounds):
             for v in VARIANTS:
-                use(v, base_mk, base_tg)
+                use(v, base_mk, base_tg, base_w)
                 t, names = call_time(
                     lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti
                 )
@@ -105,7 +110,7 @@ def run_shape(shape, a, bits: int) -> dict:
                 for k, us in names.items():
                     kernels[v][k] = kernels[v].get(k, 0.0) + us / a.chain / a.rounds
     finally:
-        TF.min_keys, TF._TARGET_GROUPS = base_mk, base_tg
+        TF.min_keys, TF._TARGET_GROUPS, TF._W = base_mk, base_tg, base_w
         TF._PLANS.clear()
     ref = outs[VARIANTS[0]].astype(mx.float32)
     tol = 2 * 2.0**-8 * mx.abs(ref).max().item()
@@ -119,7 +124,8 @@ def run_shape(shape, a, bits: int) -> dict:
                "max": max(times[v]), "vs_default": base / med, "max_err": err,
                "ok": err <= tol, "kernels_us": kernels[v]}  # fmt: skip
         rows.append(row)
-        print(f"  keys/{v[0]:<4} groups x{v[1]}  parts {parts[v]:4d}  {med:8.2f} "
+        print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w}  parts {parts[v]:4d}  "
+              f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "
               f"{'ok' if row['ok'] else 'DIFF'}  "
               + " ".join(f"{k} {us:.1f}" for k, us in sorted(kernels[v].items())))  # fmt: skip

@@ -306,6 +306,22 @@ def test_flash_decode_sums_any_partition_count(emulated, monkeypatch, parts, fol
 
 
 @needs_gxx
+@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("w", [2, 8])
+def test_flash_decode_any_simd_group_count(emulated, monkeypatch, w, fold):
+    """W SIMD groups per threadgroup other than the default 4 (the merge over SIMD groups, the
+    query rotation's thread strides, the fold's sums): several partitions, rows and a window."""
+    monkeypatch.setenv("HF2Q_TQ_FOLD", fold)
+    monkeypatch.setattr(fd, "_W", w)
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
+    _check_flash(("ring", 4, 2, 64, 64, 4, 4, 50, 30, [300, 1], 1), seed=w)
+    _check_flash(("growing", 16, 2, 128, 128, 3, 4, None, 0, [333, 2], 2), seed=w + 1)
+    _check_rows_flash(ROW_CASES[0], seed=w + 2)
+    plans = [p for p in fd._PLANS.values() if p is not None]
+    assert plans
+
+
+@needs_gxx
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
 def test_flash_decode_fused_emulated(emulated, monkeypatch, case):
     """HF2Q_TQ_FOLD=1: the reduce in the last partition's threadgroup, one launch a call; the
@@ -488,6 +504,15 @@ def test_quantize_kernel_balance_gpu(dim, bits, dtype):
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
 def test_flash_decode_kernels_gpu(case):
     _check_flash(case, seed=5)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
+def test_flash_decode_kernels_gpu_eight_simd_groups(monkeypatch, case):
+    """W = 8 SIMD groups per threadgroup (bench/tq_sweep.py's variant) on the GPU."""
+    monkeypatch.setattr(fd, "_W", 8)
+    monkeypatch.setattr(fd, "_PLANS", {})
+    _check_flash(case, seed=6)
 
 
 @requires_gpu
