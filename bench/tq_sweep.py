@@ -46,8 +46,9 @@ SHAPES = [
 ]
 TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
 # (d, g, w): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None: _W's
-# default). Session 32 (H200): one SIMD group per scheduler at the default (ncu: 4.6 cycles per
-# issued instruction, 222 registers on the global layers), so w = 8 doubles the warps per SM.
+# default; the same partitions, their keys split over w). Session 32 (H200): one SIMD group per
+# scheduler at the default (ncu: 4.6 cycles per issued instruction, 222 registers on the global
+# layers), so w = 8 doubles the SIMD groups per SM.
 VARIANTS = [(1, 1, None), (1, 1, 8), (2, 1, 8), (0.5, 1, 8), (0.25, 1, None), (0.5, 1, None),
             (2, 1, None), (4, 1, None)]  # fmt: skip
 

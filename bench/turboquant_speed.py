@@ -203,14 +203,15 @@ class Decoder:
 
 def model_bench(
     tiny: bool, contexts: list[int], n_decode: int, rounds: int = 5, static: bool = True,
-    fmt: str = "mlx4", fold_ab: bool = False,
+    fmt: str = "mlx4", fold_ab: bool = False, tq_env: dict[str, str] | None = None,
 ) -> list[dict]:  # fmt: skip
     """Decode tokens/s per context and cache kind. The three caches of a context are filled
     first, then decoded in turns (full, TQ8, TQ4, full, ...) for ``rounds`` rounds of ``n_decode``
     tokens with the garbage collector off: host jitter lands on every kind alike, and the median
     round is reported (each round grows the context by ``n_decode``). ``fold_ab``: TQ8 and TQ4
     once more with HF2Q_TQ_FOLD=1 while their step is built (recorded: TurboQuant's fused
-    launches), the other kinds with it off, in the same rounds."""
+    launches), the other kinds with it off, in the same rounds. ``tq_env``: likewise TQ8e /
+    TQ4e, built with these environment variables set (e.g. HF2Q_TQ_W=8)."""
     g4b = load_gemma4_bench()
     from hf2q_mlx.models import gemma4
 
@@ -221,10 +222,13 @@ def model_bench(
     rows = []
     for ctx in contexts:
         caches = {}
-        kinds = [(label, bits, "0") for label, bits in CACHES]
+        kinds = [(label, bits, {}) for label, bits in CACHES]
         if fold_ab:
-            kinds += [(label + "f", bits, "1") for label, bits in CACHES if bits is not None]
-        for label, bits, folded in kinds:
+            fold_env = {"HF2Q_TQ_FOLD": "1"}
+            kinds += [(label + "f", bits, fold_env) for label, bits in CACHES if bits is not None]
+        if tq_env:
+            kinds += [(label + "e", bits, tq_env) for label, bits in CACHES if bits is not None]
+        for label, bits, env in kinds:
             cache = model.make_cache()
             if bits is not None:
                 cache = to_tq_cache(cache, bits)
@@ -232,11 +236,12 @@ def model_bench(
                 d, kv, _ = args.layer_geometry(i)
                 fill(c, kv, d, ctx, dtype)
             max_len = ctx + (rounds + 1) * n_decode + 8
-            os.environ["HF2Q_TQ_FOLD"] = folded  # read while the step is traced and recorded
+            os.environ.update(env)  # read while the step is traced and recorded
             try:
                 caches[label] = Decoder(model, cache, bits, static, max_len)
             finally:
-                os.environ.pop("HF2Q_TQ_FOLD")
+                for name in env:
+                    os.environ.pop(name)
         rates = {label: [] for label in caches}
         gc.collect()
         gc.disable()
@@ -283,6 +288,11 @@ def main() -> None:
         action="store_true",
         help="also TQ8f / TQ4f: TurboQuant's fused launches (HF2Q_TQ_FOLD=1)",
     )
+    p.add_argument(
+        "--tq-env",
+        default="",
+        help="also TQ8e / TQ4e built with these variables, e.g. HF2Q_TQ_W=8 (comma list)",
+    )
     p.add_argument("--json", default="bench_turboquant_speed.json")
     a = p.parse_args()
     default_ctx = "256,1024" if a.tiny else "4096,16384,32768"
@@ -307,7 +317,10 @@ def main() -> None:
             mx.clear_cache()
     if a.model or a.model_only:
         n = a.decode or (4 if a.tiny else 32)
-        rows += model_bench(a.tiny, contexts, n, a.rounds, a.step == "static", a.format, a.fold_ab)
+        env = dict(kv.split("=", 1) for kv in a.tq_env.split(",") if kv)
+        rows += model_bench(
+            a.tiny, contexts, n, a.rounds, a.step == "static", a.format, a.fold_ab, env
+        )
     with open(a.json, "w") as f:
         json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "rows": rows}, f,
                   indent=1)  # fmt: skip

@@ -554,10 +554,16 @@ def tokens_per_step(pk: int, pv: int, kb: int, vb: int) -> int:
 
 
 def min_keys(rows: int, pv: int, tokens: int, row_words: int) -> int:
-    """Fewest keys worth a partition: each SIMD group 4 steps of ``tokens``, and the partition's
-    partials (rows * (pv + 2) floats) at most 1/8 of the K+V bytes it reads (``row_words``
-    words per token)."""
-    return max(_W * tokens * 4, -(-8 * rows * (pv + 2) // row_words))
+    """Fewest keys worth a partition: 16 steps of ``tokens`` (4 for each of the default 4 SIMD
+    groups; more SIMD groups split the same keys), and the partition's partials (rows * (pv + 2)
+    floats) at most 1/8 of the K+V bytes it reads (``row_words`` words per token)."""
+    return max(16 * tokens, -(-8 * rows * (pv + 2) // row_words))
+
+
+def simd_groups() -> int:
+    """SIMD groups per flash-decode threadgroup: HF2Q_TQ_W (2..16) where set, else _W. A plan
+    is made per value (A/B runs: bench/turboquant_speed.py --tq-env HF2Q_TQ_W=8)."""
+    return env_int("HF2Q_TQ_W", 2, 16) or _W
 
 
 def default_parts(capacity: int, groups: int, keys: int) -> int:
@@ -621,13 +627,14 @@ def _flash_plan(
     rep = Hq // Hkv
     rg, ng = row_groups(rep * M, pk, pv)
     u = tokens_per_step(pk, pv, kb, vb)
+    w = simd_groups()
     n_parts = default_parts(capacity, B * Hkv * ng, min_keys(rep * M, pv, u, krw + vrw))
     template = {"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
                 "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
-                "VRW": vrw, "W": _W, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
+                "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add, "FOLD": int(fold)}  # fmt: skip
     in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
-    geometry = dict(grid=(n_parts * ng * 32 * _W, Hkv, B), threadgroup=(32 * _W, 1, 1))
+    geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
         fused = _fused_kernel.launcher(
             in_dtypes + [mx.float32, mx.float32, mx.uint32, mx.int32],
@@ -702,7 +709,7 @@ def flash_decode(
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
     folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
-           has_vs, rows, offset_add, folded)  # fmt: skip
+           has_vs, rows, offset_add, folded, simd_groups())  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:

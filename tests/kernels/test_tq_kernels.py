@@ -14,6 +14,7 @@ from hf2q_mlx import custom_kernels as ck
 from hf2q_mlx.custom_kernels import _render, graph_ops, reference_only
 from hf2q_mlx.custom_kernels import tq_flash_decode as fd
 from hf2q_mlx.custom_kernels import tq_quantize as tqq
+from hf2q_mlx.errors import InvalidArgumentError
 from hf2q_mlx.models.turboquant import kernels as tqk
 from hf2q_mlx.models.turboquant.cache import FULL_WINDOW, TQKVCache, TQRotatingKVCache
 from hf2q_mlx.models.turboquant.codec import TQCodec, unpack_bits
@@ -458,6 +459,16 @@ def test_quantize_kv_into_falls_back_to_a_launch_each(monkeypatch):
         codecs = (TQCodec(64, bits[0], seed=0), TQCodec(64, bits[1], seed=1))
         got = tqk.tq_quantize_kv_into(caches, (x, x), codecs, (None, None), None, pos, False)
         assert calls == want and got[0] is caches[0] and got[1] is caches[1]
+
+
+def test_simd_groups_from_the_environment(monkeypatch):
+    monkeypatch.delenv("HF2Q_TQ_W", raising=False)
+    assert fd.simd_groups() == fd._W
+    monkeypatch.setenv("HF2Q_TQ_W", "8")
+    assert fd.simd_groups() == 8
+    monkeypatch.setenv("HF2Q_TQ_W", "32")  # past the 512 threads of a threadgroup
+    with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_W"):
+        fd.simd_groups()
 
 
 def test_partition_and_row_group_choices():
