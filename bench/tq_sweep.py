@@ -45,19 +45,21 @@ SHAPES = [
     ("global 16K", 16, 2, 512, None, 16384),
 ]
 TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
-# (d, g, w): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None: _W's
-# default; the same partitions, their keys split over w). Session 32 (H200): one SIMD group per
-# scheduler at the default (ncu: 4.6 cycles per issued instruction, 222 registers on the global
-# layers), so w = 8 doubles the SIMD groups per SM.
-VARIANTS = [(1, 1, None), (1, 1, 8), (2, 1, 8), (0.5, 1, 8), (0.25, 1, None), (0.5, 1, None),
-            (2, 1, None), (4, 1, None)]  # fmt: skip
+# (d, g, w, r): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None: _W's
+# default; the same partitions, their keys split over w), r the registers row_groups budgets
+# for rows x coordinates (None: _MAX_REGS; 64 halves a global layer's rows per threadgroup).
+# Session 32: one SIMD group per scheduler at the default (ncu, H200: 4.6 cycles per issued
+# instruction, 222 registers on the global layers), so w = 8 doubles the SIMD groups per SM.
+VARIANTS = [(1, 1, None, None), (1, 1, 8, None), (2, 1, 8, None), (0.5, 1, 8, None),
+            (1, 1, None, 64), (1, 1, 8, 64), (0.5, 1, None, None), (2, 1, None, None)]  # fmt: skip
 
 
-def use(variant, base_min_keys, base_target, base_w) -> None:
-    d, g, w = variant
+def use(variant, base_min_keys, base_target, base_w, base_r) -> None:
+    d, g, w, r = variant
     TF.min_keys = lambda *a: max(1, int(base_min_keys(*a) / d))
     TF._TARGET_GROUPS = base_target * g
     TF._W = base_w if w is None else w
+    TF._MAX_REGS = base_r if r is None else r
     TF._PLANS.clear()
 
 
@@ -87,23 +89,28 @@ def run_shape(shape, a, bits: int) -> dict:
     dt = mx.bfloat16
     cache = make_layer_cache(window, bits, seed=3)
     fill(cache, Hkv, D, n, dt)
+    # a ring filled past its window in one write holds a sliced view, which every kernel call
+    # would copy first (session 32: a 5-14 us copy kernel per sliding call); a decode step's
+    # write leaves a contiguous array, so time that
+    cache.keys, cache.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
+    mx.eval(cache.keys, cache.values)
     state = cache.packed_state()
     qs = [mx.random.normal((1, Hq, 1, D), key=mx.random.key(i)).astype(dt) for i in range(a.chain)]
     mx.eval(qs)
-    base_mk, base_tg, base_w = TF.min_keys, TF._TARGET_GROUPS, TF._W
+    base_mk, base_tg, base_w, base_r = TF.min_keys, TF._TARGET_GROUPS, TF._W, TF._MAX_REGS
     times = {v: [] for v in VARIANTS}
     kernels = {v: {} for v in VARIANTS}  # us per call by kernel, summed over rounds
     outs, parts = {}, {}
     try:
         for v in VARIANTS:  # warm-up: compile, keep each variant's output of q 0 and its split
-            use(v, base_mk, base_tg, base_w)
+            use(v, base_mk, base_tg, base_w, base_r)
             outs[v] = tq_flash_decode(qs[0], state, D**-0.5)
             mx.eval(outs[v])
             plans = [p for p in TF._PLANS.values() if p is not None]
             parts[v] = plans[0][2] if plans else 1
         for _ in range(a.rounds):
             for v in VARIANTS:
-                use(v, base_mk, base_tg, base_w)
+                use(v, base_mk, base_tg, base_w, base_r)
                 t, names = call_time(
                     lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti
                 )
@@ -112,6 +119,7 @@ def run_shape(shape, a, bits: int) -> dict:
                     kernels[v][k] = kernels[v].get(k, 0.0) + us / a.chain / a.rounds
     finally:
         TF.min_keys, TF._TARGET_GROUPS, TF._W = base_mk, base_tg, base_w
+        TF._MAX_REGS = base_r
         TF._PLANS.clear()
     ref = outs[VARIANTS[0]].astype(mx.float32)
     tol = 2 * 2.0**-8 * mx.abs(ref).max().item()
@@ -125,7 +133,8 @@ def run_shape(shape, a, bits: int) -> dict:
                "max": max(times[v]), "vs_default": base / med, "max_err": err,
                "ok": err <= tol, "kernels_us": kernels[v]}  # fmt: skip
         rows.append(row)
-        print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w}  parts {parts[v]:4d}  "
+        print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d}  "
+              f"parts {parts[v]:4d}  "
               f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "
               f"{'ok' if row['ok'] else 'DIFF'}  "
