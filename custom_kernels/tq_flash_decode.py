@@ -561,9 +561,10 @@ def min_keys(rows: int, pv: int, tokens: int, row_words: int) -> int:
 
 
 def simd_groups() -> int:
-    """SIMD groups per flash-decode threadgroup: HF2Q_TQ_W (2..16) where set, else _W. A plan
-    is made per value (A/B runs: bench/turboquant_speed.py --tq-env HF2Q_TQ_W=8)."""
-    return env_int("HF2Q_TQ_W", 2, 16) or _W
+    """SIMD groups per flash-decode threadgroup: HF2Q_TQ_W (2..8: 16 SIMD groups of a global
+    layer's 222 registers would not fit one SM) where set, else _W. A plan is made per value
+    (A/B runs: bench/turboquant_speed.py --tq-env HF2Q_TQ_W=8)."""
+    return env_int("HF2Q_TQ_W", 2, 8) or _W
 
 
 def default_parts(capacity: int, groups: int, keys: int) -> int:
