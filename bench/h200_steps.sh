@@ -210,6 +210,7 @@ step pack-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --
 # its tokens per threadgroup, docs/kernel_notes.md session 31)
 step tq-w-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (eight_simd or sums_any or long_context)' tests/kernels/test_tq_kernels.py --tb=short"
 step tq-w-step 300 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096} --rounds 5 --decode 32 --tq-env HF2Q_TQ_W=8 --json $OUT/tq_w_step.json"
+step tq-path-tests 330 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and tq8' tests/test_cuda_graph_step.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short --durations=8 || r=1; exit \$r"
 step tq-sweep 120 "python3 bench/tq_sweep.py --bits ${TQ_BITS:-8} --rounds 3 --json $OUT/tq_sweep.json"
 step tq-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); echo ncu: \$NCU; [ -n \"\$NCU\" ] && \$NCU --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/tq_sweep.py --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-sliding}' --default-only"
 # session 32: Gemma-4-31B's dense mat-vecs (issue 15: its weights read at 40 % of the copy
