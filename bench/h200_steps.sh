@@ -218,6 +218,9 @@ step tq-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/
 # o 5376 x 8192; gate | up as the dense GLU, F 21504 x K 5376): their (U, W) swept under
 # CUPTI against the default and the scalar kernel, M = 1 and 8, weights rotated past L2
 step mma-31b 420 "python3 bench/qmatmul.py $OUT/mma_31b.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs 1x4,1x8,2x4,4x4,4x8,3x8 && python3 bench/qmatmul.py $OUT/glu_31b.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs 1x2,2x2,2x4,1x8,2x8,3x4"
+# the tensor-core mat-vec and GLU with streaming weight loads (config S = 1: ld.global.cs, so
+# x stays in L1): GPU bit parity with the default, then the A/B at Gemma-4-31B's shapes
+step mma-stream-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_streaming' tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short; python3 bench/qmatmul.py $OUT/mma_stream_31b.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs 2x8s,1x8,1x8s && python3 bench/qmatmul.py $OUT/glu_stream_31b.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs 1x4s,3x4,3x4s"
 # Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, M = 1): stall
 # reasons and issue efficiency (session 32's sweep: 33-43 % of the copy bandwidth at 31B)
 step mma-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); \$NCU --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"

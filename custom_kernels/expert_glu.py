@@ -333,7 +333,10 @@ def _dense_launch(
 def _dense_plan(x, w, ggml_type: int, K: int, activation: str, config, mma: bool) -> LaunchPlan:
     """A dense call's launch (``_dense_launch``) on its kernel."""
     launch, ddims = _dense_launch(x, w, ggml_type, K, activation, config, mma)
-    return LaunchPlan((_DENSE_MMA_KERNELS if mma else _DENSE_KERNELS)[ggml_type], ddims, **launch)
+    kernels = _DENSE_KERNELS
+    if mma:
+        kernels = _DENSE_MMA_STREAM_KERNELS if (config or {}).get("S") else _DENSE_MMA_KERNELS
+    return LaunchPlan(kernels[ggml_type], ddims, **launch)
 
 
 def dense_glu_kernel(
@@ -365,7 +368,7 @@ _DENSE_MMA_EPILOGUE = r"""    {
 """
 
 
-def _make_dense_mma_kernel(ggml_type: int) -> Kernel:
+def _make_dense_mma_kernel(ggml_type: int, stream: bool = False) -> Kernel:
     examples = [
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
@@ -374,16 +377,22 @@ def _make_dense_mma_kernel(ggml_type: int) -> Kernel:
         )
         for nt, u, act in ((1, 1, 0), (4, 1, 1))
     ]
+    type_name = GGMLQuantizationType(ggml_type).name.lower()
     return MM.make_kernel(
-        f"ggml_dense_glu_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
+        f"ggml_dense_glu_mma_{'s_' if stream else ''}{type_name}",
         ggml_type,
         examples,
         halves=2,
         epilogue=_DENSE_MMA_EPILOGUE.replace("@ACTIVATE@", _ACTIVATE),
+        stream=stream,
     )
 
 
 _DENSE_MMA_KERNELS: dict[int, Kernel] = {t: _make_dense_mma_kernel(t) for t in MM.MMA_TYPES}
+# streaming weight loads (config S = 1, qmatmul_mma._STREAM_LOADS): an A/B variant
+_DENSE_MMA_STREAM_KERNELS: dict[int, Kernel] = {
+    t: _make_dense_mma_kernel(t, stream=True) for t in MM.MMA_TYPES
+}
 if MAX_TOKENS > MM.GLU_MAX_ROWS:  # every M dense_glu takes must fit one tensor-core launch
     raise RuntimeError("expert_glu: MAX_TOKENS exceeds qmatmul_mma.GLU_MAX_ROWS")
 
@@ -408,15 +417,19 @@ def dense_glu_mma_kernel(
 ) -> mx.array:
     """The tensor-core dense kernel alone: bf16 x (..., K) of 1..32 rows, w (2F, row_bytes)
     [gate | up] of a qmatmul_mma type -> (..., F). ``config``: NT, U, W
-    (``qmatmul_mma.glu_launch_config``'s); ``init_value`` pre-fills the output."""
+    (``qmatmul_mma.glu_launch_config``'s), and S = 1 for the streaming weight loads;
+    ``init_value`` pre-fills the output."""
     if not MM.has_kernel(ggml_type, x.dtype) or x.shape[-1] != in_features:
         raise ValueError(f"no mma kernel for {ggml_type} with {x.dtype} x of {x.shape}")
     plan = _dense_plan(x, w, ggml_type, in_features, activation, config, mma=True)
     return plan.call(x, w, init_value=init_value)
 
 
-def dense_kernel_name(ggml_type: int, mma: bool) -> str:
-    """The registered name of a dense kernel (benchmarks match profiler events on it)."""
+def dense_kernel_name(ggml_type: int, mma: bool, stream: bool = False) -> str:
+    """The registered name of a dense kernel (benchmarks match profiler events on it);
+    ``stream``: the tensor-core kernel's streaming-load variant (config S = 1)."""
+    if mma and stream:
+        return _DENSE_MMA_STREAM_KERNELS[ggml_type].name
     return (_DENSE_MMA_KERNELS if mma else _DENSE_KERNELS)[ggml_type].name
 
 

@@ -6,6 +6,7 @@ up rows as two row sets, up to 32 rows of x)."""
 from __future__ import annotations
 
 import os
+import re
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
@@ -486,6 +487,38 @@ FN void load_xb(DEVICE_PTR(const bfloat_t) p, int n, THREAD_PTR(uint) b) {
 }
 """
 
+# Weight bytes are read once per call: the streaming variant (config S = 1) loads them with
+# ld.global.cs (evicted from L1 first), so the small x every SIMD group re-reads stays in L1
+# (Nsight Compute, session 32: the kernel waits on memory with L1 hitting 54 %). Plain loads on
+# Metal and the CPU emulator, so both variants give the same bits everywhere.
+_STREAM_LOADS = r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+template <typename V> FN V load_stream(const V* p) { return __ldcs(p); }
+#else
+template <typename V> FN V load_stream(DEVICE_PTR(const V) p) { return *p; }
+#endif
+FN uint ld32s(DEVICE_PTR(const uchar) p, uint i) {
+  return load_stream(DEVICE_CAST(const uint, p) + i);
+}
+FN uint ld16s(DEVICE_PTR(const uchar) p, uint i) {
+  return uint(load_stream(DEVICE_CAST(const ushort, p) + i));
+}
+FN uint ld32us(DEVICE_PTR(const uchar) p, uint i) { return ld16s(p, i) | (ld16s(p, i + 1) << 16); }
+"""
+
+
+def stream_decoder(text: str) -> str:
+    """A decoder's text with its weight loads made streaming loads (``_STREAM_LOADS``)."""
+    text = re.sub(r"\bld32\(p,", "ld32s(p,", text)
+    text = re.sub(r"\bld32u\(p,", "ld32us(p,", text)
+    text = re.sub(r"\bld16\(p,", "ld16s(p,", text)
+    return re.sub(
+        r"DEVICE_CAST\(const (uint[24]?), ([^)]*)\)\[0\]",
+        r"load_stream(DEVICE_CAST(const \1, \2))",
+        text,
+    )
+
+
 MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups
 # (U, W max) per block size, not yet measured on the GPU: enough blocks in flight per SM for
 # the small projection shapes (docs/kernel_notes.md, "tensor-core mat-vec")
@@ -500,12 +533,17 @@ def make_kernel(
     halves: int = 1,
     epilogue: str = _MATMUL_EPILOGUE,
     header: str = "",
+    stream: bool = False,
 ) -> Kernel:
     """The mma loop over ``halves`` row sets of ``ggml_type`` weights (inputs x, w, dims; output
     out) with ``epilogue``: the lines that write output row0 + r, column col from the sets'
     fp32 sums v[0..halves - 1]. Template T, NT, U, plus whatever ``header`` and ``epilogue``
-    use. The tensor-core GLU (expert_glu.dense_glu) is ``halves`` = 2 with an activation."""
+    use. The tensor-core GLU (expert_glu.dense_glu) is ``halves`` = 2 with an activation.
+    ``stream``: the weight loads as streaming loads (``_STREAM_LOADS``; config S = 1)."""
     ngr, mmg = _GROUPS[ggml_type]
+    decoder = _DECODERS[ggml_type]
+    if stream:
+        decoder = _STREAM_LOADS + stream_decoder(decoder)
     body = (
         fill_format(_BODY, ggml_type)
         .replace("@NGR@", str(ngr))
@@ -518,12 +556,12 @@ def make_kernel(
         inputs=["x", "w", "dims"],
         outputs=["out"],
         body=body,
-        header=kernel_header(ggml_type) + _MMA_COMMON + _LOAD_XB + _DECODERS[ggml_type] + header,
+        header=kernel_header(ggml_type) + _MMA_COMMON + _LOAD_XB + decoder + header,
         examples=examples,
     )
 
 
-def _make_kernel(ggml_type: int) -> Kernel:
+def _make_kernel(ggml_type: int, stream: bool = False) -> Kernel:
     examples = [
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
@@ -532,10 +570,12 @@ def _make_kernel(ggml_type: int) -> Kernel:
         )
         for nt, u in ((1, 2), (2, 1), (4, 2))
     ]
-    return make_kernel(f"ggml_qmv_mma_{T(ggml_type).name.lower()}", ggml_type, examples)
+    name = f"ggml_qmv_mma_{'s_' if stream else ''}{T(ggml_type).name.lower()}"
+    return make_kernel(name, ggml_type, examples, stream=stream)
 
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in MMA_TYPES}
+_STREAM_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, stream=True) for t in MMA_TYPES}
 
 
 def switches(value: str) -> tuple[bool, bool]:
@@ -567,9 +607,10 @@ def supports(ggml_type: int, dtype: mx.Dtype, *, glu: bool = False) -> bool:
     return has_kernel(ggml_type, dtype) and (ALL_TYPES or ggml_type in verified)
 
 
-def kernel_name(ggml_type: int) -> str:
-    """The registered name of a type's kernel (benchmarks match profiler events on it)."""
-    return _KERNELS[ggml_type].name
+def kernel_name(ggml_type: int, stream: bool = False) -> str:
+    """The registered name of a type's kernel (benchmarks match profiler events on it);
+    ``stream``: its streaming-load variant's (config S = 1)."""
+    return (_STREAM_KERNELS if stream else _KERNELS)[ggml_type].name
 
 
 def n_tiles(M: int) -> int:
@@ -622,7 +663,7 @@ class _Plan(LaunchPlan):
         if not 1 <= M <= 8 * cfg["NT"] or not 1 <= cfg["W"] <= MAX_SIMD:
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
         super().__init__(
-            _KERNELS[ggml_type],
+            (_STREAM_KERNELS if cfg.get("S") else _KERNELS)[ggml_type],
             [M, N, K],
             grid=(-(-N // 16) * 32 * cfg["W"],),
             threadgroup=(32 * cfg["W"],),
@@ -655,7 +696,8 @@ def mma_matmul_kernel(
 ) -> mx.array:
     """The GPU kernel alone: bf16 x (M, K) with 1 <= M <= 32, w_raw (N, row_bytes) -> (M, N).
 
-    ``config`` overrides ``launch_config`` (benchmarks); ``init_value`` pre-fills the output.
+    ``config`` overrides ``launch_config`` (benchmarks; S = 1 takes the streaming-load
+    variant); ``init_value`` pre-fills the output.
     """
     M, K = x.shape
     if not has_kernel(ggml_type, x.dtype) or K != in_features:

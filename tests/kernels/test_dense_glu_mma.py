@@ -148,6 +148,20 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return np.array_equal(_bits(a), _bits(b))
 
 
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_emulator_streaming_loads_give_the_same_bits(ggml_type, monkeypatch):
+    """Config S = 1 (streaming weight loads) gives the default GLU kernel's bits, every output
+    written (NaN-poisoned first)."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, _k(ggml_type)
+    raw, w, x = _case(t, 5, k, seed=int(t) + 80)
+    cfg = MM.glu_launch_config(t, 5, raw.shape[1] // 2, k)
+    plain = G.dense_glu_mma_kernel(x, w, t, k, config=cfg)
+    stream = G.dense_glu_mma_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=float("nan"))
+    assert _same(stream, plain)
+
+
 @pytest.fixture
 def cuda_launches(monkeypatch) -> list[str]:
     """dense_glu on a faked CUDA back end: the names of the kernels launched, in order; the
@@ -289,6 +303,26 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type, f, k):
         _check_glu(y, x[:m], raw, t, k, "gelu_tanh")
     y = G.dense_glu_mma_kernel(_wild_rows(x), w, t, k)
     assert np.array_equal(_bits(y[0]), _bits(alone[0]))
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_gpu_streaming_loads_give_the_same_bits(ggml_type):
+    """On CUDA: the GLU's config S = 1 (ld.global.cs weight loads) gives the default's bits at
+    M = 1 and 8 on both shapes."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t = ggml_type
+    for f, k in _GPU_SHAPES:
+        raw = _experts(t, 1, 2 * f, k, seed=f + k + 3)
+        w = mx.array(raw[0])
+        for m in (1, 8):
+            x = _x((m, k), mx.bfloat16, f + m, raw, t)
+            cfg = MM.glu_launch_config(t, m, f, k)
+            plain = G.dense_glu_mma_kernel(x, w, t, k, config=cfg)
+            nan = float("nan")
+            stream = G.dense_glu_mma_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=nan)
+            assert _same(stream, plain), f"{f}x{k} M = {m}"
 
 
 @requires_gpu

@@ -132,6 +132,36 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
+def test_streaming_variant_has_no_plain_weight_load():
+    """S = 1's decoders read every weight byte through the streaming loads: no plain ld16 /
+    ld32 / ld32u of p and no plain uint2 / uint4 cast of it is left, for every type."""
+    import re
+
+    plain = re.compile(r"\bld(16|32|32u)\(p,|DEVICE_CAST\(const uint[24]?, p[^)]*\)\[0\]")
+    for t in TYPES:
+        src = MM._STREAM_KERNELS[t].header("cuda")
+        decoder = src[src.index("load_m_") :]
+        assert not plain.search(decoder), T(t).name
+        assert "ld32s(p" in decoder or "ld16s(p" in decoder or "load_stream(DEVICE_CAST" in decoder
+        assert MM._STREAM_KERNELS[t].name != MM._KERNELS[t].name
+
+
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_emulator_streaming_loads_give_the_same_bits(ggml_type, monkeypatch):
+    """Config S = 1 (streaming weight loads: another load instruction, the same bytes) gives
+    the default kernel's bits, every output written (NaN-poisoned first), M = 1 and 13."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, _k(ggml_type)
+    w, _ = _weight(t, N_EMU, k)
+    for m in (1, 13):
+        x = _x(m, k, mx.bfloat16, seed=int(t) + 90 + m)
+        cfg = MM.launch_config(t, m, N_EMU, k)
+        plain = MM.mma_matmul_kernel(x, w, t, k, config=cfg)
+        stream = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=float("nan"))
+        assert _same_bits(stream, plain), f"{T(t).name} M = {m}"
+
+
 @pytest.fixture
 def cuda_launches(monkeypatch) -> list[str]:
     """ggml_matmul on a faked CUDA back end, every launch run by the emulator: the names of the
@@ -364,6 +394,25 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type):
             assert same.all(), f"{n}x{k} M = {m}: rows {np.flatnonzero(~same).tolist()} differ"
         y = MM.mma_matmul_kernel(_wild_rows(x), w, t, k)
         assert bool(mx.array_equal(y[0].view(mx.uint16), alone[0].view(mx.uint16)))
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
+def test_gpu_streaming_loads_give_the_same_bits(ggml_type):
+    """On CUDA: config S = 1 (ld.global.cs weight loads) gives the default's bits at M = 1, 8
+    and 32 on both shapes, every output written."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t = ggml_type
+    for n, k in _GPU_SHAPES:
+        w, _ = _weight(t, n, k)
+        for m in (1, 8, 32):
+            x = _x(m, k, mx.bfloat16, seed=n + k + m)
+            cfg = MM.launch_config(t, m, n, k)
+            plain = MM.mma_matmul_kernel(x, w, t, k, config=cfg)
+            nan = float("nan")
+            stream = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=nan)
+            assert _same_bits(stream, plain), f"{n}x{k} M = {m}"
 
 
 @requires_gpu
