@@ -25,7 +25,8 @@ launch_config default) on bf16 x, in one process and interleaved (ROUNDS alterna
 kept), at M = 1, 2, 5, 8, 16 for Q4_K, Q6_K, Q5_0, Q8_0 (or --types) on MMA_SHAPES, printing
 mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: about 1).
 --mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel
-("2x8s": with streaming weight loads, config S = 1);
+("2x8s": with streaming weight loads, config S = 1; "1x8p": each run's loads issued a run
+ahead, PF = 1; "1x8sp" both);
 --mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it).
 
 --glu does the same for the dense gate/up + activation kernel (expert_glu.dense_glu): its
@@ -207,12 +208,12 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
                 MM.kernel_name(t)),
     }  # fmt: skip
     mcfg = MM.launch_config(t, m, n, k)
-    for u, wm, st in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
+    for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
         mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
-        mc["S"] = st
-        kinds[f"mma_U{u}_W{mc['W']}{'s' if st else ''}"] = (
+        mc.update(S=int("s" in flags), PF=int("p" in flags))
+        kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
-            MM.kernel_name(t, bool(st)),
+            MM.kernel_name(t, "s" in flags),
         )
     return kinds, c, mcfg
 
@@ -227,12 +228,12 @@ def _glu_kinds(t, f, k, m, x, ws, args) -> tuple[dict, dict, dict]:
                 G.dense_kernel_name(t, mma=True)),
     }  # fmt: skip
     mcfg = MM.glu_launch_config(t, m, f, k)
-    for u, wm, st in args.mma_configs:
+    for u, wm, flags in args.mma_configs:
         mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
-        mc["S"] = st
-        kinds[f"mma_U{u}_W{mc['W']}{'s' if st else ''}"] = (
+        mc.update(S=int("s" in flags), PF=int("p" in flags))
+        kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: G.dense_glu_mma_kernel(x, w, t, k, config=mc) for w in ws],
-            G.dense_kernel_name(t, mma=True, stream=bool(st)),
+            G.dense_kernel_name(t, mma=True, stream="s" in flags),
         )
     return kinds, c, mcfg
 
@@ -364,9 +365,9 @@ def main() -> None:
     ap.add_argument("--mma-rows", default="", help="--mma, --glu: these M only (1 first), e.g. 1,8")
     args = ap.parse_args()
     args.mma_rows = tuple(int(v) for v in args.mma_rows.split(",") if v)
-    # "UxW", or "UxWs" for the streaming-load variant (S = 1)
+    # "UxW", then flags: "s" streaming weight loads (S = 1), "p" loads a run ahead (PF = 1)
     args.mma_configs = [
-        (*(int(v) for v in c.rstrip("s").split("x")), int(c.endswith("s")))
+        (*(int(v) for v in c.rstrip("sp").split("x")), c[len(c.rstrip("sp")) :])
         for c in args.mma_configs.split(",")
         if c
     ]

@@ -318,7 +318,7 @@ def _dense_launch(
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
         # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles
         grid, tg = (-(-F // 16) * 32 * cfg["W"],), (32 * cfg["W"],)
-        template = {"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"]}
+        template = {"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)}
     else:
         cfg = config or dense_config(ggml_type, M, F, K)
         grid = (-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"]))
@@ -373,9 +373,9 @@ def _make_dense_mma_kernel(ggml_type: int, stream: bool = False) -> Kernel:
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
             {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act, "PF": pf},
         )
-        for nt, u, act in ((1, 1, 0), (4, 1, 1))
+        for nt, u, act, pf in ((1, 1, 0, 0), (4, 1, 1, 1))
     ]
     type_name = GGMLQuantizationType(ggml_type).name.lower()
     return MM.make_kernel(

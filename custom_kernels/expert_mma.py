@@ -146,7 +146,9 @@ def _body(ggml_type: int, halves: int, epilogue: str, out_t: str, max_pairs: int
             raise RuntimeError(f"expert_mma: qmatmul_mma's loop no longer has {old.strip()!r}")
         body = body.replace(old, new)
     ngr, mmg = MM._GROUPS[ggml_type]
-    body = _PREFIX.replace("@MAX_PAIRS@", str(max_pairs)) + body.rstrip("\n") + "\n" + _GROUP_TAIL
+    # the loop's loads a run ahead (qmatmul_mma's PF) are not measured here: off
+    prefix = "  constexpr int PF = 0;\n" + _PREFIX.replace("@MAX_PAIRS@", str(max_pairs))
+    body = prefix + body.rstrip("\n") + "\n" + _GROUP_TAIL
     body = (
         body.replace("@NGR@", str(ngr))
         .replace("@MMG@", str(mmg))

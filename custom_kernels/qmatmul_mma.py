@@ -400,14 +400,16 @@ _BODY = r"""
   float acc[H][NT][4];
   UNROLL for (int h = 0; h < H; ++h) UNROLL for (int n = 0; n < NT; ++n)
     UNROLL for (int i = 0; i < 4; ++i) acc[h][n][i] = 0.0f;
+  // PF = 1: each run's loads are issued one run ahead, before the current run's math (the
+  // loads then overlap it); PF = 0: a run loads, then works. The math and its order are the same.
+  MRaw@SUF@ raw[U][2 * H];
+  if (PF) {
+@LOADS_FIRST@  }
   for (uint b0 = simd_id * U; b0 < nb; b0 += n_simd * U) {
-    // all loads of the run first: U blocks x 2H rows in flight per lane
-    MRaw@SUF@ raw[U][2 * H];
-    UNROLL for (int u = 0; u < U; ++u) {
-      const uint blk = b0 + uint(u);
-      const size_t off = size_t(blk < nb ? blk : 0) * BB;  // past the end: block 0, no math
-      UNROLL for (int r = 0; r < 2 * H; ++r) raw[u][r] = load_m_@suf@(wr[r] + off, t);
-    }
+    MRaw@SUF@ nxt[U][2 * H];
+    if (PF) {  // the SIMD group's next run (past the end: block 0, never worked on)
+@LOADS_NEXT@    } else {  // all loads of the run first: U blocks x 2H rows in flight per lane
+@LOADS_THIS@    }
     UNROLL for (int u = 0; u < U; ++u) {
       const uint blk = b0 + uint(u);
       if (blk >= nb) continue;  // uniform over the SIMD group: its shuffles stay together
@@ -450,6 +452,10 @@ _BODY = r"""
           }
         }
       }
+    }
+    if (PF) {
+      UNROLL for (int u = 0; u < U; ++u)
+        UNROLL for (int r = 0; r < 2 * H; ++r) raw[u][r] = nxt[u][r];
     }
   }
   // The SIMD groups' sums, through shared memory in a fixed order; the epilogue writes (M, N).
@@ -505,6 +511,28 @@ FN uint ld16s(DEVICE_PTR(const uchar) p, uint i) {
 }
 FN uint ld32us(DEVICE_PTR(const uchar) p, uint i) { return ld16s(p, i) | (ld16s(p, i + 1) << 16); }
 """
+
+
+def _run_loads(dst: str, first: str, indent: str) -> str:
+    """Body text: the U blocks x 2H rows of the run starting at block ``first`` into ``dst``
+    (blocks past the end read block 0, whose math is skipped)."""
+    return (
+        f"{indent}UNROLL for (int u = 0; u < U; ++u) {{\n"
+        f"{indent}  const uint blk = {first} + uint(u);\n"
+        f"{indent}  const size_t off = size_t(blk < nb ? blk : 0) * BB;\n"
+        f"{indent}  UNROLL for (int r = 0; r < 2 * H; ++r)\n"
+        f"{indent}    {dst}[u][r] = load_m_@suf@(wr[r] + off, t);\n"
+        f"{indent}}}\n"
+    )
+
+
+# the loop with its run loads written out (expert_mma edits this text too; PF is a template
+# value here, a constant 0 there)
+_BODY = (
+    _BODY.replace("@LOADS_FIRST@", _run_loads("raw", "simd_id * U", "    "))
+    .replace("@LOADS_NEXT@", _run_loads("nxt", "(b0 + n_simd * U)", "      "))
+    .replace("@LOADS_THIS@", _run_loads("raw", "b0", "      "))
+)
 
 
 def stream_decoder(text: str) -> str:
@@ -566,9 +594,9 @@ def _make_kernel(ggml_type: int, stream: bool = False) -> Kernel:
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
             {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "PF": pf},
         )
-        for nt, u in ((1, 2), (2, 1), (4, 2))
+        for nt, u, pf in ((1, 2, 0), (2, 1, 1), (4, 2, 0))
     ]
     name = f"ggml_qmv_mma_{'s_' if stream else ''}{T(ggml_type).name.lower()}"
     return make_kernel(name, ggml_type, examples, stream=stream)
@@ -669,7 +697,7 @@ class _Plan(LaunchPlan):
             threadgroup=(32 * cfg["W"],),
             output_shapes=[(M, N)],
             output_dtypes=[mx.bfloat16],
-            template={"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"]},
+            template={"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)},
         )
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import requires_gpu
 from gguf import GGMLQuantizationType as T
 from test_expert_glu import _bits, _check, _experts, _x
-from test_qmatmul_mma import NEW, TYPES, _wild_rows
+from test_qmatmul_mma import LOAD_VARIANTS, NEW, TYPES, _wild_rows
 
 from hf2q_mlx.custom_kernels import backend
 from hf2q_mlx.custom_kernels import expert_glu as G
@@ -80,7 +80,13 @@ def _example(t: int, m: int, k: int, act: str, cfg: dict | None) -> tuple[Kernel
             "dims": (mx.int32, 3),
         },
         {"out": mx.bfloat16},
-        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "ACT": G.ACTIVATIONS.index(act)},
+        {
+            "T": mx.bfloat16,
+            "NT": cfg["NT"],
+            "U": cfg["U"],
+            "PF": cfg.get("PF", 0),
+            "ACT": G.ACTIVATIONS.index(act),
+        },  # fmt: skip
     )
     return G._DENSE_MMA_KERNELS[t], ex
 
@@ -149,17 +155,20 @@ def _same(a: mx.array, b: mx.array) -> bool:
 
 
 @needs_gxx
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=["Q4_K", "Q6_K"])
-def test_emulator_streaming_loads_give_the_same_bits(ggml_type, monkeypatch):
-    """Config S = 1 (streaming weight loads) gives the default GLU kernel's bits, every output
-    written (NaN-poisoned first)."""
+@pytest.mark.parametrize("ggml_type", [T.Q4_K], ids=["Q4_K"])
+def test_emulator_load_variants_give_the_same_bits(ggml_type, monkeypatch):
+    """Configs S = 1 (streaming weight loads) and PF = 1 (loads a run ahead) give the default
+    GLU kernel's bits, every output written (NaN-poisoned first), also at U = 1 over two SIMD
+    groups (8 blocks a row: several runs each)."""
     monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
-    t, k = ggml_type, _k(ggml_type)
+    t, k = ggml_type, 8 * QK[ggml_type]  # several runs per SIMD group: PF's hand-over
     raw, w, x = _case(t, 5, k, seed=int(t) + 80)
     cfg = MM.glu_launch_config(t, 5, raw.shape[1] // 2, k)
-    plain = G.dense_glu_mma_kernel(x, w, t, k, config=cfg)
-    stream = G.dense_glu_mma_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=float("nan"))
-    assert _same(stream, plain)
+    for base in (cfg, {"NT": 1, "U": 1, "W": 2}):
+        plain = G.dense_glu_mma_kernel(x, w, t, k, config=base)
+        for var in LOAD_VARIANTS:
+            y = G.dense_glu_mma_kernel(x, w, t, k, config={**base, **var}, init_value=float("nan"))
+            assert _same(y, plain), f"{base} {var}"
 
 
 @pytest.fixture
@@ -307,12 +316,13 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type, f, k):
 
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
-def test_gpu_streaming_loads_give_the_same_bits(ggml_type):
-    """On CUDA: the GLU's config S = 1 (ld.global.cs weight loads) gives the default's bits at
-    M = 1 and 8 on both shapes."""
+def test_gpu_load_variants_give_the_same_bits(ggml_type):
+    """On CUDA: the GLU's configs S = 1 (ld.global.cs weight loads) and PF = 1 (loads a run
+    ahead) give the default's bits at M = 1 and 8 on both shapes."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     t = ggml_type
+    nan = float("nan")
     for f, k in _GPU_SHAPES:
         raw = _experts(t, 1, 2 * f, k, seed=f + k + 3)
         w = mx.array(raw[0])
@@ -320,9 +330,9 @@ def test_gpu_streaming_loads_give_the_same_bits(ggml_type):
             x = _x((m, k), mx.bfloat16, f + m, raw, t)
             cfg = MM.glu_launch_config(t, m, f, k)
             plain = G.dense_glu_mma_kernel(x, w, t, k, config=cfg)
-            nan = float("nan")
-            stream = G.dense_glu_mma_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=nan)
-            assert _same(stream, plain), f"{f}x{k} M = {m}"
+            for var in LOAD_VARIANTS:
+                y = G.dense_glu_mma_kernel(x, w, t, k, config={**cfg, **var}, init_value=nan)
+                assert _same(y, plain), f"{f}x{k} M = {m} {var}"
 
 
 @requires_gpu

@@ -58,7 +58,7 @@ def _example(t: int, m: int, k: int, cfg: dict | None) -> tuple[Kernel, Example]
     ex = Example(
         {"x": (mx.bfloat16, m * k), "w": (mx.uint8, N_EMU * rb), "dims": (mx.int32, 3)},
         {"out": mx.bfloat16},
-        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"]},
+        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)},
     )
     return MM._KERNELS[t], ex
 
@@ -146,20 +146,44 @@ def test_streaming_variant_has_no_plain_weight_load():
         assert MM._STREAM_KERNELS[t].name != MM._KERNELS[t].name
 
 
+# load variants that must not change a bit: streaming weight loads (S), loads a run ahead (PF)
+LOAD_VARIANTS = ({"S": 1}, {"PF": 1}, {"S": 1, "PF": 1})
+
+
 @needs_gxx
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
 def test_emulator_streaming_loads_give_the_same_bits(ggml_type, monkeypatch):
-    """Config S = 1 (streaming weight loads: another load instruction, the same bytes) gives
-    the default kernel's bits, every output written (NaN-poisoned first), M = 1 and 13."""
+    """Config S = 1 (each decoder's weight loads rewritten as streaming loads: another load
+    instruction, the same bytes) gives the default kernel's bits, every output written
+    (NaN-poisoned first)."""
     monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
     t, k = ggml_type, _k(ggml_type)
     w, _ = _weight(t, N_EMU, k)
+    x = _x(1, k, mx.bfloat16, seed=int(t) + 91)
+    cfg = MM.launch_config(t, 1, N_EMU, k)
+    plain = MM.mma_matmul_kernel(x, w, t, k, config=cfg)
+    y = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=float("nan"))
+    assert _same_bits(y, plain)
+
+
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0], ids=["Q4_K", "Q8_0"])
+def test_emulator_loads_a_run_ahead_give_the_same_bits(ggml_type, monkeypatch):
+    """PF = 1 (each run's loads a run ahead: the same math in the same order; the loop's, not
+    a decoder's, so two block sizes) alone and with S = 1 gives the default's bits, every
+    output written: M = 1 and 13, the default launch and U = 1 over three SIMD groups, on 8
+    blocks a row (several runs per SIMD group, so a run's loads are handed over)."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, 8 * QK[ggml_type]
+    w, _ = _weight(t, N_EMU, k)
     for m in (1, 13):
         x = _x(m, k, mx.bfloat16, seed=int(t) + 90 + m)
-        cfg = MM.launch_config(t, m, N_EMU, k)
-        plain = MM.mma_matmul_kernel(x, w, t, k, config=cfg)
-        stream = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=float("nan"))
-        assert _same_bits(stream, plain), f"{T(t).name} M = {m}"
+        for cfg in (MM.launch_config(t, m, N_EMU, k), {"NT": 2, "U": 1, "W": 3}):
+            plain = MM.mma_matmul_kernel(x, w, t, k, config=cfg)
+            for var in LOAD_VARIANTS[1:]:
+                nan = float("nan")
+                y = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, **var}, init_value=nan)
+                assert _same_bits(y, plain), f"M = {m} {cfg} {var}"
 
 
 @pytest.fixture
@@ -398,21 +422,24 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type):
 
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
-def test_gpu_streaming_loads_give_the_same_bits(ggml_type):
-    """On CUDA: config S = 1 (ld.global.cs weight loads) gives the default's bits at M = 1, 8
-    and 32 on both shapes, every output written."""
+def test_gpu_load_variants_give_the_same_bits(ggml_type):
+    """On CUDA: configs S = 1 (ld.global.cs weight loads) and PF = 1 (loads a run ahead), at
+    the default U and at U = 1, give the default's bits at M = 1, 8 and 32 on both shapes,
+    every output written."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     t = ggml_type
+    nan = float("nan")
     for n, k in _GPU_SHAPES:
         w, _ = _weight(t, n, k)
         for m in (1, 8, 32):
             x = _x(m, k, mx.bfloat16, seed=n + k + m)
             cfg = MM.launch_config(t, m, n, k)
-            plain = MM.mma_matmul_kernel(x, w, t, k, config=cfg)
-            nan = float("nan")
-            stream = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "S": 1}, init_value=nan)
-            assert _same_bits(stream, plain), f"{n}x{k} M = {m}"
+            for base in (cfg, {**cfg, "U": 1}):
+                plain = MM.mma_matmul_kernel(x, w, t, k, config=base)
+                for var in LOAD_VARIANTS:
+                    y = MM.mma_matmul_kernel(x, w, t, k, config={**base, **var}, init_value=nan)
+                    assert _same_bits(y, plain), f"{n}x{k} M = {m} U {base['U']} {var}"
 
 
 @requires_gpu
