@@ -221,6 +221,9 @@ step mma-31b 420 "python3 bench/qmatmul.py $OUT/mma_31b.json --mma --profile --t
 # the tensor-core mat-vec and GLU with streaming weight loads (config S = 1: ld.global.cs, so
 # x stays in L1): GPU bit parity with the default, then the A/B at Gemma-4-31B's shapes
 step mma-stream-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants' tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short; python3 bench/qmatmul.py $OUT/mma_stream_31b.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs 2x8s,2x8p,1x8p,1x8sp && python3 bench/qmatmul.py $OUT/glu_stream_31b.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs 1x4s,1x4p,1x4sp,1x8p"
+# the whole Gemma-4-31B decode with each load variant (one worker process per setting, rounds
+# interleaved; ~18 GB a worker: four fit an H200, three an H100)
+step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shape ${SHAPE:-gemma4:31b} --rounds 7 --tokens 64 --time-cap 300 --env '' --env HF2Q_MMA_LOADS=s --env HF2Q_MMA_LOADS=p ${MORE_ENV:---env HF2Q_MMA_LOADS=sp}"
 # Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, M = 1): stall
 # reasons and issue efficiency (session 32's sweep: 33-43 % of the copy bandwidth at 31B)
 step mma-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); \$NCU --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"

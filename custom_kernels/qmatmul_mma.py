@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
+from hf2q_mlx.errors import InvalidArgumentError
 
 # The reference is qmatmul.ggml_matmul_reference (fp32 dequantize, fp32 matmul): the same op.
 
@@ -621,6 +622,21 @@ def switches(value: str) -> tuple[bool, bool]:
 ENABLED, ALL_TYPES = switches(os.environ.get("HF2Q_MMA", "1"))
 
 
+def load_flags(value: str) -> dict[str, int]:
+    """The load variants an HF2Q_MMA_LOADS value asks for: letters "s" (streaming weight loads,
+    S = 1) and "p" (each run's loads a run ahead, PF = 1); "" the default loads. Neither changes
+    a bit of any output, so both can go on at every M (row parity holds)."""
+    flags = value.strip().lower()
+    if set(flags) - {"s", "p"}:
+        raise InvalidArgumentError(f"HF2Q_MMA_LOADS={value!r}: expected letters of 'sp' or ''")
+    return {k: 1 for k, letter in (("S", "s"), ("PF", "p")) if letter in flags}
+
+
+# Read at import (A/B runs in worker processes: bench/mlx_env_ab.py --env HF2Q_MMA_LOADS=s):
+# merged into every launch_config / glu_launch_config of the process.
+LOADS = load_flags(os.environ.get("HF2Q_MMA_LOADS", ""))
+
+
 def has_kernel(ggml_type: int, dtype: mx.Dtype) -> bool:
     """Whether a kernel exists for (type, x dtype) (M in 1..MAX_ROWS, CUDA): what the kernel
     functions called directly accept, verified on a GPU or not."""
@@ -661,7 +677,7 @@ def _config(table: dict[int, tuple[int, int]], ggml_type: int, M: int, K: int) -
     qk = BLOCK_FORMATS[ggml_type].block_size
     u, w_max = table[qk]
     runs = -(-(K // qk) // u)
-    return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs))}
+    return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs)), **LOADS}
 
 
 GLU_MAX_ROWS = 32  # rows of x one GLU launch takes (NT up to 4 n-tiles)

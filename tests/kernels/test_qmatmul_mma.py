@@ -19,6 +19,7 @@ from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
+from hf2q_mlx.errors import InvalidArgumentError
 
 # every type with a decoder, in the order they were GPU-verified (the mat-vec: all of them)
 TYPES = [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_1, T.Q5_K, T.Q3_K, T.Q2_K]
@@ -260,6 +261,20 @@ def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch, cuda_
     _check(Q.ggml_matmul(x, w, t, k), x, wf)
     assert len(launched) == 2 and not launched[0].startswith("ggml_qmv_mma")
     assert launched[1] == MM.kernel_name(t)
+
+
+def test_load_flags_from_the_environment_value(monkeypatch):
+    assert MM.load_flags("") == {}
+    assert MM.load_flags("s") == {"S": 1}
+    assert MM.load_flags(" PS ") == {"S": 1, "PF": 1}
+    with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_LOADS"):
+        MM.load_flags("sx")
+    # the process's flags go into every launch (mat-vec and GLU); none by default
+    monkeypatch.setattr(MM, "LOADS", {})
+    assert set(MM.launch_config(T.Q4_K, 1, 4096, 4096)) == {"NT", "U", "W"}
+    monkeypatch.setattr(MM, "LOADS", {"PF": 1})
+    assert MM.launch_config(T.Q4_K, 1, 4096, 4096)["PF"] == 1
+    assert MM.glu_launch_config(T.Q4_K, 8, 4096, 4096)["PF"] == 1
 
 
 def test_launch_config_fixes_the_order_whatever_m():
