@@ -306,10 +306,10 @@ def dense_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
 
 def _dense_launch(
     x, w, ggml_type: int, K: int, activation: str, config, mma: bool = False
-) -> tuple[dict, list]:
-    """Launch arguments and the ``ddims`` values (M, F, K) of a dense call: the scalar kernel's
-    or, with ``mma``, the tensor-core kernel's (``config``: dense_config's or
-    qmatmul_mma.glu_launch_config's)."""
+) -> tuple[Kernel, dict, list]:
+    """The kernel, launch arguments and ``ddims`` values (M, F, K) of a dense call: the scalar
+    kernel's or, with ``mma``, the tensor-core kernel's (``config``: dense_config's or
+    qmatmul_mma.glu_launch_config's; S = 1 in it takes the streaming-load variant)."""
     M, F = math.prod(x.shape[:-1]), w.shape[0] // 2
     if mma:
         cfg = config or MM.glu_launch_config(ggml_type, M, F, K)
@@ -319,24 +319,23 @@ def _dense_launch(
         # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles
         grid, tg = (-(-F // 16) * 32 * cfg["W"],), (32 * cfg["W"],)
         template = {"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)}
+        kernel = (_DENSE_MMA_STREAM_KERNELS if cfg.get("S") else _DENSE_MMA_KERNELS)[ggml_type]
     else:
         cfg = config or dense_config(ggml_type, M, F, K)
         grid = (-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"]))
         tg = (32 * cfg["W"], 1)
         template = {"T": x.dtype, "MT": cfg["MT"], "R": 2 * cfg["R"], "U": cfg["U"]}
+        kernel = _DENSE_KERNELS[ggml_type]
     template["ACT"] = ACTIVATIONS.index(activation)
     launch = dict(grid=grid, threadgroup=tg, output_shapes=[(*x.shape[:-1], F)],
                   output_dtypes=[x.dtype], template=template)  # fmt: skip
-    return launch, [M, F, K]
+    return kernel, launch, [M, F, K]
 
 
 def _dense_plan(x, w, ggml_type: int, K: int, activation: str, config, mma: bool) -> LaunchPlan:
     """A dense call's launch (``_dense_launch``) on its kernel."""
-    launch, ddims = _dense_launch(x, w, ggml_type, K, activation, config, mma)
-    kernels = _DENSE_KERNELS
-    if mma:
-        kernels = _DENSE_MMA_STREAM_KERNELS if (config or {}).get("S") else _DENSE_MMA_KERNELS
-    return LaunchPlan(kernels[ggml_type], ddims, **launch)
+    kernel, launch, ddims = _dense_launch(x, w, ggml_type, K, activation, config, mma)
+    return LaunchPlan(kernel, ddims, **launch)
 
 
 def dense_glu_kernel(

@@ -258,6 +258,19 @@ def test_dispatcher_takes_unverified_types_only_when_opted_in(monkeypatch, cuda_
     assert launched == [G.dense_kernel_name(t, mma=False), G.dense_kernel_name(t, mma=True)]
 
 
+def test_process_load_flags_reach_the_glu_kernel(monkeypatch):
+    """HF2Q_MMA_LOADS's flags (qmatmul_mma.LOADS) pick the GLU's kernel and template when the
+    call passes no config: s the streaming-load kernel, p the run-ahead template value."""
+    x = mx.zeros((1, 256), mx.bfloat16)
+    w = mx.zeros((32, row_bytes(T.Q4_K, 256)), mx.uint8)
+    plan = G._dense_plan(x, w, T.Q4_K, 256, "silu", None, mma=True)
+    assert plan.kernel is G._DENSE_MMA_KERNELS[T.Q4_K]
+    monkeypatch.setattr(MM, "LOADS", {"S": 1, "PF": 1})
+    plan = G._dense_plan(x, w, T.Q4_K, 256, "silu", None, mma=True)
+    assert plan.kernel is G._DENSE_MMA_STREAM_KERNELS[T.Q4_K]
+    assert dict(plan.template)["PF"] == 1
+
+
 def test_glu_launch_config_fixes_the_order_whatever_m():
     """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M."""
     for t in TYPES:

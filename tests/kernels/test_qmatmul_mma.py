@@ -275,6 +275,10 @@ def test_load_flags_from_the_environment_value(monkeypatch):
     monkeypatch.setattr(MM, "LOADS", {"PF": 1})
     assert MM.launch_config(T.Q4_K, 1, 4096, 4096)["PF"] == 1
     assert MM.glu_launch_config(T.Q4_K, 8, 4096, 4096)["PF"] == 1
+    # and the dispatcher's plan takes them: s the streaming-load kernel, p the template value
+    monkeypatch.setattr(MM, "LOADS", {"S": 1, "PF": 1})
+    plan = MM.dispatch_plan(T.Q4_K, 1, 64, 256)
+    assert plan.kernel is MM._STREAM_KERNELS[T.Q4_K] and dict(plan.template)["PF"] == 1
 
 
 def test_launch_config_fixes_the_order_whatever_m():
