@@ -19,6 +19,9 @@ BUNDLE=${BUNDLE:-../.device/mlx-cuda-sm90.tar.xz}
 
 declare -A CAP CMD
 step() { CAP[$1]=$2; CMD[$1]=$3; ORDER+=("$1"); }
+# Nsight Compute where it is installed, as the start of a step's command (the profiled command
+# and ncu's options follow); a machine without it fails the step
+NCU_RUN='NCU=$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); echo ncu: $NCU; [ -n "$NCU" ] || exit 1; "$NCU"'
 ORDER=()
 step setup 120 "mkdir -p /tmp/site && { [ -d /tmp/site/mlx ] || tar -xJf $BUNDLE -C /tmp/site; } && python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . && python3 -c 'import mlx.core as mx, hf2q_mlx; print(mx.__version__, mx.default_device())'"
 # does a custom kernel read a sliced input at its offset? (MLX CUDA probe)
@@ -206,27 +209,32 @@ step warmup-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests
 step pack-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --streams 1,8,32 --gen 128 --prefill-chunk 4096 --batch-prefill-ab --time-cap 420 --json $OUT/serve_batch_prefill_35b.json"
 # session 31: the TurboQuant flash-decode call at 26B-A4B's layer shapes, default split-K
 # partitions against more / fewer (CUPTI time by kernel), then Nsight Compute on one partial
-# launch where ncu is installed (stall reasons, achieved occupancy: its cost does not follow
-# its tokens per threadgroup, docs/kernel_notes.md session 31)
+# launch (stall reasons, achieved occupancy: its cost does not follow its tokens per
+# threadgroup, docs/kernel_notes.md session 31)
+step tq-sweep 120 "python3 bench/tq_sweep.py --bits ${TQ_BITS:-8} --rounds 3 --json $OUT/tq_sweep.json"
+step tq-ncu 240 "$NCU_RUN --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/tq_sweep.py --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-sliding}' --default-only"
+# session 32: W = 8 SIMD groups per flash-decode threadgroup (its GPU tests, the whole model
+# against W = 4 and bf16), and the TurboQuant paths through the graph and the decode step
 step tq-w-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (eight_simd or sums_any or long_context)' tests/kernels/test_tq_kernels.py --tb=short"
 step tq-w-step 300 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096} --rounds 5 --decode 32 --tq-env HF2Q_TQ_W=8 --json $OUT/tq_w_step.json"
 step tq-path-tests 330 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and tq8' tests/test_cuda_graph_step.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short --durations=8 || r=1; exit \$r"
-step tq-sweep 120 "python3 bench/tq_sweep.py --bits ${TQ_BITS:-8} --rounds 3 --json $OUT/tq_sweep.json"
-step tq-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); echo ncu: \$NCU; [ -n \"\$NCU\" ] && \$NCU --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/tq_sweep.py --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-sliding}' --default-only"
 # session 32: Gemma-4-31B's dense mat-vecs (issue 15: its weights read at 40 % of the copy
 # bandwidth) run the tensor-core kernels at M = 1 (q | k | v 16384 x 5376, down 5376 x 21504,
 # o 5376 x 8192; gate | up as the dense GLU, F 21504 x K 5376): their (U, W) swept under
 # CUPTI against the default and the scalar kernel, M = 1 and 8, weights rotated past L2
-step mma-31b 420 "python3 bench/qmatmul.py $OUT/mma_31b.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs 1x4,1x8,2x4,4x4,4x8,3x8 && python3 bench/qmatmul.py $OUT/glu_31b.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs 1x2,2x2,2x4,1x8,2x8,3x4"
+# (mma_31b NAME MAT_VEC_CONFIGS GLU_CONFIGS: the command, JSONs mma_NAME / glu_NAME)
+mma_31b() { echo "python3 bench/qmatmul.py $OUT/mma_$1.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs $2 && python3 bench/qmatmul.py $OUT/glu_$1.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs $3"; }
+step mma-31b 420 "$(mma_31b 31b 1x4,1x8,2x4,4x4,4x8,3x8 1x2,2x2,2x4,1x8,2x8,3x4)"
 # the tensor-core mat-vec and GLU with streaming weight loads (config S = 1: ld.global.cs, so
-# x stays in L1): GPU bit parity with the default, then the A/B at Gemma-4-31B's shapes
-step mma-stream-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants' tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short; python3 bench/qmatmul.py $OUT/mma_stream_31b.json --mma --profile --types Q4_K --shapes 16384x5376,5376x21504,5376x8192 --mma-rows 1,8 --mma-configs 2x8s,2x8p,1x8p,1x8sp && python3 bench/qmatmul.py $OUT/glu_stream_31b.json --glu --profile --types Q4_K --shapes 21504x5376 --mma-rows 1,8 --mma-configs 1x4s,1x4p,1x4sp,1x8p"
+# x stays in L1) and loads a run ahead (PF = 1): GPU bit parity with the default, then the A/B
+# at Gemma-4-31B's shapes
+step mma-stream-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants' tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short; $(mma_31b stream_31b 2x8s,2x8p,1x8p,1x8sp 1x4s,1x4p,1x4sp,1x8p)"
 # the whole Gemma-4-31B decode with each load variant (one worker process per setting, rounds
 # interleaved; ~18 GB a worker: four fit an H200, three an H100)
 step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shape ${SHAPE:-gemma4:31b} --rounds 7 --tokens 64 --time-cap 300 --env '' --env HF2Q_MMA_LOADS=s --env HF2Q_MMA_LOADS=p ${MORE_ENV:---env HF2Q_MMA_LOADS=sp}"
 # Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, M = 1): stall
 # reasons and issue efficiency (session 32's sweep: 33-43 % of the copy bandwidth at 31B)
-step mma-ncu 240 "NCU=\$(ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1); \$NCU --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"
+step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then
