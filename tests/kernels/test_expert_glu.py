@@ -311,10 +311,11 @@ def dense_builds():
         f, kk, _, x = _dense_rows_case(i, t)
         for m in (1, *_DENSE_ROWS):
             cfg = _dense_cfg(t, m, f, kk)
-            launch, _ = G._dense_launch(x[:m], mx.zeros((2 * f, 1), mx.uint8), t, kk, "silu", cfg)
+            w0 = mx.zeros((2 * f, 1), mx.uint8)
+            kernel, launch, _ = G._dense_launch(x[:m], w0, t, kk, "silu", cfg)
             ex = Example({"xs": x.dtype, "w": mx.uint8, "ddims": (mx.int32, 3)}, {"ys": x.dtype},
                          launch["template"])  # fmt: skip
-            todo[(t, repr(ex))] = (G._DENSE_KERNELS[t], ex)
+            todo[(t, repr(ex))] = (kernel, ex)
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda ke: kernel_emulator.build(*ke), todo.values()))
 
