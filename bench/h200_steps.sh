@@ -80,7 +80,7 @@ step prefill-wide 300 "python3 bench/prefill.py $OUT/prefill_wide.json --shapes 
 # custom_kernels/cuda_cache on (KERNEL_CACHE=0: MLX's build, the default). Its
 # own empty PTX and CUDA driver caches (and no cuda_cache cubins) make the cold run cold
 # whatever steps ran before it.
-step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do echo \$run; MLX_PTX_CACHE_DIR=/tmp/ptx-first CUDA_CACHE_PATH=/tmp/cuda-first HF2Q_CUDA_KERNEL_CACHE=\${KERNEL_CACHE:-1} python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i 'first\|cuda_cache'; done"
+step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do echo \$run; MLX_PTX_CACHE_DIR=/tmp/ptx-first CUDA_CACHE_PATH=/tmp/cuda-first HF2Q_CUDA_KERNEL_CACHE=\${KERNEL_CACHE:-auto} python3 bench/prefill.py $OUT/first_prefill_\$run.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b} --formats q4_k --prompts 512 --rounds 1 --no-mlx-lm | grep -i 'first\|cuda_cache'; done"
 # where the first prefill's time goes, per model class and ops function (bench/first_prefill.py),
 # cold (its own empty PTX and CUDA driver caches) and then warm
 step first-prefill-profile 300 "rm -rf /tmp/ptx-fpp /tmp/cuda-fpp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpp CUDA_CACHE_PATH=/tmp/cuda-fpp python3 bench/first_prefill.py $OUT/first_prefill_profile_\$run.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 25; done"
@@ -235,6 +235,16 @@ step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shap
 # Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, M = 1): stall
 # reasons and issue efficiency (session 32's sweep: 33-43 % of the copy bandwidth at 31B)
 step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"
+# session 33: the cubin cache on by default outside per-token steps (HF2Q_CUDA_KERNEL_CACHE auto):
+# whole-model decode through the graph and through the compiled step, auto against 0 (one
+# worker per setting, interleaved rounds; ~16 GB of weights a worker: on an H100 pass MORE_ENV=
+# for three workers), then the first prefill of a fresh process (PREFILL_SHAPES=gemma4:31b)
+step cache-auto-ab 420 "python3 bench/mlx_env_ab.py $OUT/cache_auto_ab.json --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 240 --env '' --env HF2Q_CUDA_KERNEL_CACHE=0 --env HF2Q_DECODE=compiled ${MORE_ENV:---env HF2Q_DECODE=compiled,HF2Q_CUDA_KERNEL_CACHE=0}"
+# why TurboQuant's 8-bit partial kernel does not speed up with more threadgroups (keys/2 in the
+# sweep: 0.95x) while the 4-bit one does (1.14-1.84x): stall reasons per issued instruction and
+# shared-memory bank conflicts (the 256-entry codebook lookups) of one global-layer launch
+TQ_STALL_METRICS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,smsp__inst_executed_op_shared_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum'
+step tq-stalls 240 "for b in 8 4; do $NCU_RUN --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --metrics '$TQ_STALL_METRICS' python3 bench/tq_sweep.py --bits \$b --rounds 1 --chain 2 --only '${TQ_ONLY:-global 4K}' --default-only; done"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

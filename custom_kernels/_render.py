@@ -411,7 +411,8 @@ class _Cubin:
     a hash of the image (``std::_Hash_bytes`` over the whole cubin), on every evaluation of
     every launch, compiled steps included; its ``cuda_kernel`` path keys by name only. So each
     launch of a cubin costs the host a hash of its bytes (~0.15 us per KiB, copy + hash timed
-    on an x86 host; docs/kernel_notes.md, session 16), which is why the cache is off by default.
+    on an x86 host; docs/kernel_notes.md, session 16), which is why a per-token step takes MLX's
+    build (``cuda_cache.per_token``).
     """
 
     __slots__ = ("name", "blob", "loaded", "failed")
@@ -444,6 +445,41 @@ def _launch_precompiled(*, inputs, cubin: _Cubin, fallback, **launch) -> list[mx
         cubin.failed = True
         cuda_cache.record_failure(cubin.name, str(err))
         return fallback()(inputs=inputs)
+
+
+class _CudaPlan:
+    """A CUDA launch's two builds, each made at its first use and chosen per call: our cubin
+    where ``cuda_cache.wants_cubin()`` (not inside a per-token step in the default mode) and one
+    exists, else MLX's cuda_kernel. A plan made by a prefill and reused by a decode step (the
+    same call signature) so takes MLX's build there."""
+
+    __slots__ = ("_cubin_of", "_mlx_of", "_launch", "_cubin", "_mlx")
+
+    def __init__(self, cubin_of: Callable, mlx_of: Callable, launch: dict):
+        self._cubin_of, self._mlx_of, self._launch = cubin_of, mlx_of, launch
+        self._cubin = self._mlx = _UNSET
+
+    def cubin(self) -> _Cubin | None:
+        if self._cubin is _UNSET:
+            self._cubin = self._cubin_of()
+        return self._cubin
+
+    def mlx(self) -> Callable:
+        if self._mlx is _UNSET:
+            self._mlx = self._mlx_of()
+        return self._mlx
+
+    def __call__(self, inputs) -> list[mx.array]:
+        if cuda_cache.wants_cubin():
+            cubin = self.cubin()
+            if cubin is not None:
+                return _launch_precompiled(
+                    inputs=inputs, cubin=cubin, fallback=self.mlx, **self._launch
+                )
+        return self.mlx()(inputs=inputs)
+
+
+_UNSET = object()
 
 
 def _norm_template(template: Mapping[str, TemplateValue] | Sequence | None) -> list:
@@ -747,19 +783,14 @@ class Kernel:
 
         def build():
             if backend == "cuda":
-                pre = self._precompiled(input_dtypes, scalar_inputs, output_dtypes, template, sig)
-                if pre is not None:
-                    return partial(
-                        _launch_precompiled,
-                        cubin=pre,
-                        fallback=mlx_build,
-                        grid=gr,
-                        threadgroup=tg,
-                        output_shapes=shapes,
-                        output_dtypes=list(output_dtypes),
-                        init_value=init_value,
-                        ensure_row_contiguous=self.ensure_row_contiguous,
-                    )
+                return _CudaPlan(
+                    partial(self._precompiled, input_dtypes, scalar_inputs, output_dtypes,
+                            template, sig),
+                    mlx_build,
+                    dict(grid=gr, threadgroup=tg, output_shapes=shapes,
+                         output_dtypes=list(output_dtypes), init_value=init_value,
+                         ensure_row_contiguous=self.ensure_row_contiguous),
+                )  # fmt: skip
             return mlx_build()
 
         spec = LaunchSpec(

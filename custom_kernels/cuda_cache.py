@@ -8,18 +8,21 @@ kernel text MLX would build, with a two-header prelude instead of MLX's), NVRTC 
 through ctypes, the cubin lands in ``<cache>/cuda_kernels/`` keyed by a hash of source, options,
 NVRTC version and GPU, and ``mx.fast.precompiled_cuda_kernel`` launches it. Anything missing
 (no NVRTC library, no CUDA headers, a compile error) returns None and the caller keeps MLX's
-``cuda_kernel``: the same kernel text, compiled MLX's way. Off unless
-``HF2Q_CUDA_KERNEL_CACHE=1``: one serving run with it decoded 26B-A4B at 116 tok/s against 191
-without (not side by side; not settled, docs/kernel_notes.md session 15), so it waits for an
-A/B on the GPU before it becomes the default. ``status()`` says what happened.
+``cuda_kernel``: the same kernel text, compiled MLX's way.
 
-Why a loss is plausible: MLX 0.32.4 keys a precompiled kernel's loaded module by its name and a
-hash of the whole cubin, computed on every evaluation of every launch (``_render._Cubin``); its
-``cuda_kernel`` path keys by name only. ``status()`` reports the cubins' sizes.
+``HF2Q_CUDA_KERNEL_CACHE`` (read at import): ``auto`` (unset) takes the cubins everywhere but
+inside a per-token step (``per_token()``: the compiled DecodeStep, eager decode, speculative
+drafts and verifies), ``1`` everywhere, ``0`` nowhere (the CUDA graph step compiles its own
+through ``cubin(force=True)`` in every mode). Why not inside a per-token step: MLX 0.32.4 keys a
+precompiled kernel's loaded module by its name and a hash of the whole cubin, computed on every
+evaluation of every launch (``_render._Cubin``; its ``cuda_kernel`` path keys by name only), which
+cost ~1.7 ms of host a 26B-A4B token in the compiled step (docs/kernel_notes.md, session 16); a
+prefill makes a few launches per layer, not per token. ``status()`` says what happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
@@ -32,7 +35,28 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ENABLED = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "0").strip() == "1"
+# "auto" (unset, empty or any other value), "1" or "0"; ENABLED: the cubins are used somewhere
+MODE = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "auto").strip().lower()
+MODE = MODE if MODE in ("0", "1") else "auto"
+ENABLED = MODE != "0"
+_local = threading.local()  # depth of per_token() on this thread
+
+
+@contextlib.contextmanager
+def per_token():
+    """Launches made inside take MLX's cuda_kernel in ``auto`` mode (a per-token step: MLX
+    hashes a cubin's image at each of its launches, ~0.15 us per KiB)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def wants_cubin() -> bool:
+    """Whether a launch made now should take its cubin (``MODE`` and ``per_token()``)."""
+    return ENABLED and (MODE == "1" or not getattr(_local, "depth", 0))
+
 
 # Before the kernel text: the half types, fixed-width integers from CCCL (which MLX ships), and
 # MLX's ``inf``. The bodies use nothing else of MLX's prelude (the CPU emulator's header,
@@ -135,7 +159,7 @@ def _setup(force: bool = False) -> None:
     ``force``: also when the cache is switched off (the CUDA graph step compiles its own)."""
     _state["checked"] = True
     if not ENABLED and not force:
-        _state["why"] = "HF2Q_CUDA_KERNEL_CACHE is not 1"
+        _state["why"] = "HF2Q_CUDA_KERNEL_CACHE=0"
         return
     _state["why"] = None
     # found for the graph step only: cuda_kernel launches keep MLX's build
@@ -287,6 +311,7 @@ def status() -> dict:
     return {
         **_counts,
         "enabled": _state["nvrtc"] is not None and not _state.get("forced_only"),
+        "mode": MODE,
         "why_off": _state["why"],
         "arch": _state["arch"],
         "nvrtc": _state.get("nvrtc_path"),

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import MIN_DEVICE_BYTES, device_array, launch_recorder, sampling
+from hf2q_mlx.custom_kernels import (
+    MIN_DEVICE_BYTES,
+    cuda_cache,
+    device_array,
+    launch_recorder,
+    sampling,
+)
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import kernel_linears
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache, ring_resume_floor
@@ -403,7 +409,8 @@ class DecodeStep(RowSlots):
             s.arrays, s.pos, s.active, s.shared = a, pos, active, shared
             if isinstance(s, StaticKVCache) and s.window is None:
                 s.span = span
-        logits = self.model(tokens, cache=self.caches)  # (B, L, V)
+        with cuda_cache.per_token():  # MLX's kernel builds in the step (cuda_cache's docstring)
+            logits = self.model(tokens, cache=self.caches)  # (B, L, V)
         if tokens.shape[1] == 1:
             logits = logits[:, -1, :]
         if greedy and launch_recorder.active():  # a CUDA graph step: argmax as our kernels

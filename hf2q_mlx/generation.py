@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx import speculative as spec
+from hf2q_mlx.custom_kernels import cuda_cache
 from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, SamplingOptionsError
 from hf2q_mlx.models.cache import KVCache
@@ -507,7 +508,8 @@ def _decode(
         def forward(y: mx.array) -> mx.array:
             if step is not None:
                 return step.decode(y)  # (1, V)
-            return model(y[:, None], cache=cache)[:, -1, :]
+            with cuda_cache.per_token():
+                return model(y[:, None], cache=cache)[:, -1, :]
 
         greedy = state["key"] is None and not processors
         graph = graph_step(step) if step is not None else None

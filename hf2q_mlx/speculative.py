@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx import pipelined_rounds
+from hf2q_mlx.custom_kernels import cuda_cache
 from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.draft_length import DraftLength, RoundCosts
@@ -277,7 +278,8 @@ def verify_rows(
     L = max(r.shape[0] for _, r in rows)
     tokens = mx.stack([mx.pad(r, (0, L - r.shape[0])) for _, r in rows])  # (B, L)
     snap = snapshot_cache(cache) if has_recurrent(cache) else None
-    logits = model(tokens, cache=cache).astype(mx.float32)  # (B, L, V)
+    with cuda_cache.per_token():
+        logits = model(tokens, cache=cache).astype(mx.float32)  # (B, L, V)
     results, host = _accept_rows(logits, range(len(rows)), rows, tokens, warp, draft_probs, key,
                                  process)  # fmt: skip
     committed = [t + res.accepted for (t, _), res in zip(rows, results)]
@@ -373,7 +375,8 @@ def verify_tree(
     for c in cache:
         c.tree = tree
     try:
-        logits = model(tokens[None], cache=cache)[0].astype(mx.float32)  # (L, V)
+        with cuda_cache.per_token():
+            logits = model(tokens[None], cache=cache)[0].astype(mx.float32)  # (L, V)
     finally:
         for c in cache:
             c.tree = None
@@ -470,7 +473,8 @@ class DraftModel:
     def _forward(self, x: mx.array) -> mx.array:
         """x (n,) int32 tokens -> logits (1, V) fp32 after the last one."""
         if self.step is None:
-            return self.model(x[None], cache=self.cache)[0, -1:].astype(mx.float32)
+            with cuda_cache.per_token():
+                return self.model(x[None], cache=self.cache)[0, -1:].astype(mx.float32)
         if x.shape[0] == 1:
             return self.step.decode(x).astype(mx.float32)
         L = self.k + 1  # one verify shape for every round: one compiled trace

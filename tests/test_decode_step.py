@@ -16,6 +16,7 @@ from conftest import IdsTokenizer, requires_gpu
 from mlx.utils import tree_flatten, tree_unflatten
 
 from hf2q_mlx import decode_step as decode_step_module
+from hf2q_mlx import generation
 from hf2q_mlx.decode_step import DecodeStep, shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.models import gemma3, gemma4, llama, qwen2, qwen3_5, qwen3_5_moe
@@ -434,8 +435,6 @@ def test_gpu_stream_generate_turboquant_takes_the_step(monkeypatch):
     """``kv_bits`` through stream_generate with the GPU's default decode: the TurboQuant step
     (replayed as a CUDA graph on CUDA, the compiled step elsewhere) gives the eager path's
     greedy tokens."""
-    from hf2q_mlx import generation
-
     with mx.stream(mx.gpu):
         # a model whose float step the graph holds (tiny Gemma 3's 16-wide heads are under the
         # norm + RoPE kernel's 32: its step keeps MLX's RoPE)
@@ -732,3 +731,48 @@ def test_warm_verify_traces_lengths_and_leaves_the_row_as_it_was(name, monkeypat
         warm.warm_verify(0, [K + 2])  # past the reserve
     with pytest.raises(InvalidArgumentError):
         warm.warm_verify(2, [2])
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_decode_and_verify_passes_run_per_token(mode, monkeypatch):
+    """On CUDA our kernels take their cached cubins in a prompt's forward passes and MLX's own
+    builds in every decode and verify pass (MLX 0.32.4 hashes a cubin's image at each launch):
+    the passes a decode makes (plain, and prompt-lookup drafts with their verifies) run inside
+    ``cuda_cache.per_token()``, the prompt's outside. Checked here through the context itself,
+    which is all the launch routing reads (tests/kernels/test_cuda_cache.py)."""
+    from hf2q_mlx.custom_kernels import cuda_cache
+
+    monkeypatch.setattr(cuda_cache, "MODE", "auto")
+    monkeypatch.setattr(cuda_cache, "ENABLED", True)
+    monkeypatch.setenv("HF2Q_DECODE", mode)
+    model = tiny_model("llama")
+    seen, probing = [], []
+    real_call, real_alloc = type(model).__call__, DecodeStep._allocate
+
+    def call(self, inputs, *args, **kw):
+        if not probing:  # DecodeStep's one shape probe while it allocates its caches
+            seen.append((inputs.shape[-1], cuda_cache.wants_cubin()))
+        return real_call(self, inputs, *args, **kw)
+
+    def allocate(self, *args, **kw):
+        probing.append(1)
+        try:
+            return real_alloc(self, *args, **kw)
+        finally:
+            probing.pop()
+
+    monkeypatch.setattr(type(model), "__call__", call)
+    monkeypatch.setattr(DecodeStep, "_allocate", allocate)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, VOCAB, 17)]
+    for extra in ({}, {"prompt_lookup": 2, "num_draft_tokens": 3}):
+        seen.clear()
+        ids = prompt * 2 if extra else prompt  # a repeated prompt gives the lookup drafts
+        out = list(generation.stream_generate(model, IdsTokenizer(), ids, max_tokens=8,
+                                              ignore_eos=True, **extra))  # fmt: skip
+        assert len(out) == 8
+        # the prompt but its last token, then the last token: outside; every later pass inside
+        assert seen[:2] == [(len(ids) - 1, True), (1, True)], seen
+        assert len(seen) > 2 and not any(w for _, w in seen[2:]), seen
+        if extra:
+            assert any(n > 1 for n, _ in seen[2:]), seen  # a verify of drafted tokens ran
+    assert cuda_cache.wants_cubin()  # nothing left inside

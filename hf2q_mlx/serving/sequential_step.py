@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import cuda_cache
 from hf2q_mlx.decode_step import RowSlots
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError
 from hf2q_mlx.generation import cache_arrays, make_prompt_cache
@@ -81,7 +82,8 @@ class SequentialStep(RowSlots):
                 continue
             if self.positions[row] + 1 > self.max_len:
                 raise ContextLengthError(f"row {row} would pass max_len {self.max_len}")
-            out = self.model(tokens[row : row + 1][None], cache=self.caches[row])
+            with cuda_cache.per_token():
+                out = self.model(tokens[row : row + 1][None], cache=self.caches[row])
             rows.append(out[0, -1])
             self.positions[row] += 1
         live = [r for r in rows if r is not None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import pytest
@@ -39,6 +40,8 @@ def fresh_state(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_cache, "_last_error", [])
     monkeypatch.setattr(cuda_cache, "_sizes", {})
     monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cuda_cache, "MODE", "auto")
+    monkeypatch.setattr(cuda_cache, "ENABLED", True)
 
 
 @pytest.fixture
@@ -72,8 +75,10 @@ def test_off_without_cuda(fresh_state, monkeypatch):
 
 
 def test_switch_read_at_import():
-    code = "from hf2q_mlx.custom_kernels import cuda_cache as c; print(c.ENABLED)"
-    for value, want in (("0", "False"), ("1", "True"), (None, "False")):
+    """Unset (or any value but 0 and 1): auto, the cubins outside per-token steps."""
+    code = "from hf2q_mlx.custom_kernels import cuda_cache as c; print(c.ENABLED, c.MODE)"
+    for value, want in (("0", "False 0"), ("1", "True 1"), (None, "True auto"),
+                        (" AUTO ", "True auto"), ("yes", "True auto")):  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "HF2Q_CUDA_KERNEL_CACHE"}
         if value is not None:
             env["HF2Q_CUDA_KERNEL_CACHE"] = value
@@ -85,7 +90,7 @@ def test_switch_read_at_import():
 def test_switch_off_says_so(fresh_state, monkeypatch):
     monkeypatch.setattr(cuda_cache, "ENABLED", False)
     assert cuda_cache.cubin("k", "src") is None
-    assert cuda_cache.status()["why_off"] == "HF2Q_CUDA_KERNEL_CACHE is not 1"
+    assert cuda_cache.status()["why_off"] == "HF2Q_CUDA_KERNEL_CACHE=0"
 
 
 def test_nvrtc_of_mlx_cuda_version_first(monkeypatch):
@@ -200,10 +205,52 @@ def test_launcher_launches_the_cubin(fake_nvrtc, monkeypatch):
     assert "using T = __half;" in unit and "constexpr int D = 2;" in unit
     assert "constexpr int F = 1;" in unit and "cooperative_groups" not in unit
     # the same build again: no second unit; another template value: another kernel name
-    k.launcher([mx.float32, mx.int32], **args)
+    k.launcher([mx.float32, mx.int32], **args)(inputs=[x, n])
     assert len(units) == 1
-    k.launcher([mx.float32, mx.int32], **{**args, "template": {"T": mx.float16, "D": 3, "F": 1}})
+    other = k.launcher([mx.float32, mx.int32], **{**args, "template": {"T": mx.float16, "D": 3}})
+    assert len(units) == 1  # a cubin is compiled at its first launch, not before
+    other(inputs=[x, n])
     assert len(units) == 2 and units[1][0] != name
+
+
+def test_per_token_steps_take_mlx_builds(fake_nvrtc, monkeypatch):
+    """``auto``: a launch inside ``per_token()`` takes MLX's build (MLX hashes a cubin's image at
+    each launch), outside it the cubin, the same plan switching per call; the depth is this
+    thread's and comes back after an error. ``1``: the cubin everywhere; ``0``: nowhere."""
+    used = []
+    monkeypatch.setattr(
+        mx.fast, "precompiled_cuda_kernel", lambda **kw: used.append("cubin") or ["c"]
+    )
+    k = _kernel()
+    monkeypatch.setattr(k, "_kernel_for", lambda be, sig: lambda **kw: used.append("mlx") or ["m"])
+    launch = k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
+                        output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
+    args = [mx.ones((4,)), mx.array(4, dtype=mx.int32)]
+    launch(inputs=args)
+    with cuda_cache.per_token():
+        launch(inputs=args)
+        with cuda_cache.per_token():
+            launch(inputs=args)
+        launch(inputs=args)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(cuda_cache.wants_cubin()))
+        t.start()
+        t.join()
+        assert seen == [True]  # another thread is not in this one's step
+    launch(inputs=args)
+    assert used == ["cubin", "mlx", "mlx", "mlx", "cubin"]
+    with pytest.raises(KeyError), cuda_cache.per_token():
+        raise KeyError("x")
+    assert cuda_cache.wants_cubin()
+    monkeypatch.setattr(cuda_cache, "MODE", "1")
+    with cuda_cache.per_token():
+        assert cuda_cache.wants_cubin()
+        launch(inputs=args)
+    assert used[-1] == "cubin"
+    monkeypatch.setattr(cuda_cache, "MODE", "0")
+    monkeypatch.setattr(cuda_cache, "ENABLED", False)
+    launch(inputs=args)
+    assert not cuda_cache.wants_cubin() and used[-1] == "mlx"
 
 
 def test_mlx_build_where_the_cubin_is_missing(fresh_state, monkeypatch):
@@ -219,14 +266,16 @@ def test_mlx_build_where_the_cubin_is_missing(fresh_state, monkeypatch):
         monkeypatch.setattr(k, "_kernel_for", lambda be, sig: built.append(sig) or mlx_kernel)
         launch = k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
                             output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
-        assert launch.plan.func is mlx_kernel
+        assert launch(inputs=[mx.ones((4,)), mx.array(4, dtype=mx.int32)]) == ["mlx"]
+        assert launch.plan.cubin() is None and launch.plan.mlx().func is mlx_kernel
     assert built == ["f32_i32__f32", "f32_i32__f32"]
     calls = []
     monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: calls.append(n) or b"x")
     k = _kernel(BODY.replace("uint(n[0])", "uint(x_shape[0])"))
     monkeypatch.setattr(k, "_kernel_for", lambda be, sig: mlx_kernel)
-    k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
-               output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
+    launch = k.launcher([mx.float32, mx.int32], grid=4, threadgroup=4, output_shapes=[(4,)],
+                        output_dtypes=[mx.float32], backend="cuda")  # fmt: skip
+    assert launch(inputs=[mx.ones((4,)), mx.array(4, dtype=mx.int32)]) == ["mlx"]
     assert calls == []  # a shape-reading body never asks for a cubin
 
 
@@ -238,24 +287,26 @@ def test_mlx_build_where_the_cubin_is_missing(fresh_state, monkeypatch):
 def test_gpu_precompiled_matches_mlx_build(fresh_state, monkeypatch):
     """Bit-equal outputs from our cubin and from MLX's build of the same kernel text; the
     precompiled launch's output poisoned with NaN first (an unwritten element fails). The
-    cache is turned on here (off by default); it skips only where NVRTC is missing."""
+    cache is turned on here (``HF2Q_CUDA_KERNEL_CACHE=0`` may have set it off); it skips only
+    where NVRTC is missing."""
     monkeypatch.setattr(cuda_cache, "ENABLED", True)
     x = mx.random.normal((1000,), key=mx.random.key(3)).astype(mx.bfloat16)
     n = mx.array(1000, dtype=mx.int32)
     args = dict(grid=1000, threadgroup=128, output_shapes=[(1000,)], output_dtypes=[mx.bfloat16],
                 template={"T": mx.bfloat16, "D": 5}, backend="cuda", scalar_inputs=[1])  # fmt: skip
     ours = _kernel().launcher([mx.bfloat16, mx.int32], init_value=float("nan"), **args)
+    cubin = ours.plan.cubin()
     st = cuda_cache.status()
     if not st["enabled"]:
         pytest.skip(f"cuda_cache off here: {st['why_off']}")
     assert st["last_error"] is None, st["last_error"]
-    assert ours.plan.func is _render._launch_precompiled
+    assert cubin is not None
     monkeypatch.setattr(cuda_cache, "cubin", lambda n, s: None)
     mlx_build = _kernel().launcher([mx.bfloat16, mx.int32], **args)
-    assert mlx_build.plan.func is not _render._launch_precompiled
+    assert mlx_build.plan.cubin() is None
     a, b = ours(inputs=[x, n])[0], mlx_build(inputs=[x, n])[0]
     # the first launch ran at once (MLX loaded the module); a later one finds it again
-    assert ours.plan.keywords["cubin"].loaded
+    assert cubin.loaded
     again = ours(inputs=[x * 2, n])[0]
     want = (x.astype(mx.float32) * 3 + 5).astype(mx.bfloat16)
     want2 = ((x * 2).astype(mx.float32) * 3 + 5).astype(mx.bfloat16)
