@@ -240,6 +240,11 @@ step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-s
 # worker per setting, interleaved rounds; ~16 GB of weights a worker: on an H100 pass MORE_ENV=
 # for three workers), then the first prefill of a fresh process (PREFILL_SHAPES=gemma4:31b)
 step cache-auto-ab 420 "python3 bench/mlx_env_ab.py $OUT/cache_auto_ab.json --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 240 --env '' --env HF2Q_CUDA_KERNEL_CACHE=0 --env HF2Q_DECODE=compiled ${MORE_ENV:---env HF2Q_DECODE=compiled,HF2Q_CUDA_KERNEL_CACHE=0}"
+# TurboQuant's coalesced row reads (HF2Q_TQ_COALESCE=1: lanes own strided words, so a SIMD
+# group's load is 128 consecutive bytes; CPU emulator only in session 33): GPU tests, the sweep
+# (its "coal" variants), then the whole 26B-A4B model against the default and bf16
+step tq-coal-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and coalesced' tests/kernels/test_tq_kernels.py --tb=short"
+step tq-coal-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --tq-env HF2Q_TQ_COALESCE=1 --json $OUT/tq_coal_step.json"
 # why TurboQuant's 8-bit partial kernel does not speed up with more threadgroups (keys/2 in the
 # sweep: 0.95x) while the 4-bit one does (1.14-1.84x): stall reasons per issued instruction and
 # shared-memory bank conflicts (the 256-entry codebook lookups) of one global-layer launch

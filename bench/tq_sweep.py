@@ -45,17 +45,21 @@ SHAPES = [
     ("global 16K", 16, 2, 512, None, 16384),
 ]
 TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
-# (d, g, w, r): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None: _W's
+# (d, g, w, r, c): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None: _W's
 # default; the same partitions, their keys split over w), r the registers row_groups budgets
-# for rows x coordinates (None: _MAX_REGS; 64 halves a global layer's rows per threadgroup).
+# for rows x coordinates (None: _MAX_REGS; 64 halves a global layer's rows per threadgroup),
+# c = 1: coalesced row reads (tq_flash_decode.coalesced: lanes own strided words).
 # Session 32: one SIMD group per scheduler at the default (ncu, H200: 4.6 cycles per issued
 # instruction, 222 registers on the global layers), so w = 8 doubles the SIMD groups per SM.
-VARIANTS = [(1, 1, None, None), (1, 1, 8, None), (2, 1, 8, None), (0.5, 1, 8, None),
-            (1, 1, None, 64), (1, 1, 8, 64), (0.5, 1, None, None), (2, 1, None, None)]  # fmt: skip
+# Session 33 (H100): r = 64 never slower; more threadgroups help TQ4, not TQ8.
+VARIANTS = [(1, 1, None, None, None), (1, 1, None, None, 1), (2, 1, None, None, 1),
+            (1, 1, 8, None, 1), (1, 1, None, 64, 1), (1, 1, None, 64, None),
+            (1, 1, 8, None, None), (2, 1, None, None, None)]  # fmt: skip
 
 
 def use(variant, base_min_keys, base_target, base_w, base_r) -> None:
-    d, g, w, r = variant
+    d, g, w, r, c = variant
+    TF._COALESCE = bool(c)
     TF.min_keys = lambda *a: max(1, int(base_min_keys(*a) / d))
     TF._TARGET_GROUPS = base_target * g
     TF._W = base_w if w is None else w
@@ -120,6 +124,7 @@ def run_shape(shape, a, bits: int) -> dict:
     finally:
         TF.min_keys, TF._TARGET_GROUPS, TF._W = base_mk, base_tg, base_w
         TF._MAX_REGS = base_r
+        TF._COALESCE = False
         TF._PLANS.clear()
     ref = outs[VARIANTS[0]].astype(mx.float32)
     tol = 2 * 2.0**-8 * mx.abs(ref).max().item()
@@ -135,7 +140,8 @@ def run_shape(shape, a, bits: int) -> dict:
                "max": max(times[v]), "vs_default": base / med, "max_err": err,
                "ok": err <= tol, "kernels_us": kernels[v]}  # fmt: skip
         rows.append(row)
-        print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d}  "
+        print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d} "
+              f"{'coal' if v[4] else 'word'}  "
               f"parts {parts[v]:4d}  "
               f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "

@@ -41,7 +41,10 @@ _PARTIAL_BODY = """
   // start + (j*W + w)*U .. +U for j = 0, 1, ...; scores are per-lane partial dots plus a SIMD sum
   // (bit-identical on every lane), then an online softmax per row; the W SIMD groups' states
   // merge in shared memory at the end. Each pass loads the next U tokens' rows before working
-  // on the current ones (one step of software pipelining).
+  // on the current ones (one step of software pipelining). SK / SV (codes whole in 32-bit
+  // words, each lane's bits a whole number of words): lane l owns a key row's words l, l + 32,
+  // ... instead, so each load instruction reads 32 consecutive words (coalesced), and its
+  // coordinates are those words' codes.
   const int CK = PK / 32;
   const int CV = PV / 32;
   const int KBITS = CK * KB;  // bits of one key row per lane
@@ -51,6 +54,8 @@ _PARTIAL_BODY = """
   const int NKW = NKA + (KBITS % 32 != 0 ? 1 : 0);  // words loaded: one more if not word-aligned
   const int NVW = NVA + (VBITS % 32 != 0 ? 1 : 0);
   const int PMAX = PK > PV ? PK : PV;
+  const int KPW = 32 / KB;  // codes per word (whole ones where SK)
+  const int VPW = 32 / VB;
   SHARED float qs[RG * PMAX];  // rotated queries, later the merge buffer
   SHARED float kcb[1 << KB];
   SHARED float vcb[1 << VB];
@@ -88,7 +93,7 @@ _PARTIAL_BODY = """
   // end >= start even for a partition past the slots: every SIMD group makes the first pass
   const int end = start + chunk < n_slots ? start + chunk : (n_slots > start ? n_slots : start);
   const uint64_t head = uint64_t(b * uint(HKV) + kvh) * uint64_t(cap);
-  const uint kw0 = (lane * uint(KBITS)) >> 5;
+  const uint kw0 = (lane * uint(KBITS)) >> 5;  // SK = 0: the lane's first word
   const uint ksh = (lane * uint(KBITS)) & 31u;
   const uint vw0 = (lane * uint(VBITS)) >> 5;
   const uint vsh = (lane * uint(VBITS)) & 31u;
@@ -126,11 +131,11 @@ _PARTIAL_BODY = """
         DEVICE_PTR(const uint) vr = vrows + (head + uint64_t(t)) * uint64_t(VRW);
         // a word past the lane's bits may be the row's scale word, never past the row
         UNROLL for (int k = 0; k < NKW; ++k) {
-          const uint wi = kw0 + uint(k);
+          const uint wi = SK ? uint(k) * 32u + lane : kw0 + uint(k);
           nkw[u][k] = kr[wi < uint(KRW) ? wi : uint(KRW - 1)];
         }
         UNROLL for (int k = 0; k < NVW; ++k) {
-          const uint wi = vw0 + uint(k);
+          const uint wi = SV ? uint(k) * 32u + lane : vw0 + uint(k);
           nvw[u][k] = vr[wi < uint(VRW) ? wi : uint(VRW - 1)];
         }
         nkn[u] = bitcast<float>(kr[KRW - 1]);
@@ -173,7 +178,11 @@ _PARTIAL_BODY = """
       }
       const float qscale = scale / float(PK);
       UNROLL for (int i = 0; i < RG; ++i) {
-        UNROLL for (int c = 0; c < CK; ++c) qr[i][c] = qs[i * PK + int(lane) * CK + c] * qscale;
+        UNROLL for (int c = 0; c < CK; ++c) {
+          // the coordinate of the lane's c-th key code (SK: code c % KPW of its word c / KPW)
+          const int j = SK ? ((c / KPW) * 32 + int(lane)) * KPW + c % KPW : int(lane) * CK + c;
+          qr[i][c] = qs[i * PK + j] * qscale;
+        }
       }
     } else {
       float s[U][RG];
@@ -259,7 +268,8 @@ _PARTIAL_BODY = """
     if (int(simd_id) == w) {
       UNROLL for (int i = 0; i < RG; ++i) {
         UNROLL for (int c = 0; c < CV; ++c) {
-          const int idx = i * PV + int(lane) * CV + c;
+          const int idx = i * PV + (SV ? ((c / VPW) * 32 + int(lane)) * VPW + c % VPW
+                                       : int(lane) * CV + c);
           qs[idx] = (w == 0 ? 0.0f : qs[idx]) + acc[i][c] * fac[i];
         }
       }
@@ -449,7 +459,14 @@ _REDUCE_BODY = """
 """
 
 
-def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0) -> Example:
+def strided_words(p: int, bits: int, on: bool | int = True) -> int:
+    """SK / SV of the partial kernel: 1 where ``on`` and a lane's codes of a P-wide row are
+    whole 32-bit words (bits dividing 32, (P / 32) * bits a multiple of 32: 2, 4, 8 bits at
+    P >= 256, 4 and 8 at 128), so the lanes can read the row's words 32 at a time."""
+    return int(bool(on) and 32 % bits == 0 and (p // 32) * bits % 32 == 0)
+
+
+def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0, sw=0) -> Example:
     pk, pv = max(32, 1 << (dk - 1).bit_length()), max(32, 1 << (dv - 1).bit_length())
     inputs = {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
               "kscale": mx.float32, "kcodebook": mx.float32, "vcodebook": mx.float32,
@@ -458,7 +475,8 @@ def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0)
     template = {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
                 "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
                 "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows,
-                "OFF_ADD": rows, "FOLD": fold}  # fmt: skip
+                "OFF_ADD": rows, "FOLD": fold, "SK": strided_words(pk, kb, sw),
+                "SV": strided_words(pv, vb, sw)}  # fmt: skip
     if fold:
         inputs.update(vsigns=mx.float32, vscale=mx.float32, counter=(mx.uint32, 64),
                       cset=(mx.int32, 1))  # fmt: skip
@@ -484,6 +502,7 @@ _partial_kernel = Kernel(
         _partial_example(mx.float16, 512, 512, 8, 3, 8, 1, 4, 2, 2, 2),  # Gemma 4 global layer
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4),  # padded K, small M
         _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1),  # static cache rows
+        _partial_example(mx.bfloat16, 512, 512, 8, 4, 8, 1, 4, 2, 2, 2, sw=1),  # coalesced
     ],
 )
 
@@ -501,6 +520,7 @@ _fused_kernel = Kernel(
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8, fold=1),
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4, fold=1),
         _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1, fold=1),
+        _partial_example(mx.bfloat16, 256, 256, 4, 8, 2, 1, 2, 1, 4, 2, fold=1, sw=1),
     ],
 )
 
@@ -571,6 +591,18 @@ def simd_groups() -> int:
     return env_int("HF2Q_TQ_W", 2, 8) or _W
 
 
+def coalesced() -> bool:
+    """Lanes own strided words of the packed rows where ``strided_words`` allows (each load
+    instruction of a SIMD group then reads 128 consecutive bytes, not 32 lanes x 4 bytes at a
+    16-byte stride): HF2Q_TQ_COALESCE=1, or _COALESCE (bench/tq_sweep.py). Off by default until
+    a GPU A/B (session 33: the 8-bit partial kernel did not speed up with more threadgroups, its
+    L1 the busiest unit)."""
+    return env_int("HF2Q_TQ_COALESCE", 0, 1) == 1 or _COALESCE
+
+
+_COALESCE = False
+
+
 def default_parts(capacity: int, groups: int, keys: int) -> int:
     """Split-K partitions over a buffer of ``capacity`` slots, for ``groups`` threadgroups per
     partition: at least ``keys`` keys each (``min_keys``), else enough to fill ~_TARGET_GROUPS
@@ -633,11 +665,13 @@ def _flash_plan(
     rg, ng = row_groups(rep * M, pk, pv)
     u = tokens_per_step(pk, pv, kb, vb)
     w = simd_groups()
+    co = coalesced()
     n_parts = default_parts(capacity, B * Hkv * ng, min_keys(rep * M, pv, u, krw + vrw))
     template = {"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
                 "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
                 "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
-                "OFF_ADD": offset_add, "FOLD": int(fold)}  # fmt: skip
+                "OFF_ADD": offset_add, "FOLD": int(fold), "SK": strided_words(pk, kb, co),
+                "SV": strided_words(pv, vb, co)}  # fmt: skip
     in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
@@ -714,7 +748,7 @@ def flash_decode(
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
     folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
-           has_vs, rows, offset_add, folded, simd_groups())  # fmt: skip
+           has_vs, rows, offset_add, folded, simd_groups(), coalesced())  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:

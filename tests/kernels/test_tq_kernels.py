@@ -322,6 +322,56 @@ def test_flash_decode_any_simd_group_count(emulated, monkeypatch, w, fold):
     assert plans
 
 
+# cases with both, one or neither side's codes in whole words per lane (fd.strided_words)
+COALESCE_CASES = [
+    (FLASH_CASES[0], 1, 1),  # 256 wide, 4 / 4 bits
+    (FLASH_CASES[1], 1, 0),  # 512 wide, 8 bits (four words a lane) / 3 bits
+    (("growing", 8, 2, 128, 128, 8, 8, None, 0, [150, 1], 1), 1, 1),  # one word a lane
+    (("ring", 4, 2, 256, 256, 8, 8, 40, 4, [97, 3], 3), 1, 1),  # two words a lane, both sides
+    (("growing", 4, 2, 512, 256, 2, 8, None, 0, [70, 2], 2), 1, 1),  # 2 bits: 16 codes a word
+    (FLASH_CASES[3], 0, 0),  # 64 wide: half a word a lane
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("case,sk,sv", COALESCE_CASES, ids=lambda c: str(c))
+def test_flash_decode_coalesced_words(emulated, monkeypatch, case, sk, sv, fold):
+    """HF2Q_TQ_COALESCE=1: lanes read strided words of the packed rows (each load of a SIMD group
+    128 consecutive bytes) and own those words' coordinates, where the codes allow it (SK / SV
+    as given); the outputs stay within the fp32 tolerance of the reference. A coordinate
+    mapped to the wrong query or accumulator element moves them far past it (with one word a
+    lane both mappings agree: the cases of two and four words are the ones that tell)."""
+    monkeypatch.setenv("HF2Q_TQ_COALESCE", "1")
+    monkeypatch.setenv("HF2Q_TQ_FOLD", fold)
+    name = "fused" if fold == "1" else "partial"
+    seen = []
+    real = emulated[name].launcher
+
+    def launcher(dtypes, **kw):
+        seen.append(dict(kw["template"]))
+        return real(dtypes, **kw)
+
+    monkeypatch.setattr(emulated[name], "launcher", launcher)
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
+    _check_flash(case, seed=31)
+    assert seen and all((t["SK"], t["SV"]) == (sk, sv) for t in seen), seen
+    assert emulated[name].launches == 1
+
+
+def test_strided_words_and_switch(monkeypatch):
+    assert [fd.strided_words(512, b) for b in (2, 3, 4, 5, 8)] == [1, 0, 1, 0, 1]
+    assert [fd.strided_words(128, b) for b in (2, 4, 8)] == [0, 0, 1]
+    assert fd.strided_words(512, 8, on=False) == 0
+    monkeypatch.delenv("HF2Q_TQ_COALESCE", raising=False)
+    assert not fd.coalesced()
+    monkeypatch.setenv("HF2Q_TQ_COALESCE", "1")
+    assert fd.coalesced()
+    monkeypatch.setenv("HF2Q_TQ_COALESCE", "2")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_COALESCE"):
+        fd.coalesced()
+
+
 @needs_gxx
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}{c[6]}-M{c[-1]}")
 def test_flash_decode_fused_emulated(emulated, monkeypatch, case):
@@ -524,6 +574,15 @@ def test_flash_decode_kernels_gpu_eight_simd_groups(monkeypatch, case):
     monkeypatch.setattr(fd, "_W", 8)
     monkeypatch.setattr(fd, "_PLANS", {})
     _check_flash(case, seed=6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case,sk,sv", COALESCE_CASES, ids=lambda c: str(c))
+def test_flash_decode_kernels_gpu_coalesced(monkeypatch, case, sk, sv):
+    """HF2Q_TQ_COALESCE=1 (bench/tq_sweep.py's variant) on the GPU."""
+    monkeypatch.setenv("HF2Q_TQ_COALESCE", "1")
+    monkeypatch.setattr(fd, "_PLANS", {})
+    _check_flash(case, seed=7)
 
 
 @requires_gpu
