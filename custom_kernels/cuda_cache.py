@@ -12,12 +12,13 @@ NVRTC version and GPU, and ``mx.fast.precompiled_cuda_kernel`` launches it. Anyt
 
 ``HF2Q_CUDA_KERNEL_CACHE`` (read at import): ``auto`` (unset) takes the cubins everywhere but
 inside a per-token step (``per_token()``: the compiled DecodeStep, eager decode, speculative
-drafts and verifies), ``1`` everywhere, ``0`` nowhere (the CUDA graph step compiles its own
-through ``cubin(force=True)`` in every mode). Why not inside a per-token step: MLX 0.32.4 keys a
-precompiled kernel's loaded module by its name and a hash of the whole cubin, computed on every
-evaluation of every launch (``_render._Cubin``; its ``cuda_kernel`` path keys by name only), which
-cost ~1.7 ms of host a 26B-A4B token in the compiled step (docs/kernel_notes.md, session 16); a
-prefill makes a few launches per layer, not per token. ``status()`` says what happened.
+drafts and verifies, a decoded token's sampling, the serving engine's steps), ``1`` everywhere,
+``0`` nowhere (the CUDA graph step compiles its own through ``cubin(force=True)`` in every
+mode). Why not inside a per-token step: MLX 0.32.4 keys a precompiled kernel's loaded module by
+its name and a hash of the whole cubin, computed on every evaluation of every launch
+(``_render._Cubin``; its ``cuda_kernel`` path keys by name only), which cost ~1.7 ms of host a
+26B-A4B token in the compiled step (docs/kernel_notes.md, session 16); a prefill makes a few
+launches per layer, not per token. ``status()`` says what happened.
 """
 
 from __future__ import annotations

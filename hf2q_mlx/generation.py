@@ -505,11 +505,10 @@ def _decode(
             step.reset_row(0)
             step.adopt(0, cache)
 
-        def forward(y: mx.array) -> mx.array:
+        def forward(y: mx.array) -> mx.array:  # called inside cuda_cache.per_token()
             if step is not None:
                 return step.decode(y)  # (1, V)
-            with cuda_cache.per_token():
-                return model(y[:, None], cache=cache)[:, -1, :]
+            return model(y[:, None], cache=cache)[:, -1, :]
 
         greedy = state["key"] is None and not processors
         graph = graph_step(step) if step is not None else None
@@ -525,13 +524,15 @@ def _decode(
                         if greedy:
                             token, lp = next_ids[0], graph.logprob(0, next_ids[0])
                         else:
-                            t, t_lp = sample(graph.last.logits)
+                            with cuda_cache.per_token():
+                                t, t_lp = sample(graph.last.logits)
                             token, lp = t.item(), t_lp.item()
                 return
             for n in range(budget):
                 if n + 1 < budget:
                     # build and launch step n+1 before reading token n back
-                    next_y, next_logprob = sample(forward(y))
+                    with cuda_cache.per_token():
+                        next_y, next_logprob = sample(forward(y))
                     mx.async_eval(next_y, next_logprob)
                 yield y.item(), logprob.item(), 0, 0
                 if n + 1 < budget:

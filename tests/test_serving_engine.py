@@ -476,3 +476,43 @@ def test_an_engine_falling_idle_releases_memory(monkeypatch):
     if platform.libc_ver()[0] == "glibc":
         assert engine_module._TRIM is not None  # malloc_trim found
     engine_module.release_memory()  # the real one runs
+
+
+def test_decode_steps_run_per_token_and_prefills_do_not(monkeypatch):
+    """On CUDA our kernels take their cached cubins in prefills and MLX's own builds in the
+    per-token work (MLX 0.32.4 hashes a cubin's image at each launch): the engine's decode step
+    and its sampling run inside ``cuda_cache.per_token()``, its prefills outside."""
+    from hf2q_mlx.custom_kernels import cuda_cache
+
+    monkeypatch.setattr(cuda_cache, "MODE", "auto")
+    monkeypatch.setattr(cuda_cache, "ENABLED", True)
+    seen = []
+
+    class Step(_CountStep):
+        def prefill(self, row: int, ids) -> mx.array:
+            seen.append(("prefill", cuda_cache.wants_cubin()))
+            return super().prefill(row, ids)
+
+        def decode(self, tokens: mx.array, active) -> mx.array:
+            seen.append(("decode", cuda_cache.wants_cubin()))
+            return super().decode(tokens, active)
+
+    engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_queue=4, max_len=64,
+                    prefix_cache_bytes=0, step=Step(2, 50))  # fmt: skip
+    done = threading.Semaphore(0)
+
+    def sink(e) -> None:
+        if e.finish_reason is not None:
+            done.release()
+
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
+    engine.submit([9, 10], SamplingParams(max_tokens=4, temperature=0.7, seed=1), sink)
+    engine.start()
+    try:
+        for _ in range(2):
+            assert done.acquire(timeout=30)
+    finally:
+        engine.shutdown()
+    kinds = {k for k, _ in seen}
+    assert kinds == {"prefill", "decode"}, seen
+    assert all(w == (k == "prefill") for k, w in seen), seen

@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, cuda_cache, device_array
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import (
     ContextLengthError,
@@ -681,8 +681,9 @@ class Engine:
             if any(chained):
                 mask = device_array(chained, mx.bool_)
                 tokens = mx.where(mask, prev.sample.tokens, tokens)  # (B,)
-        logits = self.step.decode(tokens, active)
-        return self._launched(active, self.sampler.launch(logits, active))
+        with cuda_cache.per_token():  # MLX's kernel builds in a per-token step (cuda_cache)
+            sample = self.sampler.launch(self.step.decode(tokens, active), active)
+        return self._launched(active, sample)
 
     def _graph_decode(self) -> None:
         """One step through the CUDA graph, its tokens read and streamed at once: every row
@@ -697,7 +698,8 @@ class Engine:
             nan = [float("nan")] * self.max_batch
             sample = SampledBatch(list(ids), nan, [[] for _ in range(self.max_batch)])
         else:
-            sample = self.sampler.launch(self.graph.last.logits, active)
+            with cuda_cache.per_token():
+                sample = self.sampler.launch(self.graph.last.logits, active)
         self._collect(self._launched(active, sample))
 
     def _collect(self, done: _Inflight) -> None:
