@@ -236,10 +236,14 @@ step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shap
 # reasons and issue efficiency (session 32's sweep: 33-43 % of the copy bandwidth at 31B)
 step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"
 # session 33: the cubin cache on by default outside per-token steps (HF2Q_CUDA_KERNEL_CACHE auto):
-# whole-model decode through the graph and through the compiled step, auto against 0 (one
-# worker per setting, interleaved rounds; ~16 GB of weights a worker: on an H100 pass MORE_ENV=
-# for three workers), then the first prefill of a fresh process (PREFILL_SHAPES=gemma4:31b)
-step cache-auto-ab 420 "python3 bench/mlx_env_ab.py $OUT/cache_auto_ab.json --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 240 --env '' --env HF2Q_CUDA_KERNEL_CACHE=0 --env HF2Q_DECODE=compiled ${MORE_ENV:---env HF2Q_DECODE=compiled,HF2Q_CUDA_KERNEL_CACHE=0}"
+# whole-model decode through the graph, then through the compiled step, auto against 0 (one
+# worker per setting, interleaved rounds; two 26B-A4B workers fit an H100)
+step cache-auto-ab 420 "for s in graph compiled; do python3 bench/mlx_env_ab.py $OUT/cache_auto_ab_\$s.json --step \$s --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_CUDA_KERNEL_CACHE=0; done"
+# session 33: programmatic dependent launches in the graph (HF2Q_GRAPH_PDL=1: each kernel's
+# blocks scheduled during the previous kernel's tail, waiting in their first instruction; CPU
+# and nvcc only): the graph's GPU parity with it, then the whole decode against the default
+step graph-pdl-tests 300 "HF2Q_GRAPH_PDL=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph or gpu_engine_graph' tests/test_cuda_graph_step.py tests/test_decode_step.py --tb=short"
+step graph-pdl-ab 360 "python3 bench/mlx_env_ab.py $OUT/graph_pdl_ab.json --step graph --shape ${SHAPE:-gemma4:26b-a4b} --rounds 7 --tokens 64 --time-cap 240 --env '' --env HF2Q_GRAPH_PDL=1"
 # TurboQuant's coalesced row reads (HF2Q_TQ_COALESCE=1: lanes own strided words, so a SIMD
 # group's load is 128 consecutive bytes; CPU emulator only in session 33): GPU tests, the sweep
 # (its "coal" variants), then the whole 26B-A4B model against the default and bf16

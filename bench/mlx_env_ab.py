@@ -3,10 +3,11 @@
 MLX reads ``MLX_MAX_OPS_PER_BUFFER``, ``MLX_MAX_MB_PER_BUFFER``, ``MLX_USE_CUDA_GRAPHS``,
 ``MLX_CUDA_GRAPH_CACHE_SIZE`` and ``MLX_BFS_MAX_WIDTH`` once per process, so each setting gets a
 worker of its own: it builds the shape's random weights (bench/decode_step.py's builders), fuses
-the projections, prefills a random prompt into a one-row ``DecodeStep`` (compiled on a GPU) and
-waits. The parent then asks every worker in turn, round after round, for ``--tokens`` greedy
-tokens (each launched before the last is read, as speed_table.py times them), so a slow minute
-of the shared host hits every setting alike. Only one worker runs at a time; all of them hold
+the projections, prefills a random prompt into a one-row ``DecodeStep`` (compiled on a GPU;
+``--step graph``: replayed as one CUDA graph a token, CUDA's default decode) and waits. The
+parent then asks every worker in turn, round after round, for ``--tokens`` greedy tokens (each
+launched before the last is read, as speed_table.py times them), so a slow minute of the shared
+host hits every setting alike. Only one worker runs at a time; all of them hold
 their weights at once (26B-A4B Q4_K: ~16 GB each).
 
 Prints per setting the median [min-max] tok/s, the spread and the ratio to the first setting
@@ -42,7 +43,9 @@ def parse_env(text: str) -> dict[str, str]:
     return out
 
 
-def worker(conn, env: dict[str, str], shape: str, fmt: str, tiny: bool, prompt: int) -> None:
+def worker(
+    conn, env: dict[str, str], shape: str, fmt: str, tiny: bool, prompt: int, step: str
+) -> None:
     """Build, prefill, then serve ("decode", n) -> seconds until ("quit",)."""
     os.environ.update(env)  # before MLX is imported: spawn gives this process a fresh one
     sys.path.insert(0, str(BENCH))
@@ -58,7 +61,10 @@ def worker(conn, env: dict[str, str], shape: str, fmt: str, tiny: bool, prompt: 
         model.fuse_projections()
         import speed_table as st
 
-        variant = st.Variant(model, decode_mode() in ("compiled", "graph"), 2048, prompt + 4096)
+        if step == "graph":  # the CUDA default: the step replayed as one CUDA graph a token
+            variant = st.GraphVariant(model, 2048, prompt + 4096)
+        else:
+            variant = st.Variant(model, decode_mode() in ("compiled", "graph"), 2048, prompt + 4096)
         ids = mx.random.randint(0, config["vocab_size"], (1, prompt), key=mx.random.key(3))
         variant.prefill(ids.astype(mx.int32))
         variant.decode(4)  # traces and kernel builds before the first timed round
@@ -81,7 +87,9 @@ def run(a) -> dict:
     workers, ready = [], {}
     for label, env in settings:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, env, a.shape, a.format, a.tiny, a.prompt))
+        proc = ctx.Process(
+            target=worker, args=(child, env, a.shape, a.format, a.tiny, a.prompt, a.step)
+        )
         proc.start()
         tic = time.perf_counter()
         kind, info = parent.recv()
@@ -116,7 +124,7 @@ def run(a) -> dict:
                        "spread": (max(xs) - min(xs)) / med,
                        "ratio_median": statistics.median(ratios), "ratios": ratios}  # fmt: skip
     return {"shape": a.shape, "format": a.format, "tokens": a.tokens, "prompt": a.prompt,
-            "workers": ready, "settings": rows}  # fmt: skip
+            "step": a.step, "workers": ready, "settings": rows}  # fmt: skip
 
 
 def main() -> None:
@@ -135,6 +143,13 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--time-cap", type=float, default=None, help="start no round past this (s)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument(
+        "--step",
+        choices=["compiled", "graph"],
+        default="compiled",
+        help="decode through the compiled DecodeStep (on a GPU; eager on the CPU) or the CUDA "
+        "graph over it (CUDA only; the default decode there)",
+    )
     a = p.parse_args()
     a.env = a.env or [""]
     try:
@@ -145,7 +160,7 @@ def main() -> None:
     if a.tiny and a.shape == "gemma4:26b-a4b":
         a.shape = "gemma4:tiny-moe"
     res = run(a)
-    print(f"\n{a.shape} {a.format}: decode tok/s, {a.tokens} tokens a round")
+    print(f"\n{a.shape} {a.format}, {a.step} step: decode tok/s, {a.tokens} tokens a round")
     for label, s in res["settings"].items():
         print(f"  {label:40} {s['median']:8.1f} [{s['min']:.1f}-{s['max']:.1f}]  spread "
               f"{s['spread']:.0%}  x first {s['ratio_median']:.2f} "

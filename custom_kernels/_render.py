@@ -500,6 +500,17 @@ def _dims3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
     return (t + (1, 1))[:3]
 
 
+# Programmatic dependent launch (sm_90 on): a kernel launched with the programmatic stream
+# serialization attribute (cuda_driver.Driver.launch(pdl=True)) may be scheduled before the
+# kernel ahead of it ends; its threads first wait for that kernel's completion and writes, then
+# let the next kernel be scheduled, so a launch's start overlaps its predecessor's tail. Without
+# the attribute both instructions return at once.
+PDL_PROLOGUE = """#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+"""
+
 # The launch recorder (custom_kernels/launch_recorder.py) while one is active: every launch then
 # goes to it instead of MLX (a CUDA graph step records its kernels so).
 _recorder: list = []
@@ -524,11 +535,13 @@ class LaunchSpec:
     def blocks(self) -> tuple[int, int, int]:
         return tuple(g // t for g, t in zip(self.grid, self.threadgroup))
 
-    def unit(self) -> tuple[str, str]:
-        """(kernel symbol, translation unit) compiled by cuda_cache for a launch of our own."""
+    def unit(self, pdl: bool = False) -> tuple[str, str]:
+        """(kernel symbol, translation unit) compiled by cuda_cache for a launch of our own;
+        ``pdl``: the body after ``PDL_PROLOGUE`` (another symbol)."""
         return self.kernel.precompiled_unit(
-            self.input_dtypes, self.scalar_inputs, self.output_dtypes, self.template, self.signature
-        )
+            self.input_dtypes, self.scalar_inputs, self.output_dtypes, self.template,
+            self.signature, pdl,
+        )  # fmt: skip
 
 
 class _Launch:
@@ -805,22 +818,26 @@ class Kernel:
         src = self.source("cuda")
         return any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim"))
 
-    def _precompiled_name(self, template, sig) -> str:
+    def _precompiled_name(self, template, sig, pdl: bool = False) -> str:
         """The module name MLX keys its loaded modules by: one per distinct translation unit."""
         tmpl = _norm_template(template)
         tkey = hashlib.sha256(repr(tmpl).encode()).hexdigest()[:12] if tmpl else "0"
-        return f"hq_{self.name}_{sig}_{tkey}"
+        return f"hq_{self.name}_{sig}_{tkey}" + ("_pdl" if pdl else "")
 
-    def precompiled_unit(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
-        """(symbol, translation unit) of one instantiation, as cuda_cache compiles it."""
+    def precompiled_unit(
+        self, input_dtypes, scalar_inputs, output_dtypes, template, sig, pdl=False
+    ):
+        """(symbol, translation unit) of one instantiation, as cuda_cache compiles it; ``pdl``:
+        the body after ``PDL_PROLOGUE`` (a CUDA graph's launches with HF2Q_GRAPH_PDL=1)."""
         tmpl = _norm_template(template)
-        name = self._precompiled_name(tmpl, sig)
+        name = self._precompiled_name(tmpl, sig, pdl)
         inputs = [
             (n, dt, 0 if i in scalar_inputs else 1 << 20)
             for i, (n, dt) in enumerate(zip(self.inputs, input_dtypes))
         ]
         outputs = list(zip(self.outputs, output_dtypes))
-        return name, self._render_cuda(name, self.source("cuda"), inputs, outputs, tmpl, True)
+        src = PDL_PROLOGUE + self.source("cuda") if pdl else self.source("cuda")
+        return name, self._render_cuda(name, src, inputs, outputs, tmpl, True)
 
     def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):
         """The _Cubin from cuda_cache, or None (MLX's cuda_kernel then: also for a body that

@@ -25,6 +25,39 @@ _STREAM_NON_BLOCKING = 1
 _EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
 # CUpointer_attribute
 _ATTR_IS_MANAGED = 8
+# CUlaunchAttributeID
+_LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class LaunchAttr(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h): grid, block, dynamic shared bytes, stream, attributes."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttr)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+def _pdl_attrs() -> ctypes.Array:
+    """One attribute: programmatic stream serialization allowed (PDL)."""
+    attrs = (LaunchAttr * 1)()
+    attrs[0].id = _LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[0].value.flag = 1
+    return attrs
 
 
 class CudaDriverError(Hf2qError):
@@ -100,6 +133,10 @@ class Driver:
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
         ]  # fmt: skip
+        self.lib.cuLaunchKernelEx.argtypes = [
+            ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+        ]  # fmt: skip
+        self._pdl = _pdl_attrs()
         for name in ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2"):
             getattr(self.lib, name).argtypes = [
                 ctypes.c_uint64 if "toD" in name else ctypes.c_void_p,
@@ -174,12 +211,25 @@ class Driver:
             self._modules[name], self._functions[name] = mod, fn
         return fn
 
-    def launch(self, fn, grid: tuple, block: tuple, pointers: list[int], stream=None) -> None:
-        """One launch on the stream (or ``stream``); every parameter is a device pointer."""
+    def launch(
+        self, fn, grid: tuple, block: tuple, pointers: list[int], stream=None, pdl: bool = False
+    ) -> None:
+        """One launch on the stream (or ``stream``); every parameter is a device pointer.
+        ``pdl``: with programmatic stream serialization allowed (the kernel's body must begin
+        with ``_render.PDL_PROLOGUE``: it may start before the kernel ahead of it has ended)."""
         values = [ctypes.c_uint64(p) for p in pointers]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        err = self.lib.cuLaunchKernel(fn, *grid, *block, 0, stream or self.stream, params, None)
-        self._check("cuLaunchKernel", err)
+        if not pdl:
+            err = self.lib.cuLaunchKernel(fn, *grid, *block, 0, stream or self.stream, params, None)
+            self._check("cuLaunchKernel", err)
+            return
+        config = LaunchConfig(
+            (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream or self.stream,
+            self._pdl, 1,
+        )  # fmt: skip
+        self._check(
+            "cuLaunchKernelEx", self.lib.cuLaunchKernelEx(ctypes.byref(config), fn, params, None)
+        )
 
     # -- more streams, events (a capture that forks into lanes and joins them) -----------------
     def streams(self, n: int) -> list:

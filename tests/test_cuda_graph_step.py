@@ -674,12 +674,13 @@ class _FakeDriver:
     def fill(self, *args, stream=None):
         self.calls.append(("fill", *args))
 
-    def launch(self, fn, blocks, threads, ptrs, stream=None):
+    def launch(self, fn, blocks, threads, ptrs, stream=None, pdl=False):
         if self.launches == self.fail_at:
             raise RuntimeError("an illegal memory access was encountered")
         self.launches += 1
         self.calls.append(("launch", fn, tuple(ptrs)))
         self.lanes.append(stream)
+        self.pdl = getattr(self, "pdl", []) + [pdl]
 
     def streams(self, n):
         return [f"s{i}" for i in range(n)]
@@ -704,6 +705,58 @@ class _FakeDriver:
 
     def replay(self, exe):
         self.calls.append(("replay", exe))
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl):
+    """HF2Q_GRAPH_PDL=1: the graph's kernels are compiled from units whose body begins with the
+    grid-dependency wait and trigger (another symbol than the plain unit's) and launched with
+    programmatic stream serialization; unset or 0: the plain units, plain launches."""
+    from hf2q_mlx import cuda_graph_step
+    from hf2q_mlx.custom_kernels import _render, cuda_cache
+    from hf2q_mlx.decode_step import DecodeStep
+
+    monkeypatch.setenv("HF2Q_GRAPH_PDL", pdl)
+    launch, n = doubler
+    x = mx.random.normal((8,))
+    mx.eval(x)
+    recorded = _record(launch, n, x, 1, lambda y: y)
+    with mx.stream(mx.cpu):
+        step = DecodeStep(_tiny_generation_model(), 1, 16)
+    graph = cuda_graph_step.CudaGraphStep(step)
+    span = step._span(1)
+    rec = cuda_graph_step.Recording(span, recorded.launches, mx.zeros((4,), mx.uint32), [])
+    units = {}
+    monkeypatch.setattr(
+        cuda_cache, "cubin", lambda name, unit, force=False: units.setdefault(name, unit).encode()
+    )
+    graph.driver = drv = _FakeDriver()
+    graph._capture(rec)
+    plain = recorded.launches[0].spec.unit()
+    assert len(units) == 1 and drv.pdl == [pdl == "1"] * 2
+    ((name, unit),) = units.items()
+    if pdl == "1":
+        assert name == plain[0] + "_pdl" and unit != plain[1]
+        assert _render.PDL_PROLOGUE in unit and "griddepcontrol.wait" in unit
+        # the wait comes before the body's first statement
+        assert unit.index("griddepcontrol.wait") < unit.index("const uint e")
+    else:
+        assert (name, unit) == plain and "griddepcontrol" not in unit
+    assert [c[1] for c in drv.calls if c[0] == "launch"] == [name, name]
+
+
+def test_launch_config_matches_the_driver_abi():
+    """The ctypes mirrors of CUlaunchAttribute / CUlaunchConfig (cuda.h, CUDA 12-13; x86-64 and
+    aarch64 alike): sizes and offsets the driver reads, and the PDL attribute's id and value."""
+    from hf2q_mlx.custom_kernels import cuda_driver as cd
+
+    assert ctypes.sizeof(cd.LaunchAttr) == 72 and cd.LaunchAttr.value.offset == 8
+    assert ctypes.sizeof(cd.LaunchConfig) == 56
+    assert (cd.LaunchConfig.stream.offset, cd.LaunchConfig.attrs.offset) == (32, 40)
+    assert cd.LaunchConfig.num_attrs.offset == 48
+    attrs = cd._pdl_attrs()
+    raw = bytes(attrs)
+    assert len(raw) == 72 and raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == b"\1\0\0\0"
 
 
 def test_capture_resolves_every_address_first_and_debug_mode_names_a_failing_launch(

@@ -116,7 +116,7 @@ def test_env_ab_gives_each_setting_its_own_worker(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     res = json.loads(out.read_text())
     label = "MLX_MAX_OPS_PER_BUFFER=7,MLX_BFS_MAX_WIDTH=3"
-    assert list(res["settings"]) == ["default", label]
+    assert list(res["settings"]) == ["default", label] and res["step"] == "compiled"
     assert "'MLX_MAX_OPS_PER_BUFFER': '7'" in res["workers"][label]
     assert "'MLX_BFS_MAX_WIDTH': '3'" in res["workers"][label]
     for row in res["settings"].values():
