@@ -707,16 +707,12 @@ class _FakeDriver:
         self.calls.append(("replay", exe))
 
 
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl):
-    """HF2Q_GRAPH_PDL=1: the graph's kernels are compiled from units whose body begins with the
-    grid-dependency wait and trigger (another symbol than the plain unit's) and launched with
-    programmatic stream serialization; unset or 0: the plain units, plain launches."""
+def _two_launch_graph(doubler):
+    """(graph over a tiny model's step, a Recording of two chained doubler launches, the
+    recorder's launches): the recording kept as the graph's one span."""
     from hf2q_mlx import cuda_graph_step
-    from hf2q_mlx.custom_kernels import _render, cuda_cache
     from hf2q_mlx.decode_step import DecodeStep
 
-    monkeypatch.setenv("HF2Q_GRAPH_PDL", pdl)
     launch, n = doubler
     x = mx.random.normal((8,))
     mx.eval(x)
@@ -726,13 +722,26 @@ def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl)
     graph = cuda_graph_step.CudaGraphStep(step)
     span = step._span(1)
     rec = cuda_graph_step.Recording(span, recorded.launches, mx.zeros((4,), mx.uint32), [])
+    graph.recordings[span] = rec
+    return graph, rec, recorded.launches
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl):
+    """HF2Q_GRAPH_PDL=1: the graph's kernels are compiled from units whose body begins with the
+    grid-dependency wait and trigger (another symbol than the plain unit's) and launched with
+    programmatic stream serialization; unset or 0: the plain units, plain launches."""
+    from hf2q_mlx.custom_kernels import _render, cuda_cache
+
+    monkeypatch.setenv("HF2Q_GRAPH_PDL", pdl)
+    graph, rec, launches = _two_launch_graph(doubler)
     units = {}
     monkeypatch.setattr(
         cuda_cache, "cubin", lambda name, unit, force=False: units.setdefault(name, unit).encode()
     )
     graph.driver = drv = _FakeDriver()
     graph._capture(rec)
-    plain = recorded.launches[0].spec.unit()
+    plain = launches[0].spec.unit()
     assert len(units) == 1 and drv.pdl == [pdl == "1"] * 2
     ((name, unit),) = units.items()
     if pdl == "1":
@@ -768,18 +777,8 @@ def test_capture_resolves_every_address_first_and_debug_mode_names_a_failing_lau
     same work one launch at a time, each waited for, and names the launch that fails."""
     from hf2q_mlx import cuda_graph_step
     from hf2q_mlx.custom_kernels import cuda_cache, cuda_driver
-    from hf2q_mlx.decode_step import DecodeStep
 
-    launch, n = doubler
-    x = mx.random.normal((8,))
-    mx.eval(x)
-    recorded = _record(launch, n, x, 1, lambda y: y)
-    with mx.stream(mx.cpu):
-        step = DecodeStep(_tiny_generation_model(), 1, 16)
-    graph = cuda_graph_step.CudaGraphStep(step)
-    span = step._span(1)
-    rec = cuda_graph_step.Recording(span, recorded.launches, mx.zeros((4,), mx.uint32), [])
-    graph.recordings[span] = rec
+    graph, rec, _ = _two_launch_graph(doubler)
     monkeypatch.setattr(cuda_cache, "cubin", lambda name, unit, force=False: b"cubin")
     drv = _FakeDriver()
     real_ptr = cuda_driver.data_ptr

@@ -7,6 +7,7 @@ import math
 import platform
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -450,19 +451,26 @@ def test_overlapped_steps_drop_an_ended_row_one_step_late_without_emitting(monke
     assert len(step.fed) > 2
 
 
-def test_an_engine_falling_idle_releases_memory(monkeypatch):
-    """After its last request the engine hands freed memory back (MLX's buffer cache and, on
-    glibc, the C heap's free pages: a server's RSS returns toward its baseline after load)."""
-    calls = []
-    monkeypatch.setattr(engine_module, "release_memory", lambda: calls.append(1))
+def _count_engine(step) -> tuple[Engine, Callable, threading.Semaphore]:
+    """(engine over the model-free ``step``, a sink, a semaphore it releases once a request
+    ends)."""
     engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_queue=4, max_len=64,
-                    prefix_cache_bytes=0, step=_CountStep(2, 50))  # fmt: skip
+                    prefix_cache_bytes=0, step=step)  # fmt: skip
     done = threading.Semaphore(0)
 
     def sink(e) -> None:
         if e.finish_reason is not None:
             done.release()
 
+    return engine, sink, done
+
+
+def test_an_engine_falling_idle_releases_memory(monkeypatch):
+    """After its last request the engine hands freed memory back (MLX's buffer cache and, on
+    glibc, the C heap's free pages: a server's RSS returns toward its baseline after load)."""
+    calls = []
+    monkeypatch.setattr(engine_module, "release_memory", lambda: calls.append(1))
+    engine, sink, done = _count_engine(_CountStep(2, 50))
     engine.submit([1, 2], SamplingParams(max_tokens=2), sink)
     engine.start()
     try:
@@ -497,14 +505,7 @@ def test_decode_steps_run_per_token_and_prefills_do_not(monkeypatch):
             seen.append(("decode", cuda_cache.wants_cubin()))
             return super().decode(tokens, active)
 
-    engine = Engine(_CountModel(), _CountTok(), max_batch=2, max_queue=4, max_len=64,
-                    prefix_cache_bytes=0, step=Step(2, 50))  # fmt: skip
-    done = threading.Semaphore(0)
-
-    def sink(e) -> None:
-        if e.finish_reason is not None:
-            done.release()
-
+    engine, sink, done = _count_engine(Step(2, 50))
     engine.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
     engine.submit([9, 10], SamplingParams(max_tokens=4, temperature=0.7, seed=1), sink)
     engine.start()
