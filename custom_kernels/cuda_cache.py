@@ -36,9 +36,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-# "auto" (unset, empty or any other value), "1" or "0"; ENABLED: the cubins are used somewhere
-MODE = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "auto").strip().lower()
-MODE = MODE if MODE in ("0", "1") else "auto"
+# "auto" (unset or empty), "1" or "0" (another value: auto, said once on stderr); ENABLED: the
+# cubins are used somewhere
+MODE = os.environ.get("HF2Q_CUDA_KERNEL_CACHE", "auto").strip().lower() or "auto"
+if MODE not in ("auto", "0", "1"):
+    print(f"hf2q-mlx: HF2Q_CUDA_KERNEL_CACHE={MODE!r} is not auto, 0 or 1: auto", file=sys.stderr)
+    MODE = "auto"
 ENABLED = MODE != "0"
 _local = threading.local()  # depth of per_token() on this thread
 

@@ -85,6 +85,8 @@ def test_switch_read_at_import():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want
+        # a value that is not a mode is said once on stderr
+        assert ("is not auto, 0 or 1" in out.stderr) == (value == "yes"), out.stderr
 
 
 def test_switch_off_says_so(fresh_state, monkeypatch):
