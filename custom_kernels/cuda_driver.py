@@ -133,9 +133,13 @@ class Driver:
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
         ]  # fmt: skip
-        self.lib.cuLaunchKernelEx.argtypes = [
-            ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-        ]  # fmt: skip
+        # programmatic dependent launches only (HF2Q_GRAPH_PDL=1): a driver without it still
+        # launches everything else
+        self._launch_ex = getattr(self.lib, "cuLaunchKernelEx", None)
+        if self._launch_ex is not None:
+            self._launch_ex.argtypes = [
+                ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+            ]  # fmt: skip
         self._pdl = _pdl_attrs()
         for name in ("cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2"):
             getattr(self.lib, name).argtypes = [
@@ -223,13 +227,13 @@ class Driver:
             err = self.lib.cuLaunchKernel(fn, *grid, *block, 0, stream or self.stream, params, None)
             self._check("cuLaunchKernel", err)
             return
+        if self._launch_ex is None:
+            raise CudaDriverError("this CUDA driver has no cuLaunchKernelEx (HF2Q_GRAPH_PDL=1)")
         config = LaunchConfig(
             (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream or self.stream,
             self._pdl, 1,
         )  # fmt: skip
-        self._check(
-            "cuLaunchKernelEx", self.lib.cuLaunchKernelEx(ctypes.byref(config), fn, params, None)
-        )
+        self._check("cuLaunchKernelEx", self._launch_ex(ctypes.byref(config), fn, params, None))
 
     # -- more streams, events (a capture that forks into lanes and joins them) -----------------
     def streams(self, n: int) -> list:

@@ -754,6 +754,39 @@ def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl)
     assert [c[1] for c in drv.calls if c[0] == "launch"] == [name, name]
 
 
+def test_driver_launch_with_and_without_pdl():
+    """Driver.launch: a plain launch through cuLaunchKernel; ``pdl`` through cuLaunchKernelEx
+    with the grid, block, stream and the one PDL attribute in its config (a driver without
+    cuLaunchKernelEx: CudaDriverError, plain launches unaffected). libcuda faked."""
+    from hf2q_mlx.custom_kernels import cuda_driver as cd
+
+    seen = []
+
+    class Lib:
+        def cuLaunchKernel(self, fn, *args):
+            seen.append(("plain", fn, args[:6], args[7]))
+            return 0
+
+    def launch_ex(config_ref, fn, params, extra):
+        c = config_ref._obj
+        attr = c.attrs[0]
+        seen.append(("ex", fn, tuple(c.grid), tuple(c.block), c.stream, c.num_attrs, attr.id,
+                     attr.value.flag))  # fmt: skip
+        return 0
+
+    drv = cd.Driver.__new__(cd.Driver)
+    drv.lib, drv.stream, drv._pdl, drv._launch_ex = Lib(), 77, cd._pdl_attrs(), launch_ex
+    drv.launch("f", (3, 2, 1), (128, 1, 1), [16, 32])
+    drv.launch("g", (5, 1, 1), (64, 1, 1), [48], stream=9, pdl=True)
+    assert seen[0] == ("plain", "f", (3, 2, 1, 128, 1, 1), 77)
+    assert seen[1] == ("ex", "g", (5, 1, 1), (64, 1, 1), 9, 1, 6, 1)
+    drv._launch_ex = None
+    with pytest.raises(cd.CudaDriverError, match="cuLaunchKernelEx"):
+        drv.launch("g", (5, 1, 1), (64, 1, 1), [48], pdl=True)
+    drv.launch("f", (1, 1, 1), (32, 1, 1), [8])
+    assert seen[-1][0] == "plain"
+
+
 def test_launch_config_matches_the_driver_abi():
     """The ctypes mirrors of CUlaunchAttribute / CUlaunchConfig (cuda.h, CUDA 12-13; x86-64 and
     aarch64 alike): sizes and offsets the driver reads, and the PDL attribute's id and value."""
