@@ -189,14 +189,17 @@ step lm-head-q6k 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and Q
 # session 25: TurboQuant in the compiled step (per-row offsets and balance tables in both kernels)
 step tq-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_tq_kernels.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short || r=1; exit \$r"
 step tq-step-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short"
+# TurboQuant's whole-model decode (26B-A4B Q4_K, 5 interleaved rounds) against bf16, as a command
+# (tq_speed JSON_NAME DEFAULT_CONTEXTS [MORE_ARGS]; TQ_CONTEXTS overrides the contexts)
+tq_speed() { echo "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-$2} --rounds 5 --decode 32 ${3:+$3 }--json $OUT/$1.json"; }
 # TurboQuant through the CUDA graph (the default since session 25) against bf16 through it; the
 # same with TurboQuant kept on the compiled step (session 25's run of that: TQ8 0.69x at 4K)
-step tq-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step.json"
+step tq-step 360 "$(tq_speed tq_step 4096,16384)"
 # session 27: TurboQuant's fused launches (HF2Q_TQ_FOLD=1: the reduce folded into the last
 # partition, the quantize writing the cache words): their GPU tests, then the A/B in one process
 step tq-fold-tests 300 "HF2Q_TQ_FOLD=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (flash or quantize)' tests/kernels/test_tq_kernels.py --tb=short; HF2Q_TQ_FOLD=1 python3 -m pytest -q -p no:cacheprovider -rA -k 'gpu_graph_step_gives and tq8' tests/test_cuda_graph_step.py --tb=short"
-step tq-fold-step 420 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --fold-ab --json $OUT/tq_fold_step.json"
-step tq-step-compiled 360 "HF2Q_TQ_GRAPH=0 python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --json $OUT/tq_step_compiled.json"
+step tq-fold-step 420 "$(tq_speed tq_fold_step 4096,16384 --fold-ab)"
+step tq-step-compiled 360 "HF2Q_TQ_GRAPH=0 $(tq_speed tq_step_compiled 4096,16384)"
 # the graph against the compiled step on tiny models (bf16 and TQ8 caches)
 step tq-graph-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_graph_step_gives tests/test_cuda_graph_step.py --tb=short"
 # session 25: the chunked delta-net prefill, the CUDA default now
@@ -216,7 +219,7 @@ step tq-ncu 240 "$NCU_RUN --kernel-name regex:tq_flash_decode_partial --launch-s
 # session 32: W = 8 SIMD groups per flash-decode threadgroup (its GPU tests, the whole model
 # against W = 4 and bf16), and the TurboQuant paths through the graph and the decode step
 step tq-w-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (eight_simd or sums_any or long_context)' tests/kernels/test_tq_kernels.py --tb=short"
-step tq-w-step 300 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096} --rounds 5 --decode 32 --tq-env HF2Q_TQ_W=8 --json $OUT/tq_w_step.json"
+step tq-w-step 300 "$(tq_speed tq_w_step 4096 '--tq-env HF2Q_TQ_W=8')"
 step tq-path-tests 330 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and tq8' tests/test_cuda_graph_step.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and turboquant' tests/test_decode_step.py --tb=short --durations=8 || r=1; exit \$r"
 # session 32: Gemma-4-31B's dense mat-vecs (issue 15: its weights read at 40 % of the copy
 # bandwidth) run the tensor-core kernels at M = 1 (q | k | v 16384 x 5376, down 5376 x 21504,
@@ -248,7 +251,7 @@ step graph-pdl-ab 360 "python3 bench/mlx_env_ab.py $OUT/graph_pdl_ab.json --step
 # group's load is 128 consecutive bytes; CPU emulator only in session 33): GPU tests, the sweep
 # (its "coal" variants), then the whole 26B-A4B model against the default and bf16
 step tq-coal-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and coalesced' tests/kernels/test_tq_kernels.py --tb=short"
-step tq-coal-step 360 "python3 bench/turboquant_speed.py --model-only --format q4_k --contexts ${TQ_CONTEXTS:-4096,16384} --rounds 5 --decode 32 --tq-env HF2Q_TQ_COALESCE=1 --json $OUT/tq_coal_step.json"
+step tq-coal-step 360 "$(tq_speed tq_coal_step 4096,16384 '--tq-env HF2Q_TQ_COALESCE=1')"
 # why TurboQuant's 8-bit partial kernel does not speed up with more threadgroups (keys/2 in the
 # sweep: 0.95x) while the 4-bit one does (1.14-1.84x): stall reasons per issued instruction and
 # shared-memory bank conflicts (the 256-entry codebook lookups) of one global-layer launch

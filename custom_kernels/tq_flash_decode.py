@@ -179,9 +179,7 @@ _PARTIAL_BODY = """
       const float qscale = scale / float(PK);
       UNROLL for (int i = 0; i < RG; ++i) {
         UNROLL for (int c = 0; c < CK; ++c) {
-          // the coordinate of the lane's c-th key code (SK: code c % KPW of its word c / KPW)
-          const int j = SK ? ((c / KPW) * 32 + int(lane)) * KPW + c % KPW : int(lane) * CK + c;
-          qr[i][c] = qs[i * PK + j] * qscale;
+          qr[i][c] = qs[i * PK + lane_coord(c, lane, CK, KPW, SK)] * qscale;
         }
       }
     } else {
@@ -268,8 +266,7 @@ _PARTIAL_BODY = """
     if (int(simd_id) == w) {
       UNROLL for (int i = 0; i < RG; ++i) {
         UNROLL for (int c = 0; c < CV; ++c) {
-          const int idx = i * PV + (SV ? ((c / VPW) * 32 + int(lane)) * VPW + c % VPW
-                                       : int(lane) * CV + c);
+          const int idx = i * PV + lane_coord(c, lane, CV, VPW, SV);
           qs[idx] = (w == 0 ? 0.0f : qs[idx]) + acc[i][c] * fac[i];
         }
       }
@@ -489,6 +486,16 @@ def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0,
 _W = 4
 _MAX_PARTS = 512
 
+# the coordinate of a lane's c-th code of a row: c of its own ``per_lane`` consecutive ones, or
+# (``strided``: SK / SV) code c % per_word of its word c / per_word, the row's words lane,
+# lane + 32, ...
+_COORD_HEADER = """
+FN int lane_coord(int c, uint lane, int per_lane, int per_word, int strided) {
+  return strided ? ((c / per_word) * 32 + int(lane)) * per_word + c % per_word
+                 : int(lane) * per_lane + c;
+}
+"""
+
 _PARTIAL_INPUTS = ["q", "krows", "vrows", "ksigns", "kscale", "kcodebook", "vcodebook", "consts",
                    "off"]  # fmt: skip
 
@@ -497,6 +504,7 @@ _partial_kernel = Kernel(
     inputs=_PARTIAL_INPUTS,
     outputs=["partials"],
     body=_PARTIAL_BODY.replace("@FOLD_SHARED@", ""),
+    header=_COORD_HEADER,
     examples=[
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8),  # Gemma 3 270M
         _partial_example(mx.float16, 512, 512, 8, 3, 8, 1, 4, 2, 2, 2),  # Gemma 4 global layer
@@ -516,6 +524,7 @@ _fused_kernel = Kernel(
         "@SUM@",
         _weighted_sum("bitcast<float>(ATOMIC_LOAD_U32(pb + base + uint64_t(p_k) * (PV + 2) + j))"),
     ),
+    header=_COORD_HEADER,
     examples=[
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8, fold=1),
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4, fold=1),
