@@ -56,7 +56,7 @@ step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes 
 # (LLAMA=1: with llama.cpp on the same GGUF, the bundle copied into ../.device as for llama-peer)
 PEER_UNPACK="mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } &&"
 PEER_ARGS="--llama /tmp/peer/cuda/run.sh --llama-args '-ngl 99' --gguf-dir /tmp"
-step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --rounds 5 --tokens 32 ${GRAPH:+--graph $GRAPH} ${LLAMA:+$PEER_ARGS}"
+step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --formats ${FORMATS:-q4_k,mlx4} --rounds 5 --tokens 32 ${GRAPH:+--graph $GRAPH} ${LLAMA:+$PEER_ARGS}"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
 # the engine through the graph (the CUDA default) and through the compiled step, one after the
@@ -257,6 +257,12 @@ step tq-coal-step 360 "$(tq_speed tq_coal_step 4096,16384 '--tq-env HF2Q_TQ_COAL
 # shared-memory bank conflicts (the 256-entry codebook lookups) of one global-layer launch
 TQ_STALL_METRICS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,smsp__inst_executed_op_shared_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum'
 step tq-stalls 240 "for b in 8 4; do $NCU_RUN --kernel-name regex:tq_flash_decode_partial --launch-skip 2 --launch-count 1 --metrics '$TQ_STALL_METRICS' python3 bench/tq_sweep.py --bits \$b --rounds 1 --chain 2 --only '${TQ_ONLY:-global 4K}' --default-only; done"
+# session 34: interleaved copies of a codebook over 32 entries (HF2Q_TQ_CB_COPIES=16: lane l
+# reads copy l % 16, so 32 lookups of a 256-entry codebook meet at most two addresses a bank;
+# CPU emulator only so far): GPU tests, then the whole 26B-A4B model against the default and bf16
+# (the sweep's "cb x16" variants; tq-stalls with it in the environment counts the conflicts)
+step tq-copies-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (codebook_copies or flash_decode_kernels_gpu)' tests/kernels/test_tq_kernels.py --tb=short"
+step tq-copies-step 360 "$(tq_speed tq_copies_step 4096,16384 '--tq-env HF2Q_TQ_CB_COPIES=16')"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

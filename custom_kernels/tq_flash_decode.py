@@ -18,6 +18,7 @@ from hf2q_mlx.custom_kernels import backend, env_int
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.decode_attention import CountedPlan
 from hf2q_mlx.custom_kernels.tq_quantize import stand_in
+from hf2q_mlx.errors import InvalidArgumentError
 
 # the kernels cover up to this many query rows per sequence (decode, short drafts)
 MAX_FLASH_QUERIES = 8
@@ -45,6 +46,8 @@ _PARTIAL_BODY = """
   // words, each lane's bits a whole number of words): lane l owns a key row's words l, l + 32,
   // ... instead, so each load instruction reads 32 consecutive words (coalesced), and its
   // coordinates are those words' codes.
+  // KR / VR copies of a codebook, interleaved (entry e's copy c at e * KR + c): lane l reads
+  // copy l % KR, so a SIMD group's lookups of a large codebook touch fewer addresses per bank.
   const int CK = PK / 32;
   const int CV = PV / 32;
   const int KBITS = CK * KB;  // bits of one key row per lane
@@ -57,8 +60,8 @@ _PARTIAL_BODY = """
   const int KPW = 32 / KB;  // codes per word (whole ones where SK)
   const int VPW = 32 / VB;
   SHARED float qs[RG * PMAX];  // rotated queries, later the merge buffer
-  SHARED float kcb[1 << KB];
-  SHARED float vcb[1 << VB];
+  SHARED float kcb[(1 << KB) * KR];
+  SHARED float vcb[(1 << VB) * VR];
   SHARED float wm[W * RG];
   SHARED float wl[W * RG];
 @FOLD_SHARED@
@@ -74,8 +77,10 @@ _PARTIAL_BODY = """
   const uint nthr = uint(W * 32);
   const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
-  for (uint i = tid; i < (1u << KB); i += nthr) kcb[i] = kcodebook[i];
-  for (uint i = tid; i < (1u << VB); i += nthr) vcb[i] = vcodebook[i];
+  for (uint i = tid; i < (1u << KB) * uint(KR); i += nthr) kcb[i] = kcodebook[i / uint(KR)];
+  for (uint i = tid; i < (1u << VB) * uint(VR); i += nthr) vcb[i] = vcodebook[i / uint(VR)];
+  const uint kcopy = lane % uint(KR);
+  const uint vcopy = lane % uint(VR);
   int qpos[RG];
   float m_run[RG];
   float l_run[RG];
@@ -196,7 +201,7 @@ _PARTIAL_BODY = """
           const int sh = (c * KB) & 31;
           uint code = ka[lo] >> sh;
           if (sh + KB > 32) code |= ka[lo + 1 < NKA ? lo + 1 : lo] << (32 - sh);
-          const float kv = kcb[code & ((1u << KB) - 1)];
+          const float kv = kcb[(code & ((1u << KB) - 1)) * uint(KR) + kcopy];
           UNROLL for (int i = 0; i < RG; ++i) s[u][i] = fma_f(qr[i][c], kv, s[u][i]);
         }
       }
@@ -234,7 +239,7 @@ _PARTIAL_BODY = """
           const int sh = (c * VB) & 31;
           uint code = va[lo] >> sh;
           if (sh + VB > 32) code |= va[lo + 1 < NVA ? lo + 1 : lo] << (32 - sh);
-          const float vv = vcb[code & ((1u << VB) - 1)];
+          const float vv = vcb[(code & ((1u << VB) - 1)) * uint(VR) + vcopy];
           UNROLL for (int i = 0; i < RG; ++i) acc[i][c] = fma_f(s[u][i], vv, acc[i][c]);
         }
       }
@@ -463,7 +468,9 @@ def strided_words(p: int, bits: int, on: bool | int = True) -> int:
     return int(bool(on) and 32 % bits == 0 and (p // 32) * bits % 32 == 0)
 
 
-def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0, sw=0) -> Example:
+def _partial_example(
+    dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0, sw=0, kr=1, vr=1
+) -> Example:
     pk, pv = max(32, 1 << (dk - 1).bit_length()), max(32, 1 << (dv - 1).bit_length())
     inputs = {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
               "kscale": mx.float32, "kcodebook": mx.float32, "vcodebook": mx.float32,
@@ -473,7 +480,7 @@ def _partial_example(dt, dk, dv, kb, vb, rep, m, rg, ng, hkv, u, rows=0, fold=0,
                 "M": m, "RG": rg, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1,
                 "VRW": pv * vb // 32 + 1, "W": _W, "U": u, "HAS_KS": 1, "ROWS": rows,
                 "OFF_ADD": rows, "FOLD": fold, "SK": strided_words(pk, kb, sw),
-                "SV": strided_words(pv, vb, sw)}  # fmt: skip
+                "SV": strided_words(pv, vb, sw), "KR": kr, "VR": vr}  # fmt: skip
     if fold:
         inputs.update(vsigns=mx.float32, vscale=mx.float32, counter=(mx.uint32, 64),
                       cset=(mx.int32, 1))  # fmt: skip
@@ -511,6 +518,7 @@ _partial_kernel = Kernel(
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4),  # padded K, small M
         _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1),  # static cache rows
         _partial_example(mx.bfloat16, 512, 512, 8, 4, 8, 1, 4, 2, 2, 2, sw=1),  # coalesced
+        _partial_example(mx.bfloat16, 512, 512, 8, 8, 8, 1, 4, 2, 2, 2, sw=1, kr=16, vr=16),
     ],
 )
 
@@ -529,7 +537,7 @@ _fused_kernel = Kernel(
         _partial_example(mx.bfloat16, 256, 256, 4, 4, 4, 1, 4, 1, 1, 8, fold=1),
         _partial_example(mx.float32, 96, 64, 5, 6, 3, 4, 6, 2, 2, 4, fold=1),
         _partial_example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 2, 1, 4, 2, 1, fold=1),
-        _partial_example(mx.bfloat16, 256, 256, 4, 8, 2, 1, 2, 1, 4, 2, fold=1, sw=1),
+        _partial_example(mx.bfloat16, 256, 256, 4, 8, 2, 1, 2, 1, 4, 2, fold=1, sw=1, vr=16),
     ],
 )
 
@@ -603,13 +611,40 @@ def simd_groups() -> int:
 def coalesced() -> bool:
     """Lanes own strided words of the packed rows where ``strided_words`` allows (each load
     instruction of a SIMD group then reads 128 consecutive bytes, not 32 lanes x 4 bytes at a
-    16-byte stride): HF2Q_TQ_COALESCE=1, or _COALESCE (bench/tq_sweep.py). Off by default until
-    a GPU A/B (session 33: the 8-bit partial kernel did not speed up with more threadgroups, its
-    L1 the busiest unit)."""
-    return env_int("HF2Q_TQ_COALESCE", 0, 1) == 1 or _COALESCE
+    16-byte stride): HF2Q_TQ_COALESCE (0 or 1) where set, else _COALESCE. On by default since
+    session 34 (H200, the 8-bit partial kernel 1.31x at global 4K, 1.24x at 16K; docs/
+    kernel_notes.md)."""
+    on = env_int("HF2Q_TQ_COALESCE", 0, 1)
+    return _COALESCE if on is None else on == 1
 
 
-_COALESCE = False
+_COALESCE = True
+
+# Copies of a codebook of more than 32 entries in shared memory (``codebook_copies``): with one,
+# a SIMD group's 32 lookups of a 256-entry codebook meet ~3.1 addresses in their busiest bank
+# (ncu, TQ8 global 4K: 2.8 shared wavefronts per load); with 16, at most 2; with 32, 1.
+_CB_COPIES = 1
+# bytes of threadgroup memory a partial kernel may declare (Metal's limit; CUDA's static is 48K)
+_SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
+
+
+def codebook_copies(kb: int, vb: int, rg: int, pk: int, pv: int, w: int, fold: bool) -> tuple:
+    """(KR, VR): copies of the key and value codebooks, HF2Q_TQ_CB_COPIES (1, 2, 4, 8, 16 or 32)
+    where set, else _CB_COPIES, for codebooks of more than 32 entries (smaller ones sit in
+    distinct banks already), the keys' first, while the kernel's shared memory stays within
+    the back end's limit."""
+    copies = env_int("HF2Q_TQ_CB_COPIES", 1, 32) or _CB_COPIES
+    if copies & (copies - 1):
+        raise InvalidArgumentError(f"HF2Q_TQ_CB_COPIES={copies}: expected a power of two")
+    used = 4 * (rg * max(pk, pv) + (1 << kb) + (1 << vb) + 2 * w * rg + (_MAX_PARTS if fold else 0))
+    limit = _SHARED_BYTES.get(backend() or "", _SHARED_BYTES["metal"])
+    out = []
+    for bits in (kb, vb):
+        more = 4 * (1 << bits) * (copies - 1)
+        take = copies > 1 and bits > 5 and used + more <= limit
+        used += more if take else 0
+        out.append(copies if take else 1)
+    return tuple(out)
 
 
 def default_parts(capacity: int, groups: int, keys: int) -> int:
@@ -675,12 +710,13 @@ def _flash_plan(
     u = tokens_per_step(pk, pv, kb, vb)
     w = simd_groups()
     co = coalesced()
+    kr, vr = codebook_copies(kb, vb, rg, pk, pv, w, fold)
     n_parts = default_parts(capacity, B * Hkv * ng, min_keys(rep * M, pv, u, krw + vrw))
     template = {"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb,
                 "VB": vb, "REP": rep, "M": M, "RG": rg, "NG": ng, "HKV": Hkv, "KRW": krw,
                 "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add, "FOLD": int(fold), "SK": strided_words(pk, kb, co),
-                "SV": strided_words(pv, vb, co)}  # fmt: skip
+                "SV": strided_words(pv, vb, co), "KR": kr, "VR": vr}  # fmt: skip
     in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
@@ -757,7 +793,8 @@ def flash_decode(
     # ints only (the codecs' signs and codebooks are inputs, not part of the plan)
     folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
-           has_vs, rows, offset_add, folded, simd_groups(), coalesced())  # fmt: skip
+           has_vs, rows, offset_add, folded, simd_groups(), coalesced(),
+           env_int("HF2Q_TQ_CB_COPIES", 1, 32))  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:

@@ -364,12 +364,70 @@ def test_strided_words_and_switch(monkeypatch):
     assert [fd.strided_words(128, b) for b in (2, 4, 8)] == [0, 0, 1]
     assert fd.strided_words(512, 8, on=False) == 0
     monkeypatch.delenv("HF2Q_TQ_COALESCE", raising=False)
+    assert fd.coalesced() == fd._COALESCE
+    monkeypatch.setattr(fd, "_COALESCE", True)
+    monkeypatch.setenv("HF2Q_TQ_COALESCE", "0")
     assert not fd.coalesced()
+    monkeypatch.setattr(fd, "_COALESCE", False)
     monkeypatch.setenv("HF2Q_TQ_COALESCE", "1")
     assert fd.coalesced()
     monkeypatch.setenv("HF2Q_TQ_COALESCE", "2")
     with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_COALESCE"):
         fd.coalesced()
+
+
+# cases with 8-bit codebooks on either side, and the copies the default shared budget gives
+COPIES_CASES = [
+    (("ring", 4, 2, 256, 256, 8, 8, 40, 4, [97, 3], 3), 16, (16, 16)),  # both, 8-bit
+    (FLASH_CASES[1], 16, (16, 1)),  # 512 wide 8-bit keys; 3-bit values need no copies
+    (FLASH_CASES[3], 4, (1, 4)),  # 2-bit keys, 8-bit values, M = 5
+    (("growing", 6, 2, 96, 64, 6, 6, None, 0, [70, 3], 3), 32, (32, 32)),  # 6 bits, 32 copies
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("case,copies,want", COPIES_CASES, ids=lambda c: str(c))
+def test_flash_decode_codebook_copies(emulated, monkeypatch, case, copies, want, fold):
+    """HF2Q_TQ_CB_COPIES: lane l reads copy l % KR of an interleaved codebook; the outputs stay
+    within the fp32 tolerance of the reference (a copy filled from the wrong entry, or a lookup
+    with the wrong stride, reads another centroid and moves them far past it)."""
+    monkeypatch.setenv("HF2Q_TQ_CB_COPIES", str(copies))
+    monkeypatch.setenv("HF2Q_TQ_FOLD", fold)
+    name = "fused" if fold == "1" else "partial"
+    seen = []
+    real = emulated[name].launcher
+
+    def launcher(dtypes, **kw):
+        seen.append(dict(kw["template"]))
+        return real(dtypes, **kw)
+
+    monkeypatch.setattr(emulated[name], "launcher", launcher)
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
+    _check_flash(case, seed=37)
+    assert seen and all((t["KR"], t["VR"]) == want for t in seen), seen
+
+
+def test_codebook_copies_choice(monkeypatch):
+    """Copies only for codebooks of more than 32 entries, keys first, within the back end's
+    shared-memory limit; a count that is not a power of two is a one-line error."""
+    monkeypatch.setattr(fd, "backend", lambda: "cuda")
+    monkeypatch.delenv("HF2Q_TQ_CB_COPIES", raising=False)
+    monkeypatch.setattr(fd, "_CB_COPIES", 16)
+    # Gemma 4 global layer, TQ8: 8 KB of queries + 2 x 16 KB of codebooks fit CUDA's 48 KB
+    assert fd.codebook_copies(8, 8, 4, 512, 512, 4, False) == (16, 16)
+    assert fd.codebook_copies(4, 4, 4, 512, 512, 4, False) == (1, 1)
+    assert fd.codebook_copies(8, 3, 4, 512, 512, 4, True) == (16, 1)
+    monkeypatch.setattr(fd, "backend", lambda: "metal")  # 32 KB: the keys' copies only
+    assert fd.codebook_copies(8, 8, 4, 512, 512, 4, False) == (16, 1)
+    monkeypatch.setenv("HF2Q_TQ_CB_COPIES", "32")  # 32 KB a codebook: none fits beside the rest
+    assert fd.codebook_copies(8, 8, 4, 512, 512, 4, False) == (1, 1)
+    monkeypatch.setenv("HF2Q_TQ_CB_COPIES", "1")
+    assert fd.codebook_copies(8, 8, 4, 512, 512, 4, False) == (1, 1)
+    for bad in ("3", "12", "64", "x"):
+        monkeypatch.setenv("HF2Q_TQ_CB_COPIES", bad)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_CB_COPIES"):
+            fd.codebook_copies(8, 8, 4, 512, 512, 4, False)
 
 
 @needs_gxx
@@ -583,6 +641,15 @@ def test_flash_decode_kernels_gpu_coalesced(monkeypatch, case, sk, sv):
     monkeypatch.setenv("HF2Q_TQ_COALESCE", "1")
     monkeypatch.setattr(fd, "_PLANS", {})
     _check_flash(case, seed=7)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case,copies,want", COPIES_CASES, ids=lambda c: str(c))
+def test_flash_decode_kernels_gpu_codebook_copies(monkeypatch, case, copies, want):
+    """HF2Q_TQ_CB_COPIES (bench/tq_sweep.py's variant) on the GPU."""
+    monkeypatch.setenv("HF2Q_TQ_CB_COPIES", str(copies))
+    monkeypatch.setattr(fd, "_PLANS", {})
+    _check_flash(case, seed=8)
 
 
 @requires_gpu
