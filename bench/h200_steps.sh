@@ -56,7 +56,7 @@ step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes 
 # (LLAMA=1: with llama.cpp on the same GGUF, the bundle copied into ../.device as for llama-peer)
 PEER_UNPACK="mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } &&"
 PEER_ARGS="--llama /tmp/peer/cuda/run.sh --llama-args '-ngl 99' --gguf-dir /tmp"
-step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --formats ${FORMATS:-q4_k,mlx4} --rounds 5 --tokens 32 ${GRAPH:+--graph $GRAPH} ${LLAMA:+$PEER_ARGS}"
+step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --formats ${FORMATS:-q4_k,mlx4} ${SKIP:+--skip '$SKIP'} --rounds 5 --tokens 32 ${GRAPH:+--graph $GRAPH} ${LLAMA:+$PEER_ARGS}"
 # serving targets (issue 14): one shape per call
 step serve-26b 480 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats q4_k --streams ${STREAMS:-1,2,4,8,16,32} --gen 128 --prefill-chunk 4096 --time-cap 420 --json $OUT/serve_26b.json"
 # the engine through the graph (the CUDA default) and through the compiled step, one after the

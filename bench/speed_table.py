@@ -272,6 +272,8 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
         if twin is not None:
             variants["mlx-lm mlx4"] = Variant(twin, False, a.chunk, max_len)
             wbytes["mlx-lm mlx4"] = wbytes[f"ours {fmt}"]
+    for k in a.skip:  # built (an mlx-lm twin needs its format's model), never timed
+        variants.pop(k, None)
     key = mx.random.key(7)
     first = {}
     parity = {}
@@ -415,6 +417,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-mlx-lm", action="store_true")
     p.add_argument("--graph", default="", help="formats also run as a CUDA graph step (q4_k)")
     p.add_argument(
+        "--skip",
+        default="",
+        help="variants left out, comma list ('ours mlx4,ours q4_k': the graph against mlx-lm)",
+    )
+    p.add_argument(
         "--parity",
         type=int,
         default=64,
@@ -428,6 +435,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.formats = a.formats.split(",")
     a.graph = [f for f in a.graph.split(",") if f]
+    a.skip = [v.strip() for v in a.skip.split(",") if v.strip()]
     if a.rounds < 1 or a.tokens < 1 or a.prompt < 1 or a.profile_steps < 1 or a.chunk < 1:
         p.error("--rounds, --tokens, --prompt, --profile-steps and --chunk must be >= 1")
     shapes = ds.configs(a.tiny)
