@@ -243,10 +243,12 @@ step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-s
 # worker per setting, interleaved rounds; two 26B-A4B workers fit an H100)
 step cache-auto-ab 420 "for s in graph compiled; do python3 bench/mlx_env_ab.py $OUT/cache_auto_ab_\$s.json --step \$s --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_CUDA_KERNEL_CACHE=0; done"
 # session 33: programmatic dependent launches in the graph (HF2Q_GRAPH_PDL=1: each kernel's
-# blocks scheduled during the previous kernel's tail, waiting in their first instruction; CPU
-# and nvcc only): the graph's GPU parity with it, then the whole decode against the default
-step graph-pdl-tests 300 "HF2Q_GRAPH_PDL=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph or gpu_engine_graph' tests/test_cuda_graph_step.py tests/test_decode_step.py --tb=short"
-step graph-pdl-ab 360 "python3 bench/mlx_env_ab.py $OUT/graph_pdl_ab.json --step graph --shape ${SHAPE:-gemma4:26b-a4b} --rounds 7 --tokens 64 --time-cap 240 --env '' --env HF2Q_GRAPH_PDL=1"
+# blocks scheduled during the previous kernel's tail, waiting in their first instruction; 2,
+# session 34: the wait without the early trigger): the graph's GPU parity with it (PDL, default
+# 2; mode 1 passed in session 34), then the whole decode, both modes against the default
+# (session 34, H200: mode 1 0.85x)
+step graph-pdl-tests 300 "HF2Q_GRAPH_PDL=${PDL:-2} python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph or gpu_engine_graph' tests/test_cuda_graph_step.py tests/test_decode_step.py --tb=short"
+step graph-pdl-ab 360 "python3 bench/mlx_env_ab.py $OUT/graph_pdl_ab.json --step graph --shape ${SHAPE:-gemma4:26b-a4b} --rounds 7 --tokens 64 --time-cap 240 --env '' --env HF2Q_GRAPH_PDL=1 --env HF2Q_GRAPH_PDL=2"
 # TurboQuant's coalesced row reads (HF2Q_TQ_COALESCE=1: lanes own strided words, so a SIMD
 # group's load is 128 consecutive bytes; CPU emulator only in session 33): GPU tests, the sweep
 # (its "coal" variants), then the whole 26B-A4B model against the default and bf16
@@ -263,6 +265,10 @@ step tq-stalls 240 "for b in 8 4; do $NCU_RUN --kernel-name regex:tq_flash_decod
 # (the sweep's "cb x16" variants; tq-stalls with it in the environment counts the conflicts)
 step tq-copies-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (codebook_copies or flash_decode_kernels_gpu)' tests/kernels/test_tq_kernels.py --tb=short"
 step tq-copies-step 360 "$(tq_speed tq_copies_step 4096,16384 '--tq-env HF2Q_TQ_CB_COPIES=16')"
+# session 34: where a dense Q4_K linear's prefill time goes at Gemma-4-31B's four shapes, T 512
+# and 2,048 (issue 15: 31B prefill 0.72x mlx-lm): our path split into dequant / GEMM / rest,
+# the dequantizer alone (GB/s), the bf16 GEMM alone, MLX's affine 4-bit quantized_matmul
+step dense-prefill 240 "python3 bench/dense_prefill.py $OUT/dense_prefill.json"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

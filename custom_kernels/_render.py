@@ -503,13 +503,18 @@ def _dims3(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
 # Programmatic dependent launch (sm_90 on): a kernel launched with the programmatic stream
 # serialization attribute (cuda_driver.Driver.launch(pdl=True)) may be scheduled before the
 # kernel ahead of it ends; its threads first wait for that kernel's completion and writes, then
-# let the next kernel be scheduled, so a launch's start overlaps its predecessor's tail. Without
-# the attribute both instructions return at once.
-PDL_PROLOGUE = """#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+# (mode 1) let the next kernel be scheduled at once, so a launch's start overlaps its
+# predecessor's tail; mode 2 waits only (the next kernel is let in as this one's blocks exit).
+# Without the attribute both instructions return at once.
+PDL_WAIT = """#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 """
+PDL_PROLOGUE = PDL_WAIT.replace(
+    "#endif", '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n#endif'
+)
+PDL_PROLOGUES = {1: PDL_PROLOGUE, 2: PDL_WAIT}
+_PDL_SUFFIX = {0: "", 1: "_pdl", 2: "_pdlw"}
 
 # The launch recorder (custom_kernels/launch_recorder.py) while one is active: every launch then
 # goes to it instead of MLX (a CUDA graph step records its kernels so).
@@ -535,9 +540,9 @@ class LaunchSpec:
     def blocks(self) -> tuple[int, int, int]:
         return tuple(g // t for g, t in zip(self.grid, self.threadgroup))
 
-    def unit(self, pdl: bool = False) -> tuple[str, str]:
+    def unit(self, pdl: int = 0) -> tuple[str, str]:
         """(kernel symbol, translation unit) compiled by cuda_cache for a launch of our own;
-        ``pdl``: the body after ``PDL_PROLOGUE`` (another symbol)."""
+        ``pdl`` 1 or 2: the body after ``PDL_PROLOGUES[pdl]`` (another symbol)."""
         return self.kernel.precompiled_unit(
             self.input_dtypes, self.scalar_inputs, self.output_dtypes, self.template,
             self.signature, pdl,
@@ -818,17 +823,16 @@ class Kernel:
         src = self.source("cuda")
         return any(f"{n}_{a}" in src for n in self.inputs for a in ("shape", "strides", "ndim"))
 
-    def _precompiled_name(self, template, sig, pdl: bool = False) -> str:
+    def _precompiled_name(self, template, sig, pdl: int = 0) -> str:
         """The module name MLX keys its loaded modules by: one per distinct translation unit."""
         tmpl = _norm_template(template)
         tkey = hashlib.sha256(repr(tmpl).encode()).hexdigest()[:12] if tmpl else "0"
-        return f"hq_{self.name}_{sig}_{tkey}" + ("_pdl" if pdl else "")
+        return f"hq_{self.name}_{sig}_{tkey}" + _PDL_SUFFIX[int(pdl)]
 
-    def precompiled_unit(
-        self, input_dtypes, scalar_inputs, output_dtypes, template, sig, pdl=False
-    ):
-        """(symbol, translation unit) of one instantiation, as cuda_cache compiles it; ``pdl``:
-        the body after ``PDL_PROLOGUE`` (a CUDA graph's launches with HF2Q_GRAPH_PDL=1)."""
+    def precompiled_unit(self, input_dtypes, scalar_inputs, output_dtypes, template, sig, pdl=0):
+        """(symbol, translation unit) of one instantiation, as cuda_cache compiles it; ``pdl``
+        1 or 2: the body after ``PDL_PROLOGUES[pdl]`` (a CUDA graph's launches with
+        HF2Q_GRAPH_PDL set)."""
         tmpl = _norm_template(template)
         name = self._precompiled_name(tmpl, sig, pdl)
         inputs = [
@@ -836,7 +840,7 @@ class Kernel:
             for i, (n, dt) in enumerate(zip(self.inputs, input_dtypes))
         ]
         outputs = list(zip(self.outputs, output_dtypes))
-        src = PDL_PROLOGUE + self.source("cuda") if pdl else self.source("cuda")
+        src = PDL_PROLOGUES[int(pdl)] + self.source("cuda") if pdl else self.source("cuda")
         return name, self._render_cuda(name, src, inputs, outputs, tmpl, True)
 
     def _precompiled(self, input_dtypes, scalar_inputs, output_dtypes, template, sig):

@@ -133,7 +133,7 @@ class Driver:
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
         ]  # fmt: skip
-        # programmatic dependent launches only (HF2Q_GRAPH_PDL=1): a driver without it still
+        # programmatic dependent launches only (HF2Q_GRAPH_PDL 1 or 2): a driver without it still
         # launches everything else
         self._launch_ex = getattr(self.lib, "cuLaunchKernelEx", None)
         if self._launch_ex is not None:
@@ -220,7 +220,7 @@ class Driver:
     ) -> None:
         """One launch on the stream (or ``stream``); every parameter is a device pointer.
         ``pdl``: with programmatic stream serialization allowed (the kernel's body must begin
-        with ``_render.PDL_PROLOGUE``: it may start before the kernel ahead of it has ended)."""
+        with one of ``_render.PDL_PROLOGUES``: it may start before the kernel ahead has ended)."""
         values = [ctypes.c_uint64(p) for p in pointers]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         if not pdl:
@@ -228,7 +228,7 @@ class Driver:
             self._check("cuLaunchKernel", err)
             return
         if self._launch_ex is None:
-            raise CudaDriverError("this CUDA driver has no cuLaunchKernelEx (HF2Q_GRAPH_PDL=1)")
+            raise CudaDriverError("this CUDA driver has no cuLaunchKernelEx (HF2Q_GRAPH_PDL set)")
         config = LaunchConfig(
             (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream or self.stream,
             self._pdl, 1,

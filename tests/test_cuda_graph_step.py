@@ -726,11 +726,12 @@ def _two_launch_graph(doubler):
     return graph, rec, recorded.launches
 
 
-@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("pdl", ["0", "1", "2"])
 def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl):
-    """HF2Q_GRAPH_PDL=1: the graph's kernels are compiled from units whose body begins with the
-    grid-dependency wait and trigger (another symbol than the plain unit's) and launched with
-    programmatic stream serialization; unset or 0: the plain units, plain launches."""
+    """HF2Q_GRAPH_PDL=1 / 2: the graph's kernels are compiled from units whose body begins with
+    the grid-dependency wait (1: then the trigger; 2: the wait alone), under another symbol than
+    the plain unit's, and launched with programmatic stream serialization; unset or 0: the
+    plain units, plain launches."""
     from hf2q_mlx.custom_kernels import _render, cuda_cache
 
     monkeypatch.setenv("HF2Q_GRAPH_PDL", pdl)
@@ -742,16 +743,31 @@ def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl)
     graph.driver = drv = _FakeDriver()
     graph._capture(rec)
     plain = launches[0].spec.unit()
-    assert len(units) == 1 and drv.pdl == [pdl == "1"] * 2
+    assert len(units) == 1 and drv.pdl == [pdl != "0"] * 2
     ((name, unit),) = units.items()
-    if pdl == "1":
-        assert name == plain[0] + "_pdl" and unit != plain[1]
-        assert _render.PDL_PROLOGUE in unit and "griddepcontrol.wait" in unit
-        # the wait comes before the body's first statement
-        assert unit.index("griddepcontrol.wait") < unit.index("const uint e")
-    else:
+    if pdl == "0":
         assert (name, unit) == plain and "griddepcontrol" not in unit
+    else:
+        assert name == plain[0] + {"1": "_pdl", "2": "_pdlw"}[pdl] and unit != plain[1]
+        assert _render.PDL_PROLOGUES[int(pdl)] in unit
+        # the wait comes before the body's first statement; the trigger only in mode 1
+        assert unit.index("griddepcontrol.wait") < unit.index("const uint e")
+        assert ("launch_dependents" in unit) == (pdl == "1")
     assert [c[1] for c in drv.calls if c[0] == "launch"] == [name, name]
+
+
+def test_graph_pdl_switch(monkeypatch):
+    from hf2q_mlx.cuda_graph_step import graph_pdl
+    from hf2q_mlx.errors import InvalidArgumentError
+
+    monkeypatch.delenv("HF2Q_GRAPH_PDL", raising=False)
+    assert graph_pdl() == 0
+    for v in ("0", "1", "2"):
+        monkeypatch.setenv("HF2Q_GRAPH_PDL", v)
+        assert graph_pdl() == int(v)
+    monkeypatch.setenv("HF2Q_GRAPH_PDL", "3")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_GRAPH_PDL"):
+        graph_pdl()
 
 
 def test_driver_launch_with_and_without_pdl():

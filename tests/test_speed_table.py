@@ -32,6 +32,17 @@ def test_tiny_run_writes_every_column(tmp_path):
         assert "weight_gb_s" in row and "decode_ratio" not in row  # dense; no mlx-lm column
 
 
+def test_skipped_variants_are_built_but_not_timed(tmp_path):
+    """--skip leaves a variant out of the rounds (the mlx4 model is still built: an mlx-lm twin
+    would need it)."""
+    out = tmp_path / "table.json"
+    st.main([str(out), "--tiny", "--shapes", "qwen3_5:tiny", "--rounds", "1", "--tokens", "2",
+             "--profile-steps", "2", "--prompt", "24", "--chunk", "16", "--no-mlx-lm",
+             "--skip", "ours mlx4, nothing"])  # fmt: skip
+    res = json.loads(out.read_text())["shapes"][0]
+    assert set(res["variants"]) == {"ours q4_k"}
+
+
 def _row(decode_ratio: float, spread_values: list[float]) -> dict:
     return {"decode": st.stats(spread_values), "prefill": st.stats([100.0]),
             "decode_ratio": st.stats([decode_ratio]), "prefill_ratio": st.stats([1.2]),
