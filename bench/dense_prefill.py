@@ -10,7 +10,10 @@ the GPU, else wall time), median [min-max] of:
            bytes read plus the bf16 written, against the copy bandwidth);
   matmul   ``x @ W.T`` on a bf16 weight dequantized beforehand (the floor of our path);
   mlx q4   ``mx.quantized_matmul`` on the same shape as MLX affine 4-bit, group 64 (mlx-lm's
-           kernel for these weights).
+           kernel for these weights);
+  grouped  (CUDA) the MoE prefill's grouped tensor-core down kernel (``expert_mma.expert_down``,
+           wide) with one expert that every token chose at weight 1: a Q4_K GEMM that never
+           writes a dequantized weight (its relative error to ``ours`` is printed).
 
     python3 bench/dense_prefill.py OUT.json
     python3 bench/dense_prefill.py OUT.json --tiny --rounds 1     # CPU smoke run (wall time)
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from turboquant_speed import cupti_profiler  # noqa: E402
 
 from hf2q_mlx.custom_kernels import backend  # noqa: E402
+from hf2q_mlx.custom_kernels import expert_mma as EM  # noqa: E402
 from hf2q_mlx.custom_kernels import qmatmul as Q  # noqa: E402
 from hf2q_mlx.custom_kernels.dequant import (  # noqa: E402
     dequantize_reference,
@@ -99,7 +103,15 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
         "matmul": lambda: x @ wd.T,
         "mlx q4": lambda: mx.quantized_matmul(x, *wq, transpose=True, group_size=64, bits=4),
     }
-    for f in cases.values():  # warm-up: compile, allocate
+    ids = mx.zeros((t, 1), mx.uint32)
+    ones = mx.ones((t, 1), mx.float32)
+    x3, w3 = x[:, None, :], w[None]  # (T, 1, K) one slot a token; (1, N, row_bytes) one expert
+    if backend() == "cuda" and EM.covers(x3, w3, ids, GT.Q4_K, glu=False, wide=True):
+        cases["grouped"] = lambda: EM.expert_down(x3, w3, ids, ones, GT.Q4_K, k, wide=True)
+    outs = {}
+    for c, f in cases.items():  # warm-up: compile, allocate; the outputs compared below
+        outs[c] = f()
+        mx.eval(outs[c])
         timed(f, a.cupti)
     us = {c: [] for c in cases}
     kinds = {c: {} for c in cases}
@@ -111,7 +123,12 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
                 kinds[c][kd] = kinds[c].get(kd, 0.0) + v / a.rounds
     flops = 2.0 * t * n * k
     moved = w.nbytes + n * k * 2  # the dequantizer reads the blocks, writes bf16
-    row = {"shape": label, "N": n, "K": k, "T": t, "us": {}, "kernels_us": kinds}
+    ref = outs["ours"].astype(mx.float32)
+    scale = mx.abs(ref).max().item() or 1.0
+    errs = {c: mx.abs(o.astype(mx.float32) - ref).max().item() / scale
+            for c, o in outs.items() if c in ("matmul", "grouped")}  # fmt: skip
+    row = {"shape": label, "N": n, "K": k, "T": t, "us": {}, "kernels_us": kinds,
+           "max_err_vs_ours": errs}  # fmt: skip
     print(f"\n{label} {n} x {k}, T {t}: us per call, median [min-max]")
     for c in cases:
         med = statistics.median(us[c])
@@ -122,7 +139,8 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
             else f"{flops / med / 1e6:7.1f} TFLOP/s"
         )
         split = " ".join(f"{kd} {v:.0f}" for kd, v in sorted(kinds[c].items()))
-        print(f"  {c:8s} {med:10.1f} [{min(us[c]):.1f}-{max(us[c]):.1f}]  {rate}  {split}")
+        err = f"  err {errs[c]:.1e}" if c in errs else ""
+        print(f"  {c:8s} {med:10.1f} [{min(us[c]):.1f}-{max(us[c]):.1f}]  {rate}  {split}{err}")
     return row
 
 

@@ -269,6 +269,10 @@ step tq-copies-step 360 "$(tq_speed tq_copies_step 4096,16384 '--tq-env HF2Q_TQ_
 # and 2,048 (issue 15: 31B prefill 0.72x mlx-lm): our path split into dequant / GEMM / rest,
 # the dequantizer alone (GB/s), the bf16 GEMM alone, MLX's affine 4-bit quantized_matmul
 step dense-prefill 240 "python3 bench/dense_prefill.py $OUT/dense_prefill.json"
+# the dense linears' prefill as a one-expert grouped prefill (HF2Q_DENSE_PREFILL=grouped, CPU
+# emulator only so far): GPU tests, then the whole prefill against the default and mlx-lm
+step dense-grouped-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_dense_prefill_grouped.py --tb=short"
+step dense-grouped-ab 480 "python3 bench/prefill.py $OUT/prefill_dense_grouped.json --shapes ${PREFILL_SHAPES:-gemma4:31b} --rounds 3 --env HF2Q_DENSE_PREFILL=grouped"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then
