@@ -273,6 +273,12 @@ step dense-prefill 240 "python3 bench/dense_prefill.py $OUT/dense_prefill.json"
 # emulator only so far): GPU tests, then the whole prefill against the default and mlx-lm
 step dense-grouped-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_dense_prefill_grouped.py --tb=short"
 step dense-grouped-ab 480 "python3 bench/prefill.py $OUT/prefill_dense_grouped.json --shapes ${PREFILL_SHAPES:-gemma4:31b} --rounds 3 --env HF2Q_DENSE_PREFILL=grouped"
+# session 34: the partial kernel's registers bounded for more threadgroups an SM (launch bounds on
+# our cubins, HF2Q_TQ_MIN_BLOCKS; nvcc: a global TQ8 layer at half its rows per threadgroup, 128
+# registers with no spills for 4 threadgroups an SM, against 224 for 2): GPU tests, then the
+# whole 26B-A4B model at 4K and 16K (the sweep's "mb" variants time the kernel)
+step tq-mb-tests 200 "HF2Q_TQ_ROW_REGS=64 HF2Q_TQ_MIN_BLOCKS=4 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and flash' tests/kernels/test_tq_kernels.py --tb=short"
+step tq-mb-step 360 "$(tq_speed tq_mb_step 4096,16384 '--tq-env HF2Q_TQ_ROW_REGS=64,HF2Q_TQ_MIN_BLOCKS=4')"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

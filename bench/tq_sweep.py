@@ -45,25 +45,28 @@ SHAPES = [
     ("global 16K", 16, 2, 512, None, 16384),
 ]
 TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
-# (d, g, w, r, c, k): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup (None:
-# _W's default; the same partitions, their keys split over w), r the registers row_groups
-# budgets for rows x coordinates (None: _MAX_REGS; 64 halves a global layer's rows per
-# threadgroup), c = 1 coalesced row reads, 0 not (tq_flash_decode.coalesced: lanes own strided
-# words), k copies of a codebook over 32 entries (tq_flash_decode.codebook_copies).
+# (d, g, w, r, c, k, b): min_keys / d, _TARGET_GROUPS * g, w SIMD groups per threadgroup
+# (None: _W's default; the same partitions, their keys split over w), r the registers
+# row_groups budgets for rows x coordinates (None: _MAX_REGS; 64 halves a global layer's rows
+# per threadgroup), c = 1 coalesced row reads, 0 not (tq_flash_decode.coalesced), k copies of a
+# codebook over 32 entries (codebook_copies), b threadgroups an SM the registers are bounded
+# for (min_blocks; 0: nvcc's choice).
 # Session 32: one SIMD group per scheduler at the default (ncu, H200: 4.6 cycles per issued
 # instruction, 222 registers on the global layers), so w = 8 doubles the SIMD groups per SM.
-# Session 33 (H100): r = 64 never slower; more threadgroups help TQ4, not TQ8. Session 34
-# (H200): coalesced reads 1.24-1.31x on the 8-bit global partial, the default since; ncu then
-# showed 2.8 shared wavefronts per load (the 256-entry codebook's bank conflicts).
-VARIANTS = [(1, 1, None, None, 1, 1), (1, 1, None, None, 1, 16), (1, 1, None, None, 1, 32),
-            (1, 1, None, 64, 1, 1), (1, 1, None, 64, 1, 16), (2, 1, None, None, 1, 16),
-            (1, 1, 8, None, 1, 16), (1, 1, None, None, 0, 1)]  # fmt: skip
+# Session 33 (H100): r = 64 never slower; more threadgroups help TQ4, not TQ8. Session 34:
+# coalesced reads 1.24-1.31x on the 8-bit global partial (H200), the default since; 16 codebook
+# copies no gain (H100). nvcc (sm_90), global TQ8: 224 registers at the default, 168 with b = 3
+# (184 bytes spilled); r = 64: 158, and 128 with b = 4, no spills (4 threadgroups an SM, not 2).
+VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 3), (1, 1, None, 64, 1, 1, 0),
+            (1, 1, None, 64, 1, 1, 3), (1, 1, None, 64, 1, 1, 4), (2, 1, None, 64, 1, 1, 4),
+            (1, 1, None, None, 1, 16, 0), (1, 1, None, None, 0, 1, 0)]  # fmt: skip
 
 
 def use(variant, base_min_keys, base_target, base_w, base_r) -> None:
-    d, g, w, r, c, k = variant
+    d, g, w, r, c, k, b = variant
     TF._COALESCE = bool(c)
     TF._CB_COPIES = k
+    TF._MIN_BLOCKS = b
     TF.min_keys = lambda *a: max(1, int(base_min_keys(*a) / d))
     TF._TARGET_GROUPS = base_target * g
     TF._W = base_w if w is None else w
@@ -106,7 +109,7 @@ def run_shape(shape, a, bits: int) -> dict:
     qs = [mx.random.normal((1, Hq, 1, D), key=mx.random.key(i)).astype(dt) for i in range(a.chain)]
     mx.eval(qs)
     base_mk, base_tg, base_w, base_r = TF.min_keys, TF._TARGET_GROUPS, TF._W, TF._MAX_REGS
-    base_c, base_k = TF._COALESCE, TF._CB_COPIES
+    base_c, base_k, base_b = TF._COALESCE, TF._CB_COPIES, TF._MIN_BLOCKS
     times = {v: [] for v in VARIANTS}
     kernels = {v: {} for v in VARIANTS}  # us per call by kernel, summed over rounds
     outs, parts = {}, {}
@@ -129,7 +132,7 @@ def run_shape(shape, a, bits: int) -> dict:
     finally:
         TF.min_keys, TF._TARGET_GROUPS, TF._W = base_mk, base_tg, base_w
         TF._MAX_REGS = base_r
-        TF._COALESCE, TF._CB_COPIES = base_c, base_k
+        TF._COALESCE, TF._CB_COPIES, TF._MIN_BLOCKS = base_c, base_k, base_b
         TF._PLANS.clear()
     ref = outs[VARIANTS[0]].astype(mx.float32)
     tol = 2 * 2.0**-8 * mx.abs(ref).max().item()
@@ -146,7 +149,7 @@ def run_shape(shape, a, bits: int) -> dict:
                "ok": err <= tol, "kernels_us": kernels[v]}  # fmt: skip
         rows.append(row)
         print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d} "
-              f"{'coal' if v[4] else 'word'} cb x{v[5]:<2d}  "
+              f"{'coal' if v[4] else 'word'} cb x{v[5]:<2d} mb {v[6]}  "
               f"parts {parts[v]:4d}  "
               f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "

@@ -691,7 +691,13 @@ class Kernel:
                     params.append(f"    const __grid_constant__ int {name}_ndim")
         params += [f"    {_CUDA_TYPES[dt]}* {name}" for name, dt in outputs]
         linkage = 'extern "C" ' if precompiled else ""
-        lines.append(f"{linkage}__global__ void {fname}(\n" + ",\n".join(params) + ") {")
+        # template values LB_THREADS / LB_MIN_BLOCKS: launch bounds on our own units (the
+        # register budget for that many resident threadgroups an SM); MLX's units take none
+        t = dict(template)
+        bounds = ""
+        if precompiled and "LB_THREADS" in t and "LB_MIN_BLOCKS" in t:
+            bounds = f"__launch_bounds__({t['LB_THREADS']}, {t['LB_MIN_BLOCKS']}) "
+        lines.append(f"{linkage}__global__ void {bounds}{fname}(\n" + ",\n".join(params) + ") {")
         for name, v in template:
             if isinstance(v, mx.Dtype):
                 lines.append(f"  using {name} = {_CUDA_TYPES[v]};")

@@ -581,9 +581,15 @@ _MAX_REGS = 128
 _TARGET_GROUPS = 528
 
 
+def row_regs() -> int:
+    """Registers a lane gives query rows x coordinates (``row_groups``): HF2Q_TQ_ROW_REGS (16..256)
+    where set, else _MAX_REGS (A/B runs: 64 halves a global layer's rows per threadgroup)."""
+    return env_int("HF2Q_TQ_ROW_REGS", 16, 256) or _MAX_REGS
+
+
 def row_groups(rows: int, pk: int, pv: int) -> tuple[int, int]:
     """(rows per threadgroup RG, number of row groups) for ``rows`` = REP * M query rows."""
-    cap = max(1, min(8, _MAX_REGS // (pk // 32 + pv // 32)))
+    cap = max(1, min(8, row_regs() // (pk // 32 + pv // 32)))
     n = -(-rows // cap)
     return -(-rows // n), n
 
@@ -619,6 +625,20 @@ def coalesced() -> bool:
 
 
 _COALESCE = True
+
+# Threadgroups an SM the partial kernel's registers are budgeted for (``min_blocks``): 0 leaves
+# nvcc's choice (224 registers on a global TQ8 layer: two threadgroups, 8 SIMD groups an SM; the
+# kernel stalls on fixed-latency dependencies first, ncu session 34). 3 caps it at 168 (184
+# bytes spilled, nvcc sm_90).
+_MIN_BLOCKS = 0
+
+
+def min_blocks() -> int:
+    """HF2Q_TQ_MIN_BLOCKS (1..8) where set, else _MIN_BLOCKS: launch bounds on the partial
+    kernel's own CUDA units (the graph's and the cubin cache's; MLX's builds take none), 0 none."""
+    v = env_int("HF2Q_TQ_MIN_BLOCKS", 0, 8)
+    return _MIN_BLOCKS if v is None else v
+
 
 # Copies of a codebook of more than 32 entries in shared memory (``codebook_copies``): with one,
 # a SIMD group's 32 lookups of a 256-entry codebook meet ~3.1 addresses in their busiest bank
@@ -717,6 +737,8 @@ def _flash_plan(
                 "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add, "FOLD": int(fold), "SK": strided_words(pk, kb, co),
                 "SV": strided_words(pv, vb, co), "KR": kr, "VR": vr}  # fmt: skip
+    if min_blocks():
+        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=min_blocks())
     in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
@@ -794,7 +816,7 @@ def flash_decode(
     folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
            has_vs, rows, offset_add, folded, simd_groups(), coalesced(),
-           env_int("HF2Q_TQ_CB_COPIES", 1, 32))  # fmt: skip
+           env_int("HF2Q_TQ_CB_COPIES", 1, 32), min_blocks(), row_regs())  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:

@@ -408,6 +408,45 @@ def test_flash_decode_codebook_copies(emulated, monkeypatch, case, copies, want,
     assert seen and all((t["KR"], t["VR"]) == want for t in seen), seen
 
 
+@needs_gxx
+def test_flash_decode_min_blocks(emulated, monkeypatch):
+    """HF2Q_TQ_MIN_BLOCKS: the partial kernel's template carries launch bounds (W * 32 threads,
+    that many threadgroups an SM), which our own CUDA units declare and MLX's ignore; the
+    outputs stay the reference's."""
+    monkeypatch.setenv("HF2Q_TQ_MIN_BLOCKS", "3")
+    seen = []
+    real = emulated["partial"].launcher
+
+    def launcher(dtypes, **kw):
+        seen.append((list(dtypes), dict(kw["template"])))
+        return real(dtypes, **kw)
+
+    monkeypatch.setattr(emulated["partial"], "launcher", launcher)
+    _check_flash(FLASH_CASES[1], seed=41)
+    assert seen and all(t["LB_THREADS"] == 32 * fd._W and t["LB_MIN_BLOCKS"] == 3 for _, t in seen)
+    dtypes, template = seen[0]
+    sig = "_".join(_render._SHORT[d] for d in dtypes) + "__" + _render._SHORT[mx.float32]
+    real_kernel = emulated["partial"].kernel
+    _, unit = real_kernel.precompiled_unit(dtypes, (), [mx.float32], template, sig)
+    assert f"__launch_bounds__({32 * fd._W}, 3) hq_tq_flash_decode_partial" in unit
+    assert "__launch_bounds__" not in real_kernel.render("cuda", real_kernel.examples[0])
+    plain = {k: v for k, v in template.items() if not k.startswith("LB_")}
+    assert (
+        "__launch_bounds__"
+        not in real_kernel.precompiled_unit(dtypes, (), [mx.float32], plain, sig)[1]
+    )
+
+
+def test_min_blocks_switch(monkeypatch):
+    monkeypatch.delenv("HF2Q_TQ_MIN_BLOCKS", raising=False)
+    assert fd.min_blocks() == fd._MIN_BLOCKS == 0
+    monkeypatch.setenv("HF2Q_TQ_MIN_BLOCKS", "4")
+    assert fd.min_blocks() == 4
+    monkeypatch.setenv("HF2Q_TQ_MIN_BLOCKS", "9")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_MIN_BLOCKS"):
+        fd.min_blocks()
+
+
 def test_codebook_copies_choice(monkeypatch):
     """Copies only for codebooks of more than 32 entries, keys first, within the back end's
     shared-memory limit; a count that is not a power of two is a one-line error."""
@@ -579,10 +618,16 @@ def test_simd_groups_from_the_environment(monkeypatch):
         fd.simd_groups()
 
 
-def test_partition_and_row_group_choices():
+def test_partition_and_row_group_choices(monkeypatch):
+    monkeypatch.delenv("HF2Q_TQ_ROW_REGS", raising=False)
     assert fd.row_groups(4, 256, 256) == (4, 1)
     assert fd.row_groups(8, 512, 512) == (4, 2)  # 4 * (16 + 16) registers per lane at P = 512
     assert fd.row_groups(12, 128, 128) == (6, 2)  # balanced groups
+    monkeypatch.setenv("HF2Q_TQ_ROW_REGS", "64")  # half the rows of a global layer's group
+    assert fd.row_regs() == 64 and fd.row_groups(8, 512, 512) == (2, 4)
+    monkeypatch.setenv("HF2Q_TQ_ROW_REGS", "8")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_ROW_REGS"):
+        fd.row_groups(8, 512, 512)
     assert fd.tokens_per_step(256, 256, 4, 4) == 8  # one key and one value word per lane
     assert fd.tokens_per_step(512, 512, 8, 3) == 2  # 4 + 2 words
     # Gemma 4 global layer, TQ8: 8 rows of 514 floats per partition against 1032 B per key
