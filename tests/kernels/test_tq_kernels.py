@@ -322,6 +322,28 @@ def test_flash_decode_any_simd_group_count(emulated, monkeypatch, w, fold):
     assert plans
 
 
+class _Planned(list):
+    """Template values of each launch plan made (a list), and the plans' input dtypes."""
+
+    dtypes: list
+
+
+def _planned_templates(emulated, monkeypatch, name: str) -> _Planned:
+    """Record the template (and input dtypes) of every plan the emulated ``name`` kernel
+    makes from here on."""
+    seen = _Planned()
+    seen.dtypes = []
+    real = emulated[name].launcher
+
+    def launcher(dtypes, **kw):
+        seen.append(dict(kw["template"]))
+        seen.dtypes.append(list(dtypes))
+        return real(dtypes, **kw)
+
+    monkeypatch.setattr(emulated[name], "launcher", launcher)
+    return seen
+
+
 # cases with both, one or neither side's codes in whole words per lane (fd.strided_words)
 COALESCE_CASES = [
     (FLASH_CASES[0], 1, 1),  # 256 wide, 4 / 4 bits
@@ -345,14 +367,7 @@ def test_flash_decode_coalesced_words(emulated, monkeypatch, case, sk, sv, fold)
     monkeypatch.setenv("HF2Q_TQ_COALESCE", "1")
     monkeypatch.setenv("HF2Q_TQ_FOLD", fold)
     name = "fused" if fold == "1" else "partial"
-    seen = []
-    real = emulated[name].launcher
-
-    def launcher(dtypes, **kw):
-        seen.append(dict(kw["template"]))
-        return real(dtypes, **kw)
-
-    monkeypatch.setattr(emulated[name], "launcher", launcher)
+    seen = _planned_templates(emulated, monkeypatch, name)
     monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
     _check_flash(case, seed=31)
     assert seen and all((t["SK"], t["SV"]) == (sk, sv) for t in seen), seen
@@ -395,14 +410,7 @@ def test_flash_decode_codebook_copies(emulated, monkeypatch, case, copies, want,
     monkeypatch.setenv("HF2Q_TQ_CB_COPIES", str(copies))
     monkeypatch.setenv("HF2Q_TQ_FOLD", fold)
     name = "fused" if fold == "1" else "partial"
-    seen = []
-    real = emulated[name].launcher
-
-    def launcher(dtypes, **kw):
-        seen.append(dict(kw["template"]))
-        return real(dtypes, **kw)
-
-    monkeypatch.setattr(emulated[name], "launcher", launcher)
+    seen = _planned_templates(emulated, monkeypatch, name)
     monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
     _check_flash(case, seed=37)
     assert seen and all((t["KR"], t["VR"]) == want for t in seen), seen
@@ -414,17 +422,10 @@ def test_flash_decode_min_blocks(emulated, monkeypatch):
     that many threadgroups an SM), which our own CUDA units declare and MLX's ignore; the
     outputs stay the reference's."""
     monkeypatch.setenv("HF2Q_TQ_MIN_BLOCKS", "3")
-    seen = []
-    real = emulated["partial"].launcher
-
-    def launcher(dtypes, **kw):
-        seen.append((list(dtypes), dict(kw["template"])))
-        return real(dtypes, **kw)
-
-    monkeypatch.setattr(emulated["partial"], "launcher", launcher)
+    seen = _planned_templates(emulated, monkeypatch, "partial")
     _check_flash(FLASH_CASES[1], seed=41)
-    assert seen and all(t["LB_THREADS"] == 32 * fd._W and t["LB_MIN_BLOCKS"] == 3 for _, t in seen)
-    dtypes, template = seen[0]
+    assert seen and all(t["LB_THREADS"] == 32 * fd._W and t["LB_MIN_BLOCKS"] == 3 for t in seen)
+    dtypes, template = seen.dtypes[0], seen[0]
     sig = "_".join(_render._SHORT[d] for d in dtypes) + "__" + _render._SHORT[mx.float32]
     real_kernel = emulated["partial"].kernel
     _, unit = real_kernel.precompiled_unit(dtypes, (), [mx.float32], template, sig)
