@@ -279,6 +279,11 @@ step dense-grouped-ab 480 "python3 bench/prefill.py $OUT/prefill_dense_grouped.j
 # whole 26B-A4B model at 4K and 16K (the sweep's "mb" variants time the kernel)
 step tq-mb-tests 200 "HF2Q_TQ_ROW_REGS=64 HF2Q_TQ_MIN_BLOCKS=4 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and flash' tests/kernels/test_tq_kernels.py --tb=short"
 step tq-mb-step 360 "$(tq_speed tq_mb_step 4096,16384 '--tq-env HF2Q_TQ_ROW_REGS=64,HF2Q_TQ_MIN_BLOCKS=4')"
+# session 34: the wide grouped kernels' n-tiles per column group (HF2Q_GROUPED_WIDE_NT, default 2,
+# never timed; read at each plan now): GPU parity at 4, then the MoE prefill at 1 and 4 against
+# 2 (issue 14's prefill-bound 32-stream figures), and the dense one-expert prefill likewise
+step wide-nt-tests 240 "HF2Q_GROUPED_WIDE_NT=4 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_expert_prefill.py tests/kernels/test_dense_prefill_grouped.py --tb=short"
+step wide-nt-ab 480 "python3 bench/prefill.py $OUT/prefill_wide_nt.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_WIDE_NT=4 --env HF2Q_GROUPED_WIDE_NT=1"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

@@ -48,10 +48,18 @@ MAX_PAIRS = 256  # (token, slot) pairs per call: the shared pair list's size (32
 WIDE_LIST = 4096
 WIDE_PAIRS = WIDE_LIST
 # n-tiles of 8 columns per column group in the wide kernels (HF2Q_GROUPED_WIDE_NT: 1, 2 or 4;
-# read at import, the plan caches key on it): an expert's weight tile is decoded once per
-# group, and a 512-token launch gives an expert ~16 (35B-A3B) to ~32 (26B-A4B) pairs. Not
-# timed yet; NT changes no bits (U and W alone set a column's sum).
-WIDE_NT = os.environ.get("HF2Q_GROUPED_WIDE_NT", "2")  # parsed by wide_config
+# ``wide_nt``, the plan caches key on it): an expert's weight tile is decoded once per group,
+# and a 512-token launch gives an expert ~16 (35B-A3B) to ~32 (26B-A4B) pairs, a dense
+# linear's one-expert prefill (qmatmul, HF2Q_DENSE_PREFILL=grouped) all of them. Not timed
+# yet; NT changes no bits (U and W alone set a column's sum).
+WIDE_NT = os.environ.get("HF2Q_GROUPED_WIDE_NT", "2")  # its value at import; parsed by wide_config
+
+
+def wide_nt() -> str:
+    """HF2Q_GROUPED_WIDE_NT as set at this call (bench/prefill.py's ``--env`` variants in one
+    process), else WIDE_NT."""
+    return os.environ.get("HF2Q_GROUPED_WIDE_NT", WIDE_NT)
+
 
 # --------------------------------------------------------------------------------------------
 # Kernel: qmatmul_mma's loop (16 rows of H row sets against up to 8 NT columns of x) with the
@@ -261,9 +269,10 @@ def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
 
 def wide_config(ggml_type: int, K: int) -> dict[str, int]:
     """NT, U, W of the wide kernels: the 32-token kernels' U and W, WIDE_NT n-tiles."""
-    nt = str(WIDE_NT).strip()
+    raw = wide_nt()
+    nt = str(raw).strip()
     if nt not in ("1", "2", "4"):
-        raise InvalidArgumentError(f"HF2Q_GROUPED_WIDE_NT={WIDE_NT!r}: expected 1, 2 or 4")
+        raise InvalidArgumentError(f"HF2Q_GROUPED_WIDE_NT={raw!r}: expected 1, 2 or 4")
     return {**grouped_config(ggml_type, K), "NT": int(nt)}
 
 
@@ -442,7 +451,7 @@ def expert_glu(
     shape where ``covers`` (caller errors raise as expert_glu's), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, WIDE_NT), ggml_type,
+    key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, wide_nt()), ggml_type,
            in_features, activation, x.shape, x.dtype, w.shape, w.dtype,
            None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
            expert_ids.dtype)  # fmt: skip
@@ -474,7 +483,7 @@ def expert_down(
     call shape where ``covers`` (and the weights match the ids), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, WIDE_NT), ggml_type, in_features,
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt()), ggml_type, in_features,
            h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
            weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:

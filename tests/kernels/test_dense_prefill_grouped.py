@@ -61,11 +61,13 @@ def emulated_cuda(monkeypatch):
     return launched
 
 
-@pytest.mark.parametrize("wide_pairs", [4096, 32])
-def test_grouped_prefill_matches_fp32_math(emulated_cuda, monkeypatch, wide_pairs):
+@pytest.mark.parametrize("wide_pairs,nt", [(4096, "2"), (32, "2"), (4096, "4"), (32, "1")])
+def test_grouped_prefill_matches_fp32_math(emulated_cuda, monkeypatch, wide_pairs, nt):
     """70 tokens (past ROW_SLICE_MAX): one slice, or three of at most 32 tokens (32, 32, 6)
-    concatenated in order; 20 output rows (two threadgroups of 16, the second partly past N)."""
+    concatenated in order; 20 output rows (two threadgroups of 16, the second partly past N);
+    8, 16 or 32 tokens a column group (HF2Q_GROUPED_WIDE_NT)."""
     monkeypatch.setenv("HF2Q_DENSE_PREFILL", "grouped")
+    monkeypatch.setenv("HF2Q_GROUPED_WIDE_NT", nt)
     monkeypatch.setattr(EM, "WIDE_PAIRS", wide_pairs)
     n, k, m = 20, 512, 70
     w, x = _case(n, k, m, seed=3)

@@ -481,6 +481,7 @@ def test_grouped_wide_down(monkeypatch, m):
 def test_wide_nt_must_be_1_2_or_4(monkeypatch):
     """HF2Q_GROUPED_WIDE_NT: 2 unset; 1, 2, 4 taken (spaces ignored); anything else an
     InvalidArgumentError naming the variable at the first wide launch, never at import."""
+    monkeypatch.delenv("HF2Q_GROUPED_WIDE_NT", raising=False)
     assert EM.wide_config(T.Q4_K, 512)["NT"] == 2 and EM.WIDE_NT == "2"  # the default
     monkeypatch.setattr(EM, "WIDE_NT", " 4 ")
     assert EM.wide_config(T.Q4_K, 512)["NT"] == 4
@@ -490,6 +491,13 @@ def test_wide_nt_must_be_1_2_or_4(monkeypatch):
             EM.wide_config(T.Q4_K, 512)
     code = "from hf2q_mlx.custom_kernels import expert_mma as m; print(m.WIDE_NT)"
     assert _printed_at_import(code, "HF2Q_GROUPED_WIDE_NT", "x") == "x"
+    # set at call time, the environment wins over the import's value (in-process A/B runs)
+    monkeypatch.setattr(EM, "WIDE_NT", "2")
+    monkeypatch.setenv("HF2Q_GROUPED_WIDE_NT", "1")
+    assert EM.wide_config(T.Q4_K, 512)["NT"] == 1
+    monkeypatch.setenv("HF2Q_GROUPED_WIDE_NT", "8")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_GROUPED_WIDE_NT='8'"):
+        EM.wide_config(T.Q4_K, 512)
 
 
 def test_wide_kernel_capacity():
