@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -81,6 +82,7 @@ _sizes: dict[str, int] = {}  # kernel name -> its cubin's bytes (each launch has
 _notifier: list = []  # set_notifier's callable: told once per process, at its first compile
 _state: dict = {"checked": False, "nvrtc": None, "arch": None, "options": None, "why": None}
 _counts = {"compiled": 0, "from_disk": 0, "failed": 0}
+_told: list = []  # set once the notifier has been told (one message a process)
 _last_error: list[str] = []
 
 
@@ -244,7 +246,8 @@ def cubin(name: str, source: str, force: bool = False) -> bytes | None:
     """The cubin of ``source`` (a translation unit defining ``extern "C"`` kernel ``name``):
     from the disk cache, else compiled and stored. None when this path is unavailable or the
     compile fails (the caller falls back to MLX's cuda_kernel). ``force``: even with
-    ``HF2Q_CUDA_KERNEL_CACHE`` off (the CUDA graph step launches cubins itself)."""
+    ``HF2Q_CUDA_KERNEL_CACHE`` off (the CUDA graph step launches cubins itself). Thread-safe;
+    the compile itself runs outside the lock, so ``cubins`` compiles several at once."""
     with _lock:
         if not _state["checked"] or (force and _state["nvrtc"] is None and not ENABLED):
             _setup(force)
@@ -259,36 +262,52 @@ def cubin(name: str, source: str, force: bool = False) -> bytes | None:
         ).hexdigest()[:32]
         path = cache_dir() / _state["arch"] / f"{name[:80]}_{key}.cubin"
         _paths[name] = path
-        try:
-            data = path.read_bytes()
-            if data:
-                _counts["from_disk"] += 1
-                _sizes[name] = len(data)
-                return data
-        except OSError:
-            pass
-        if _notifier and _counts["compiled"] == _counts["failed"] == 0:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        data = b""
+    if data:
+        with _lock:
+            _counts["from_disk"] += 1
+            _sizes[name] = len(data)
+        return data
+    with _lock:
+        if _notifier and not _told:
+            _told.append(True)
             _notifier[0](
                 f"compiling CUDA kernels for {_state['arch']} into {cache_dir()} "
                 "(once per machine; later runs read them)"
             )
-        try:
-            data = _nvrtc_compile(lib, source, name, options)
-        except RuntimeError as err:
+    try:
+        data = _nvrtc_compile(lib, source, name, options)
+    except RuntimeError as err:
+        with _lock:
             _counts["failed"] += 1
             _last_error[:] = [f"{name}: {err}"]
-            return None
+        return None
+    with _lock:
         _counts["compiled"] += 1
         _sizes[name] = len(data)
-        try:  # written whole or not at all: another process may read it now
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # an unwritable cache costs the next process a compile, nothing else
-        return data
+    try:  # written whole or not at all: another process may read it now
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache costs the next process a compile, nothing else
+    return data
+
+
+def cubins(units: list[tuple[str, str]], force: bool = False) -> list[bytes | None]:
+    """``cubin`` of each (name, source), in order, the compiles spread over up to one thread
+    per CPU (NVRTC compiles independent programs at once and ctypes releases the GIL around
+    each call): a CUDA graph's first capture needs them all before it can start."""
+    if len(units) <= 1:
+        return [cubin(name, src, force=force) for name, src in units]
+    workers = min(len(units), os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda u: cubin(u[0], u[1], force=force), units))
 
 
 def set_notifier(fn) -> None:

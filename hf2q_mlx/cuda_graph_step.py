@@ -430,16 +430,18 @@ class CudaGraphStep:
     def _capture(self, rec: Recording) -> None:
         drv = self.driver
         pdl = graph_pdl()
-        functions, names = {}, []
+        functions, names, units = {}, [], {}
         for launch in rec.launches:
             name, unit = launch.spec.unit(pdl)
             names.append(name)
-            if name not in functions:
-                blob = cuda_cache.cubin(name, unit, force=True)
-                if blob is None:
-                    why = cuda_cache.status()["last_error"]
-                    raise GraphCaptureError(f"no cubin for {launch.spec.kernel.name}: {why}")
-                functions[name] = drv.function(name, blob)
+            units.setdefault(name, (unit, launch.spec.kernel.name))
+        # every cubin before the first function: a fresh machine compiles them at once
+        blobs = cuda_cache.cubins([(n, u) for n, (u, _) in units.items()], force=True)
+        for (name, (_, kernel_name)), blob in zip(units.items(), blobs):
+            if blob is None:
+                why = cuda_cache.status()["last_error"]
+                raise GraphCaptureError(f"no cubin for {kernel_name}: {why}")
+            functions[name] = drv.function(name, blob)
         # Every address is resolved before the capture: data_ptr evaluates a lazy array, and an
         # MLX allocation inside a capture is refused (cudaMallocManaged while capturing).
         plan = []

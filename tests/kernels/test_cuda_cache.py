@@ -39,6 +39,7 @@ def fresh_state(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_cache, "_counts", {"compiled": 0, "from_disk": 0, "failed": 0})
     monkeypatch.setattr(cuda_cache, "_last_error", [])
     monkeypatch.setattr(cuda_cache, "_sizes", {})
+    monkeypatch.setattr(cuda_cache, "_told", [])
     monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path))
     monkeypatch.setattr(cuda_cache, "MODE", "auto")
     monkeypatch.setattr(cuda_cache, "ENABLED", True)
@@ -151,6 +152,43 @@ def test_notifier_told_once_at_the_first_compile(fake_nvrtc, monkeypatch):
     assert len(told) == 1 and "sm_90" in told[0] and "once per machine" in told[0]
     cuda_cache.set_notifier(None)
     assert cuda_cache._notifier == []
+
+
+def test_cubins_compile_at_once_in_order(fresh_state, monkeypatch, tmp_path):
+    """``cubins``: each unit's cubin in the order given, the compiles overlapping on a machine
+    with more than one CPU (a compile that waits for a second one to start proves it: alone it
+    would time out), a failed one None, every compiled one on disk; a second call reads them."""
+    cuda_cache._state.update(checked=True, nvrtc=object(), arch="sm_90", version="13.0",
+                             options=["--gpu-architecture=sm_90"])  # fmt: skip
+    both = threading.Barrier(2, timeout=5)
+    running, peak = [0], [0]
+    lock = threading.Lock()
+
+    def compile_(lib, source, name, options):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        try:
+            if name in ("a", "b"):  # the first two meet: both compiling at the same time
+                both.wait()
+            if "BROKEN" in source:
+                raise RuntimeError("error: BROKEN")
+            return source.encode()
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(cuda_cache, "_nvrtc_compile", compile_)
+    monkeypatch.setattr(cuda_cache.os, "cpu_count", lambda: 4)
+    units = [("a", "src a"), ("b", "src b"), ("c", "BROKEN c"), ("d", "src d")]
+    assert cuda_cache.cubins(units) == [b"src a", b"src b", None, b"src d"]
+    assert peak[0] >= 2
+    st = cuda_cache.status()
+    assert st["compiled"] == 3 and st["failed"] == 1
+    assert len(list((tmp_path / "cuda_kernels" / "sm_90").glob("*.cubin"))) == 3
+    monkeypatch.setattr(cuda_cache, "_nvrtc_compile", None)  # nothing compiles now
+    assert cuda_cache.cubins(units[:2] + units[3:]) == [b"src a", b"src b", b"src d"]
+    assert cuda_cache.status()["from_disk"] == 3
 
 
 def test_compile_error_returns_none_and_says_why(fake_nvrtc):
