@@ -1,0 +1,96 @@
+"""NVRTC compile times of our cubin units (``cuda_cache``'s path), on any machine with an NVRTC
+library: no GPU needed, so a first run's compile cost can be measured on the CPU host alone.
+
+Renders one unit per kernel (its first example's template) from the custom_kernels modules,
+then compiles them all: one after another, with ``--pch`` (NVRTC's automatic precompiled
+headers), and through ``cuda_cache.cubins``' thread pool (``--threads``). Prints the total, the
+process's first compile (library start-up) and the median of the rest; writes JSON.
+
+    python3 bench/nvrtc_compile.py OUT.json --nvrtc /path/libnvrtc.so.13 \\
+        --include /path/mlx/include/cccl --include /usr/local/cuda/include --arch sm_90
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf2q_mlx  # noqa: E402, F401  (before mlx: the CPU BLAS routing)
+from hf2q_mlx.custom_kernels import _render, cuda_cache  # noqa: E402
+
+MODULES = ["tq_flash_decode", "tq_quantize", "dequant", "post_norm_residual", "rms_norm_rope",
+           "activations", "moe_router", "expert_mma", "softcap", "qmatmul_mma",
+           "decode_attention", "sampling"]  # fmt: skip
+
+
+def units() -> list[tuple[str, str]]:
+    """(symbol, translation unit) of each kernel's first example in MODULES."""
+    out, seen = [], set()
+    for mod_name in MODULES:
+        mod = importlib.import_module(f"hf2q_mlx.custom_kernels.{mod_name}")
+        for attr in vars(mod).values():
+            for k in attr.values() if isinstance(attr, dict) else [attr]:
+                if not isinstance(k, _render.Kernel) or id(k) in seen or not k.examples:
+                    continue
+                seen.add(id(k))
+                ex = k.examples[0]
+                ins = [v[0] if isinstance(v, tuple) else v for v in ex.inputs.values()]
+                outs = list(ex.outputs.values())
+                sig = "_".join(_render._SHORT[d] for d in ins) + "__"
+                sig += "_".join(_render._SHORT[d] for d in outs)
+                out.append(k.precompiled_unit(ins, (), outs, ex.template, sig))
+    return out
+
+
+def run(lib, todo, options, threads: int) -> dict:
+    def one(unit):
+        tic = time.perf_counter()
+        cuda_cache._nvrtc_compile(lib, unit[1], unit[0], options)
+        return time.perf_counter() - tic
+
+    tic = time.perf_counter()
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            each = list(pool.map(one, todo))
+    else:
+        each = [one(u) for u in todo]
+    return {"total_s": time.perf_counter() - tic, "first_s": each[0],
+            "median_s": statistics.median(each[1:]), "max_s": max(each[1:])}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="JSON file to write")
+    p.add_argument("--nvrtc", required=True, help="the NVRTC library to load")
+    p.add_argument("--include", action="append", default=[], help="an include path (repeat)")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    a = p.parse_args(argv)
+    lib = ctypes.CDLL(a.nvrtc)
+    options = [f"--gpu-architecture={a.arch}", "--std=c++17"]
+    options += [f"--include-path={i}" for i in a.include]
+    todo = units()
+    print(f"{len(todo)} units, {a.arch}, {os.cpu_count()} CPUs")
+    res = {"units": len(todo), "arch": a.arch, "cpus": os.cpu_count()}
+    # each variant in a fresh order of the same units; the first run pays NVRTC's start-up
+    for label, opts, threads in (("serial", options, 1), ("pch", options + ["--pch"], 1),
+                                 (f"threads {a.threads}", options, a.threads)):  # fmt: skip
+        res[label] = r = run(lib, todo, opts, threads)
+        print(f"  {label:12s} total {r['total_s']:6.2f} s  first {r['first_s']:.2f} s  "
+              f"median {r['median_s'] * 1e3:.0f} ms  max {r['max_s']:.2f} s")  # fmt: skip
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
