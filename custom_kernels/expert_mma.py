@@ -17,10 +17,12 @@ from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import (
     check_expert_blocks,
     ids_and_weights,
+    owned_rows,
     uint32_ids,
 )
 from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
+from hf2q_mlx.custom_kernels.qmatmul import ROW_SLICE_MAX
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 # HF2Q_GROUPED_EXPERTS: "auto" (default) takes the grouped kernels from MIN_TOKENS tokens per
@@ -50,8 +52,8 @@ WIDE_PAIRS = WIDE_LIST
 # n-tiles of 8 columns per column group in the wide kernels (HF2Q_GROUPED_WIDE_NT: 1, 2 or 4;
 # ``wide_nt``, the plan caches key on it): an expert's weight tile is decoded once per group,
 # and a 512-token launch gives an expert ~16 (35B-A3B) to ~32 (26B-A4B) pairs, a dense
-# linear's one-expert prefill (qmatmul, HF2Q_DENSE_PREFILL=grouped) all of them. Not timed
-# yet; NT changes no bits (U and W alone set a column's sum).
+# linear's one-expert prefill (``dense_grouped_matmul``) all of them. Not timed yet; NT
+# changes no bits (U and W alone set a column's sum).
 WIDE_NT = os.environ.get("HF2Q_GROUPED_WIDE_NT", "2")  # its value at import; parsed by wide_config
 
 
@@ -506,3 +508,52 @@ def expert_down(
     proj, total = plans
     ids, wts = ids_and_weights(expert_ids, weights)
     return total.run(proj.run(h, w, w, ids), wts)
+
+
+# --------------------------------------------------------------------------------------------
+# A dense GGML linear's prefill as a one-expert grouped prefill (models/quantized.GGMLLinear)
+
+DENSE_PREFILL_MODES = ("dequant", "grouped")
+
+
+def dense_prefill_mode() -> str:
+    """HF2Q_DENSE_PREFILL (read at each call): how a dense GGML linear runs bf16 x past
+    qmatmul.ROW_SLICE_MAX rows on CUDA. ``dequant`` (unset): ``qmatmul.ggml_matmul``'s path, the
+    weight dequantized to bf16 by row chunks, then ``mx.matmul``; ``grouped``:
+    ``dense_grouped_matmul``. Session 34: emulator-tested, not yet timed."""
+    mode = os.environ.get("HF2Q_DENSE_PREFILL", "").strip().lower() or "dequant"
+    if mode not in DENSE_PREFILL_MODES:
+        raise InvalidArgumentError(
+            f"HF2Q_DENSE_PREFILL={mode!r}: expected one of {', '.join(DENSE_PREFILL_MODES)}"
+        )
+    return mode
+
+
+_ONE_EXPERT: dict[int, tuple[mx.array, mx.array]] = {}  # tokens -> (ids 0, weights 1)
+
+
+def dense_grouped_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int):
+    """x (..., K) @ dequant(w_raw).T -> (..., N) as a one-expert grouped prefill: every token
+    chose expert 0 (``w_raw`` (N, row_bytes)) at weight 1, through the wide down kernel in
+    slices of WIDE_PAIRS tokens, so the blocks are read as they are (no dequantized weight
+    written, no bf16 rounding of the weights, fp32 sums). None unless HF2Q_DENSE_PREFILL is
+    ``grouped`` and x has more than ROW_SLICE_MAX rows that the kernels cover (bf16 on CUDA):
+    the caller then takes ``qmatmul.ggml_matmul``."""
+    m = math.prod(x.shape[:-1])
+    if m <= ROW_SLICE_MAX or dense_prefill_mode() != "grouped":
+        return None
+    x2 = x.reshape(m, x.shape[-1])
+    w3 = w_raw[None]  # (1, N, row_bytes): one expert
+    outs = []
+    for r in range(0, m, WIDE_PAIRS):
+        xs = owned_rows(x2, r, min(r + WIDE_PAIRS, m))
+        t = xs.shape[0]
+        if t not in _ONE_EXPERT:
+            _ONE_EXPERT[t] = (mx.zeros((t, 1), mx.uint32), mx.ones((t, 1), mx.float32))
+        ids, weights = _ONE_EXPERT[t]
+        y = expert_down(xs[:, None, :], w3, ids, weights, ggml_type, in_features, wide=True)
+        if y is None:
+            return None
+        outs.append(y)
+    y = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+    return y.reshape(*x.shape[:-1], w_raw.shape[0])

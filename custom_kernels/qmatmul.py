@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
@@ -19,7 +18,7 @@ from hf2q_mlx.custom_kernels.dequant import (
 )
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
-from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
+from hf2q_mlx.errors import WeightMismatchError
 
 
 def ggml_matmul_reference(
@@ -402,48 +401,6 @@ def _ggml_matmul_row_slices(
 
 ROW_SLICE_MAX = 64  # rows of fp16/bf16 x still run as mat-vec slices (a decode batch)
 
-DENSE_PREFILL_MODES = ("dequant", "grouped")
-
-
-def dense_prefill_mode() -> str:
-    """HF2Q_DENSE_PREFILL (read at each call): how bf16 x past ROW_SLICE_MAX rows runs on CUDA.
-    ``dequant`` (unset): the weight dequantized to bf16 by row chunks, then ``mx.matmul``;
-    ``grouped``: the MoE prefill's grouped tensor-core down kernel (``expert_mma``, wide) with
-    one expert that every token chose at weight 1, reading the blocks as they are (no
-    dequantized weight written, no bf16 rounding of the weights). Session 34: emulator-tested,
-    not yet timed (bench/dense_prefill.py's "grouped" case)."""
-    mode = os.environ.get("HF2Q_DENSE_PREFILL", "").strip().lower() or "dequant"
-    if mode not in DENSE_PREFILL_MODES:
-        raise InvalidArgumentError(
-            f"HF2Q_DENSE_PREFILL={mode!r}: expected one of {', '.join(DENSE_PREFILL_MODES)}"
-        )
-    return mode
-
-
-_ONE_EXPERT: dict[int, tuple[mx.array, mx.array]] = {}  # tokens -> (ids 0, weights 1)
-
-
-def _ggml_matmul_grouped(x: mx.array, w_raw: mx.array, ggml_type: int, k: int):
-    """x (M, K) bf16 @ W.T as a one-expert grouped prefill, in slices of expert_mma.WIDE_PAIRS
-    tokens -> (M, N), or None where its kernels do not cover the call."""
-    from hf2q_mlx.custom_kernels import expert_mma as EM
-    from hf2q_mlx.custom_kernels.expert_matmul import owned_rows
-
-    w3 = w_raw[None]  # (1, N, row_bytes): one expert
-    outs = []
-    for r in range(0, x.shape[0], EM.WIDE_PAIRS):
-        xs = owned_rows(x, r, min(r + EM.WIDE_PAIRS, x.shape[0]))
-        t = xs.shape[0]
-        if t not in _ONE_EXPERT:
-            _ONE_EXPERT[t] = (mx.zeros((t, 1), mx.uint32), mx.ones((t, 1), mx.float32))
-        ids, weights = _ONE_EXPERT[t]
-        y = EM.expert_down(xs[:, None, :], w3, ids, weights, ggml_type, k, wide=True)
-        if y is None:
-            return None
-        outs.append(y)
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs)
-
-
 # Launch plans by call signature: a repeat call (every decode step) is one dict lookup, then
 # the launch. x goes in with its own shape (the kernel reads M, N, K from dims) and the output
 # is created in (..., N): no reshapes.
@@ -503,11 +460,8 @@ def ggml_matmul(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
         _CALLS[key] = plan.resolve(x.dtype, mx.uint8)
         return ggml_matmul(x, w_raw, ggml_type, in_features)
     x2 = x.reshape(M, in_features)
-    out = None
     if x.dtype == mx.float32 or M <= ROW_SLICE_MAX:
         out = _ggml_matmul_row_slices(x2, w_raw, ggml_type, in_features, max_rows)
-    elif use_mma and dense_prefill_mode() == "grouped":
-        out = _ggml_matmul_grouped(x2, w_raw, ggml_type, in_features)
-    if out is None:
+    else:
         out = _ggml_matmul_dequant(x2, w_raw, ggml_type, in_features)
     return out.reshape(*x.shape[:-1], w_raw.shape[0])

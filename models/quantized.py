@@ -40,6 +40,7 @@ from hf2q_mlx.custom_kernels.dequant import (
     ggml_get_rows,
     row_bytes,
 )
+from hf2q_mlx.custom_kernels.expert_mma import dense_grouped_matmul
 from hf2q_mlx.custom_kernels.graph_ops import add_bias
 from hf2q_mlx.custom_kernels.qmatmul import ggml_matmul
 from hf2q_mlx.errors import WeightMismatchError
@@ -178,6 +179,8 @@ class GGMLLinear(_GGMLModule):
     def __call__(self, x: mx.array) -> mx.array:
         """x (..., in_features) -> (..., out_features) in x.dtype."""
         y = self._cpu_matmul(x)
+        if y is None:  # HF2Q_DENSE_PREFILL=grouped: many rows as a one-expert grouped prefill
+            y = dense_grouped_matmul(x, self.weight, self.ggml_type, self.in_features)
         if y is None:
             y = ggml_matmul(x, self.weight, self.ggml_type, self.in_features)
         return add_bias(y, self.bias) if "bias" in self else y  # a kernel when recorded

@@ -1,8 +1,8 @@
-"""HF2Q_DENSE_PREFILL=grouped: a dense GGML linear's prefill (bf16 x past qmatmul.ROW_SLICE_MAX
-rows, CUDA) through the MoE prefill's grouped tensor-core down kernel as one expert every token
-chose at weight 1. On the CPU emulator: the output against fp32 math within the bf16 bound, the
-slices of expert_mma.WIDE_PAIRS tokens, the switch; on a GPU the same against the default
-(dequantize, then mx.matmul)."""
+"""HF2Q_DENSE_PREFILL=grouped (expert_mma.dense_grouped_matmul, taken by models' GGMLLinear): a
+dense GGML linear's prefill (bf16 x past qmatmul.ROW_SLICE_MAX rows, CUDA) through the MoE
+prefill's grouped tensor-core down kernel as one expert every token chose at weight 1. On the
+CPU emulator: the output against fp32 math within the bf16 bound, the slices of
+expert_mma.WIDE_PAIRS tokens, the routing and the switch; on a GPU the same."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 from hf2q_mlx.io.random_weights import random_ggml_blocks
+from hf2q_mlx.models import quantized
 
 
 def _case(n: int, k: int, m: int, seed: int):
@@ -55,6 +56,7 @@ def emulated_cuda(monkeypatch):
 
     for mod in (Q, EM):
         monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    monkeypatch.setattr(quantized, "_cpu_affine_path", lambda: False)  # GGMLLinear's GPU path
     monkeypatch.setattr(Kernel, "launcher", launcher)
     monkeypatch.setattr(EM, "_DOWN_CALLS", {})
     monkeypatch.setattr(Q, "_CALLS", {})
@@ -71,7 +73,7 @@ def test_grouped_prefill_matches_fp32_math(emulated_cuda, monkeypatch, wide_pair
     monkeypatch.setattr(EM, "WIDE_PAIRS", wide_pairs)
     n, k, m = 20, 512, 70
     w, x = _case(n, k, m, seed=3)
-    y = Q.ggml_matmul(x, w, T.Q4_K, k)
+    y = EM.dense_grouped_matmul(x, w, T.Q4_K, k)
     _check(y, x, w, k)
     # the wide down kernel and the slot sum, planned once per slice length
     slices = 1 if wide_pairs >= m else 2
@@ -79,24 +81,39 @@ def test_grouped_prefill_matches_fp32_math(emulated_cuda, monkeypatch, wide_pair
     assert not any("dequant" in name for name in emulated_cuda)
 
 
-def test_default_prefill_dequantizes(emulated_cuda, monkeypatch):
-    monkeypatch.delenv("HF2Q_DENSE_PREFILL", raising=False)
-    assert Q.dense_prefill_mode() == "dequant"
-    n, k, m = 20, 512, 70
-    w, x = _case(n, k, m, seed=5)
-    y = Q.ggml_matmul(x, w, T.Q4_K, k)
-    assert y.shape == (m, n) and np.isfinite(np.array(y.astype(mx.float32))).all()
-    assert any("dequant" in name for name in emulated_cuda)
-    assert not any("grouped" in name for name in emulated_cuda)
+def _linear(w: mx.array, n: int, k: int) -> quantized.GGMLLinear:
+    lin = quantized.GGMLLinear(k, n, T.Q4_K)
+    lin.weight = w
+    return lin
+
+
+@pytest.mark.parametrize("mode", ["grouped", ""])
+def test_ggml_linear_routes_many_rows(emulated_cuda, monkeypatch, mode):
+    """GGMLLinear: with the switch, many rows take the one-expert grouped prefill (no
+    dequantizer launched), a decode's 1..64 rows the mat-vec kernels as before; unset: the
+    dequantize-then-matmul path."""
+    monkeypatch.setenv("HF2Q_DENSE_PREFILL", mode)
+    n, k = 20, 512
+    w, x = _case(n, k, 70, seed=5)
+    lin = _linear(w, n, k)
+    _check(lin(x[None]), x[None], w, k)  # (1, 70, K): a batch dim kept
+    grouped = any("grouped" in name for name in emulated_cuda)
+    assert grouped == (mode == "grouped")
+    assert any("dequant" in name for name in emulated_cuda) == (mode != "grouped")
+    emulated_cuda.clear()
+    lin(x[:8])
+    assert emulated_cuda and not any(
+        "grouped" in name or "dequant" in name for name in emulated_cuda
+    )
 
 
 def test_dense_prefill_switch(monkeypatch):
     for v, want in (("grouped", "grouped"), (" Dequant ", "dequant"), ("", "dequant")):
         monkeypatch.setenv("HF2Q_DENSE_PREFILL", v)
-        assert Q.dense_prefill_mode() == want
+        assert EM.dense_prefill_mode() == want
     monkeypatch.setenv("HF2Q_DENSE_PREFILL", "fast")
     with pytest.raises(InvalidArgumentError, match="HF2Q_DENSE_PREFILL"):
-        Q.dense_prefill_mode()
+        EM.dense_prefill_mode()
 
 
 @requires_gpu
@@ -108,4 +125,5 @@ def test_gpu_grouped_prefill(monkeypatch, m):
     monkeypatch.setenv("HF2Q_DENSE_PREFILL", "grouped")
     n, k = 272, 5376
     w, x = _case(n, k, m, seed=m)
-    _check(Q.ggml_matmul(x, w, T.Q4_K, k), x, w, k)
+    _check(_linear(w, n, k)(x), x, w, k)
+    assert EM.dense_grouped_matmul(x, w, T.Q4_K, k) is not None  # the grouped path took it
