@@ -11,9 +11,11 @@ the GPU, else wall time), median [min-max] of:
   matmul   ``x @ W.T`` on a bf16 weight dequantized beforehand (the floor of our path);
   mlx q4   ``mx.quantized_matmul`` on the same shape as MLX affine 4-bit, group 64 (mlx-lm's
            kernel for these weights);
-  grouped  (CUDA) the MoE prefill's grouped tensor-core down kernel (``expert_mma.expert_down``,
-           wide) with one expert that every token chose at weight 1: a Q4_K GEMM that never
-           writes a dequantized weight (its relative error to ``ours`` is printed).
+  grouped  (CUDA) ``HF2Q_DENSE_PREFILL=grouped``'s path (``expert_mma.dense_grouped_matmul``:
+           the MoE prefill's wide grouped down kernel with one expert every token chose at
+           weight 1, a Q4_K GEMM that never writes a dequantized weight), at the default n-tiles
+           and as "grouped nt4" at HF2Q_GROUPED_WIDE_NT=4 (its relative error to ``ours`` is
+           printed).
 
     python3 bench/dense_prefill.py OUT.json
     python3 bench/dense_prefill.py OUT.json --tiny --rounds 1     # CPU smoke run (wall time)
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -83,6 +86,25 @@ def dequantize(w: mx.array, k: int) -> mx.array:
     return ggml_dequantize_kernel(w, GT.Q4_K, k, mx.bfloat16)
 
 
+def grouped(x: mx.array, w: mx.array, k: int):
+    """The one-expert grouped prefill, or None where its kernels do not take the call."""
+    return EM.dense_grouped_matmul(x, w, GT.Q4_K, k)
+
+
+def with_env(env: dict[str, str], fn, *args):
+    """fn(*args) with ``env`` set (the switches are read at each call), restored after."""
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return fn(*args)
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def copy_gbps(prof_on: bool) -> float:
     a = mx.random.randint(0, 1 << 30, (1 << 28,), dtype=mx.uint32)  # 1 GiB
     mx.eval(a)
@@ -103,11 +125,11 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
         "matmul": lambda: x @ wd.T,
         "mlx q4": lambda: mx.quantized_matmul(x, *wq, transpose=True, group_size=64, bits=4),
     }
-    ids = mx.zeros((t, 1), mx.uint32)
-    ones = mx.ones((t, 1), mx.float32)
-    x3, w3 = x[:, None, :], w[None]  # (T, 1, K) one slot a token; (1, N, row_bytes) one expert
-    if backend() == "cuda" and EM.covers(x3, w3, ids, GT.Q4_K, glu=False, wide=True):
-        cases["grouped"] = lambda: EM.expert_down(x3, w3, ids, ones, GT.Q4_K, k, wide=True)
+    nt2 = {"HF2Q_DENSE_PREFILL": "grouped"}
+    nt4 = {**nt2, "HF2Q_GROUPED_WIDE_NT": "4"}
+    if backend() == "cuda" and with_env(nt2, grouped, x, w, k) is not None:  # kernels take it
+        cases["grouped"] = lambda: with_env(nt2, grouped, x, w, k)
+        cases["grouped nt4"] = lambda: with_env(nt4, grouped, x, w, k)
     outs = {}
     for c, f in cases.items():  # warm-up: compile, allocate; the outputs compared below
         outs[c] = f()
@@ -126,7 +148,7 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
     ref = outs["ours"].astype(mx.float32)
     scale = mx.abs(ref).max().item() or 1.0
     errs = {c: mx.abs(o.astype(mx.float32) - ref).max().item() / scale
-            for c, o in outs.items() if c in ("matmul", "grouped")}  # fmt: skip
+            for c, o in outs.items() if c == "matmul" or c.startswith("grouped")}  # fmt: skip
     row = {"shape": label, "N": n, "K": k, "T": t, "us": {}, "kernels_us": kinds,
            "max_err_vs_ours": errs}  # fmt: skip
     print(f"\n{label} {n} x {k}, T {t}: us per call, median [min-max]")
