@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,7 +36,7 @@ from gguf import GGMLQuantizationType as GT
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from turboquant_speed import cupti_profiler  # noqa: E402
+from turboquant_speed import cupti_profiler, kernel_time  # noqa: E402
 
 from hf2q_mlx.custom_kernels import backend  # noqa: E402
 from hf2q_mlx.custom_kernels import expert_mma as EM  # noqa: E402
@@ -57,26 +56,15 @@ KINDS = [("dequant", ("dequant",)), ("gemm", ("gemm", "cutlass", "xmma", "sm90")
          ("qmm", ("qmm", "quantized", "affine"))]  # fmt: skip
 
 
-def timed(fn, prof_on: bool) -> tuple[float, dict[str, float]]:
-    """us of one evaluated call: CUPTI kernel time by kernel name where available, else wall."""
-    prof = cupti_profiler() if prof_on else None
-    if prof is None:
-        tic = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        return (time.perf_counter() - tic) * 1e6, {}
-    from torch.autograd import DeviceType
+def kernel_kind(name: str) -> str:
+    """KINDS' kind of a CUDA kernel name, else "rest"."""
+    n = name.lower()
+    return next((kd for kd, parts in KINDS if any(q in n for q in parts)), "rest")
 
-    with prof:
-        mx.eval(fn())
-        mx.synchronize()
-    by_kind: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            n = e.name.lower()
-            kind = next((kd for kd, parts in KINDS if any(q in n for q in parts)), "rest")
-            by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us()
-    return sum(by_kind.values()), by_kind
+
+def timed(fn, prof_on: bool) -> tuple[float, dict[str, float]]:
+    """us of one evaluated call: CUPTI kernel time by KINDS where available, else wall."""
+    return kernel_time(fn, prof_on, kernel_kind)
 
 
 def dequantize(w: mx.array, k: int) -> mx.array:

@@ -3,8 +3,9 @@ library: no GPU needed, so a first run's compile cost can be measured on the CPU
 
 Renders one unit per kernel (its first example's template) from the custom_kernels modules,
 then compiles them all: one after another, with ``--pch`` (NVRTC's automatic precompiled
-headers), and through ``cuda_cache.cubins``' thread pool (``--threads``). Prints the total, the
-process's first compile (library start-up) and the median of the rest; writes JSON.
+headers), and on ``--threads`` threads (as ``cuda_cache.cubins`` spreads a capture's units).
+Prints the total, the first compile (the process's first also pays NVRTC's start-up) and the
+median of the rest; writes JSON.
 
     python3 bench/nvrtc_compile.py OUT.json --nvrtc /path/libnvrtc.so.13 \\
         --include /path/mlx/include/cccl --include /usr/local/cuda/include --arch sm_90
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     todo = units()
     print(f"{len(todo)} units, {a.arch}, {os.cpu_count()} CPUs")
     res = {"units": len(todo), "arch": a.arch, "cpus": os.cpu_count()}
-    # each variant in a fresh order of the same units; the first run pays NVRTC's start-up
+    # the same units in the same order each time; each variant's first compile is "first_s"
     for label, opts, threads in (("serial", options, 1), ("pch", options + ["--pch"], 1),
                                  (f"threads {a.threads}", options, a.threads)):  # fmt: skip
         res[label] = r = run(lib, todo, opts, threads)

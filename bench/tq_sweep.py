@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,7 +29,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from turboquant_speed import cupti_profiler, fill, make_layer_cache  # noqa: E402
+from turboquant_speed import cupti_profiler, fill, kernel_time, make_layer_cache  # noqa: E402
 
 from hf2q_mlx.custom_kernels import tq_flash_decode as TF  # noqa: E402
 from hf2q_mlx.models.turboquant.kernels import tq_flash_decode  # noqa: E402
@@ -74,25 +73,9 @@ def use(variant, base_min_keys, base_target, base_w, base_r) -> None:
     TF._PLANS.clear()
 
 
-def call_time(calls, prof_on: bool) -> tuple[float, dict[str, float]]:
-    """us of one evaluated chain: CUPTI kernel time where available (and us by kernel name),
-    else wall time."""
-    prof = cupti_profiler() if prof_on else None
-    if prof is None:
-        tic = time.perf_counter()
-        mx.eval(calls())
-        return (time.perf_counter() - tic) * 1e6, {}
-    from torch.autograd import DeviceType
-
-    with prof:
-        mx.eval(calls())
-        mx.synchronize()
-    by_name: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            name = next((k for k in ("partial", "reduce", "fused") if k in e.name), e.name[:40])
-            by_name[name] = by_name.get(name, 0.0) + e.time_range.elapsed_us()
-    return sum(by_name.values()), by_name
+def kernel_kind(name: str) -> str:
+    """The flash-decode kernel a CUDA kernel name belongs to (else its name's start)."""
+    return next((k for k in ("partial", "reduce", "fused") if k in name), name[:40])
 
 
 def run_shape(shape, a, bits: int) -> dict:
@@ -123,8 +106,8 @@ def run_shape(shape, a, bits: int) -> dict:
         for _ in range(a.rounds):
             for v in VARIANTS:
                 use(v, base_mk, base_tg, base_w, base_r)
-                t, names = call_time(
-                    lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti
+                t, names = kernel_time(
+                    lambda: [tq_flash_decode(q, state, D**-0.5) for q in qs], a.cupti, kernel_kind
                 )
                 times[v].append(t / a.chain)
                 for k, us in names.items():

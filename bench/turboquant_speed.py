@@ -155,6 +155,28 @@ def cupti_profiler():
     return profile(activities=[ProfilerActivity.CUDA])
 
 
+def kernel_time(fn, prof_on: bool, kind_of) -> tuple[float, dict[str, float]]:
+    """us of one evaluated ``fn()``: CUPTI kernel time, summed by ``kind_of(kernel name)``,
+    where ``prof_on`` and a profiler exists; else wall time (and no split)."""
+    prof = cupti_profiler() if prof_on else None
+    if prof is None:
+        tic = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        return (time.perf_counter() - tic) * 1e6, {}
+    from torch.autograd import DeviceType
+
+    with prof:
+        mx.eval(fn())
+        mx.synchronize()
+    by_kind: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kind = kind_of(e.name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us()
+    return sum(by_kind.values()), by_kind
+
+
 def load_gemma4_bench():
     """bench/gemma4.py as a module (its shapes and random-weight builders)."""
     path = Path(__file__).with_name("gemma4.py")

@@ -648,14 +648,19 @@ _CB_COPIES = 1
 _SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
 
 
-def codebook_copies(kb: int, vb: int, rg: int, pk: int, pv: int, w: int, fold: bool) -> tuple:
-    """(KR, VR): copies of the key and value codebooks, HF2Q_TQ_CB_COPIES (1, 2, 4, 8, 16 or 32)
-    where set, else _CB_COPIES, for codebooks of more than 32 entries (smaller ones sit in
-    distinct banks already), the keys' first, while the kernel's shared memory stays within
-    the back end's limit."""
+def cb_copies() -> int:
+    """HF2Q_TQ_CB_COPIES (1, 2, 4, 8, 16 or 32) where set, else _CB_COPIES."""
     copies = env_int("HF2Q_TQ_CB_COPIES", 1, 32) or _CB_COPIES
     if copies & (copies - 1):
         raise InvalidArgumentError(f"HF2Q_TQ_CB_COPIES={copies}: expected a power of two")
+    return copies
+
+
+def codebook_copies(kb: int, vb: int, rg: int, pk: int, pv: int, w: int, fold: bool) -> tuple:
+    """(KR, VR): ``cb_copies()`` copies of the key and value codebooks of more than 32 entries
+    (smaller ones sit in distinct banks already), the keys' first, while the kernel's shared
+    memory stays within the back end's limit."""
+    copies = cb_copies()
     used = 4 * (rg * max(pk, pv) + (1 << kb) + (1 << vb) + 2 * w * rg + (_MAX_PARTS if fold else 0))
     limit = _SHARED_BYTES.get(backend() or "", _SHARED_BYTES["metal"])
     out = []
@@ -737,8 +742,9 @@ def _flash_plan(
                 "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add, "FOLD": int(fold), "SK": strided_words(pk, kb, co),
                 "SV": strided_words(pv, vb, co), "KR": kr, "VR": vr}  # fmt: skip
-    if min_blocks():
-        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=min_blocks())
+    blocks = min_blocks()
+    if blocks:
+        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
     in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
@@ -816,7 +822,7 @@ def flash_decode(
     folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
            has_vs, rows, offset_add, folded, simd_groups(), coalesced(),
-           env_int("HF2Q_TQ_CB_COPIES", 1, 32), min_blocks(), row_regs())  # fmt: skip
+           cb_copies(), min_blocks(), row_regs())  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:
