@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,6 +85,8 @@ _state: dict = {"checked": False, "nvrtc": None, "arch": None, "options": None, 
 _counts = {"compiled": 0, "from_disk": 0, "failed": 0}
 _told: list = []  # set once the notifier has been told (one message a process)
 _last_error: list[str] = []
+# seconds: finding NVRTC and the GPU, NVRTC compiles summed over threads, the slowest (name, s)
+_times: dict = {"setup_s": 0.0, "compile_s": 0.0, "slowest": None}
 
 
 def _cuda_home() -> str | None:
@@ -164,6 +167,14 @@ def _setup(force: bool = False) -> None:
     """Find NVRTC, the GPU's architecture and the include paths once; ``why`` when not.
     ``force``: also when the cache is switched off (the CUDA graph step compiles its own)."""
     _state["checked"] = True
+    t0 = time.perf_counter()
+    try:
+        _find(force)
+    finally:
+        _times["setup_s"] += time.perf_counter() - t0
+
+
+def _find(force: bool) -> None:
     if not ENABLED and not force:
         _state["why"] = "HF2Q_CUDA_KERNEL_CACHE=0"
         return
@@ -278,6 +289,7 @@ def cubin(name: str, source: str, force: bool = False) -> bytes | None:
                 f"compiling CUDA kernels for {_state['arch']} into {cache_dir()} "
                 "(once per machine; later runs read them)"
             )
+    t0 = time.perf_counter()
     try:
         data = _nvrtc_compile(lib, source, name, options)
     except RuntimeError as err:
@@ -286,6 +298,10 @@ def cubin(name: str, source: str, force: bool = False) -> bytes | None:
             _last_error[:] = [f"{name}: {err}"]
         return None
     with _lock:
+        took = time.perf_counter() - t0
+        _times["compile_s"] += took
+        if _times["slowest"] is None or took > _times["slowest"][1]:
+            _times["slowest"] = (name, round(took, 3))
         _counts["compiled"] += 1
         _sizes[name] = len(data)
     try:  # written whole or not at all: another process may read it now
@@ -340,6 +356,9 @@ def status() -> dict:
         "nvrtc": _state.get("nvrtc_path"),
         "cache": str(cache_dir()),
         "last_error": _last_error[0] if _last_error else None,
+        "setup_s": round(_times["setup_s"], 3),
+        "compile_s": round(_times["compile_s"], 3),
+        "slowest_compile": _times["slowest"],
         # what each launch of these kernels hashes on the host (MLX 0.32.4, _render._Cubin)
         "cubin_kib_mean": round(sum(_sizes.values()) / len(_sizes) / 1024, 1) if _sizes else 0,
         "cubin_kib_max": round(max(_sizes.values()) / 1024, 1) if _sizes else 0,

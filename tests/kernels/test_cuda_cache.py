@@ -38,6 +38,7 @@ def fresh_state(monkeypatch, tmp_path):
                                                "options": None, "why": None})  # fmt: skip
     monkeypatch.setattr(cuda_cache, "_counts", {"compiled": 0, "from_disk": 0, "failed": 0})
     monkeypatch.setattr(cuda_cache, "_last_error", [])
+    monkeypatch.setattr(cuda_cache, "_times", {"setup_s": 0.0, "compile_s": 0.0, "slowest": None})
     monkeypatch.setattr(cuda_cache, "_sizes", {})
     monkeypatch.setattr(cuda_cache, "_told", [])
     monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path))
@@ -189,6 +190,23 @@ def test_cubins_compile_at_once_in_order(fresh_state, monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_cache, "_nvrtc_compile", None)  # nothing compiles now
     assert cuda_cache.cubins(units[:2] + units[3:]) == [b"src a", b"src b", b"src d"]
     assert cuda_cache.status()["from_disk"] == 3
+
+
+def test_compile_times_reported(fresh_state, monkeypatch):
+    """status() sums the NVRTC seconds and names the slowest unit (a first prefill's profile
+    tells our compiles from MLX's own by them); a disk read adds nothing."""
+    cuda_cache._state.update(checked=True, nvrtc=object(), arch="sm_90", version="13.0",
+                             options=["--gpu-architecture=sm_90"])  # fmt: skip
+    clock = iter([0.0, 0.25, 1.0, 1.75, 5.0, 5.0])  # a: 0.25 s, b: 0.75 s
+
+    monkeypatch.setattr(cuda_cache.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(cuda_cache, "_nvrtc_compile", lambda lib, src, name, opts: src.encode())
+    cuda_cache.cubin("a", "src a")
+    cuda_cache.cubin("b", "src b")
+    cuda_cache.cubin("a", "src a")  # from disk: no clock read
+    st = cuda_cache.status()
+    assert st["compile_s"] == 1.0 and st["slowest_compile"] == ("b", 0.75)
+    assert st["compiled"] == 2 and st["from_disk"] == 1
 
 
 def test_compile_error_returns_none_and_says_why(fake_nvrtc):
