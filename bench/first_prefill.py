@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders)
 import prefill as pf  # noqa: E402  (bench/prefill.py: one timed prefill into a new cache)
 
-from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
+from hf2q_mlx.custom_kernels import _render, cuda_cache  # noqa: E402
 from hf2q_mlx.models import ops  # noqa: E402
 
 
@@ -76,7 +76,7 @@ class CallTimer:
         timer = self
 
         def timed(*args, **kwargs):
-            if not timer.on:
+            if not timer.on or _render._collector:  # compile_ahead's dry pass: never evaluated
                 return orig(*args, **kwargs)
             if label is None:
                 path, kind = timer.names.get(id(args[0]), "?"), type(args[0]).__name__
@@ -167,18 +167,21 @@ def main() -> None:
         for i in range(3)
     ]
     mx.eval(prompts)
-    runs, recs = [], []
+    runs, recs, ahead = [], [], None
     for i, prompt in enumerate(prompts):
         timer.on, timer.records = i < 2, []
-        runs.append(pf.Variant(model, {}, a.chunk).prefill(prompt))
+        variant = pf.Variant(model, {}, a.chunk)
+        runs.append(variant.prefill(prompt))
+        ahead = ahead or variant.ahead
         recs.append(timer.records)
     timer.restore()
     res = {"device": str(mx.default_device()), "shape": name, "format": a.format,
-           "prompt": a.prompt, "build_s": build_s, "prefill_s": runs,
+           "prompt": a.prompt, "build_s": build_s, "prefill_s": runs, "compile_ahead": ahead,
            **summarize(recs[0], recs[1], a.top)}  # fmt: skip
     print(f"{name} {a.format}: built in {build_s:.1f} s; {a.prompt}-token prefills: first "
           f"{runs[0]:.2f} s, second {runs[1]:.2f} s (both instrumented), third {runs[2]:.3f} s "
           f"(plain)")  # fmt: skip
+    print(f"compile_ahead (HF2Q_COMPILE_AHEAD, within the first): {ahead}")
     print(f"\n{'class':<28}{'calls':>6}{'build 1st':>11}{'eval 1st':>10}{'build 2nd':>11}"
           f"{'eval 2nd':>10}{'one-time':>10}  (s, exclusive)")  # fmt: skip
     for r in res["classes"]:

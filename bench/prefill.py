@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders, the mlx-lm twin)
 
+from hf2q_mlx import compile_ahead  # noqa: E402
 from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.custom_kernels import expert_matmul as EXM  # noqa: E402
 
@@ -51,6 +52,7 @@ class Variant:
 
     def __init__(self, model, env: dict[str, str], chunk: int):
         self.model, self.env, self.chunk = model, env, chunk
+        self.ahead = None  # compile_ahead.once's report of the last prefill (its first: a dict)
 
     def prefill(self, prompt: mx.array) -> float:
         old = {k: os.environ.get(k) for k in self.env}
@@ -60,14 +62,11 @@ class Variant:
         for k, (m, a, parse) in attrs.items():
             setattr(m, a, parse(self.env[k]))
         try:
-            cache = self.model.make_cache()
             tic = time.perf_counter()
-            n = prompt.shape[1]
-            for i in range(0, n, self.chunk):
-                logits = self.model(prompt[:, i : i + self.chunk], cache)
-                if i + self.chunk < n:  # as stream_generate: evaluate the caches per chunk
-                    mx.eval(ds.cache_arrays(cache))
-            mx.eval(logits[:, -1, :])
+            # a process's first prefill compiles its cubins at once first, as generation.prefill
+            if not type(self.model).__module__.startswith("mlx_lm"):
+                self.ahead = compile_ahead.once(self.model, lambda: self._forward(prompt, False))
+            mx.eval(self._forward(prompt, True))
             return time.perf_counter() - tic
         finally:
             for k, (m, a, _) in attrs.items():
@@ -77,6 +76,17 @@ class Variant:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+    def _forward(self, prompt: mx.array, evaluate: bool) -> mx.array:
+        """The last position's logits through chunks into a new cache; ``evaluate``: the caches
+        evaluated per chunk (as stream_generate), else a graph built and never run."""
+        cache = self.model.make_cache()
+        n = prompt.shape[1]
+        for i in range(0, n, self.chunk):
+            logits = self.model(prompt[:, i : i + self.chunk], cache)
+            if evaluate and i + self.chunk < n:
+                mx.eval(ds.cache_arrays(cache))
+        return logits[:, -1, :]
 
 
 def run_shape(name: str, config: dict, a) -> dict:

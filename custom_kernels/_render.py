@@ -55,9 +55,10 @@ here to whole threadgroups, so both launch the same threads: guard the edges in 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Union
@@ -519,6 +520,23 @@ _PDL_SUFFIX = {0: "", 1: "_pdl", 2: "_pdlw"}
 # The launch recorder (custom_kernels/launch_recorder.py) while one is active: every launch then
 # goes to it instead of MLX (a CUDA graph step records its kernels so).
 _recorder: list = []
+# A spec collector (``collecting``) while one is active: every CUDA launch is noted, and made
+# through MLX's cuda_kernel, which compiles nothing until its output is evaluated.
+_collector: list = []
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list]:
+    """The ``LaunchSpec`` of every launch a graph built inside makes (a dry pass of a forward
+    that is never evaluated: its launches' cubins can then be compiled at once,
+    ``cuda_cache.cubins``). The outputs are MLX's lazy launches of the same kernels, so a value
+    evaluated or kept by mistake is still right (MLX compiles its own build for it then)."""
+    specs: list = []
+    _collector.append(specs)
+    try:
+        yield specs
+    finally:
+        _collector.remove(specs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -539,6 +557,16 @@ class LaunchSpec:
     @property
     def blocks(self) -> tuple[int, int, int]:
         return tuple(g // t for g, t in zip(self.grid, self.threadgroup))
+
+    def pending_unit(self) -> tuple[str, str] | None:
+        """``unit()`` where this process has not yet asked cuda_cache for the launch's cubin
+        (None for a body that reads its inputs' shapes: MLX's build serves it)."""
+        k = self.kernel
+        if k.reads_input_shape():
+            return None
+        if ("precompiled", k._precompiled_name(self.template, self.signature)) in k._built:
+            return None
+        return self.unit()
 
     def unit(self, pdl: int = 0) -> tuple[str, str]:
         """(kernel symbol, translation unit) compiled by cuda_cache for a launch of our own;
@@ -561,6 +589,9 @@ class _Launch:
     def __call__(self, inputs) -> list[mx.array]:
         if _recorder:
             return _recorder[-1].launch(self.spec, list(inputs))
+        if _collector and type(self.plan) is _CudaPlan:
+            _collector[-1].append(self.spec)
+            return self.plan.mlx()(inputs=inputs)
         return self.plan(inputs=inputs)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
+from hf2q_mlx import compile_ahead
 from hf2q_mlx import speculative as spec
 from hf2q_mlx.custom_kernels import cuda_cache
 from hf2q_mlx.decode_step import shared_step
@@ -243,12 +244,22 @@ def prefill(model: Any, tokens: mx.array, cache: list, step: int = 512) -> mx.ar
     """Run prompt ``tokens`` (L,) through the model in chunks of ``step``; logits (1, V) of the
     last position. Chunks before the last token only evaluate the cache, so the output head
     runs once, on one position."""
+    # a process's first prefill: its CUDA kernels compiled together first (compile_ahead)
+    compile_ahead.once(model, lambda: _forward(model, tokens, make_prompt_cache(model), step))
+    return _forward(model, tokens, cache, step, evaluate=True)
+
+
+def _forward(model: Any, tokens: mx.array, cache: list, step: int, evaluate: bool = False):
+    """``prefill``'s chunks; not ``evaluate``: a dry graph of each distinct chunk length once."""
     n = tokens.shape[0]
-    i = 0
+    i, seen = 0, set()
     while n - 1 - i > 0:
         size = min(step, n - 1 - i)
-        model(tokens[None, i : i + size], cache=cache)
-        mx.eval(cache_arrays(cache))
+        if evaluate or size not in seen:
+            seen.add(size)
+            model(tokens[None, i : i + size], cache=cache)
+        if evaluate:
+            mx.eval(cache_arrays(cache))
         i += size
     return model(tokens[None, n - 1 :], cache=cache)[:, -1, :]
 

@@ -1,0 +1,69 @@
+"""``generation.prefill`` with compile_ahead on the fake CUDA back end (kernels through the CPU
+emulator): prints JSON of what the dry pass compiled, what the real forward then asked
+``cuda_cache`` for, and the logits with and without the dry pass. Run in a process of its own
+by tests/test_compile_ahead.py (the fake stays in the dispatchers' plan caches).
+
+    python3 tests/compile_ahead_emulated.py gemma4:tiny-moe [--tokens 23] [--step 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from graph_step_emulated import build, fake_cuda  # noqa: E402
+
+from hf2q_mlx import compile_ahead  # noqa: E402
+from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
+from hf2q_mlx.generation import make_prompt_cache, prefill  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=23)
+    ap.add_argument("--step", type=int, default=16)
+    ap.add_argument("--format", default="q4_k")
+    a = ap.parse_args()
+    fake_cuda()
+    family, shape = a.model.split(":")
+    compiled, asked = [], []
+    # no NVRTC here: the ahead compile is recorded, each launch's own ask answered None (MLX's
+    # build, i.e. the emulator, serves it)
+    cuda_cache.cubins = lambda units, force=False: compiled.extend(n for n, _ in units) or []
+    cuda_cache.cubin = lambda name, source, force=False: asked.append(name)
+
+    def run(ahead: bool) -> tuple[np.ndarray, dict | None]:
+        model, vocab = build(family, shape, 2, 4, a.format)
+        ids = mx.array([(5 * i + 2) % vocab for i in range(a.tokens)], mx.int32)
+        if not ahead:
+            object.__setattr__(model, compile_ahead._ATTR, True)
+        logits = prefill(model, ids, make_prompt_cache(model), step=a.step)
+        again = compile_ahead.once(model, lambda: None)  # a second prefill: nothing
+        return np.array(logits.astype(mx.float32)), again
+
+    # ahead first: the kernels' cubin lookups are per process (a later run finds them made)
+    mx.random.seed(0)
+    ahead, again = run(True)
+    asked_after = list(asked)
+    mx.random.seed(0)
+    plain, _ = run(False)
+    print(json.dumps({
+        "compiled_ahead": compiled,
+        "asked_after": asked_after,
+        "second_call": again,
+        "equal": bool(np.array_equal(plain, ahead)),
+        "finite": bool(np.isfinite(ahead).all()),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

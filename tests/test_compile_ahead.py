@@ -1,0 +1,57 @@
+"""compile_ahead: a first prefill's dry pass compiles exactly the cubins its forward then asks
+for, and leaves the prefill's logits as they were (fake CUDA back end, the kernel emulator)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from hf2q_mlx import compile_ahead
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize(
+    "model, tokens", [("gemma4:tiny-moe", 23), ("qwen3_5:tiny-moe", 40)], ids=["gemma4", "qwen35"]
+)
+def test_dry_pass_compiles_what_the_prefill_asks_for(model, tokens):
+    cmd = [sys.executable, str(HERE / "compile_ahead_emulated.py"), model,
+           "--tokens", str(tokens), "--step", "16"]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    ahead = res["compiled_ahead"]
+    assert len(ahead) >= 8 and len(set(ahead)) == len(ahead), ahead  # distinct units, many
+    # the real forward asked cuda_cache for those units and no other, each once
+    assert sorted(res["asked_after"]) == sorted(ahead)
+    assert res["second_call"] is None  # once a model
+    assert res["equal"] and res["finite"]  # bit for bit the prefill without the dry pass
+
+
+def test_off_the_gpu_and_when_switched_off(monkeypatch):
+    """No CUDA back end, or HF2Q_COMPILE_AHEAD=0: the dry forward is never built."""
+    built = []
+
+    class Model:
+        pass
+
+    if mx.cuda.is_available():
+        monkeypatch.setenv("HF2Q_COMPILE_AHEAD", "0")
+    assert compile_ahead.once(Model(), lambda: built.append(1)) is None
+    assert built == []
+
+
+def test_missing_units_skips_resolved_and_repeats():
+    class Spec:
+        def __init__(self, unit):
+            self.unit = unit
+
+        def pending_unit(self):
+            return self.unit
+
+    specs = [Spec(("a", "src a")), Spec(None), Spec(("b", "src b")), Spec(("a", "src a"))]
+    assert compile_ahead.missing_units(specs) == [("a", "src a"), ("b", "src b")]
