@@ -112,6 +112,29 @@ class CallTimer:
             setattr(ops, fname, f)
 
 
+def mlx_jit_modules(since: float) -> list[dict]:
+    """MLX's own JIT-compiled modules (gathers, scatters, ``mx.compile`` fusions: NVRTC in its
+    eval) written to its PTX cache after ``since``, in order, each with the seconds since the
+    previous file (about its compile time). The folder: ``MLX_PTX_CACHE_DIR``, else MLX's
+    default (``<tmp>/mlx/<version>/ptx``)."""
+    import os
+    import tempfile
+
+    folder = os.environ.get("MLX_PTX_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "mlx", mx.__version__, "ptx"
+    )
+    try:
+        files = [(f.stat().st_mtime, f) for f in Path(folder).glob("*.txt")]
+    except OSError:
+        return []
+    out, last = [], since
+    for t, f in sorted(files):
+        if t >= since:
+            out.append({"module": f.stem, "after_s": round(t - last, 3)})
+            last = t
+    return out
+
+
 def summarize(first: list, second: list, top: int) -> dict:
     """Per class and per module path: build and eval seconds in the first and second prefill."""
     by_class: dict = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])  # calls, b1, e1, b2, e2
@@ -158,6 +181,7 @@ def main() -> None:
     if name not in table:
         p.error(f"unknown shape {name!r}: one of {', '.join(table)}")
     config = table[name]
+    started = time.time()  # wall clock: compared with the PTX cache files' times
     tic = time.perf_counter()
     model = ds.build(name, config, a.format)
     build_s = time.perf_counter() - tic
@@ -192,6 +216,11 @@ def main() -> None:
         print(f"  {r['path']:<50}{r['first']:>9.3f}{r['second']:>9.3f}{r['one_time']:>9.3f}")
     res["cuda_cache"] = cuda_cache.status()
     print(f"cuda_cache: {res['cuda_cache']}")
+    res["mlx_jit"] = mlx_jit_modules(started)
+    print(f"MLX's own JIT modules compiled by this process: {len(res['mlx_jit'])} (seconds since "
+          "the one before: about each compile)")  # fmt: skip
+    for m in res["mlx_jit"]:
+        print(f"  {m['after_s']:>7.3f}  {m['module'][:100]}")
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {a.out}")
 

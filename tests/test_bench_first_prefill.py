@@ -60,3 +60,20 @@ def test_timer_restores_what_it_wrapped():
         timer.restore()
     assert "timed" not in Tiny.__call__.__qualname__
     assert all(getattr(ops, k) is v for k, v in before.items())
+
+
+def test_mlx_jit_modules_in_write_order(tmp_path, monkeypatch):
+    """MLX's PTX cache files written after the start, oldest first, each with the gap since
+    the one before (the first's from the start); older files are not this process's."""
+    import os
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    for name, t in (("old_gather", 50.0), ("scatter_b", 103.5), ("gather_a", 101.0)):
+        for ext in ("ptx", "txt"):
+            f = tmp_path / f"{name}.{ext}"
+            f.write_text("x")
+            os.utime(f, (t, t))
+    got = fp.mlx_jit_modules(since=100.0)
+    assert got == [{"module": "gather_a", "after_s": 1.0}, {"module": "scatter_b", "after_s": 2.5}]
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
+    assert fp.mlx_jit_modules(since=0.0) == []
