@@ -84,8 +84,9 @@ step first-prefill 300 "rm -rf /tmp/ptx-first /tmp/cuda-first \$HF2Q_MLX_CACHE/c
 # where the first prefill's time goes, per model class and ops function (bench/first_prefill.py),
 # cold (its own empty PTX and CUDA driver caches) and then warm
 step first-prefill-profile 300 "rm -rf /tmp/ptx-fpp /tmp/cuda-fpp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpp CUDA_CACHE_PATH=/tmp/cuda-fpp python3 bench/first_prefill.py $OUT/first_prefill_profile_\$run.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 25; done"
-# the same first prefill with compile_ahead off, then on (each on empty kernel caches)
-step first-prefill-ahead 400 "for v in 0 1; do rm -rf /tmp/ptx-fpa /tmp/cuda-fpa \$HF2Q_MLX_CACHE/cuda_kernels; HF2Q_COMPILE_AHEAD=\$v MLX_PTX_CACHE_DIR=/tmp/ptx-fpa CUDA_CACHE_PATH=/tmp/cuda-fpa python3 bench/first_prefill.py $OUT/first_prefill_ahead\$v.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 12; done"
+# the same first prefill three ways, each on empty kernel caches (ours and MLX's PTX): compile_ahead
+# off, the default, and the grouped prefill's token slices as views (no MLX gather to JIT)
+step first-prefill-ahead 400 "for v in HF2Q_COMPILE_AHEAD=0 HF2Q_NONE=1 HF2Q_GROUPED_SLICE_COPY=0; do rm -rf /tmp/ptx-fpa /tmp/cuda-fpa \$HF2Q_MLX_CACHE/cuda_kernels; env \$v MLX_PTX_CACHE_DIR=/tmp/ptx-fpa CUDA_CACHE_PATH=/tmp/cuda-fpa python3 bench/first_prefill.py $OUT/first_prefill_\${v%%=*}.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 12; done"
 # what a fresh process pays on the first GPU call of single ops (bench/jit_probe.py), cold then
 # warm on one PTX cache, then warm with the CUDA driver loading every module at start
 step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm eager; do echo \$run; [ \$run = eager ] && export CUDA_MODULE_LOADING=EAGER; MLX_PTX_CACHE_DIR=/tmp/ptx-jp CUDA_CACHE_PATH=/tmp/cuda-jp HF2Q_CUDA_KERNEL_CACHE=1 python3 bench/jit_probe.py --json $OUT/jit_probe_\$run.json; done"
