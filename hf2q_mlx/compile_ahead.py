@@ -36,15 +36,22 @@ def once(model, dry_forward: Callable[[], object]) -> dict | None:
     """Before ``model``'s first prefill on CUDA: ``dry_forward()`` (the prefill's graph on a
     throwaway cache, not evaluated) is built with its launches collected, and their missing
     cubins compiled at once. Later calls, other back ends, and ``HF2Q_CUDA_KERNEL_CACHE=0`` do
-    nothing. Returns {"launches", "compiled", "seconds"} when it ran, else None."""
+    nothing. A dry pass that raises compiles what it met; the prefill goes on (and raises its
+    own error if it has one). Returns {"launches", "compiled", "seconds", "error"} when it ran,
+    else None."""
     if getattr(model, _ATTR, False) or _render.gpu_backend() != "cuda":
         return None
     if not cuda_cache.wants_cubin() or os.environ.get("HF2Q_COMPILE_AHEAD", "").strip() == "0":
         return None
     object.__setattr__(model, _ATTR, True)
     tic = time.perf_counter()
+    error = None
     with _render.collecting() as specs:
-        dry_forward()
+        try:
+            dry_forward()
+        except Exception as err:  # noqa: BLE001  (best effort: the real forward reports its own)
+            error = f"{type(err).__name__}: {err}"
     units = missing_units(specs)
     cuda_cache.cubins(units)
-    return {"launches": len(specs), "compiled": len(units), "seconds": time.perf_counter() - tic}
+    return {"launches": len(specs), "compiled": len(units),
+            "seconds": time.perf_counter() - tic, "error": error}  # fmt: skip

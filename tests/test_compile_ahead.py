@@ -55,3 +55,30 @@ def test_missing_units_skips_resolved_and_repeats():
 
     specs = [Spec(("a", "src a")), Spec(None), Spec(("b", "src b")), Spec(("a", "src a"))]
     assert compile_ahead.missing_units(specs) == [("a", "src a"), ("b", "src b")]
+
+
+def test_a_failing_dry_pass_is_not_the_callers_error(monkeypatch):
+    """The dry pass is an optimization: an exception in it is reported, not raised, and what
+    it collected before still compiles."""
+    from hf2q_mlx.custom_kernels import _render, cuda_cache
+
+    compiled = []
+
+    class Spec:
+        def pending_unit(self):
+            return ("k", "src")
+
+    def dry():
+        _render._collector[-1].append(Spec())
+        raise ValueError("shapes do not match")
+
+    class Model:
+        pass
+
+    monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(cuda_cache, "wants_cubin", lambda: True)
+    monkeypatch.setattr(cuda_cache, "cubins", lambda units, force=False: compiled.extend(units))
+    monkeypatch.delenv("HF2Q_COMPILE_AHEAD", raising=False)
+    got = compile_ahead.once(Model(), dry)
+    assert got["error"] == "ValueError: shapes do not match" and got["compiled"] == 1
+    assert compiled == [("k", "src")] and _render._collector == []
