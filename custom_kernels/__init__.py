@@ -26,7 +26,15 @@ from hf2q_mlx.errors import InvalidArgumentError
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["backend", "env_int", "reference_only", "reference_forced", "refresh", "ENV_VAR"]
+__all__ = [
+    "avoid_mlx_jit",
+    "backend",
+    "env_int",
+    "reference_only",
+    "reference_forced",
+    "refresh",
+    "ENV_VAR",
+]
 
 ENV_VAR = "HF2Q_KERNELS"
 
@@ -56,6 +64,17 @@ def env_int(name: str, lo: int, hi: int) -> int | None:
     if not (text.isascii() and text.isdigit()) or not lo <= int(text) <= hi:
         raise InvalidArgumentError(f"{name}={text!r}: expected an integer in {lo}..{hi}")
     return int(text)
+
+
+def avoid_mlx_jit() -> bool:
+    """``HF2Q_AVOID_MLX_JIT=1`` (read per call; off by default until timed on a GPU): a
+    prefill's gathers go through ops MLX ships compiled or kernels of ours. MLX 0.32.4's CUDA
+    back end compiles each gather variant (and each ``mx.compile`` fusion) with NVRTC at its
+    first use on a machine, inside a fresh machine's first prefill: the router's picks by a
+    one-hot select (``models.ops.pick``), an embedding's rows by a kernel
+    (``graph_ops.gather_rows``), the grouped prefill's token slices as views
+    (``expert_matmul.owned_rows``). Values are unchanged (data movement)."""
+    return os.environ.get("HF2Q_AVOID_MLX_JIT", "").strip() == "1"
 
 
 def refresh() -> None:

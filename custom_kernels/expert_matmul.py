@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import backend, on_cuda_device
+from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, on_cuda_device
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import (
@@ -63,8 +63,9 @@ def owned_rows(a: mx.array, i: int, j: int) -> mx.array:
     (row-contiguous, so no kernel input check copies it; it lies at an offset into its parent's
     buffer). The copy was a guard against kernels reading views from the parent's start, which
     bench/offset_probe.py ruled out on the H200; it stays the default until the views have
-    their GPU run against the fixed dequant32."""
-    if not GROUPED_SLICE_COPY:
+    their GPU run against the fixed dequant32. ``avoid_mlx_jit()`` takes the views too (MLX's
+    CUDA gather compiles at its first use on a machine)."""
+    if not GROUPED_SLICE_COPY or avoid_mlx_jit():
         return a[i:j]
     return mx.take(a, mx.arange(i, j), axis=0)
 

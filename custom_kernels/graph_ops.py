@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import backend, device_constant, row_threads
+from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, device_constant, row_threads
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, active, launch_into
 
@@ -164,16 +164,47 @@ def _per_element(kernel: Kernel, inputs: list, n: int, shape, dtype, template: d
     return launch(inputs=inputs)[0]
 
 
+_ROWS_ANY_BODY = """
+  // One thread per 32-bit word: word pos_x (< W) of output row gid_y, from table row
+  // ids[gid_y] (clamped to the table). The row count is the grid's, no template value.
+  const uint w = pos_x;
+  if (w >= uint(W)) return;
+  uint id = uint(ids[gid_y]);
+  id = id < uint(V) ? id : uint(V) - 1u;
+  out[uint64_t(gid_y) * W + w] = table[uint64_t(id) * W + w];
+"""
+
+_rows_any_kernel = Kernel(
+    "gather_rows_any",
+    inputs=["table", "ids"],
+    outputs=["out"],
+    body=_ROWS_ANY_BODY,
+    examples=[Example({"table": mx.uint32, "ids": mx.int32}, {"out": mx.uint32}, {"W": 8, "V": 5})],
+)
+
+
 def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
     """table (V, row_bytes) uint8, ids (...) int -> (..., row_bytes): ``table[ids]``, as one
-    kernel when recording and row_bytes is whole 32-bit words; MLX's gather otherwise."""
+    kernel when recording and row_bytes is whole 32-bit words, or on CUDA with
+    ``avoid_mlx_jit()`` (a kernel whose build does not follow the row count); MLX's gather
+    otherwise."""
     V, RB = table.shape
     R = ids.size
-    if not active() or RB % 4 or table.dtype != mx.uint8 or ids.dtype != mx.int32:
+    if RB % 4 or table.dtype != mx.uint8 or ids.dtype != mx.int32 or R == 0:
         return table[ids]
     W = RB // 4
     inputs = [table.view(mx.uint32), ids.reshape(-1)]
-    rows = _per_element(_rows_kernel, inputs, R * W, (R, W), mx.uint32, {"R": R, "W": W})
+    if active():
+        rows = _per_element(_rows_kernel, inputs, R * W, (R, W), mx.uint32, {"R": R, "W": W})
+    elif backend() == "cuda" and avoid_mlx_jit():
+        tg = 128 if W >= 128 else 32  # the body checks the row's end
+        launch = _rows_any_kernel.launcher(
+            [mx.uint32, mx.int32], grid=(W, R), threadgroup=(tg, 1), output_shapes=[(R, W)],
+            output_dtypes=[mx.uint32], template={"W": W, "V": V},
+        )  # fmt: skip
+        rows = launch(inputs=inputs)[0]
+    else:
+        return table[ids]
     return rows.view(mx.uint8).reshape(*ids.shape, RB)
 
 

@@ -35,9 +35,9 @@ class Router(nn.Module):
         k = self.top_k
         ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
         # softmax over the chosen k == full softmax renormalized over the top k
-        w = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1, precise=True)
+        w = mx.softmax(ops.pick(logits, ids), axis=-1, precise=True)
         xn = None if post_norm is None else post_norm(x)
-        return ids, w * self.per_expert_scale[ids].astype(mx.float32), xn
+        return ids, w * ops.pick(self.per_expert_scale, ids).astype(mx.float32), xn
 
 
 class Experts(nn.Module):

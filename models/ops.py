@@ -407,6 +407,17 @@ def expert_down(h: mx.array, ids: mx.array, weights: mx.array, down: nn.Module) 
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
+def pick(a: mx.array, ids: mx.array) -> mx.array:
+    """a (..., E) or (E,) at the last axis's ``ids`` (..., k) -> (..., k): ``take_along_axis``
+    (or ``a[ids]`` for a 1-D a). With ``custom_kernels.avoid_mlx_jit()`` a one-hot select
+    summed over E instead (ops MLX's CUDA back end ships compiled; its gathers compile at
+    first use): the same values, but a -0.0 comes back +0.0."""
+    if not custom_kernels.avoid_mlx_jit():
+        return a[ids] if a.ndim == 1 else mx.take_along_axis(a, ids, axis=-1)
+    hit = ids[..., None] == mx.arange(a.shape[-1], dtype=ids.dtype)  # (..., k, E)
+    return mx.where(hit, a if a.ndim == 1 else a[..., None, :], 0).sum(axis=-1)
+
+
 def moe_router(
     x: mx.array,
     proj: nn.Module,

@@ -72,7 +72,7 @@ class SparseMoeBlock(nn.Module):
             return routed[:2]
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         indices = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # (..., k), unordered
-        scores = mx.take_along_axis(probs, indices, axis=-1)
+        scores = ops.pick(probs, indices)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
         return indices, scores

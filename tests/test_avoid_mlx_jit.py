@@ -1,0 +1,173 @@
+"""HF2Q_AVOID_MLX_JIT=1: a prefill's gathers through ops MLX's CUDA back end ships compiled or a
+kernel of ours (its own gathers compile with NVRTC at first use on a machine), the values
+unchanged: picks by a one-hot select, an embedding's rows by ``gather_rows_any`` (CPU
+emulator, poisoned outputs), the grouped prefill's slices as views."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
+
+import kernel_emulator  # noqa: E402
+
+from hf2q_mlx.custom_kernels import expert_matmul, graph_ops  # noqa: E402
+from hf2q_mlx.models import gemma4_moe, ops  # noqa: E402
+
+needs_gxx = pytest.mark.skipif(not kernel_emulator.available(), reason="needs g++")
+
+
+def _prims(*arrays) -> str:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return f.read()
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size]))
+
+
+@pytest.fixture
+def avoid(monkeypatch):
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
+
+
+def test_pick_is_take_along_axis_without_a_gather(avoid):
+    E, k = 40, 6
+    logits = mx.random.normal((3, 5, E), key=mx.random.key(0)) * 4
+    logits = logits.at[0, 0, 7].add(-mx.inf).at[1, 2, 9].add(mx.nan)  # not picked below
+    ids = mx.argpartition(-mx.where(mx.isnan(logits), -1e9, logits), kth=k - 1, axis=-1)[..., :k]
+    ids = ids.astype(mx.uint32)
+    got = ops.pick(logits, ids)
+    assert "Gather" not in _prims(got)
+    np.testing.assert_array_equal(_bits(got), _bits(mx.take_along_axis(logits, ids, axis=-1)))
+    scale = (mx.random.normal((E,), key=mx.random.key(1)) + 1).astype(mx.bfloat16)
+    np.testing.assert_array_equal(_bits(ops.pick(scale, ids)), _bits(scale[ids]))
+
+
+def test_pick_keeps_a_picked_inf(avoid):
+    a = mx.array([[1.0, -mx.inf, 3.0]])
+    assert ops.pick(a, mx.array([[1, 2]], dtype=mx.uint32)).tolist() == [[-np.inf, 3.0]]
+
+
+def test_pick_is_a_gather_by_default(monkeypatch):
+    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+    ids = mx.array([[2, 0]], dtype=mx.uint32)
+    assert "Gather" in _prims(ops.pick(mx.array([[1.0, 2.0, 3.0]]), ids))
+
+
+def test_router_outputs_unchanged(monkeypatch):
+    """Gemma 4's router off its kernel (a prefill's rows): the same ids and weights, bit for
+    bit, with and without the switch."""
+    D, E, k = 64, 16, 4
+    router = gemma4_moe.Router(D, E, k, 1e-6)
+    router.proj.weight = mx.random.normal((E, D), key=mx.random.key(2)) * 0.3
+    router.scale = mx.random.normal((D,), key=mx.random.key(3)) + 1
+    router.per_expert_scale = mx.random.normal((E,), key=mx.random.key(4)) + 1
+    x = mx.random.normal((1, 70, D), key=mx.random.key(5))
+    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+    ids0, w0, _ = router(x)
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
+    ids1, w1, _ = router(x)
+    np.testing.assert_array_equal(np.array(ids0), np.array(ids1))
+    np.testing.assert_array_equal(_bits(w0), _bits(w1))
+
+
+def _emulating(kernel):
+    class Launcher:
+        def launcher(self, dtypes, **kw):
+            self.kw = kw
+
+            def launch(inputs):
+                return kernel_emulator.emulate(kernel, list(inputs), **kw)
+
+            return launch
+
+    return Launcher()
+
+
+@needs_gxx
+@pytest.mark.parametrize("row_bytes", [144, 1584])
+def test_gather_rows_any_kernel_matches_take(avoid, monkeypatch, row_bytes):
+    """Rows through the kernel (the emulator; outputs poisoned before it runs) byte-equal to
+    ``table[ids]``, at two row widths (under and over one threadgroup of words), a repeated id;
+    an id past the table reads its last row (MLX's gather would read out of bounds)."""
+    rng = np.random.default_rng(0)
+    V = 50
+    table = mx.array(rng.integers(0, 256, (V, row_bytes), dtype=np.uint8))
+    ids = mx.array([[3, 49, 0], [17, 3, 21]], dtype=mx.int32)
+    fake = _emulating(graph_ops._rows_any_kernel)
+    monkeypatch.setattr(graph_ops, "_rows_any_kernel", fake)
+    monkeypatch.setattr(graph_ops, "backend", lambda: "cuda")
+    got = graph_ops.gather_rows(table, ids)
+    assert fake.kw["template"] == {"W": row_bytes // 4, "V": V}
+    assert fake.kw["grid"][1] == ids.size  # the rows: grid, not template
+    np.testing.assert_array_equal(np.array(got), np.array(table[ids]))
+    past = graph_ops.gather_rows(table, mx.array([V + 3, 1], dtype=mx.int32))
+    np.testing.assert_array_equal(np.array(past), np.array(table[mx.array([V - 1, 1])]))
+
+
+def test_gather_rows_takes_mlx_without_the_switch(monkeypatch):
+    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+    monkeypatch.setattr(graph_ops, "backend", lambda: "cuda")
+    table = mx.zeros((4, 8), dtype=mx.uint8) + 1
+    assert "Gather" in _prims(graph_ops.gather_rows(table, mx.array([2], dtype=mx.int32)))
+
+
+def test_owned_rows_are_views(avoid, monkeypatch):
+    monkeypatch.setattr(expert_matmul, "GROUPED_SLICE_COPY", True)
+    a = mx.random.normal((9, 5), key=mx.random.key(6))
+    got = expert_matmul.owned_rows(a, 2, 7)
+    assert "Gather" not in _prims(got)
+    np.testing.assert_array_equal(np.array(got), np.array(a[2:7]))
+    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT")
+    assert "Gather" in _prims(expert_matmul.owned_rows(a, 2, 7))
+
+
+# --------------------------------------------------------------------------------------------
+# On CUDA
+
+
+def _needs_cuda():
+    if not mx.cuda.is_available():
+        pytest.skip("the kernels these take need MLX's CUDA back end")
+
+
+@pytest.mark.parametrize("row_bytes", [144, 1584])
+def test_gpu_gather_rows_any_equals_mlx_gather(monkeypatch, row_bytes):
+    """The rows kernel on CUDA against MLX's gather, byte for byte (bit-exact: data movement)."""
+    _needs_cuda()
+    rng = np.random.default_rng(1)
+    table = mx.array(rng.integers(0, 256, (300, row_bytes), dtype=np.uint8))
+    ids = mx.array(rng.integers(0, 300, (2, 257)).astype(np.int32))
+    want = np.array(table[ids])
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
+    got = graph_ops.gather_rows(table, ids)
+    assert "Gather" not in _prims(got)
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_gpu_prefill_logits_unchanged(monkeypatch, family):
+    """A tiny MoE model's 300-token prefill (the grouped expert kernels, the router off its
+    decode kernel) on CUDA: logits bit for bit the same with the switch (it moves data only)."""
+    _needs_cuda()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from decode_profile import build
+
+    model, vocab = build(family, "tiny-moe", "q4_k", mx.bfloat16, None)
+    ids = mx.array([[(7 * i + 3) % vocab for i in range(300)]], dtype=mx.int32)
+    out = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", v)
+        out[v] = model(ids, cache=model.make_cache())
+        mx.eval(out[v])
+    np.testing.assert_array_equal(_bits(out["0"]), _bits(out["1"]))
+    assert np.isfinite(np.array(out["1"].astype(mx.float32))).all()
