@@ -88,8 +88,9 @@ step first-prefill-profile 300 "rm -rf /tmp/ptx-fpp /tmp/cuda-fpp \$HF2Q_MLX_CAC
 step avoid-jit-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf tests/test_avoid_mlx_jit.py --tb=short"
 # the same first prefill four ways, each on empty kernel caches (ours and MLX's PTX): compile_ahead
 # off, the default, the grouped prefill's token slices as views (no MLX gather to JIT), and every
-# prefill gather HF2Q_AVOID_MLX_JIT takes away (slices, router picks, embedding rows)
-step first-prefill-ahead 480 "for v in HF2Q_COMPILE_AHEAD=0 HF2Q_NONE=1 HF2Q_GROUPED_SLICE_COPY=0 HF2Q_AVOID_MLX_JIT=1; do rm -rf /tmp/ptx-fpa /tmp/cuda-fpa \$HF2Q_MLX_CACHE/cuda_kernels; env \$v MLX_PTX_CACHE_DIR=/tmp/ptx-fpa CUDA_CACHE_PATH=/tmp/cuda-fpa python3 bench/first_prefill.py $OUT/first_prefill_\${v%%=*}.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 12; done"
+# prefill gather HF2Q_AVOID_MLX_JIT takes away (slices, router picks, embedding rows); then warm
+# (every cache kept from the last) with compile_ahead off and on: its dry pass's cost there
+step first-prefill-ahead 480 "for v in HF2Q_COMPILE_AHEAD=0 HF2Q_NONE=1 HF2Q_GROUPED_SLICE_COPY=0 HF2Q_AVOID_MLX_JIT=1; do rm -rf /tmp/ptx-fpa /tmp/cuda-fpa \$HF2Q_MLX_CACHE/cuda_kernels; env \$v MLX_PTX_CACHE_DIR=/tmp/ptx-fpa CUDA_CACHE_PATH=/tmp/cuda-fpa python3 bench/first_prefill.py $OUT/first_prefill_\${v%%=*}.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 12; done; for v in HF2Q_COMPILE_AHEAD=0 HF2Q_NONE=1; do env \$v MLX_PTX_CACHE_DIR=/tmp/ptx-fpa CUDA_CACHE_PATH=/tmp/cuda-fpa python3 bench/first_prefill.py $OUT/first_prefill_warm_\${v%%=*}.json --shape ${PREFILL_SHAPES:-gemma4:26b-a4b} --top 5; done"
 # what a fresh process pays on the first GPU call of single ops (bench/jit_probe.py), cold then
 # warm on one PTX cache, then warm with the CUDA driver loading every module at start
 step jit-probe 150 "rm -rf /tmp/ptx-jp /tmp/cuda-jp \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm eager; do echo \$run; [ \$run = eager ] && export CUDA_MODULE_LOADING=EAGER; MLX_PTX_CACHE_DIR=/tmp/ptx-jp CUDA_CACHE_PATH=/tmp/cuda-jp HF2Q_CUDA_KERNEL_CACHE=1 python3 bench/jit_probe.py --json $OUT/jit_probe_\$run.json; done"
