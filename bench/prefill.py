@@ -65,7 +65,10 @@ class Variant:
             tic = time.perf_counter()
             # a process's first prefill compiles its cubins at once first, as generation.prefill
             if not type(self.model).__module__.startswith("mlx_lm"):
-                self.ahead = compile_ahead.once(self.model, lambda: self._forward(prompt, False))
+                n, c = prompt.shape[1], self.chunk
+                sizes = tuple(sorted({min(c, n - i) for i in range(0, n, c)}))
+                dry = lambda: self._forward(prompt, False)  # noqa: E731
+                self.ahead = compile_ahead.once(self.model, dry, sizes)
             mx.eval(self._forward(prompt, True))
             return time.perf_counter() - tic
         finally:

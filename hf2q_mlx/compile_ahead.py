@@ -7,19 +7,28 @@ Before a model's first prefill in a process, ``once`` builds that prefill's forw
 throwaway cache inside ``_render.collecting`` (nothing runs: the graph is never evaluated),
 then compiles the cubins it lacks on one thread per CPU (``cuda_cache.cubins``). The real
 forward then reads them from disk. Shapes, not values, pick a launch's kernel, so the dry
-graph meets the same ones; anything it misses compiles as before. ``HF2Q_COMPILE_AHEAD=0``
-(read per call) turns it off.
+graph meets the same ones; anything it misses compiles as before.
+
+The dry pass costs a graph build (tens of ms on a large model). A marker file per model
+signature (class, arguments, parameters' names, dtypes and shapes, the prefill's chunk lengths)
+in the cubin cache says a process already did it on this machine, so later processes skip it;
+a cubin deleted since is compiled by the forward as before. ``HF2Q_COMPILE_AHEAD=0`` (read per
+call) turns all this off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from hf2q_mlx.custom_kernels import _render, cuda_cache
 
-_ATTR = "_hf2q_compiled_ahead"  # set on a model once its dry pass ran (nn.Module is unhashable)
+_ATTR = "_hf2q_compiled_ahead"  # set on a model once asked (nn.Module is unhashable)
 
 
 def missing_units(specs: list) -> list[tuple[str, str]]:
@@ -32,19 +41,38 @@ def missing_units(specs: list) -> list[tuple[str, str]]:
     return list(units.items())
 
 
-def once(model, dry_forward: Callable[[], object]) -> dict | None:
+def signature(model, shapes: tuple) -> str:
+    """A hash of what picks a prefill's kernels: the model's class and arguments, its
+    parameters' names, dtypes and shapes, ``shapes`` (the chunk lengths), MLX's version and
+    the GPU's architecture."""
+    parts = [type(model).__module__, type(model).__qualname__, repr(getattr(model, "args", None)),
+             repr(shapes), mx.__version__, str(cuda_cache.status()["arch"])]  # fmt: skip
+    params = model.parameters() if hasattr(model, "parameters") else {}
+    parts += [f"{k}:{v.dtype}:{v.shape}" for k, v in tree_flatten(params)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _marker(key: str):
+    return cuda_cache.cache_dir() / "ahead" / key
+
+
+def once(model, dry_forward: Callable[[], object], shapes: tuple = ()) -> dict | None:
     """Before ``model``'s first prefill on CUDA: ``dry_forward()`` (the prefill's graph on a
     throwaway cache, not evaluated) is built with its launches collected, and their missing
-    cubins compiled at once. Later calls, other back ends, and ``HF2Q_CUDA_KERNEL_CACHE=0`` do
+    cubins compiled at once, unless this machine's marker for (model, ``shapes``) says a
+    process did so already. Later calls, other back ends, and ``HF2Q_COMPILE_AHEAD=0`` do
     nothing. A dry pass that raises compiles what it met; the prefill goes on (and raises its
-    own error if it has one). Returns {"launches", "compiled", "seconds", "error"} when it ran,
-    else None."""
+    own error if it has one). Returns {"launches", "compiled", "seconds", "error"} when the dry
+    pass ran, {"marker": True} when the marker skipped it, else None."""
     if getattr(model, _ATTR, False) or _render.gpu_backend() != "cuda":
         return None
     if not cuda_cache.wants_cubin() or os.environ.get("HF2Q_COMPILE_AHEAD", "").strip() == "0":
         return None
     object.__setattr__(model, _ATTR, True)
     tic = time.perf_counter()
+    marker = _marker(signature(model, shapes))
+    if marker.exists():
+        return {"marker": True, "seconds": time.perf_counter() - tic}
     error = None
     with _render.collecting() as specs:
         try:
@@ -53,5 +81,11 @@ def once(model, dry_forward: Callable[[], object]) -> dict | None:
             error = f"{type(err).__name__}: {err}"
     units = missing_units(specs)
     cuda_cache.cubins(units)
+    if error is None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:
+            pass  # an unwritable cache: the next process's dry pass again, nothing else
     return {"launches": len(specs), "compiled": len(units),
             "seconds": time.perf_counter() - tic, "error": error}  # fmt: skip

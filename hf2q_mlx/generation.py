@@ -245,7 +245,10 @@ def prefill(model: Any, tokens: mx.array, cache: list, step: int = 512) -> mx.ar
     last position. Chunks before the last token only evaluate the cache, so the output head
     runs once, on one position."""
     # a process's first prefill: its CUDA kernels compiled together first (compile_ahead)
-    compile_ahead.once(model, lambda: _forward(model, tokens, make_prompt_cache(model), step))
+    n = tokens.shape[0]
+    sizes = tuple(sorted({min(step, n - 1 - i) for i in range(0, n - 1, step)} | {1}))
+    dry = lambda: _forward(model, tokens, make_prompt_cache(model), step)  # noqa: E731
+    compile_ahead.once(model, dry, sizes)
     return _forward(model, tokens, cache, step, evaluate=True)
 
 

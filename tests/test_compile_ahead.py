@@ -4,6 +4,7 @@ for, and leaves the prefill's logits as they were (fake CUDA back end, the kerne
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +20,19 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.parametrize(
     "model, tokens", [("gemma4:tiny-moe", 23), ("qwen3_5:tiny-moe", 40)], ids=["gemma4", "qwen35"]
 )
-def test_dry_pass_compiles_what_the_prefill_asks_for(model, tokens):
+def test_dry_pass_compiles_what_the_prefill_asks_for(model, tokens, tmp_path):
     cmd = [sys.executable, str(HERE / "compile_ahead_emulated.py"), model,
            "--tokens", str(tokens), "--step", "16"]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "HF2Q_MLX_CACHE": str(tmp_path)}  # the markers land there
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env=env)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     ahead = res["compiled_ahead"]
     assert len(ahead) >= 8 and len(set(ahead)) == len(ahead), ahead  # distinct units, many
     # the real forward asked cuda_cache for those units and no other, each once
     assert sorted(res["asked_after"]) == sorted(ahead)
     assert res["second_call"] is None  # once a model
+    assert res["marker_skipped"]  # a later model of the same signature: no dry pass
+    assert len(list((tmp_path / "cuda_kernels" / "ahead").iterdir())) == 1
     assert res["equal"] and res["finite"]  # bit for bit the prefill without the dry pass
 
 
@@ -57,7 +61,7 @@ def test_missing_units_skips_resolved_and_repeats():
     assert compile_ahead.missing_units(specs) == [("a", "src a"), ("b", "src b")]
 
 
-def test_a_failing_dry_pass_is_not_the_callers_error(monkeypatch):
+def test_a_failing_dry_pass_is_not_the_callers_error(monkeypatch, tmp_path):
     """The dry pass is an optimization: an exception in it is reported, not raised, and what
     it collected before still compiles."""
     from hf2q_mlx.custom_kernels import _render, cuda_cache
@@ -79,6 +83,28 @@ def test_a_failing_dry_pass_is_not_the_callers_error(monkeypatch):
     monkeypatch.setattr(cuda_cache, "wants_cubin", lambda: True)
     monkeypatch.setattr(cuda_cache, "cubins", lambda units, force=False: compiled.extend(units))
     monkeypatch.delenv("HF2Q_COMPILE_AHEAD", raising=False)
+    monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path))
     got = compile_ahead.once(Model(), dry)
     assert got["error"] == "ValueError: shapes do not match" and got["compiled"] == 1
     assert compiled == [("k", "src")] and _render._collector == []
+    assert not (tmp_path / "cuda_kernels" / "ahead").exists()  # no marker: the next one retries
+
+
+def test_signature_follows_what_picks_the_kernels():
+    """The marker's key changes with the chunk lengths, a parameter's dtype or shape, and the
+    model's arguments; not with the parameters' values."""
+    import mlx.nn as nn
+
+    def model(dims=8, dtype=mx.float32, scale=1.0):
+        m = nn.Linear(dims, 4)
+        m.set_dtype(dtype)
+        m.weight = m.weight * scale
+        m.args = ("tiny", dims)
+        return m
+
+    base = compile_ahead.signature(model(), (1, 16))
+    assert compile_ahead.signature(model(scale=3.0), (1, 16)) == base
+    for other in (compile_ahead.signature(model(), (1, 15)),
+                  compile_ahead.signature(model(dtype=mx.bfloat16), (1, 16)),
+                  compile_ahead.signature(model(dims=16), (1, 16))):  # fmt: skip
+        assert other != base
