@@ -73,7 +73,8 @@ def avoid_mlx_jit() -> bool:
     first use on a machine, inside a fresh machine's first prefill: the router's picks by a
     one-hot select (``models.ops.pick``), an embedding's rows by a kernel
     (``graph_ops.gather_rows``), the grouped prefill's token slices as views
-    (``expert_matmul.owned_rows``). Values are unchanged (data movement)."""
+    (``expert_matmul.owned_rows``), and the delta-net's silu / softplus and the gated silu
+    unfused (``gated_delta.silu``, ``softplus``). Values are unchanged."""
     return os.environ.get("HF2Q_AVOID_MLX_JIT", "").strip() == "1"
 
 

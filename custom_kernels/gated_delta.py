@@ -19,13 +19,24 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels import backend, device_array, on_cuda_device
+from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, device_array, on_cuda_device
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 
 L2_EPS = 1e-6
 SIMD_WIDTH = 32
 CHUNK_SIZE = 64  # tokens per step of the chunked prefill
+
+
+def silu(x: mx.array) -> mx.array:
+    """``nn.silu``; with ``avoid_mlx_jit()`` its two ops unfused (MLX's CUDA back end compiles
+    the ``mx.compile`` fusion with NVRTC at its first use on a machine)."""
+    return x * mx.sigmoid(x) if avoid_mlx_jit() else nn.silu(x)
+
+
+def softplus(x: mx.array) -> mx.array:
+    """``nn.softplus`` (``logaddexp(x, 0)``), unfused with ``avoid_mlx_jit()`` as ``silu``."""
+    return mx.logaddexp(x, 0) if avoid_mlx_jit() else nn.softplus(x)
 
 
 def causal_conv_reference(
@@ -35,7 +46,7 @@ def causal_conv_reference(
     K = weight.shape[-1]
     x = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # (B, K-1+T, C)
     out = mx.conv1d(x, weight.astype(qkv.dtype)[..., None], groups=qkv.shape[-1])
-    return nn.silu(out), x[:, x.shape[1] - (K - 1) :]
+    return silu(out), x[:, x.shape[1] - (K - 1) :]
 
 
 def split_qkv(x: mx.array, num_k_heads: int, head_k_dim: int, num_v_heads: int):
@@ -64,7 +75,7 @@ def gates(
 ) -> tuple[mx.array, mx.array]:
     """(log decay, beta), both fp32 (B, T, Hv): log decay = -exp(A_log) * softplus(a + dt_bias)."""
     a = a.astype(mx.float32) + dt_bias.astype(mx.float32)
-    log_decay = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a)
+    log_decay = -mx.exp(A_log.astype(mx.float32)) * softplus(a)
     return log_decay, mx.sigmoid(b.astype(mx.float32))
 
 

@@ -343,6 +343,8 @@ def gated_activation(
         return activations.gated_activation(gate, up, kind)
     if up is None:
         gate, up = mx.split(gate, 2, axis=-1)
+    if kind == "silu" and custom_kernels.avoid_mlx_jit():  # unfused: no fusion to JIT
+        return gated_delta.silu(gate) * up
     return _GATED[kind](gate, up)
 
 

@@ -171,3 +171,20 @@ def test_gpu_prefill_logits_unchanged(monkeypatch, family):
         mx.eval(out[v])
     np.testing.assert_array_equal(_bits(out["0"]), _bits(out["1"]))
     assert np.isfinite(np.array(out["1"].astype(mx.float32))).all()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_unfused_activations_match_the_compiled_ones(monkeypatch, dtype):
+    """silu, softplus and the gated silu unfused (no ``mx.compile`` fusion for MLX to JIT)
+    give the fused forms' bits: MLX's fusion keeps each intermediate in its array's dtype."""
+    from hf2q_mlx.custom_kernels import gated_delta
+
+    x = (mx.random.normal((7, 300), key=mx.random.key(7)) * 6).astype(dtype)
+    up = mx.random.normal((7, 300), key=mx.random.key(8)).astype(dtype)
+    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+    want = [gated_delta.silu(x), gated_delta.softplus(x), ops.gated_activation(x, up, kernel=False)]
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
+    got = [gated_delta.silu(x), gated_delta.softplus(x), ops.gated_activation(x, up, kernel=False)]
+    for g, w in zip(got, want):
+        assert "Compiled" not in _prims(g)
+        np.testing.assert_array_equal(_bits(g), _bits(w))
