@@ -56,6 +56,11 @@ def _marker(key: str):
     return cuda_cache.cache_dir() / "ahead" / key
 
 
+def _can_mark() -> bool:
+    """Whether cubins are being compiled here (NVRTC found): only then does a marker say so."""
+    return bool(cuda_cache.status()["enabled"])
+
+
 def once(model, dry_forward: Callable[[], object], shapes: tuple = ()) -> dict | None:
     """Before ``model``'s first prefill on CUDA: ``dry_forward()`` (the prefill's graph on a
     throwaway cache, not evaluated) is built with its launches collected, and their missing
@@ -81,7 +86,7 @@ def once(model, dry_forward: Callable[[], object], shapes: tuple = ()) -> dict |
             error = f"{type(err).__name__}: {err}"
     units = missing_units(specs)
     cuda_cache.cubins(units)
-    if error is None:
+    if error is None and _can_mark():
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()

@@ -4,6 +4,10 @@ emulator): prints JSON of what the dry pass compiled, what the real forward then
 by tests/test_compile_ahead.py (the fake stays in the dispatchers' plan caches).
 
     python3 tests/compile_ahead_emulated.py gemma4:tiny-moe [--tokens 23] [--step 16]
+    python3 tests/compile_ahead_emulated.py gemma4:tiny-moe --engine   # the serving warm-up
+
+``--engine`` (launches return zeros, nothing emulated: only what is asked for matters): an
+``Engine`` warm-up's dry pass, what it compiled, and what the warm-up then asked for.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=23)
     ap.add_argument("--step", type=int, default=16)
     ap.add_argument("--format", default="q4_k")
+    ap.add_argument("--engine", action="store_true")
     a = ap.parse_args()
+    if a.engine:
+        return engine_warmup(a.model, a.format)
     fake_cuda()
     family, shape = a.model.split(":")
     compiled, asked = [], []
@@ -40,6 +47,7 @@ def main() -> None:
     # build, i.e. the emulator, serves it)
     cuda_cache.cubins = lambda units, force=False: compiled.extend(n for n, _ in units) or []
     cuda_cache.cubin = lambda name, source, force=False: asked.append(name)
+    compile_ahead._can_mark = lambda: True  # as where NVRTC is found
 
     def run(ahead: bool) -> tuple[np.ndarray, dict | None]:
         model, vocab = build(family, shape, 2, 4, a.format)
@@ -72,6 +80,34 @@ def main() -> None:
         "equal": bool(np.array_equal(plain, ahead)),
         "finite": bool(np.isfinite(ahead).all()),
     }))  # fmt: skip
+
+
+def engine_warmup(spec: str, fmt: str) -> None:
+    import time
+
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    from jit_lengths import fake_cuda as zeros_cuda
+    from serve_throughput import StubTokenizer
+
+    from hf2q_mlx.serving.engine import Engine
+
+    zeros_cuda({}, [0])
+    compiled, asked = [], []
+    cuda_cache.cubins = lambda units, force=False: compiled.extend(n for n, _ in units) or []
+    cuda_cache.cubin = lambda name, source, force=False: asked.append(name)
+    compile_ahead._can_mark = lambda: True
+    family, shape = spec.split(":")
+    model, _ = build(family, shape, 2, 4, fmt)
+    engine = Engine(model, StubTokenizer(), max_batch=2, max_len=200, prefill_chunk=64,
+                    warmup=True).start()  # fmt: skip
+    try:
+        t0 = time.time()
+        while engine.warmup_s is None and time.time() - t0 < 500:
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    print(json.dumps({"compiled_ahead": compiled, "asked_after": asked,
+                      "warmed": engine.warmup_s is not None}))  # fmt: skip
 
 
 if __name__ == "__main__":

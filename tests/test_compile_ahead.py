@@ -82,6 +82,7 @@ def test_a_failing_dry_pass_is_not_the_callers_error(monkeypatch, tmp_path):
     monkeypatch.setattr(_render, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(cuda_cache, "wants_cubin", lambda: True)
     monkeypatch.setattr(cuda_cache, "cubins", lambda units, force=False: compiled.extend(units))
+    monkeypatch.setattr(compile_ahead, "_can_mark", lambda: True)
     monkeypatch.delenv("HF2Q_COMPILE_AHEAD", raising=False)
     monkeypatch.setenv("HF2Q_MLX_CACHE", str(tmp_path))
     got = compile_ahead.once(Model(), dry)
@@ -108,3 +109,17 @@ def test_signature_follows_what_picks_the_kernels():
                   compile_ahead.signature(model(dtype=mx.bfloat16), (1, 16)),
                   compile_ahead.signature(model(dims=16), (1, 16))):  # fmt: skip
         assert other != base
+
+
+@pytest.mark.parametrize("model", ["gemma4:tiny-moe", "qwen3_5:tiny-moe"], ids=["gemma4", "qwen35"])
+def test_engine_warmup_compiles_its_cubins_ahead(model, tmp_path):
+    """The serving engine's warm-up (fake CUDA back end, launches return zeros): its dry pass
+    compiles the cubins the warm-up's prefills then ask for."""
+    cmd = [sys.executable, str(HERE / "compile_ahead_emulated.py"), model, "--engine"]
+    env = {**os.environ, "HF2Q_MLX_CACHE": str(tmp_path)}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env=env)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["warmed"]
+    ahead, asked = set(res["compiled_ahead"]), res["asked_after"]
+    assert len(ahead) >= 8 and len(asked) == len(set(asked))
+    assert set(asked) <= ahead, sorted(set(asked) - ahead)

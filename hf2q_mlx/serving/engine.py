@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from hf2q_mlx import compile_ahead
 from hf2q_mlx.custom_kernels import backend, cuda_cache, device_array
 from hf2q_mlx.decode_step import DecodeStep
 from hf2q_mlx.errors import (
@@ -49,6 +50,7 @@ from hf2q_mlx.generation import (
     check_token_ids,
     context_limit,
     graph_step,
+    make_prompt_cache,
     parse_kv_bits,
     vocab_limit,
 )
@@ -408,6 +410,16 @@ class Engine:
         try:
             if not lengths:
                 return
+            # on a fresh machine the warm-up's cubins compile together first (compile_ahead):
+            # its prefill lengths and chunk lengths, each once on a throwaway cache
+            dry = sorted(set(lengths) | {n for n in (*range(1, 10), 65) if n <= top})
+            ids = [(5 * j + 1) % vocab for j in range(max(dry))]
+            compile_ahead.once(
+                self.model,
+                lambda: [self.model(mx.array([ids[:n]]), cache=make_prompt_cache(self.model))
+                         for n in dry],
+                ("engine", *dry),
+            )  # fmt: skip
             for i, params in enumerate(_warm_params(max(len(lengths), 1 + len(WARM_TOP_K)))):
                 if self._stop.is_set():
                     return
