@@ -63,13 +63,8 @@ class Variant:
             setattr(m, a, parse(self.env[k]))
         try:
             tic = time.perf_counter()
-            # a process's first prefill compiles its cubins at once first, as generation.prefill
-            if not type(self.model).__module__.startswith("mlx_lm"):
-                n, c = prompt.shape[1], self.chunk
-                sizes = tuple(sorted({min(c, n - i) for i in range(0, n, c)}))
-                dry = lambda: self._forward(prompt, False)  # noqa: E731
-                self.ahead = compile_ahead.once(self.model, dry, sizes)
-            mx.eval(self._forward(prompt, True))
+            self.ahead = compile_ahead_for(self.model, prompt, self.chunk)
+            mx.eval(chunked_forward(self.model, prompt, self.chunk, self.model.make_cache()))
             return time.perf_counter() - tic
         finally:
             for k, (m, a, _) in attrs.items():
@@ -80,16 +75,29 @@ class Variant:
                 else:
                     os.environ[k] = v
 
-    def _forward(self, prompt: mx.array, evaluate: bool) -> mx.array:
-        """The last position's logits through chunks into a new cache; ``evaluate``: the caches
-        evaluated per chunk (as stream_generate), else a graph built and never run."""
-        cache = self.model.make_cache()
-        n = prompt.shape[1]
-        for i in range(0, n, self.chunk):
-            logits = self.model(prompt[:, i : i + self.chunk], cache)
-            if evaluate and i + self.chunk < n:
-                mx.eval(ds.cache_arrays(cache))
-        return logits[:, -1, :]
+
+def chunked_forward(model, prompt: mx.array, chunk: int, cache, evaluate: bool = True):
+    """The last position's logits (1, V) of ``prompt`` (1, n) through chunks into ``cache``;
+    ``evaluate``: the caches evaluated per chunk (as stream_generate), else a graph built and
+    never run (compile_ahead's dry pass)."""
+    n = prompt.shape[1]
+    for i in range(0, n, chunk):
+        logits = model(prompt[:, i : i + chunk], cache)
+        if evaluate and i + chunk < n:
+            mx.eval(ds.cache_arrays(cache))
+    return logits[:, -1, :]
+
+
+def compile_ahead_for(model, prompt: mx.array, chunk: int) -> dict | None:
+    """``compile_ahead.once`` for a chunked prefill of ``prompt`` (what generation.prefill does
+    for its own chunks, so a first prefill here costs what a user's does); mlx-lm's models
+    skipped (nothing of ours to compile)."""
+    if type(model).__module__.startswith("mlx_lm"):
+        return None
+    n = prompt.shape[1]
+    sizes = tuple(sorted({min(chunk, n - i) for i in range(0, n, chunk)}))
+    dry = lambda: chunked_forward(model, prompt, chunk, model.make_cache(), False)  # noqa: E731
+    return compile_ahead.once(model, dry, sizes)
 
 
 def run_shape(name: str, config: dict, a) -> dict:

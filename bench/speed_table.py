@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode_profile as dp  # noqa: E402  (bench/decode_profile.py: CUPTI kernel list)
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders, the mlx-lm twin)
 import llama_peer  # noqa: E402  (bench/llama_peer.py: llama-bench's JSON)
+import prefill as pf  # noqa: E402  (bench/prefill.py: the chunked prefill, compile_ahead)
 import random_gguf  # noqa: E402  (bench/random_gguf.py: the shapes as GGUF files)
 
 import hf2q_mlx  # noqa: E402
@@ -103,12 +104,9 @@ class Variant:
         """-> seconds to the evaluated logits of the prompt's last token (a new cache)."""
         self.cache = self.model.make_cache()
         tic = time.perf_counter()
-        n = prompt.shape[1]
-        for i in range(0, n, self.chunk):
-            logits = self.model(prompt[:, i : i + self.chunk], self.cache)
-            if i + self.chunk < n:  # as stream_generate: evaluate the caches per chunk
-                mx.eval(ds.cache_arrays(self.cache))
-        self.y = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.int32)
+        pf.compile_ahead_for(self.model, prompt, self.chunk)  # a process's first: as a user's
+        logits = pf.chunked_forward(self.model, prompt, self.chunk, self.cache)
+        self.y = mx.argmax(logits, axis=-1).astype(mx.int32)
         mx.eval(self.y)
         seconds = time.perf_counter() - tic
         if self.step is not None:
