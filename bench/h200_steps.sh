@@ -289,6 +289,11 @@ step tq-mb-step 360 "$(tq_speed tq_mb_step 4096,16384 '--tq-env HF2Q_TQ_ROW_REGS
 # session 34: the wide grouped kernels' n-tiles per column group (HF2Q_GROUPED_WIDE_NT, default 2,
 # never timed; read at each plan now): GPU parity at 4, then the MoE prefill at 1 and 4 against
 # 2 (issue 14's prefill-bound 32-stream figures), and the dense one-expert prefill likewise
+# HF2Q_GROUPED_SORTED (the wide kernels' pairs from a list sorted by expert, not every
+# threadgroup scanning all ids): GPU bits against the scanning kernels, then the whole 26B-A4B and
+# 35B-A3B prefills against the default, with NT 4 beside it
+step sorted-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_grouped_sorted or gpu_grouped_wide' tests/kernels/test_expert_prefill.py --tb=short"
+step sorted-ab 480 "python3 bench/prefill.py $OUT/prefill_sorted.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_SORTED=1 --env HF2Q_GROUPED_SORTED=1,HF2Q_GROUPED_WIDE_NT=4 --env HF2Q_GROUPED_WIDE_NT=4"
 step wide-nt-tests 240 "HF2Q_GROUPED_WIDE_NT=4 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_expert_prefill.py tests/kernels/test_dense_prefill_grouped.py --tb=short"
 step wide-nt-ab 480 "python3 bench/prefill.py $OUT/prefill_wide_nt.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_WIDE_NT=4 --env HF2Q_GROUPED_WIDE_NT=1"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"

@@ -112,9 +112,9 @@ def run_shape(name: str, config: dict, a) -> dict:
         model.fuse_projections()
         print(f"{name} {fmt}: built in {time.perf_counter() - tic:.1f} s", flush=True)
         variants[f"{fmt}"] = Variant(model, {}, a.chunk)
-        for e in a.env:
-            k, _, v = e.partition("=")
-            variants[f"{fmt} {e}"] = Variant(model, {k: v}, a.chunk)
+        for e in a.env:  # NAME=VALUE[,NAME=VALUE...]: one variant with all of them set
+            env = dict(kv.partition("=")[::2] for kv in e.split(","))
+            variants[f"{fmt} {e}"] = Variant(model, env, a.chunk)
     if twin is not None:
         variants["mlx-lm mlx4"] = Variant(twin, {}, a.chunk)
     key = mx.random.key(1)
@@ -166,15 +166,15 @@ def main() -> None:
     p.add_argument("--prompts", default="512,2048", help="comma list of prompt lengths")
     p.add_argument("--chunk", type=int, default=2048, help="tokens per forward")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--env", action="append", default=[], help="NAME=VALUE: one more variant "
-                   "of each format with this environment switch set")  # fmt: skip
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE[,NAME=VALUE...]: one "
+                   "more variant of each format with these environment switches set")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true")
     a = p.parse_args()
     a.formats = a.formats.split(",")
     a.prompts = [int(x) for x in a.prompts.split(",")]
     for e in a.env:
-        if "=" not in e:
-            p.error(f"--env {e!r}: expected NAME=VALUE")
+        if any("=" not in kv for kv in e.split(",")):
+            p.error(f"--env {e!r}: expected NAME=VALUE[,NAME=VALUE...]")
     table = ds.configs(a.tiny)
     names = a.shapes.split(",") if a.shapes else list(table)
     results = []

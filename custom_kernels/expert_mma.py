@@ -63,6 +63,29 @@ def wide_nt() -> str:
     return os.environ.get("HF2Q_GROUPED_WIDE_NT", WIDE_NT)
 
 
+def sorted_lists() -> bool:
+    """``HF2Q_GROUPED_SORTED=1`` (read per call; off until timed on a GPU): the wide kernels
+    take each expert's pairs from the call's pairs sorted by expert (``expert_order``: MLX's
+    argsort and a count, once per launch) instead of every threadgroup scanning all of the
+    call's ids. At 512 tokens that scan (P / 32 steps per SIMD group, in each of the
+    (rows / 16) x (E + 1) threadgroups) is longer than a threadgroup's math; sorted, a
+    threadgroup reads its own pairs only, and one without any leaves at once. No bits change:
+    a pair's sums do not depend on the pairs beside it."""
+    return os.environ.get("HF2Q_GROUPED_SORTED", "").strip() == "1"
+
+
+def expert_order(expert_ids: mx.array, E: int) -> tuple[mx.array, mx.array]:
+    """The call's pairs by expert: ``order`` (P,) uint32, the pair indices sorted by id (ids
+    past the last expert as E), and ``offs`` (E + 2,) int32, expert e's pairs at
+    order[offs[e]:offs[e + 1]] (e = E: the bad ids). MLX ops its CUDA back end ships compiled
+    (argsort, a one-hot count, a cumulative sum): nothing for it to JIT."""
+    key = mx.minimum(expert_ids.reshape(-1).astype(mx.uint32), E)
+    order = mx.argsort(key).astype(mx.uint32)
+    counts = (key[:, None] == mx.arange(E + 1, dtype=mx.uint32)).astype(mx.int32).sum(axis=0)
+    offs = mx.concatenate([mx.zeros((1,), mx.int32), mx.cumsum(counts)])
+    return order, offs
+
+
 # --------------------------------------------------------------------------------------------
 # Kernel: qmatmul_mma's loop (16 rows of H row sets against up to 8 NT columns of x) with the
 # columns taken from the pairs that chose the threadgroup's expert. The text edits below keep
@@ -91,6 +114,24 @@ _PREFIX = r"""
     ex_n += simd_broadcast(incl, 31u);
   }
   if (ex_n == 0) return;  // no pair chose this expert: the whole threadgroup leaves here
+  BARRIER();
+"""
+
+# HF2Q_GROUPED_SORTED's prefix: the expert's pairs read from the sorted list (expert_order)
+_PREFIX_SORTED = r"""
+  // Thread mapping: threadgroup (gid_x, gid_y) = (rows row0 .. row0 + 15 of each row set,
+  // expert gid_y); gid_y = E takes the ids past the last expert (NaN rows, nothing read). The
+  // pairs (token, slot) that chose the expert are its columns, read from the call's pairs
+  // sorted by expert (order[offs[e] .. offs[e + 1]]), in column groups of 8 NT; the mma loop
+  // below (qmatmul_mma's) runs once per group. dims = (pairs P, N rows per set, K, E, pairs
+  // per x row, rows per expert, first row of set 1 in w1).
+  const uint ex_e = gid_y, ex_E = uint(dims[3]);
+  const uint ex_per_row = uint(dims[4]);
+  const uint ex_lo = uint(offs[ex_e]);
+  const uint ex_n = uint(offs[ex_e + 1]) - ex_lo;
+  if (ex_n == 0) return;  // no pair chose this expert: the whole threadgroup leaves here
+  SHARED ushort ex_pairs[@MAX_PAIRS@];
+  for (uint i = tid; i < ex_n; i += tg_size) ex_pairs[i] = ushort(order[ex_lo + i]);
   BARRIER();
 """
 
@@ -145,9 +186,11 @@ _EDITS = [
 ]  # fmt: skip
 
 
-def _body(ggml_type: int, halves: int, epilogue: str, out_t: str, max_pairs: int) -> str:
-    """The grouped body: _PREFIX, then qmatmul_mma's loop edited (_EDITS) inside the column-group
-    loop, with ``epilogue`` writing pair ex_pairs[ex_c0 + col]'s row0 + r."""
+def _body(ggml_type: int, halves: int, epilogue: str, out_t: str, max_pairs: int,
+          sorted_: bool = False) -> str:  # fmt: skip
+    """The grouped body: _PREFIX (``sorted_``: _PREFIX_SORTED), then qmatmul_mma's loop edited
+    (_EDITS) inside the column-group loop, with ``epilogue`` writing pair ex_pairs[ex_c0 +
+    col]'s row0 + r."""
     body = MM._BODY
     for old, new, count in _EDITS:
         if body.count(old) != count:
@@ -157,7 +200,8 @@ def _body(ggml_type: int, halves: int, epilogue: str, out_t: str, max_pairs: int
         body = body.replace(old, new)
     ngr, mmg = MM._GROUPS[ggml_type]
     # the loop's loads a run ahead (qmatmul_mma's PF) are not measured here: off
-    prefix = "  constexpr int PF = 0;\n" + _PREFIX.replace("@MAX_PAIRS@", str(max_pairs))
+    head = _PREFIX_SORTED if sorted_ else _PREFIX
+    prefix = "  constexpr int PF = 0;\n" + head.replace("@MAX_PAIRS@", str(max_pairs))
     body = prefix + body.rstrip("\n") + "\n" + _GROUP_TAIL
     body = (
         body.replace("@NGR@", str(ngr))
@@ -182,34 +226,30 @@ _GLU_EPILOGUE = r"""    {
 _DOWN_EPILOGUE = "    out[size_t(ex_pairs[ex_c0 + col]) * N + row0 + r] = v[0];\n"
 
 
-def _make_kernel(ggml_type: int, glu: bool, wide: bool = False) -> Kernel:
+def _make_kernel(ggml_type: int, glu: bool, wide: bool = False, sorted_: bool = False) -> Kernel:
     """The grouped GLU (gate and up row sets, act(gate) * up in x's dtype) or the grouped down
-    projections (one row set, fp32 per pair) of a type; ``wide``: a pair list of WIDE_LIST."""
+    projections (one row set, fp32 per pair) of a type; ``wide``: a pair list of WIDE_LIST;
+    ``sorted_`` (wide only): the pairs from ``expert_order``'s order and offs, not the ids."""
     act = [{"ACT": 0}, {"ACT": 1}] if glu else [{}, {}]
+    lists = {"order": mx.uint32, "offs": (mx.int32, 9)} if sorted_ else {"ids": mx.uint32}
     examples = [
         Example(
-            {
-                "xs": mx.bfloat16,
-                "w0": mx.uint8,
-                "w1": mx.uint8,
-                "ids": mx.uint32,
-                "dims": (mx.int32, 7),
-            },
+            {"xs": mx.bfloat16, "w0": mx.uint8, "w1": mx.uint8, **lists, "dims": (mx.int32, 7)},
             {"out": mx.bfloat16 if glu else mx.float32},
             {"T": mx.bfloat16, "NT": nt, "U": u, **a},
-        )  # fmt: skip
+        )
         for (nt, u), a in zip(((1, 1), (4, 2)), act)
     ]
-    kind = ("glu" if glu else "down") + ("_wide" if wide else "")
+    kind = ("glu" if glu else "down") + ("_wide" if wide else "") + ("_sorted" if sorted_ else "")
     cap = WIDE_LIST if wide else MAX_PAIRS
     body = (
-        _body(ggml_type, 2, _GLU_EPILOGUE, "T", cap)
+        _body(ggml_type, 2, _GLU_EPILOGUE, "T", cap, sorted_)
         if glu
-        else _body(ggml_type, 1, _DOWN_EPILOGUE, "float", cap)
+        else _body(ggml_type, 1, _DOWN_EPILOGUE, "float", cap, sorted_)
     )
     return Kernel(
         f"ggml_grouped_{kind}_mma_{GGMLQuantizationType(ggml_type).name.lower()}",
-        inputs=["xs", "w0", "w1", "ids", "dims"],
+        inputs=["xs", "w0", "w1", *lists, "dims"],
         outputs=["out"],
         body=body,
         header=_header(ggml_type),
@@ -221,6 +261,12 @@ _GLU_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=True) for t in MM.MMA_
 _DOWN_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=False) for t in MM.MMA_TYPES}
 _GLU_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=True, wide=True) for t in MM.MMA_TYPES}
 _DOWN_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=False, wide=True) for t in MM.MMA_TYPES}
+_GLU_SORTED: dict[int, Kernel] = {
+    t: _make_kernel(t, glu=True, wide=True, sorted_=True) for t in MM.MMA_TYPES
+}
+_DOWN_SORTED: dict[int, Kernel] = {
+    t: _make_kernel(t, glu=False, wide=True, sorted_=True) for t in MM.MMA_TYPES
+}
 
 _SLOT_SUM_BODY = r"""
   // Thread mapping: one thread per output (token, feature n): the token's k slot rows of y
@@ -302,21 +348,28 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
     )
 
 
+def _kernels(glu: bool, wide: bool, sorted_: bool) -> dict[int, Kernel]:
+    if glu:
+        return _GLU_SORTED if sorted_ and wide else _GLU_WIDE if wide else _GLU_KERNELS
+    return _DOWN_SORTED if sorted_ and wide else _DOWN_WIDE if wide else _DOWN_KERNELS
+
+
 def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config,
-              wide: bool = False):  # fmt: skip
+              wide: bool = False, sorted_: bool = False):  # fmt: skip
     F = w.shape[1] if w_up is not None else w.shape[1] // 2
     cfg = config or (wide_config if wide else grouped_config)(ggml_type, K)
     act = {"ACT": activations.ACTIVATIONS.index(activation)}
-    kernel = (_GLU_WIDE if wide else _GLU_KERNELS)[ggml_type]
+    kernel = _kernels(True, wide, sorted_)[ggml_type]
     return _grouped_plan(kernel, x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg, act, wide)
 
 
-def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config, wide: bool = False):
+def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config, wide: bool = False,
+                sorted_: bool = False):  # fmt: skip
     N = w.shape[1]
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
     cfg = config or (wide_config if wide else grouped_config)(ggml_type, K)
-    kernel = (_DOWN_WIDE if wide else _DOWN_KERNELS)[ggml_type]
+    kernel = _kernels(False, wide, sorted_)[ggml_type]
     proj = _grouped_plan(kernel, h, w, None, expert_ids, K, N, 1, mx.float32, cfg, {}, wide)
     total = LaunchPlan(
         _SLOT_SUM,
@@ -350,17 +403,22 @@ def grouped_expert_glu(
     config: dict[str, int] | None = None,
     init_value: float | None = None,
     wide: bool = False,
+    sorted_: bool = False,
 ) -> mx.array:
     """act(gate) * up per (token, slot), the contract of expert_glu_reference: bf16 x (..., K)
     or (..., k, K), ids (..., k) (at most MAX_PAIRS in all; WIDE_LIST with ``wide``, the
     prefill's kernel), w the fused [gate | up] blocks (E, 2F, row_bytes) (or the gate rows with
     ``w_up``) of a qmatmul_mma type -> (..., k, F). One launch; each expert's rows are read once
     for all the pairs that chose it. An id >= E gives NaN rows. ``config``: NT, U, W;
-    ``init_value`` pre-fills the output."""
+    ``init_value`` pre-fills the output; ``sorted_`` (with ``wide``): HF2Q_GROUPED_SORTED's
+    kernel."""
     _check_kernel_args(x, ggml_type, in_features, expert_ids, wide)
-    plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config, wide)
+    sorted_ = sorted_ and wide
+    plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config, wide,
+                     sorted_)  # fmt: skip
     wu = w if w_up is None else w_up
-    return plan.call(x, w, wu, uint32_ids(expert_ids), init_value=init_value)
+    return plan.call(x, w, wu, *_pair_lists(expert_ids, w.shape[0], sorted_),
+                     init_value=init_value)  # fmt: skip
 
 
 def grouped_expert_down(
@@ -374,17 +432,26 @@ def grouped_expert_down(
     config: dict[str, int] | None = None,
     init_value: float | None = None,
     wide: bool = False,
+    sorted_: bool = False,
 ) -> mx.array:
     """sum over slots of weights[s] * (W[ids[s]] @ h[s]), the contract of expert_down_reference:
     bf16 h (..., k, F), ids and weights (..., k), w (E, N, row_bytes) -> (..., N) in h.dtype.
     Two launches: the grouped down projections (fp32 per (token, slot)), then their weighted
     sum in slot order 0..k-1. An id >= E gives a NaN row. ``config``: NT, U, W of the first;
-    ``init_value`` pre-fills both outputs; ``wide``: the prefill's kernel (WIDE_LIST pairs)."""
+    ``init_value`` pre-fills both outputs; ``wide``: the prefill's kernel (WIDE_LIST pairs);
+    ``sorted_`` (with ``wide``): HF2Q_GROUPED_SORTED's kernel."""
     _check_kernel_args(h, ggml_type, in_features, expert_ids, wide)
-    proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, config, wide)
+    sorted_ = sorted_ and wide
+    proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, config, wide, sorted_)
     ids, wts = ids_and_weights(expert_ids, weights)
-    y = proj.call(h, w, w, ids, init_value=init_value)
+    lists = _pair_lists(ids, w.shape[0], sorted_)
+    y = proj.call(h, w, w, *lists, init_value=init_value)
     return total.call(y, wts, init_value=init_value)
+
+
+def _pair_lists(expert_ids: mx.array, E: int, sorted_: bool) -> tuple[mx.array, ...]:
+    """The kernel's pair inputs: the ids (uint32), or ``expert_order``'s order and offs."""
+    return expert_order(expert_ids, E) if sorted_ else (uint32_ids(expert_ids),)
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,7 +520,8 @@ def expert_glu(
     shape where ``covers`` (caller errors raise as expert_glu's), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, wide_nt()), ggml_type,
+    srt = wide and sorted_lists()
+    key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
            in_features, activation, x.shape, x.dtype, w.shape, w.dtype,
            None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
            expert_ids.dtype)  # fmt: skip
@@ -464,12 +532,14 @@ def expert_glu(
         if covers(x, w, expert_ids, ggml_type, w_up=w_up, wide=wide):
             check_expert_blocks(x, w, w_up, ggml_type, in_features)
             plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None,
-                             wide)  # fmt: skip
-            plan.resolve(x.dtype, mx.uint8, mx.uint8, mx.uint32)
+                             wide, srt)  # fmt: skip
+            lists = (mx.uint32, mx.int32) if srt else (mx.uint32,)
+            plan.resolve(x.dtype, mx.uint8, mx.uint8, *lists)
         _GLU_CALLS[key] = plan
     if plan is None:
         return None
-    return plan.run(x, w, w if w_up is None else w_up, uint32_ids(expert_ids))
+    wu = w if w_up is None else w_up
+    return plan.run(x, w, wu, *_pair_lists(expert_ids, w.shape[0], srt))
 
 
 def expert_down(
@@ -485,8 +555,9 @@ def expert_down(
     call shape where ``covers`` (and the weights match the ids), else None; ``wide``: the
     prefill's kernel, for one slice of a grouped prefill."""
     be = backend()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt()), ggml_type, in_features,
-           h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
+    srt = wide and sorted_lists()
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
+           in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
            weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:
         plans = _DOWN_CALLS[key]
@@ -498,8 +569,9 @@ def expert_down(
                 raise WeightMismatchError(
                     f"h has {h.shape[-1]} features, the experts {in_features}"
                 )
-            proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, None, wide)
-            proj.resolve(h.dtype, mx.uint8, mx.uint8, mx.uint32)
+            proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, None, wide, srt)
+            lists = (mx.uint32, mx.int32) if srt else (mx.uint32,)
+            proj.resolve(h.dtype, mx.uint8, mx.uint8, *lists)
             total.resolve(mx.float32, mx.float32)
             plans = (proj, total)
         _DOWN_CALLS[key] = plans
@@ -507,7 +579,7 @@ def expert_down(
         return None
     proj, total = plans
     ids, wts = ids_and_weights(expert_ids, weights)
-    return total.run(proj.run(h, w, w, ids), wts)
+    return total.run(proj.run(h, w, w, *_pair_lists(ids, w.shape[0], srt)), wts)
 
 
 # --------------------------------------------------------------------------------------------

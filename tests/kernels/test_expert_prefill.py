@@ -478,6 +478,73 @@ def test_grouped_wide_down(monkeypatch, m):
         assert np.array_equal(_bits(y[i:j]), _bits(want)), f"tokens {i}:{j}"
 
 
+def test_expert_order_lists_each_experts_pairs():
+    """expert_order: every pair once; expert e's pairs at order[offs[e]:offs[e + 1]], ids past
+    the last expert (and negative ones, as uint32) in bucket E; an expert nobody chose empty."""
+    E = 5
+    ids = mx.array([[3, 0], [7, 3], [0, 4294967295], [4, 3]], dtype=mx.uint32)
+    order, offs = EM.expert_order(ids, E)
+    order, offs, flat = np.array(order), np.array(offs), np.array(ids).reshape(-1)
+    assert sorted(order.tolist()) == list(range(flat.size)) and offs.shape == (E + 2,)
+    assert offs[0] == 0 and offs[-1] == flat.size
+    for e in range(E + 1):
+        got = sorted(order[offs[e] : offs[e + 1]].tolist())
+        want = [p for p in range(flat.size) if min(int(flat[p]), E) == e]
+        assert got == want, e
+    assert offs[2] == offs[1]  # expert 1: no pair
+
+
+def _with_bad_ids(ids: mx.array) -> mx.array:
+    """A few ids past the last expert (NaN rows from both kernels)."""
+    a = np.array(ids).copy()
+    a[1, 0], a[-1, -1] = E_EMU + 2, 4294967295
+    return mx.array(a)
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("m", [33, 100])
+def test_grouped_sorted_glu_gives_the_scans_bits(monkeypatch, m):
+    """HF2Q_GROUPED_SORTED=1: the wide GLU's sorted kernel (one launch per slice of 40 tokens
+    here) gives the scanning kernel's bits everywhere, NaN rows of bad ids included (outputs
+    poisoned before each launch by the emulator)."""
+    t = T.Q4_K
+    raw, x, ids, K = _grouped_case(t, m, seed=240 + m)
+    ids, w = _with_bad_ids(ids), mx.array(raw)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
+    monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
+    monkeypatch.delenv("HF2Q_GROUPED_SORTED", raising=False)
+    want = G.expert_glu(x, w, ids, t, K, "silu")
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
+    launched = _recording(monkeypatch)
+    got = G.expert_glu(x, w, ids, t, K, "silu")
+    assert [n for n, _ in launched] == [EM._GLU_SORTED[t].name] * -(-m // 40)
+    assert np.isnan(np.array(got[1, 0].astype(mx.float32))).all()
+    assert np.array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.usefixtures("fake_gpu")
+@pytest.mark.parametrize("m", [33, 100])
+def test_grouped_sorted_down_gives_the_scans_bits(monkeypatch, m):
+    """The down's sorted kernel: the scanning kernel's bits (a bad id's token NaN in both)."""
+    t, K = T.Q4_K, 512
+    raw = _experts(t, E_EMU, F_EMU, K, seed=23)
+    ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=24 + m)
+    ids = _with_bad_ids(ids)
+    h = TD._h((m, K_SLOTS, K), mx.bfloat16, 25 + m)
+    w = mx.array(raw)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
+    monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
+    monkeypatch.delenv("HF2Q_GROUPED_SORTED", raising=False)
+    want = D.expert_down(h, w, ids, wts, t, K)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
+    launched = _recording(monkeypatch)
+    got = D.expert_down(h, w, ids, wts, t, K)
+    assert [n for n, _ in launched].count(EM._DOWN_SORTED[t].name) == -(-m // 40)
+    assert EM._DOWN_WIDE[t].name not in [n for n, _ in launched]
+    assert np.isnan(np.array(got[1].astype(mx.float32))).all()
+    assert np.array_equal(_bits(got), _bits(want))
+
+
 def test_wide_nt_must_be_1_2_or_4(monkeypatch):
     """HF2Q_GROUPED_WIDE_NT: 2 unset; 1, 2, 4 taken (spaces ignored); anything else an
     InvalidArgumentError naming the variable at the first wide launch, never at import."""
@@ -666,3 +733,22 @@ def test_gpu_grouped_wide_matches_grouped(monkeypatch, m, shape):
     full = m // 32 * 32
     assert np.array_equal(_bits(y[:full]), _bits(y32[:full]))
     assert np.array_equal(_bits(yd[:full]), _bits(yd32[:full]))
+
+
+@requires_gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the grouped kernels are CUDA only")
+@pytest.mark.parametrize("shape", [_GEMMA, _QWEN], ids=["26b-q5_0-down", "35b-q4_k-down"])
+@pytest.mark.parametrize("m", [100, 512, 1000])
+def test_gpu_grouped_sorted_matches_wide(monkeypatch, m, shape):
+    """HF2Q_GROUPED_SORTED=1 on CUDA at the real widths: the GLU's and the down's bits those
+    of the scanning wide kernels (the pairs of an expert are the same, only where they come
+    from differs), and within the bound against fp32 math."""
+    *_, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
+    monkeypatch.delenv("HF2Q_GROUPED_SORTED", raising=False)
+    (y, yd) = _by_mode(monkeypatch, ("grouped-wide",), m, shape)["grouped-wide"]
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
+    (ys, yds) = _by_mode(monkeypatch, ("grouped-wide",), m, shape)["grouped-wide"]
+    _assert_within(ys, g_ref, g_same)
+    _assert_within(yds, d_ref, d_same)
+    assert np.array_equal(_bits(ys), _bits(y))
+    assert np.array_equal(_bits(yds), _bits(yd))
