@@ -127,12 +127,12 @@ _PREFIX_SORTED = r"""
   // per x row, rows per expert, first row of set 1 in w1).
   const uint ex_e = gid_y, ex_E = uint(dims[3]);
   const uint ex_per_row = uint(dims[4]);
+  // The list is read where it lies (no shared copy), and the SIMD groups' sums meet in a
+  // buffer of SW groups, not 8: less shared memory a threadgroup, more of them an SM.
   const uint ex_lo = uint(offs[ex_e]);
   const uint ex_n = uint(offs[ex_e + 1]) - ex_lo;
   if (ex_n == 0) return;  // no pair chose this expert: the whole threadgroup leaves here
-  SHARED ushort ex_pairs[@MAX_PAIRS@];
-  for (uint i = tid; i < ex_n; i += tg_size) ex_pairs[i] = ushort(order[ex_lo + i]);
-  BARRIER();
+  DEVICE_PTR(const uint) ex_pairs = order + ex_lo;
 """
 
 # after the loop's N, K, row_bytes, g, row0: the NaN rows of bad ids, the expert's row sets
@@ -150,7 +150,7 @@ _SETUP = r"""  if (ex_e >= ex_E) {
   ex_w[0] = w0 + size_t(ex_e) * uint(dims[5]) * row_bytes;
   ex_w[1] = w1 + (size_t(ex_e) * uint(dims[5]) + uint(dims[6])) * row_bytes;
   constexpr uint CW = 8 * NT;  // columns per group
-  SHARED float red[H * 8 * 16 * CW];  // [set][SIMD group][row 0..15][column 0..CW - 1]
+  SHARED float red[H * @RED_SIMD@ * 16 * CW];  // [set][SIMD group][row 0..15][column 0..CW - 1]
 """
 
 _GROUP_HEAD = r"""  for (uint ex_c0 = 0; ex_c0 < ex_n; ex_c0 += CW) {
@@ -203,6 +203,11 @@ def _body(ggml_type: int, halves: int, epilogue: str, out_t: str, max_pairs: int
     head = _PREFIX_SORTED if sorted_ else _PREFIX
     prefix = "  constexpr int PF = 0;\n" + head.replace("@MAX_PAIRS@", str(max_pairs))
     body = prefix + body.rstrip("\n") + "\n" + _GROUP_TAIL
+    if sorted_:  # the reduction buffer by SW SIMD groups (a template value: the plan's W)
+        if body.count("uint(h) * 8") != 3:
+            raise RuntimeError("expert_mma: qmatmul_mma's reduction no longer indexes uint(h) * 8")
+        body = body.replace("uint(h) * 8", "uint(h) * SW")
+    body = body.replace("@RED_SIMD@", "SW" if sorted_ else "8")
     body = (
         body.replace("@NGR@", str(ngr))
         .replace("@MMG@", str(mmg))
@@ -236,7 +241,7 @@ def _make_kernel(ggml_type: int, glu: bool, wide: bool = False, sorted_: bool = 
         Example(
             {"xs": mx.bfloat16, "w0": mx.uint8, "w1": mx.uint8, **lists, "dims": (mx.int32, 7)},
             {"out": mx.bfloat16 if glu else mx.float32},
-            {"T": mx.bfloat16, "NT": nt, "U": u, **a},
+            {"T": mx.bfloat16, "NT": nt, "U": u, **a, **({"SW": 2} if sorted_ else {})},
         )
         for (nt, u), a in zip(((1, 1), (4, 2)), act)
     ]
@@ -261,6 +266,7 @@ _GLU_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=True) for t in MM.MMA_
 _DOWN_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=False) for t in MM.MMA_TYPES}
 _GLU_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=True, wide=True) for t in MM.MMA_TYPES}
 _DOWN_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=False, wide=True) for t in MM.MMA_TYPES}
+_SORTED_PREFIX = ("ggml_grouped_glu_wide_sorted", "ggml_grouped_down_wide_sorted")
 _GLU_SORTED: dict[int, Kernel] = {
     t: _make_kernel(t, glu=True, wide=True, sorted_=True) for t in MM.MMA_TYPES
 }
@@ -344,8 +350,9 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(*expert_ids.shape, N)],
         output_dtypes=[out_dtype],
-        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], **template},
-    )
+        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], **template,
+                  **({"SW": cfg["W"]} if kernel.name.startswith(_SORTED_PREFIX) else {})},
+    )  # fmt: skip
 
 
 def _kernels(glu: bool, wide: bool, sorted_: bool) -> dict[int, Kernel]:
