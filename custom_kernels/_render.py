@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -525,6 +526,12 @@ _recorder: list = []
 _collector: list = []
 
 
+def _collected_here() -> list | None:
+    """The innermost ``collecting`` list of the calling thread, else None."""
+    me = threading.get_ident()
+    return next((specs for tid, specs in reversed(_collector) if tid == me), None)
+
+
 @contextlib.contextmanager
 def collecting() -> Iterator[list]:
     """The ``LaunchSpec`` of every launch a graph built inside makes (a dry pass of a forward
@@ -532,11 +539,12 @@ def collecting() -> Iterator[list]:
     ``cuda_cache.cubins``). The outputs are MLX's lazy launches of the same kernels, so a value
     evaluated or kept by mistake is still right (MLX compiles its own build for it then)."""
     specs: list = []
-    _collector.append(specs)
+    entry = (threading.get_ident(), specs)  # this thread's launches only (an engine's beside)
+    _collector.append(entry)
     try:
         yield specs
     finally:
-        _collector.remove(specs)
+        _collector.remove(entry)
 
 
 @dataclass(frozen=True, eq=False)
@@ -590,8 +598,10 @@ class _Launch:
         if _recorder:
             return _recorder[-1].launch(self.spec, list(inputs))
         if _collector and type(self.plan) is _CudaPlan:
-            _collector[-1].append(self.spec)
-            return self.plan.mlx()(inputs=inputs)
+            specs = _collected_here()
+            if specs is not None:
+                specs.append(self.spec)
+                return self.plan.mlx()(inputs=inputs)
         return self.plan(inputs=inputs)
 
 

@@ -73,7 +73,7 @@ def test_a_failing_dry_pass_is_not_the_callers_error(monkeypatch, tmp_path):
             return ("k", "src")
 
     def dry():
-        _render._collector[-1].append(Spec())
+        _render._collected_here().append(Spec())
         raise ValueError("shapes do not match")
 
     class Model:
@@ -123,3 +123,22 @@ def test_engine_warmup_compiles_its_cubins_ahead(model, tmp_path):
     ahead, asked = set(res["compiled_ahead"]), res["asked_after"]
     assert len(ahead) >= 8 and len(asked) == len(set(asked))
     assert set(asked) <= ahead, sorted(set(asked) - ahead)
+
+
+def test_collecting_takes_the_calling_threads_launches_only():
+    """A launch made on another thread while one thread collects (a server's other worker)
+    runs as usual and is not noted."""
+    import threading
+
+    from hf2q_mlx.custom_kernels import _render
+
+    plan = _render._CudaPlan(lambda: None, lambda: lambda inputs: ["mlx build"], {})
+    launch = _render._Launch("the spec", plan)
+    seen = []
+    with _render.collecting() as specs:
+        assert launch([]) == ["mlx build"]
+        worker = threading.Thread(target=lambda: seen.append(launch([])))
+        worker.start()
+        worker.join()
+    assert specs == ["the spec"] and seen == [["mlx build"]]
+    assert _render._collector == []
