@@ -294,6 +294,11 @@ step tq-mb-step 360 "$(tq_speed tq_mb_step 4096,16384 '--tq-env HF2Q_TQ_ROW_REGS
 # 35B-A3B prefills against the default, with NT 4 beside it
 step sorted-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_grouped_sorted or gpu_grouped_wide' tests/kernels/test_expert_prefill.py --tb=short"
 step sorted-ab 480 "python3 bench/prefill.py $OUT/prefill_sorted.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_SORTED=1 --env HF2Q_GROUPED_SORTED=1,HF2Q_GROUPED_WIDE_NT=4 --env HF2Q_GROUPED_WIDE_NT=4"
+# HF2Q_MMA_MIN_BLOCKS=3 (launch bounds on the mat-vec cubins: 3 threadgroups an SM, one wave at
+# 31B's N = 5,376 shapes): the mat-vec's and the graph's GPU tests with it, then the whole 31B
+# decode through the graph against the default
+step mma-mb-tests 300 "HF2Q_MMA_MIN_BLOCKS=3 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_qmatmul_mma.py tests/test_cuda_graph_step.py --tb=short"
+step mma-mb-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_mb_ab.json --step graph --shape ${SHAPE:-gemma4:31b} --rounds 7 --tokens 64 --time-cap 300 --env '' --env HF2Q_MMA_MIN_BLOCKS=3"
 step wide-nt-tests 240 "HF2Q_GROUPED_WIDE_NT=4 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_expert_prefill.py tests/kernels/test_dense_prefill_grouped.py --tb=short"
 step wide-nt-ab 480 "python3 bench/prefill.py $OUT/prefill_wide_nt.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_WIDE_NT=4 --env HF2Q_GROUPED_WIDE_NT=1"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"

@@ -635,6 +635,22 @@ def load_flags(value: str) -> dict[str, int]:
 # Read at import (A/B runs in worker processes: bench/mlx_env_ab.py --env HF2Q_MMA_LOADS=s):
 # merged into every launch_config / glu_launch_config of the process.
 LOADS = load_flags(os.environ.get("HF2Q_MMA_LOADS", ""))
+# HF2Q_MMA_MIN_BLOCKS (1..8; unset: none; read at import, checked at the first plan): launch
+# bounds on the mat-vec's cubins asking nvcc for that many threadgroups an SM. At 31B's N =
+# 5,376 shapes the grid is 336 threadgroups of 8 SIMD groups, two an SM at 86 registers (1.27
+# waves); 3 gives 80 registers (32 bytes spilled, nvcc 13.0) and one wave. Same math, same bits
+# (launch bounds only bound the registers); cubins only (graph and prefill), not MLX's builds.
+MIN_BLOCKS_RAW = os.environ.get("HF2Q_MMA_MIN_BLOCKS", "")
+
+
+def min_blocks() -> int | None:
+    """HF2Q_MMA_MIN_BLOCKS as an integer 1..8, None when unset; InvalidArgumentError else."""
+    text = MIN_BLOCKS_RAW.strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 8:
+        raise InvalidArgumentError(f"HF2Q_MMA_MIN_BLOCKS={MIN_BLOCKS_RAW!r}: expected 1..8")
+    return int(text)
 
 
 def has_kernel(ggml_type: int, dtype: mx.Dtype) -> bool:
@@ -713,8 +729,16 @@ class _Plan(LaunchPlan):
             threadgroup=(32 * cfg["W"],),
             output_shapes=[(M, N)],
             output_dtypes=[mx.bfloat16],
-            template={"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)},
-        )
+            template=_bounded({"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"],
+                               "PF": cfg.get("PF", 0)}, cfg["W"]),
+        )  # fmt: skip
+
+
+def _bounded(template: dict, w: int) -> dict:
+    """``template`` with HF2Q_MMA_MIN_BLOCKS's launch bounds (threadgroups of ``w`` SIMD
+    groups), if set."""
+    mb = min_blocks()
+    return template if mb is None else {**template, "LB_THREADS": 32 * w, "LB_MIN_BLOCKS": mb}
 
 
 _PLANS: dict[tuple, _Plan] = {}

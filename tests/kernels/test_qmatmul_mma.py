@@ -281,6 +281,31 @@ def test_load_flags_from_the_environment_value(monkeypatch):
     assert plan.kernel is MM._STREAM_KERNELS[T.Q4_K] and dict(plan.template)["PF"] == 1
 
 
+def test_min_blocks_puts_launch_bounds_on_the_cubins_only(monkeypatch):
+    """HF2Q_MMA_MIN_BLOCKS: unset, no bounds; 3, every mat-vec plan's template asks nvcc for 3
+    threadgroups of its W SIMD groups (our unit gets ``__launch_bounds__``, MLX's cuda_kernel
+    source none: it is not ours to bound); a bad value is an InvalidArgumentError naming it at
+    the first plan."""
+    monkeypatch.setattr(MM, "MIN_BLOCKS_RAW", "")
+    assert "LB_MIN_BLOCKS" not in dict(MM.dispatch_plan(T.Q4_K, 1, 5376, 21504).template)
+    monkeypatch.setattr(MM, "MIN_BLOCKS_RAW", " 3 ")
+    plan = MM.dispatch_plan(T.Q4_K, 1, 5376, 21504)
+    w = MM.launch_config(T.Q4_K, 1, 5376, 21504)["W"]
+    tmpl = dict(plan.template)
+    assert tmpl["LB_MIN_BLOCKS"] == 3 and tmpl["LB_THREADS"] == 32 * w == plan.threadgroup[0]
+    dts = [mx.bfloat16, mx.uint8, mx.int32]
+    _, unit = plan.kernel.precompiled_unit(dts, (), [mx.bfloat16], tmpl, "sig", 0)
+    assert f"__launch_bounds__({32 * w}, 3)" in unit
+    ex = plan.kernel.examples[0]
+    bounded = Example(ex.inputs, ex.outputs, {**ex.template, "LB_THREADS": 256, "LB_MIN_BLOCKS": 3})
+    assert "__launch_bounds__" not in plan.kernel.render("cuda", bounded)
+    assert "__launch_bounds__(256, 3)" in plan.kernel.render("cuda", bounded, precompiled=True)
+    for bad in ("0", "9", "x", "2.5"):
+        monkeypatch.setattr(MM, "MIN_BLOCKS_RAW", bad)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_MIN_BLOCKS"):
+            MM.dispatch_plan(T.Q4_K, 1, 64, 256)
+
+
 def test_launch_config_fixes_the_order_whatever_m():
     """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M, 4 n-tiles
     (one launch) up to MAX_ROWS = 32."""
