@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -117,9 +119,6 @@ def mlx_jit_modules(since: float) -> list[dict]:
     eval) written to its PTX cache after ``since``, in order, each with the seconds since the
     previous file (about its compile time). The folder: ``MLX_PTX_CACHE_DIR``, else MLX's
     default (``<tmp>/mlx/<version>/ptx``)."""
-    import os
-    import tempfile
-
     folder = os.environ.get("MLX_PTX_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), "mlx", mx.__version__, "ptx"
     )

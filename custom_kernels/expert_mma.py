@@ -266,7 +266,6 @@ _GLU_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=True) for t in MM.MMA_
 _DOWN_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, glu=False) for t in MM.MMA_TYPES}
 _GLU_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=True, wide=True) for t in MM.MMA_TYPES}
 _DOWN_WIDE: dict[int, Kernel] = {t: _make_kernel(t, glu=False, wide=True) for t in MM.MMA_TYPES}
-_SORTED_PREFIX = ("ggml_grouped_glu_wide_sorted", "ggml_grouped_down_wide_sorted")
 _GLU_SORTED: dict[int, Kernel] = {
     t: _make_kernel(t, glu=True, wide=True, sorted_=True) for t in MM.MMA_TYPES
 }
@@ -350,9 +349,8 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(*expert_ids.shape, N)],
         output_dtypes=[out_dtype],
-        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], **template,
-                  **({"SW": cfg["W"]} if kernel.name.startswith(_SORTED_PREFIX) else {})},
-    )  # fmt: skip
+        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], **template},
+    )
 
 
 def _kernels(glu: bool, wide: bool, sorted_: bool) -> dict[int, Kernel]:
@@ -361,11 +359,21 @@ def _kernels(glu: bool, wide: bool, sorted_: bool) -> dict[int, Kernel]:
     return _DOWN_SORTED if sorted_ and wide else _DOWN_WIDE if wide else _DOWN_KERNELS
 
 
+def _sorted_template(cfg: dict, sorted_: bool) -> dict:
+    """The sorted kernels' SW: the plan's SIMD groups, which size their reduction buffer."""
+    return {"SW": cfg["W"]} if sorted_ else {}
+
+
+def _list_dtypes(sorted_: bool) -> tuple:
+    """The dtypes of ``_pair_lists``' arrays."""
+    return (mx.uint32, mx.int32) if sorted_ else (mx.uint32,)
+
+
 def _glu_plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config,
               wide: bool = False, sorted_: bool = False):  # fmt: skip
     F = w.shape[1] if w_up is not None else w.shape[1] // 2
     cfg = config or (wide_config if wide else grouped_config)(ggml_type, K)
-    act = {"ACT": activations.ACTIVATIONS.index(activation)}
+    act = {"ACT": activations.ACTIVATIONS.index(activation), **_sorted_template(cfg, sorted_)}
     kernel = _kernels(True, wide, sorted_)[ggml_type]
     return _grouped_plan(kernel, x, w, w_up, expert_ids, K, F, 2, x.dtype, cfg, act, wide)
 
@@ -377,7 +385,8 @@ def _down_plans(h, w, expert_ids, ggml_type: int, K: int, config, wide: bool = F
     tokens = expert_ids.size // k
     cfg = config or (wide_config if wide else grouped_config)(ggml_type, K)
     kernel = _kernels(False, wide, sorted_)[ggml_type]
-    proj = _grouped_plan(kernel, h, w, None, expert_ids, K, N, 1, mx.float32, cfg, {}, wide)
+    sw = _sorted_template(cfg, sorted_)
+    proj = _grouped_plan(kernel, h, w, None, expert_ids, K, N, 1, mx.float32, cfg, sw, wide)
     total = LaunchPlan(
         _SLOT_SUM,
         [tokens, N, k],
@@ -540,8 +549,7 @@ def expert_glu(
             check_expert_blocks(x, w, w_up, ggml_type, in_features)
             plan = _glu_plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, None,
                              wide, srt)  # fmt: skip
-            lists = (mx.uint32, mx.int32) if srt else (mx.uint32,)
-            plan.resolve(x.dtype, mx.uint8, mx.uint8, *lists)
+            plan.resolve(x.dtype, mx.uint8, mx.uint8, *_list_dtypes(srt))
         _GLU_CALLS[key] = plan
     if plan is None:
         return None
@@ -577,8 +585,7 @@ def expert_down(
                     f"h has {h.shape[-1]} features, the experts {in_features}"
                 )
             proj, total = _down_plans(h, w, expert_ids, ggml_type, in_features, None, wide, srt)
-            lists = (mx.uint32, mx.int32) if srt else (mx.uint32,)
-            proj.resolve(h.dtype, mx.uint8, mx.uint8, *lists)
+            proj.resolve(h.dtype, mx.uint8, mx.uint8, *_list_dtypes(srt))
             total.resolve(mx.float32, mx.float32)
             plans = (proj, total)
         _DOWN_CALLS[key] = plans

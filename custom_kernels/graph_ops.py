@@ -198,11 +198,10 @@ def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
         rows = _per_element(_rows_kernel, inputs, R * W, (R, W), mx.uint32, {"R": R, "W": W})
     elif backend() == "cuda" and avoid_mlx_jit():
         tg = 128 if W >= 128 else 32  # the body checks the row's end
-        launch = _rows_any_kernel.launcher(
-            [mx.uint32, mx.int32], grid=(W, R), threadgroup=(tg, 1), output_shapes=[(R, W)],
+        rows = _rows_any_kernel(
+            inputs, grid=(W, R), threadgroup=(tg, 1), output_shapes=[(R, W)],
             output_dtypes=[mx.uint32], template={"W": W, "V": V},
-        )  # fmt: skip
-        rows = launch(inputs=inputs)[0]
+        )[0]  # fmt: skip
     else:
         return table[ids]
     return rows.view(mx.uint8).reshape(*ids.shape, RB)

@@ -81,16 +81,14 @@ def test_router_outputs_unchanged(monkeypatch):
 
 
 def _emulating(kernel):
-    class Launcher:
-        def launcher(self, dtypes, **kw):
+    """``kernel`` called as ``Kernel.__call__``, run by the emulator, its launch values kept."""
+
+    class Emulated:
+        def __call__(self, inputs, **kw):
             self.kw = kw
+            return kernel_emulator.emulate(kernel, list(inputs), **kw)
 
-            def launch(inputs):
-                return kernel_emulator.emulate(kernel, list(inputs), **kw)
-
-            return launch
-
-    return Launcher()
+    return Emulated()
 
 
 @needs_gxx
