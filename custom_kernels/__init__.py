@@ -58,7 +58,12 @@ _gpu: tuple[str | None, object, object] | None = None
 def env_int(name: str, lo: int, hi: int) -> int | None:
     """Environment switch ``name`` as an integer in lo..hi; None when unset or blank.
     ``InvalidArgumentError`` (one line, naming it) for anything else."""
-    text = os.environ.get(name, "").strip()
+    return int_setting(name, os.environ.get(name, ""), lo, hi)
+
+
+def int_setting(name: str, text: str, lo: int, hi: int) -> int | None:
+    """``text`` (switch ``name``'s value, e.g. read at import) as ``env_int`` reads it."""
+    text = text.strip()
     if not text:
         return None
     if not (text.isascii() and text.isdigit()) or not lo <= int(text) <= hi:

@@ -11,6 +11,7 @@ import re
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
+from hf2q_mlx.custom_kernels import int_setting
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
@@ -645,12 +646,7 @@ MIN_BLOCKS_RAW = os.environ.get("HF2Q_MMA_MIN_BLOCKS", "")
 
 def min_blocks() -> int | None:
     """HF2Q_MMA_MIN_BLOCKS as an integer 1..8, None when unset; InvalidArgumentError else."""
-    text = MIN_BLOCKS_RAW.strip()
-    if not text:
-        return None
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 8:
-        raise InvalidArgumentError(f"HF2Q_MMA_MIN_BLOCKS={MIN_BLOCKS_RAW!r}: expected 1..8")
-    return int(text)
+    return int_setting("HF2Q_MMA_MIN_BLOCKS", MIN_BLOCKS_RAW, 1, 8)
 
 
 def has_kernel(ggml_type: int, dtype: mx.Dtype) -> bool:
