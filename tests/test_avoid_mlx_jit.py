@@ -57,8 +57,8 @@ def test_pick_keeps_a_picked_inf(avoid):
     assert ops.pick(a, mx.array([[1, 2]], dtype=mx.uint32)).tolist() == [[-np.inf, 3.0]]
 
 
-def test_pick_is_a_gather_by_default(monkeypatch):
-    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+def test_pick_is_a_gather_with_the_switch_off(monkeypatch):
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
     ids = mx.array([[2, 0]], dtype=mx.uint32)
     assert "Gather" in _prims(ops.pick(mx.array([[1.0, 2.0, 3.0]]), ids))
 
@@ -72,7 +72,7 @@ def test_router_outputs_unchanged(monkeypatch):
     router.scale = mx.random.normal((D,), key=mx.random.key(3)) + 1
     router.per_expert_scale = mx.random.normal((E,), key=mx.random.key(4)) + 1
     x = mx.random.normal((1, 70, D), key=mx.random.key(5))
-    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
     ids0, w0, _ = router(x)
     monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
     ids1, w1, _ = router(x)
@@ -112,8 +112,8 @@ def test_gather_rows_any_kernel_matches_take(avoid, monkeypatch, row_bytes):
     np.testing.assert_array_equal(np.array(past), np.array(table[mx.array([V - 1, 1])]))
 
 
-def test_gather_rows_takes_mlx_without_the_switch(monkeypatch):
-    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+def test_gather_rows_takes_mlx_with_the_switch_off(monkeypatch):
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
     monkeypatch.setattr(graph_ops, "backend", lambda: "cuda")
     table = mx.zeros((4, 8), dtype=mx.uint8) + 1
     assert "Gather" in _prims(graph_ops.gather_rows(table, mx.array([2], dtype=mx.int32)))
@@ -125,7 +125,7 @@ def test_owned_rows_are_views(avoid, monkeypatch):
     got = expert_matmul.owned_rows(a, 2, 7)
     assert "Gather" not in _prims(got)
     np.testing.assert_array_equal(np.array(got), np.array(a[2:7]))
-    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT")
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
     assert "Gather" in _prims(expert_matmul.owned_rows(a, 2, 7))
 
 
@@ -179,10 +179,38 @@ def test_unfused_activations_match_the_compiled_ones(monkeypatch, dtype):
 
     x = (mx.random.normal((7, 300), key=mx.random.key(7)) * 6).astype(dtype)
     up = mx.random.normal((7, 300), key=mx.random.key(8)).astype(dtype)
-    monkeypatch.delenv("HF2Q_AVOID_MLX_JIT", raising=False)
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
     want = [gated_delta.silu(x), gated_delta.softplus(x), ops.gated_activation(x, up, kernel=False)]
     monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
     got = [gated_delta.silu(x), gated_delta.softplus(x), ops.gated_activation(x, up, kernel=False)]
     for g, w in zip(got, want):
         assert "Compiled" not in _prims(g)
         np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_switch_defaults(monkeypatch):
+    """HF2Q_AVOID_MLX_JIT unset: on with MLX's CUDA back end, off elsewhere (Metal's and the
+    CPU's ops do not compile at first use); HF2Q_GROUPED_SORTED unset: on. 0 / 1 force either;
+    anything else is a one-line caller error."""
+    import hf2q_mlx.custom_kernels as ck
+    from hf2q_mlx.custom_kernels import expert_mma
+    from hf2q_mlx.errors import InvalidArgumentError
+
+    for name in ("HF2Q_AVOID_MLX_JIT", "HF2Q_GROUPED_SORTED"):
+        monkeypatch.delenv(name, raising=False)
+    assert expert_mma.sorted_lists()
+    for gpu, want in (("cuda", True), ("metal", False), (None, False)):
+        monkeypatch.setattr(ck, "backend", lambda g=gpu: g)
+        assert ck.avoid_mlx_jit() is want, gpu
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
+    monkeypatch.setattr(ck, "backend", lambda: "cuda")
+    assert not ck.avoid_mlx_jit()
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "1")
+    monkeypatch.setattr(ck, "backend", lambda: None)
+    assert ck.avoid_mlx_jit()
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "0")
+    assert not expert_mma.sorted_lists()
+    for name in ("HF2Q_AVOID_MLX_JIT", "HF2Q_GROUPED_SORTED"):
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(InvalidArgumentError, match=name):
+            ck.avoid_mlx_jit() if name == "HF2Q_AVOID_MLX_JIT" else expert_mma.sorted_lists()

@@ -437,6 +437,7 @@ def test_grouped_wide_glu(monkeypatch, m, nt):
     raw, x, ids, K = _grouped_case(t, m, seed=140 + m)
     w = mx.array(raw)
     monkeypatch.setattr(EM, "WIDE_NT", nt)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "0")  # the scanning kernels (sorted: below)
     monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
     monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
     calls = _count_dequant(monkeypatch)
@@ -462,6 +463,7 @@ def test_grouped_wide_down(monkeypatch, m):
     ids, wts = TD._route(m, K_SLOTS, E_EMU, seed=14 + m)
     h = TD._h((m, K_SLOTS, K), mx.bfloat16, 15 + m)
     w = mx.array(raw)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "0")
     monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
     monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
     calls = _count_dequant(monkeypatch)
@@ -512,7 +514,7 @@ def test_grouped_sorted_glu_gives_the_scans_bits(monkeypatch, m):
     ids, w = _with_bad_ids(ids), mx.array(raw)
     monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
     monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
-    monkeypatch.delenv("HF2Q_GROUPED_SORTED", raising=False)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "0")
     want = G.expert_glu(x, w, ids, t, K, "silu")
     monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
     launched = _recording(monkeypatch)
@@ -534,7 +536,7 @@ def test_grouped_sorted_down_gives_the_scans_bits(monkeypatch, m):
     w = mx.array(raw)
     monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
     monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
-    monkeypatch.delenv("HF2Q_GROUPED_SORTED", raising=False)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "0")
     want = D.expert_down(h, w, ids, wts, t, K)
     monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
     launched = _recording(monkeypatch)
@@ -616,7 +618,10 @@ def test_models_ops_reach_the_grouped_prefill(monkeypatch, mode):
     h = ops.expert_glu(x, ids, gate_up, None, "silu")
     names = [n for n, _ in launched]
     wide = mode == "grouped-wide"
-    glu_k, down_k = (EM._GLU_WIDE, EM._DOWN_WIDE) if wide else (EM._GLU_KERNELS, EM._DOWN_KERNELS)
+    # wide: the sorted kernels, HF2Q_GROUPED_SORTED's default
+    glu_k, down_k = (
+        (EM._GLU_SORTED, EM._DOWN_SORTED) if wide else (EM._GLU_KERNELS, EM._DOWN_KERNELS)
+    )
     assert glu_k[t_gu].name in names
     assert np.array_equal(_bits(h), _bits(G.expert_glu(x, gate_up.weight, ids, t_gu, H)))
     y = ops.expert_down(h, ids, wts, down)
@@ -744,7 +749,7 @@ def test_gpu_grouped_sorted_matches_wide(monkeypatch, m, shape):
     of the scanning wide kernels (the pairs of an expert are the same, only where they come
     from differs), and within the bound against fp32 math."""
     *_, (g_ref, g_same, d_ref, d_same) = _gpu_case(m, shape)
-    monkeypatch.delenv("HF2Q_GROUPED_SORTED", raising=False)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "0")
     (y, yd) = _by_mode(monkeypatch, ("grouped-wide",), m, shape)["grouped-wide"]
     monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
     (ys, yds) = _by_mode(monkeypatch, ("grouped-wide",), m, shape)["grouped-wide"]

@@ -124,6 +124,43 @@ def test_reference_matches_numpy_on_gguf_dequant():
     np.testing.assert_allclose(y, x @ wf.T, rtol=1e-5, atol=1e-5)
 
 
+def test_dequant_chunks_are_aligned_rows_covering_w():
+    """The many-rows path's chunks: whole multiples of _DEQ_ROW_ALIGN rows (an odd chunk is an
+    odd GEMM leading dimension), about _DEQ_CHUNK elements, all of W in one when it fits."""
+    align = Q._DEQ_ROW_ALIGN
+    for n, k in [(16384, 5376), (43008, 5376), (5376, 21504), (5376, 8192), (300, 1 << 20)]:
+        rows = Q._deq_chunk_rows(n, k)
+        assert rows == n or rows % align == 0
+        assert rows * k <= max(Q._DEQ_CHUNK, align * k)
+        assert rows == n or (rows + align) * k > Q._DEQ_CHUNK  # no smaller than it needs be
+    assert Q._deq_chunk_rows(4096, 4096) == 4096  # 16M elements: one chunk
+
+
+def test_dequant_chunks_concatenate_to_the_reference(monkeypatch):
+    """_ggml_matmul_dequant over several chunks (the last one short), the dequantizer swapped
+    for the reference one on the CPU: each output column comes from its own row of W (fp32
+    math, same order of sums as the oracle: 1e-5)."""
+    n, k = 700, 512
+    w, _ = _weight(T.Q4_K, n, k)
+    x = mx.random.normal((70, k), key=mx.random.key(3))
+    monkeypatch.setattr(Q, "_DEQ_CHUNK", 300 * k)  # aligned down: 256, 256, 188
+    monkeypatch.setattr(
+        Q, "ggml_dequantize_kernel", lambda wr, t, kk, dt: dequantize_reference(wr, t, kk)
+    )
+    calls = []
+    real = Q.mx.concatenate
+    monkeypatch.setattr(
+        Q.mx,
+        "concatenate",
+        lambda parts, axis: calls.append([p.shape[-1] for p in parts]) or real(parts, axis=axis),
+    )
+    with mx.stream(mx.cpu):
+        y = Q._ggml_matmul_dequant(x, w, T.Q4_K, k)
+        ref = Q.ggml_matmul_reference(x, w, T.Q4_K, k)
+        assert [256, 256, 188] in calls and y.shape == (70, n)
+        np.testing.assert_allclose(np.array(y), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
 def test_caller_errors():
     w, _ = _weight(T.Q4_0, 4, 256)
     with pytest.raises(WeightMismatchError):  # x has the wrong number of features
