@@ -75,9 +75,11 @@ def test_grouped_prefill_matches_fp32_math(emulated_cuda, monkeypatch, wide_pair
     w, x = _case(n, k, m, seed=3)
     y = EM.dense_grouped_matmul(x, w, T.Q4_K, k)
     _check(y, x, w, k)
-    # the wide down kernel and the slot sum, planned once per slice length
+    # the wide down kernel (sorted pairs: HF2Q_GROUPED_SORTED's default) and the slot sum,
+    # planned once per slice length
     slices = 1 if wide_pairs >= m else 2
-    assert emulated_cuda == ["ggml_grouped_down_wide_mma_q4_k", "grouped_expert_slot_sum"] * slices
+    down = "ggml_grouped_down_wide_sorted_mma_q4_k"
+    assert emulated_cuda == [down, "grouped_expert_slot_sum"] * slices
     assert not any("dequant" in name for name in emulated_cuda)
 
 
