@@ -11,6 +11,9 @@ the GPU, else wall time), median [min-max] of:
   matmul   ``x @ W.T`` on a bf16 weight dequantized beforehand (the floor of our path);
   mlx q4   ``mx.quantized_matmul`` on the same shape as MLX affine 4-bit, group 64 (mlx-lm's
            kernel for these weights);
+  ours staged, dequant staged  (GPU) the same with ``HF2Q_DEQUANT_STAGED=1`` (the dequantizer's
+           stores through shared memory, 16-byte words; "ours staged" prints its error to
+           ``ours``, which must be 0: same bits);
   grouped  (CUDA) ``HF2Q_DENSE_PREFILL=grouped``'s path (``expert_mma.dense_grouped_matmul``:
            the MoE prefill's wide grouped down kernel with one expert every token chose at
            weight 1, a Q4_K GEMM that never writes a dequantized weight), at the default n-tiles
@@ -113,6 +116,10 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
         "matmul": lambda: x @ wd.T,
         "mlx q4": lambda: mx.quantized_matmul(x, *wq, transpose=True, group_size=64, bits=4),
     }
+    if backend() is not None:  # the dequantizer's stores staged through shared memory
+        st = {"HF2Q_DEQUANT_STAGED": "1"}
+        cases["ours staged"] = lambda: with_env(st, Q.ggml_matmul, x, w, GT.Q4_K, k)
+        cases["dequant staged"] = lambda: with_env(st, dequantize, w, k)
     nt2 = {"HF2Q_DENSE_PREFILL": "grouped"}
     nt4 = {**nt2, "HF2Q_GROUPED_WIDE_NT": "4"}
     if backend() == "cuda" and with_env(nt2, grouped, x, w, k) is not None:  # kernels take it
@@ -135,8 +142,8 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
     moved = w.nbytes + n * k * 2  # the dequantizer reads the blocks, writes bf16
     ref = outs["ours"].astype(mx.float32)
     scale = mx.abs(ref).max().item() or 1.0
-    errs = {c: mx.abs(o.astype(mx.float32) - ref).max().item() / scale
-            for c, o in outs.items() if c == "matmul" or c.startswith("grouped")}  # fmt: skip
+    compared = [c for c in outs if c in ("matmul", "ours staged") or c.startswith("grouped")]
+    errs = {c: mx.abs(outs[c].astype(mx.float32) - ref).max().item() / scale for c in compared}
     row = {"shape": label, "N": n, "K": k, "T": t, "us": {}, "kernels_us": kinds,
            "max_err_vs_ours": errs}  # fmt: skip
     print(f"\n{label} {n} x {k}, T {t}: us per call, median [min-max]")
@@ -145,12 +152,12 @@ def run_case(label: str, n: int, k: int, t: int, a) -> dict:
         row["us"][c] = {"median": med, "min": min(us[c]), "max": max(us[c])}
         rate = (
             f"{moved / med / 1e3:7.0f} GB/s"
-            if c == "dequant"
+            if c.startswith("dequant")
             else f"{flops / med / 1e6:7.1f} TFLOP/s"
         )
         split = " ".join(f"{kd} {v:.0f}" for kd, v in sorted(kinds[c].items()))
         err = f"  err {errs[c]:.1e}" if c in errs else ""
-        print(f"  {c:8s} {med:10.1f} [{min(us[c]):.1f}-{max(us[c]):.1f}]  {rate}  {split}{err}")
+        print(f"  {c:14s} {med:10.1f} [{min(us[c]):.1f}-{max(us[c]):.1f}]  {rate}  {split}{err}")
     return row
 
 

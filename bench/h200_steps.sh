@@ -297,10 +297,21 @@ step sorted-ab 480 "python3 bench/prefill.py $OUT/prefill_sorted.json --shapes $
 # HF2Q_MMA_MIN_BLOCKS=3 (launch bounds on the mat-vec cubins: 3 threadgroups an SM, one wave at
 # 31B's N = 5,376 shapes): the mat-vec's and the graph's GPU tests with it, then the whole 31B
 # decode through the graph against the default
-step mma-mb-tests 300 "HF2Q_MMA_MIN_BLOCKS=3 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_qmatmul_mma.py tests/test_cuda_graph_step.py --tb=short"
+# (session 37: both files in one step ran past 300 s with 31 tests passed; split in two)
+step mma-mb-tests 300 "HF2Q_MMA_MIN_BLOCKS=3 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_qmatmul_mma.py --tb=short"
+step mma-mb-graph-tests 300 "HF2Q_MMA_MIN_BLOCKS=3 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph or gpu_engine_graph' tests/test_cuda_graph_step.py tests/test_decode_step.py --tb=short"
 step mma-mb-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_mb_ab.json --step graph --shape ${SHAPE:-gemma4:31b} --rounds 7 --tokens 64 --time-cap 300 --env '' --env HF2Q_MMA_MIN_BLOCKS=3"
 step wide-nt-tests 240 "HF2Q_GROUPED_WIDE_NT=4 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_expert_prefill.py tests/kernels/test_dense_prefill_grouped.py --tb=short"
 step wide-nt-ab 480 "python3 bench/prefill.py $OUT/prefill_wide_nt.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_WIDE_NT=4 --env HF2Q_GROUPED_WIDE_NT=1"
+# session 37's defaults (sorted wide kernels, HF2Q_AVOID_MLX_JIT on CUDA, the dense dequant path's
+# 128-row chunks): Gemma-4-31B's whole prefill against mlx-lm (issue 15: was 0.72x; the odd
+# chunk had run q|k|v and gate|up ~9x slow) with HF2Q_AVOID_MLX_JIT=0 beside it (its steady
+# cost, if any), then a fresh machine's first prefill of 26B-A4B and 31B with the defaults
+step prefill-31b 420 "python3 bench/prefill.py $OUT/prefill_31b.json --shapes ${PREFILL_SHAPES:-gemma4:31b} --rounds 3 --env HF2Q_AVOID_MLX_JIT=0"
+step first-prefill-defaults 360 "for sh in gemma4:26b-a4b gemma4:31b; do rm -rf /tmp/ptx-fpd /tmp/cuda-fpd \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpd CUDA_CACHE_PATH=/tmp/cuda-fpd python3 bench/first_prefill.py $OUT/first_prefill_\${sh#*:}_\$run.json --shape \$sh --top 8; done; done"
+# the dequantizer's stores staged through shared memory (HF2Q_DEQUANT_STAGED=1, session 37, CPU
+# emulator and nvcc only): GPU bits against the plain kernel, then dense-prefill's "staged" rows
+step staged-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_staged or gpu_get_rows' tests/kernels/test_qmatmul.py --tb=short"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

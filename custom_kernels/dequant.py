@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_array, env_int
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.ggml_formats import (
     BLOCK_FORMATS,
@@ -224,8 +224,80 @@ def _make_kernel(ggml_type: int) -> Kernel:
     )
 
 
+# The same decode with the stores staged: a threadgroup's blocks are one contiguous run of the
+# output, so they go to shared memory first and leave as 16-byte words, consecutive threads on
+# consecutive words. (_DEQ_BODY's lanes each store 2-4 byte scalars 8-32 bytes apart: on the
+# H200 it reaches ~600 GB/s, session 37, where a copy runs ~4 TB/s.) Each block's run in shared
+# memory is padded by one word, so the SIMD group's blocks start in different banks.
+_DEQ_STAGED_BODY = r"""
+  // Thread mapping: thread tid of threadgroup gid_x decodes lane unit t = tid % LPB of block
+  // gid_x * BPT + tid / LPB (blocks numbered row-major over (N, K / QK)) into shared memory;
+  // then all BPT * LPB threads write the threadgroup's blocks, one run of out, word by word.
+  constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, NG = @NG@, GS = @GS@;
+  constexpr uint WPB = QK * uint(sizeof(T)) / 16;  // 16-byte words of one block's output
+  SHARED uint4 stage4[BPT * (WPB + 1)];
+  const uint N = uint(dims[0]);
+  const uint K = uint(dims[1]);
+  const size_t total = size_t(N) * (K / QK);  // blocks
+  const size_t b0 = size_t(gid_x) * BPT;
+  const uint lb = tid / LPB;
+  const uint t = tid % LPB;
+  if (b0 + lb < total) {
+    const Raw@SUF@ raw = load_@suf@(w + (b0 + lb) * BB, t);
+    SHARED_PTR(T) o = (SHARED_PTR(T))(stage4 + lb * (WPB + 1));
+    UNROLL for (int g = 0; g < int(NG); ++g) {
+      float wv[GS];
+      float sc;
+      float bi;
+      dq_@suf@(raw, t, g, wv, &sc, &bi);
+      UNROLL for (int i = 0; i < int(GS); ++i) {
+        // as _DEQ_BODY: 2^-p folded into the scale (exact), one rounding of d * q + bias
+        const float sc2 = sc * (1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1))));
+        o[xoff_@suf@(t, g, i >> 2) + uint(i & 3)] = from_float<T>(sc2 * wv[i] + bi);
+      }
+    }
+  }
+  BARRIER();
+  const size_t left = total - b0;
+  const uint words = uint(left < size_t(BPT) ? left : size_t(BPT)) * WPB;
+  DEVICE_PTR(uint4) dst = DEVICE_CAST(uint4, out + b0 * QK);
+  for (uint i = tid; i < words; i += BPT * LPB) dst[i] = stage4[(i / WPB) * (WPB + 1) + i % WPB];
+"""
+_STAGE_BYTES = 16384  # shared memory a staged threadgroup's blocks take (padding aside)
+
+
+def _make_staged_kernel(ggml_type: int) -> Kernel:
+    f = BLOCK_FORMATS[ggml_type]
+    examples = [
+        Example({"w": mx.uint8, "dims": (mx.int32, 2)}, {"out": dt}, {"T": dt, "BPT": bpt})
+        for dt in (mx.float32, mx.bfloat16)
+        for bpt in [_staged_blocks(f.block_size, f.lanes, dt)]
+    ]
+    return Kernel(
+        f"ggml_dequant_staged_{T(ggml_type).name.lower()}",
+        inputs=["w", "dims"],
+        outputs=["out"],
+        body=fill_format(_DEQ_STAGED_BODY, ggml_type),
+        header=kernel_header(ggml_type),
+        examples=examples,
+    )
+
+
+def _staged_blocks(qk: int, lanes: int, dtype: mx.Dtype) -> int:
+    """Blocks a staged threadgroup decodes: _STAGE_BYTES of output, 256 threads at most."""
+    return max(1, min(_STAGE_BYTES // (qk * dtype.size), 256 // lanes))
+
+
+def staged_stores() -> bool:
+    """``HF2Q_DEQUANT_STAGED`` (read per call; ``0`` or unset off until timed on a GPU, ``1`` on):
+    the GPU dequantizer's stores through shared memory (_DEQ_STAGED_BODY). Same values, bit for
+    bit (the emulator tests compare both kernels)."""
+    return env_int("HF2Q_DEQUANT_STAGED", 0, 1) == 1
+
+
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in BLOCK_FORMATS}
-_PLANS: dict[tuple, tuple] = {}  # (type, rows, cols, dtype) -> (resolved launch, dims array)
+_STAGED: dict[int, Kernel] = {t: _make_staged_kernel(t) for t in BLOCK_FORMATS}
+_PLANS: dict[tuple, tuple] = {}  # (type, rows, cols, dtype, staged) -> (launch, dims array)
 
 
 def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dtype: mx.Dtype):
@@ -235,19 +307,32 @@ def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dt
     and the final cast to ``dtype``.
     """
     n = w_raw.shape[0]
-    key = (ggml_type, n, in_features, dtype)
+    staged = staged_stores()
+    key = (ggml_type, n, in_features, dtype, staged)
     plan = _PLANS.get(key)
     if plan is None:
         f = BLOCK_FORMATS[ggml_type]
+        blocks = n * (in_features // f.block_size)
         # resolved once per shape; the dims array too (a host-made array per call costs more)
-        launch = _KERNELS[ggml_type].launcher(
-            [mx.uint8, mx.int32],
-            grid=(n * (in_features // f.block_size) * f.lanes,),
-            threadgroup=(256,),
-            output_shapes=[(n, in_features)],
-            output_dtypes=[dtype],
-            template={"T": dtype},
-        )
+        if staged:
+            bpt = _staged_blocks(f.block_size, f.lanes, dtype)
+            launch = _STAGED[ggml_type].launcher(
+                [mx.uint8, mx.int32],
+                grid=(-(-blocks // bpt) * bpt * f.lanes,),
+                threadgroup=(bpt * f.lanes,),
+                output_shapes=[(n, in_features)],
+                output_dtypes=[dtype],
+                template={"T": dtype, "BPT": bpt},
+            )
+        else:
+            launch = _KERNELS[ggml_type].launcher(
+                [mx.uint8, mx.int32],
+                grid=(blocks * f.lanes,),
+                threadgroup=(256,),
+                output_shapes=[(n, in_features)],
+                output_dtypes=[dtype],
+                template={"T": dtype},
+            )
         if len(_PLANS) >= 512:  # one per prompt length on the lookup path: stay bounded
             _PLANS.clear()
         plan = _PLANS[key] = (launch, device_array([n, in_features], mx.int32))

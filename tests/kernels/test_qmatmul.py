@@ -22,7 +22,7 @@ from hf2q_mlx.custom_kernels import qmatmul_tuning, reference_only
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS
-from hf2q_mlx.errors import UnsupportedQuantTypeError, WeightMismatchError
+from hf2q_mlx.errors import InvalidArgumentError, UnsupportedQuantTypeError, WeightMismatchError
 from hf2q_mlx.io.random_weights import random_ggml_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -616,6 +616,64 @@ def test_dequant_kernel_on_the_emulator(ggml_type, dtype):
     scale = np.abs(np.array(wf)).max()
     ulp = 2.0**-23 if dtype == mx.float32 else 2.0**-7  # one rounding of the largest term
     np.testing.assert_allclose(got, want, rtol=0, atol=2 * ulp * scale)
+
+
+@pytest.mark.skipif(not kernel_emulator.available(), reason="g++ is not installed")
+@pytest.mark.parametrize(
+    "ggml_type,dtype,n",
+    [(T.Q4_K, mx.bfloat16, 11), (T.Q6_K, mx.float32, 5), (T.Q4_0, mx.bfloat16, 70),
+     (T.Q8_0, mx.float32, 33), (T.Q5_K, mx.float16, 3)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)  # fmt: skip
+def test_staged_dequant_gives_the_plain_kernels_bits(monkeypatch, ggml_type, dtype, n):
+    """HF2Q_DEQUANT_STAGED=1: the stores through shared memory give the plain dequantizer's
+    bits (data movement only: bit-exact), the last threadgroup partly past the blocks (n rows
+    of 768 columns are never a multiple of its blocks); outputs poisoned by the emulator."""
+    k = 768
+    w, _ = _weight(ggml_type, n, k)
+    monkeypatch.setattr(Kernel, "launcher", _emu_launcher)
+    monkeypatch.setattr(D, "_PLANS", {})
+    got = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("HF2Q_DEQUANT_STAGED", v)
+        got[v] = D.ggml_dequantize_kernel(w, ggml_type, k, dtype)
+    f = D.BLOCK_FORMATS[ggml_type]
+    assert (n * k // f.block_size) % D._staged_blocks(f.block_size, f.lanes, dtype) != 0
+    assert got["1"].shape == (n, k) and got["1"].dtype == dtype
+    bits = {2: mx.uint16, 4: mx.uint32}[dtype.size]
+    np.testing.assert_array_equal(np.array(got["1"].view(bits)), np.array(got["0"].view(bits)))
+    assert sorted(key[-1] for key in D._PLANS) == [False, True]
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=str)
+def test_gpu_staged_dequant_gives_the_plain_kernels_bits(monkeypatch, ggml_type, dtype):
+    """On the GPU: the staged stores' output bit for bit the plain kernel's (300 rows x 1,536:
+    a last threadgroup partly past the blocks for every type here)."""
+    n, k = 301, 1536
+    w, _ = _weight(ggml_type, n, k)
+    got = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("HF2Q_DEQUANT_STAGED", v)
+        got[v] = D.ggml_dequantize_kernel(w, ggml_type, k, dtype)
+    bits = {2: mx.uint16, 4: mx.uint32}[dtype.size]
+    np.testing.assert_array_equal(np.array(got["1"].view(bits)), np.array(got["0"].view(bits)))
+
+
+def test_staged_switch_and_sizes(monkeypatch):
+    monkeypatch.delenv("HF2Q_DEQUANT_STAGED", raising=False)
+    assert not D.staged_stores()
+    monkeypatch.setenv("HF2Q_DEQUANT_STAGED", "1")
+    assert D.staged_stores()
+    monkeypatch.setenv("HF2Q_DEQUANT_STAGED", "on")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_DEQUANT_STAGED"):
+        D.staged_stores()
+    for t, f in D.BLOCK_FORMATS.items():
+        for dt in (mx.float32, mx.bfloat16, mx.float16):
+            bpt = D._staged_blocks(f.block_size, f.lanes, dt)
+            assert bpt * f.lanes <= 256 and bpt * f.block_size * dt.size <= D._STAGE_BYTES
+            assert bpt * f.lanes % 32 == 0, (t, dt)  # whole SIMD groups
 
 
 def _get_rows_check(got: mx.array, wf: mx.array, ids: mx.array) -> None:
