@@ -183,6 +183,22 @@ def dequantize_reference(raw: mx.array, ggml_type: int, cols: int) -> mx.array:
 # --------------------------------------------------------------------------------------------
 # GPU dequantizer: each format's C decoder (ggml_formats), one thread per lane unit of a block.
 
+# A lane unit's weights decoded and stored through ``o`` (global memory, or the staged
+# kernel's shared memory): the two dequantizers' common loop.
+_DECODE_UNIT = r"""
+  UNROLL for (int g = 0; g < int(NG); ++g) {
+    float wv[GS];
+    float sc;
+    float bi;
+    dq_@suf@(raw, t, g, wv, &sc, &bi);
+    UNROLL for (int i = 0; i < int(GS); ++i) {
+      // wv carries 2^p: fold 2^-p into the scale (exact), so sc2 * wv rounds once as d * q
+      const float sc2 = sc * (1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1))));
+      o[xoff_@suf@(t, g, i >> 2) + uint(i & 3)] = from_float<T>(sc2 * wv[i] + bi);
+    }
+  }
+""".lstrip("\n")
+
 _DEQ_BODY = r"""
   // Thread mapping: one thread per (row, block, lane unit t), writing the unit's weights.
   constexpr uint QK = @QK@, BB = @BB@, LPB = @LPB@, NG = @NG@, GS = @GS@;
@@ -195,34 +211,7 @@ _DEQ_BODY = r"""
   if (row >= N) return;  // no barriers or SIMD operations below
   const Raw@SUF@ raw = load_@suf@(w + size_t(row) * nb * BB + size_t(blk) * BB, t);
   DEVICE_PTR(T) o = out + size_t(row) * K + size_t(blk) * QK;
-  UNROLL for (int g = 0; g < int(NG); ++g) {
-    float wv[GS];
-    float sc;
-    float bi;
-    dq_@suf@(raw, t, g, wv, &sc, &bi);
-    UNROLL for (int i = 0; i < int(GS); ++i) {
-      // wv carries 2^p: fold 2^-p into the scale (exact), so sc2 * wv rounds once as d * q
-      const float sc2 = sc * (1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1))));
-      o[xoff_@suf@(t, g, i >> 2) + uint(i & 3)] = from_float<T>(sc2 * wv[i] + bi);
-    }
-  }
-"""
-
-
-def _make_kernel(ggml_type: int) -> Kernel:
-    examples = [
-        Example({"w": mx.uint8, "dims": (mx.int32, 2)}, {"out": dt}, {"T": dt})
-        for dt in (mx.float32, mx.bfloat16)
-    ]
-    return Kernel(
-        f"ggml_dequant_{T(ggml_type).name.lower()}",
-        inputs=["w", "dims"],
-        outputs=["out"],
-        body=fill_format(_DEQ_BODY, ggml_type),
-        header=kernel_header(ggml_type),
-        examples=examples,
-    )
-
+@DECODE_UNIT@"""
 
 # The same decode with the stores staged: a threadgroup's blocks are one contiguous run of the
 # output, so they go to shared memory first and leave as 16-byte words, consecutive threads on
@@ -245,18 +234,7 @@ _DEQ_STAGED_BODY = r"""
   if (b0 + lb < total) {
     const Raw@SUF@ raw = load_@suf@(w + (b0 + lb) * BB, t);
     SHARED_PTR(T) o = (SHARED_PTR(T))(stage4 + lb * (WPB + 1));
-    UNROLL for (int g = 0; g < int(NG); ++g) {
-      float wv[GS];
-      float sc;
-      float bi;
-      dq_@suf@(raw, t, g, wv, &sc, &bi);
-      UNROLL for (int i = 0; i < int(GS); ++i) {
-        // as _DEQ_BODY: 2^-p folded into the scale (exact), one rounding of d * q + bias
-        const float sc2 = sc * (1.0f / float(1u << (p0_@suf@(g, i >> 2) + 8 * (i & 1))));
-        o[xoff_@suf@(t, g, i >> 2) + uint(i & 3)] = from_float<T>(sc2 * wv[i] + bi);
-      }
-    }
-  }
+@DECODE_UNIT@  }
   BARRIER();
   const size_t left = total - b0;
   const uint words = uint(left < size_t(BPT) ? left : size_t(BPT)) * WPB;
@@ -266,26 +244,30 @@ _DEQ_STAGED_BODY = r"""
 _STAGE_BYTES = 16384  # shared memory a staged threadgroup's blocks take (padding aside)
 
 
-def _make_staged_kernel(ggml_type: int) -> Kernel:
-    f = BLOCK_FORMATS[ggml_type]
-    examples = [
-        Example({"w": mx.uint8, "dims": (mx.int32, 2)}, {"out": dt}, {"T": dt, "BPT": bpt})
-        for dt in (mx.float32, mx.bfloat16)
-        for bpt in [_staged_blocks(f.block_size, f.lanes, dt)]
-    ]
-    return Kernel(
-        f"ggml_dequant_staged_{T(ggml_type).name.lower()}",
-        inputs=["w", "dims"],
-        outputs=["out"],
-        body=fill_format(_DEQ_STAGED_BODY, ggml_type),
-        header=kernel_header(ggml_type),
-        examples=examples,
-    )
-
-
 def _staged_blocks(qk: int, lanes: int, dtype: mx.Dtype) -> int:
     """Blocks a staged threadgroup decodes: _STAGE_BYTES of output, 256 threads at most."""
     return max(1, min(_STAGE_BYTES // (qk * dtype.size), 256 // lanes))
+
+
+def _make_kernel(ggml_type: int, staged: bool = False) -> Kernel:
+    f = BLOCK_FORMATS[ggml_type]
+    body = (_DEQ_STAGED_BODY if staged else _DEQ_BODY).replace("@DECODE_UNIT@", _DECODE_UNIT)
+    examples = [
+        Example(
+            {"w": mx.uint8, "dims": (mx.int32, 2)},
+            {"out": dt},
+            {"T": dt, "BPT": _staged_blocks(f.block_size, f.lanes, dt)} if staged else {"T": dt},
+        )
+        for dt in (mx.float32, mx.bfloat16)
+    ]
+    return Kernel(
+        f"ggml_dequant_{'staged_' if staged else ''}{T(ggml_type).name.lower()}",
+        inputs=["w", "dims"],
+        outputs=["out"],
+        body=fill_format(body, ggml_type),
+        header=kernel_header(ggml_type),
+        examples=examples,
+    )
 
 
 def staged_stores() -> bool:
@@ -296,7 +278,7 @@ def staged_stores() -> bool:
 
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in BLOCK_FORMATS}
-_STAGED: dict[int, Kernel] = {t: _make_staged_kernel(t) for t in BLOCK_FORMATS}
+_STAGED: dict[int, Kernel] = {t: _make_kernel(t, staged=True) for t in BLOCK_FORMATS}
 _PLANS: dict[tuple, tuple] = {}  # (type, rows, cols, dtype, staged) -> (launch, dims array)
 
 
