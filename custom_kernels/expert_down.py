@@ -309,9 +309,10 @@ def _grouped_prefill(h, w, expert_ids, weights, ggml_type: int, K: int,
     if not expert_mma.covers(hs[:step], w, ids[:step], ggml_type, glu=False, wide=wide):
         return None
 
-    def launch(hi, ii, wi):  # one slice
-        if wide:
-            return expert_mma.expert_down(hi, w, ii, wi, ggml_type, K, True)
+    def launch(hi, ii, wi, rows):  # one slice
+        if wide:  # the GLU's sorted pair lists of this slice, where it got the same expert_ids
+            return expert_mma.expert_down(hi, w, ii, wi, ggml_type, K, True,
+                                          pairs_of=(expert_ids, rows))  # fmt: skip
         return expert_down(hi, w, ii, wi, ggml_type, K)
 
     return mx.concatenate(run_slices((hs, ids, wts), step, launch)).reshape(*lead, w.shape[1])

@@ -512,9 +512,10 @@ def _grouped_prefill(x, w, w_up, expert_ids, ggml_type: int, K: int, activation:
     if not expert_mma.covers(xs[:step], w, ids[:step], ggml_type, w_up=w_up, wide=wide):
         return None
 
-    def launch(xi, ii):  # one slice
-        if wide:
-            return expert_mma.expert_glu(xi, w, ii, ggml_type, K, activation, w_up, True)
+    def launch(xi, ii, rows):  # one slice
+        if wide:  # the slice's sorted pair lists shared with the layer's down (same expert_ids)
+            return expert_mma.expert_glu(xi, w, ii, ggml_type, K, activation, w_up, True,
+                                         pairs_of=(expert_ids, rows))  # fmt: skip
         return expert_glu(xi, w, ii, ggml_type, K, activation, w_up)
 
     parts = run_slices((xs, ids), step, launch)

@@ -71,10 +71,12 @@ def owned_rows(a: mx.array, i: int, j: int) -> mx.array:
 
 
 def run_slices(arrays: tuple[mx.array, ...], step: int, call) -> list[mx.array]:
-    """``call(*slices)`` over consecutive ``step``-row slices of ``arrays`` (same leading size),
-    each slice ``owned_rows`` -> the calls' outputs in order (a grouped prefill's launches)."""
+    """``call(*slices, rows=(i, j))`` over consecutive ``step``-row slices of ``arrays`` (same
+    leading size), each slice ``owned_rows`` -> the calls' outputs in order (a grouped
+    prefill's launches)."""
     n = arrays[0].shape[0]
-    return [call(*(owned_rows(a, i, min(i + step, n)) for a in arrays)) for i in range(0, n, step)]
+    spans = [(i, min(i + step, n)) for i in range(0, n, step)]
+    return [call(*(owned_rows(a, i, j) for a in arrays), rows=(i, j)) for i, j in spans]
 
 
 # From this many (token, expert) pairs on, the pairs are sorted by expert so each expert's

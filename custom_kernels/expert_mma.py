@@ -466,9 +466,31 @@ def grouped_expert_down(
     return total.call(y, wts, init_value=init_value)
 
 
-def _pair_lists(expert_ids: mx.array, E: int, sorted_: bool) -> tuple[mx.array, ...]:
-    """The kernel's pair inputs: the ids (uint32), or ``expert_order``'s order and offs."""
-    return expert_order(expert_ids, E) if sorted_ else (uint32_ids(expert_ids),)
+# The sorted pair lists of the last grouped prefill call's slices: (the model's ids array, E,
+# {slice rows: lists}). A layer's GLU and down get the same ids array from the model, so the
+# down reuses the GLU's argsorts. The array is held, so its identity cannot pass to another
+# array meanwhile; one tuple, replaced whole (threads at worst miss the share).
+_SHARED_LISTS: list = [None]
+
+
+def _pair_lists(
+    expert_ids: mx.array, E: int, sorted_: bool, pairs_of: tuple | None = None
+) -> tuple[mx.array, ...]:
+    """The kernel's pair inputs: the ids (uint32), or ``expert_order``'s order and offs;
+    ``pairs_of`` = (the model's ids array, (i, j)): expert_ids are its rows i:j (tokens), and
+    their lists are made once for every call that names the same array and rows."""
+    if not sorted_:
+        return (uint32_ids(expert_ids),)
+    if pairs_of is None:
+        return expert_order(expert_ids, E)
+    parent, rows = pairs_of
+    memo = _SHARED_LISTS[0]
+    if memo is None or memo[0] is not parent or memo[1] != E:
+        memo = _SHARED_LISTS[0] = (parent, E, {})
+    lists = memo[2].get(rows)
+    if lists is None:
+        lists = memo[2][rows] = expert_order(expert_ids, E)
+    return lists
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,10 +554,11 @@ def expert_glu(
     activation: str,
     w_up: mx.array | None = None,
     wide: bool = False,
+    pairs_of: tuple | None = None,
 ) -> mx.array | None:
     """expert_glu.expert_glu's grouped path: grouped_expert_glu through a plan cached per call
     shape where ``covers`` (caller errors raise as expert_glu's), else None; ``wide``: the
-    prefill's kernel, for one slice of a grouped prefill."""
+    prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
     key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
@@ -555,7 +578,7 @@ def expert_glu(
     if plan is None:
         return None
     wu = w if w_up is None else w_up
-    return plan.run(x, w, wu, *_pair_lists(expert_ids, w.shape[0], srt))
+    return plan.run(x, w, wu, *_pair_lists(expert_ids, w.shape[0], srt, pairs_of))
 
 
 def expert_down(
@@ -566,10 +589,11 @@ def expert_down(
     ggml_type: int | None,
     in_features: int,
     wide: bool = False,
+    pairs_of: tuple | None = None,
 ) -> mx.array | None:
     """expert_down.expert_down's grouped path: grouped_expert_down through plans cached per
     call shape where ``covers`` (and the weights match the ids), else None; ``wide``: the
-    prefill's kernel, for one slice of a grouped prefill."""
+    prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
     key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
@@ -594,7 +618,7 @@ def expert_down(
         return None
     proj, total = plans
     ids, wts = ids_and_weights(expert_ids, weights)
-    return total.run(proj.run(h, w, w, *_pair_lists(ids, w.shape[0], srt)), wts)
+    return total.run(proj.run(h, w, w, *_pair_lists(ids, w.shape[0], srt, pairs_of)), wts)
 
 
 # --------------------------------------------------------------------------------------------

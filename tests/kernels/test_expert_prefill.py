@@ -598,6 +598,32 @@ def test_grouped_falls_back_where_not_covered(monkeypatch):
 
 
 @pytest.mark.usefixtures("fake_gpu")
+def test_sorted_lists_made_once_for_a_layers_glu_and_down(monkeypatch):
+    """A layer's GLU and down given the same ids array (as the models pass it): each slice's
+    expert_order is made once and read by both; a down given another array with the same
+    values makes its own, with the same bits out."""
+    t, K, m = T.Q4_K, 512, 100
+    raw, x, ids, _ = _grouped_case(t, m, seed=260)
+    w = mx.array(raw)
+    down_raw = _experts(t, E_EMU, F_EMU, K, seed=261)
+    wd = mx.array(down_raw)
+    _, wts = TD._route(m, K_SLOTS, E_EMU, seed=262)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
+    monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)  # 3 slices: 40, 40, 20 tokens
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
+    made, real = [], EM.expert_order
+    monkeypatch.setattr(EM, "expert_order", lambda i, e: made.append(i.shape) or real(i, e))
+    G.expert_glu(x, w, ids, t, K, "silu")
+    assert len(made) == 3
+    h = TD._h((m, K_SLOTS, K), mx.bfloat16, 263)  # the down's input (its own K here)
+    y_shared = D.expert_down(h, wd, ids, wts, t, K)
+    assert len(made) == 3  # the GLU's lists
+    y_own = D.expert_down(h, wd, mx.array(np.array(ids)), wts, t, K)
+    assert len(made) == 6 and made[3:] == made[:3]
+    assert np.array_equal(_bits(y_shared), _bits(y_own))
+
+
+@pytest.mark.usefixtures("fake_gpu")
 @pytest.mark.parametrize("mode", ["grouped", "grouped-wide"])
 def test_models_ops_reach_the_grouped_prefill(monkeypatch, mode):
     """models/ops.expert_glu and expert_down on ExpertLinear modules (the models' call) take the
