@@ -155,10 +155,18 @@ def test_gpu_gather_rows_any_equals_mlx_gather(monkeypatch, row_bytes):
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
 def test_gpu_prefill_logits_unchanged(monkeypatch, family):
     """A tiny MoE model's 300-token prefill (the grouped expert kernels, the router off its
-    decode kernel) on CUDA: logits bit for bit the same with the switch (it moves data only)."""
+    decode kernel) on CUDA: logits bit for bit the same with the switch (it moves data only).
+    The wide slices cut to 256 pairs, so most slices are views at an offset into their
+    parent with the switch (copies without it): a kernel reading a view from its parent's
+    start would differ."""
     _needs_cuda()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from decode_profile import build
+
+    from hf2q_mlx.custom_kernels import expert_mma
+
+    monkeypatch.setattr(expert_mma, "WIDE_PAIRS", 256)
+    monkeypatch.setattr(expert_matmul, "GROUPED_SLICE_COPY", True)
 
     model, vocab = build(family, "tiny-moe", "q4_k", mx.bfloat16, None)
     ids = mx.array([[(7 * i + 3) % vocab for i in range(300)]], dtype=mx.int32)
