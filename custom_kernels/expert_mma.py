@@ -66,7 +66,8 @@ def wide_nt() -> str:
 def sorted_lists() -> bool:
     """``HF2Q_GROUPED_SORTED`` (read per call; 1 or unset on, 0 off): the wide kernels take
     each expert's pairs from the call's pairs sorted by expert (``expert_order``: MLX's argsort
-    and a count, once per launch) instead of every threadgroup scanning all of the call's ids.
+    and a count, once per slice for a layer's GLU and down) instead of every threadgroup
+    scanning all of the call's ids.
     At 512 tokens that scan (P / 32 steps per SIMD group, in each of the (rows / 16) x (E + 1)
     threadgroups) is longer than a threadgroup's math; sorted, a threadgroup reads its own
     pairs only, and one without any leaves at once. No bits change: a pair's sums do not
