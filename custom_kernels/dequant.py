@@ -296,25 +296,21 @@ def ggml_dequantize_kernel(w_raw: mx.array, ggml_type: int, in_features: int, dt
         f = BLOCK_FORMATS[ggml_type]
         blocks = n * (in_features // f.block_size)
         # resolved once per shape; the dims array too (a host-made array per call costs more)
-        if staged:
+        if staged:  # BPT blocks a threadgroup, the grid whole threadgroups
             bpt = _staged_blocks(f.block_size, f.lanes, dtype)
-            launch = _STAGED[ggml_type].launcher(
-                [mx.uint8, mx.int32],
-                grid=(-(-blocks // bpt) * bpt * f.lanes,),
-                threadgroup=(bpt * f.lanes,),
-                output_shapes=[(n, in_features)],
-                output_dtypes=[dtype],
-                template={"T": dtype, "BPT": bpt},
-            )
-        else:
-            launch = _KERNELS[ggml_type].launcher(
-                [mx.uint8, mx.int32],
-                grid=(blocks * f.lanes,),
-                threadgroup=(256,),
-                output_shapes=[(n, in_features)],
-                output_dtypes=[dtype],
-                template={"T": dtype},
-            )
+            kernel, tg, template = _STAGED[ggml_type], bpt * f.lanes, {"T": dtype, "BPT": bpt}
+            threads = -(-blocks // bpt) * tg
+        else:  # a thread per lane unit
+            kernel, tg, template = _KERNELS[ggml_type], 256, {"T": dtype}
+            threads = blocks * f.lanes
+        launch = kernel.launcher(
+            [mx.uint8, mx.int32],
+            grid=(threads,),
+            threadgroup=(tg,),
+            output_shapes=[(n, in_features)],
+            output_dtypes=[dtype],
+            template=template,
+        )
         if len(_PLANS) >= 512:  # one per prompt length on the lookup path: stay bounded
             _PLANS.clear()
         plan = _PLANS[key] = (launch, device_array([n, in_features], mx.int32))

@@ -67,12 +67,12 @@ def sorted_lists() -> bool:
     """``HF2Q_GROUPED_SORTED`` (read per call; 1 or unset on, 0 off): the wide kernels take
     each expert's pairs from the call's pairs sorted by expert (``expert_order``: MLX's argsort
     and a count, once per slice for a layer's GLU and down) instead of every threadgroup
-    scanning all of the call's ids.
-    At 512 tokens that scan (P / 32 steps per SIMD group, in each of the (rows / 16) x (E + 1)
-    threadgroups) is longer than a threadgroup's math; sorted, a threadgroup reads its own
-    pairs only, and one without any leaves at once. No bits change: a pair's sums do not
-    depend on the pairs beside it. Session 37 (H200, Q4_K prefill tok/s, 3 rounds): 26B-A4B
-    1.19x at 512 tokens, 1.26x at 2048; 35B-A3B 1.22x, 1.46x."""
+    scanning all of the call's ids. At 512 tokens that scan (P / 32 steps per SIMD group, in
+    each of the (rows / 16) x (E + 1) threadgroups) is longer than a threadgroup's math;
+    sorted, a threadgroup reads its own pairs only, and one without any leaves at once. No
+    bits change: a pair's sums do not depend on the pairs beside it. Session 37 (H200, Q4_K
+    prefill tok/s, 3 rounds): 26B-A4B 1.19x at 512 tokens, 1.26x at 2048; 35B-A3B 1.22x,
+    1.46x."""
     return env_int("HF2Q_GROUPED_SORTED", 0, 1) != 0
 
 
