@@ -662,8 +662,14 @@ def test_gpu_staged_dequant_gives_the_plain_kernels_bits(monkeypatch, ggml_type,
 
 
 def test_staged_switch_and_sizes(monkeypatch):
+    """Unset: staged on MLX's CUDA back end only (timed there); 0 / 1 force it either way."""
     monkeypatch.delenv("HF2Q_DEQUANT_STAGED", raising=False)
-    assert not D.staged_stores()
+    for gpu, want in (("cuda", True), ("metal", False), (None, False)):
+        monkeypatch.setattr(D, "backend", lambda g=gpu: g)
+        assert D.staged_stores() is want
+    monkeypatch.setenv("HF2Q_DEQUANT_STAGED", "0")
+    assert not D.staged_stores()  # on CUDA too
+    monkeypatch.setattr(D, "backend", lambda: None)
     monkeypatch.setenv("HF2Q_DEQUANT_STAGED", "1")
     assert D.staged_stores()
     monkeypatch.setenv("HF2Q_DEQUANT_STAGED", "on")
