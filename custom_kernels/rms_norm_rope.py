@@ -163,10 +163,12 @@ def rms_norm_rope_reference(
 # starts in a token: 0, or first * P), NORM (bit t: tensor t is normed, else only moved and
 # laid out); fparams: eps, scale, w offset.
 _HEADER = r"""
-// sin / cos are not in the shared vocabulary yet
+// sin / cos are not in the shared vocabulary yet. On CUDA the argument is told to be reduced
+// (nr_reduce: |a| <= pi + a rounding): the same fast path, bit for bit, without the library's
+// large-argument path, which made this the slowest unit to compile (0.41 -> 0.20 s at D 512)
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-FN float nr_sin(float a) { return sinf(a); }
-FN float nr_cos(float a) { return cosf(a); }
+FN float nr_sin(float a) { __builtin_assume(fabsf(a) <= 4.0f); return sinf(a); }
+FN float nr_cos(float a) { __builtin_assume(fabsf(a) <= 4.0f); return cosf(a); }
 FN float nr_rint(float a) { return rintf(a); }
 #else
 FN float nr_sin(float a) { return sin(a); }
