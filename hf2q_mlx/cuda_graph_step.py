@@ -259,6 +259,19 @@ def schedule_lanes(deps: list[set[int]], lanes: int) -> list[tuple[int, list[int
     return out
 
 
+def _refuse_host_memory(driver: Driver, probe: mx.array) -> None:
+    """GraphCaptureError unless asking MLX for an array's address gives managed memory. On a
+    GPU without concurrent managed access MLX 0.32.4 moves such a buffer to pinned host memory
+    instead (``CudaAllocator::move_to_unified_memory``): the graph would then move every weight
+    there and read it over the host bus. Asked once, on a small input buffer, before any
+    weight's address is."""
+    if not driver.is_managed(data_ptr(probe)):
+        raise GraphCaptureError(
+            "MLX hands this GPU's arrays to the host as pinned host memory, not managed memory "
+            "(no concurrent managed access): the graph would read every weight over the host bus"
+        )
+
+
 def _alias(a: mx.array) -> mx.array:
     """Another array object over ``a``'s buffer (no copy once evaluated)."""
     return mx.stop_gradient(a)
@@ -288,6 +301,8 @@ class CudaGraphStep:
         self._pos = mx.zeros((rows,), mx.int32)
         self._active = mx.zeros((max(rows, 16),), mx.bool_)
         mx.eval(self._tokens, self._pos, self._active)
+        if driver is not None:
+            _refuse_host_memory(driver, self._tokens)
         # The arrays the graphs write, objects of our own over the step's cache buffers. The step
         # gets other objects over the same buffers (``_hand_over``): whatever it does with those
         # (an in-place ``a[row] = v`` rebinds an object to a new buffer) cannot free a buffer
@@ -493,6 +508,12 @@ class CudaGraphStep:
                 rec.exe = exe
             else:  # a partial graph is never replayed
                 drv.destroy(exe)
+        # Resolving the addresses moved every device buffer the graph reads (the weights, on a
+        # model made on the GPU) to managed memory; their device copies went back to the pool.
+        # Hand that memory back now: kept, it may crowd the managed weights off the GPU
+        # (docs/decode_step.md, "Memory": an 80 GB H100 decoding 31B at 0.5 tok/s).
+        mx.synchronize()
+        mx.clear_cache()
 
     def _bind(self) -> None:
         """Make the graph's cache arrays hold what the step's caches hold now."""

@@ -637,7 +637,7 @@ def test_graph_step_refuses_bad_arguments_before_any_launch():
         step = DecodeStep(_tiny_generation_model(), 2, 8)
         with pytest.raises(InvalidArgumentError, match="CUDA driver"):
             CudaGraphStep(step).decode([1, 2])
-        graph = CudaGraphStep(step, driver=object())  # never reached below
+        graph = CudaGraphStep(step, driver=_FakeDriver())  # never reached below
         V = step.model.args.vocab_size
         for tokens, active in (([1], None), ([1, 2], [True]), ([1, V], None), ([-1, 0], None)):
             with pytest.raises(InvalidArgumentError):
@@ -649,11 +649,17 @@ def test_graph_step_refuses_bad_arguments_before_any_launch():
 
 
 class _FakeDriver:
-    """The Driver's calls, logged; ``fail_at``: the launch (0-based) that raises."""
+    """The Driver's calls, logged; ``fail_at``: the launch (0-based) that raises; ``managed``:
+    what ``is_managed`` says of every address."""
 
-    def __init__(self, fail_at=None):
+    def __init__(self, fail_at=None, managed=True):
         self.calls, self.capturing, self.fail_at, self.launches = [], False, fail_at, 0
         self.lanes = []  # the stream of each launch
+        self.managed, self.asked = managed, []
+
+    def is_managed(self, ptr):
+        self.asked.append(ptr)
+        return self.managed
 
     def function(self, name, image):
         return name
@@ -838,8 +844,12 @@ def test_capture_resolves_every_address_first_and_debug_mode_names_a_failing_lau
 
     monkeypatch.setattr(cuda_graph_step, "data_ptr", checked_ptr)
     graph.driver = drv
+    mx.eval(mx.random.normal((1 << 16,)) + 1)  # freed: MLX keeps its buffer in the cache
+    assert mx.get_cache_memory() > 0
     graph._capture(rec)
     assert rec.exe == "exe" and len(rec.plan) == len(rec.launches) == 2
+    # the device copies the address lookups freed go back (they would crowd managed weights)
+    assert mx.get_cache_memory() == 0
     launched = [c for c in drv.calls if c[0] == "launch"]
     assert len(launched) == 2
     for (_, fn, ptrs), rl in zip(launched, rec.launches):
@@ -1101,3 +1111,42 @@ def test_capture_over_lanes_orders_every_dependency(doubler, monkeypatch):
             assert deps[i] <= done[lane], (i, lane, done)
             done[lane].add(i)
     assert done["s0"] == set(range(5)) and joined.s1  # the second lane rejoined the first
+
+
+def test_graph_step_refuses_a_gpu_whose_arrays_reach_the_host_as_pinned_memory(monkeypatch, capsys):
+    """Where MLX hands an array's address to the host as pinned host memory (a GPU without
+    concurrent managed access), the graph would move every weight there (an H100 in session 38
+    decoded 31B at 0.5 tok/s): CudaGraphStep refuses after asking about one small input buffer,
+    before any weight's address, and stream_generate decodes through the compiled step with the
+    same tokens (the reason said on stderr when HF2Q_DECODE=graph was asked for)."""
+    from conftest import IdsTokenizer
+
+    from hf2q_mlx import cuda_graph_step, generation
+    from hf2q_mlx.custom_kernels import cuda_driver
+    from hf2q_mlx.decode_step import DecodeStep
+
+    asked = []
+    real_ptr = cuda_driver.data_ptr
+    monkeypatch.setattr(cuda_graph_step, "data_ptr", lambda a: asked.append(a) or real_ptr(a))
+    with mx.stream(mx.cpu):
+        step = DecodeStep(_tiny_generation_model(), 1, 16)
+        drv = _FakeDriver(managed=False)
+        with pytest.raises(GraphCaptureError, match="pinned host memory"):
+            cuda_graph_step.CudaGraphStep(step, drv)
+        assert len(asked) == 1 and asked[0].size <= 16 and len(drv.asked) == 1
+        cuda_graph_step.CudaGraphStep(step, _FakeDriver(managed=True))  # managed: accepted
+
+        def run():
+            model = _tiny_generation_model()
+            rs = generation.stream_generate(model, IdsTokenizer(), [5, 9, 2, 7], max_tokens=5,
+                                            ignore_eos=True)  # fmt: skip
+            return [r.token for r in rs]
+
+        monkeypatch.setenv("HF2Q_DECODE", "compiled")
+        want = run()
+        monkeypatch.setattr(cuda_driver, "Driver", lambda: _FakeDriver(managed=False))
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+        monkeypatch.setenv("HF2Q_DECODE", "graph")
+        capsys.readouterr()
+        assert run() == want
+        assert "pinned host memory" in capsys.readouterr().err
