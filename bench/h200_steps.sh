@@ -312,6 +312,11 @@ step first-prefill-defaults 360 "for sh in gemma4:26b-a4b gemma4:31b; do rm -rf 
 # the dequantizer's stores staged through shared memory (HF2Q_DEQUANT_STAGED=1, session 37, CPU
 # emulator and nvcc only): GPU bits against the plain kernel, then dense-prefill's "staged" rows
 step staged-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_staged or gpu_get_rows' tests/kernels/test_qmatmul.py --tb=short"
+# session 38: Gemma-4-31B through the CUDA graph decoded at 0.5 tok/s on an 80 GB H100 (weights
+# read at 9 GB/s; beside its MLX 4-bit twin, or two 31B processes in mlx_env_ab). The capture now
+# ends with mx.clear_cache(); speed_table prints MLX's and the driver's memory after each first
+# prefill: 31B alone through the graph (no twin, no compiled variant), then beside its twin
+step graph-memory 420 "python3 bench/speed_table.py $OUT/graph_memory_31b.json --shapes gemma4:31b --formats q4_k --no-mlx-lm --skip 'ours q4_k' --graph q4_k --rounds 3 --tokens 32 && python3 bench/speed_table.py $OUT/graph_memory_31b_twin.json --shapes gemma4:31b --formats q4_k,mlx4 --skip 'ours mlx4,ours q4_k' --graph q4_k --rounds 3 --tokens 32"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

@@ -191,6 +191,20 @@ class GraphVariant(Variant):
         return _cupti_stop(prof, out, n)
 
 
+def memory_now() -> dict:
+    """GB MLX holds (active, cache, peak) and, on CUDA, the driver's free / total: session 38's
+    31B graph decoded at 0.5 tok/s on an 80 GB H100 (docs/decode_step.md, "Memory")."""
+    gb = 1e-9
+    out = {"active_gb": mx.get_active_memory() * gb, "cache_gb": mx.get_cache_memory() * gb,
+           "peak_gb": mx.get_peak_memory() * gb}  # fmt: skip
+    if mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available():
+        from hf2q_mlx.custom_kernels.cuda_driver import Driver
+
+        free, total = Driver().memory()
+        out.update(device_free_gb=free * gb, device_total_gb=total * gb)
+    return out
+
+
 def graph_parity(model, prompt: mx.array, n: int, chunk: int, max_len: int) -> dict:
     """Greedy tokens of the compiled step and of the CUDA graph step from the same prefill."""
     compiled = Variant(model, True, chunk, max_len)
@@ -275,6 +289,7 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
     key = mx.random.key(7)
     first = {}
     parity = {}
+    memory = {}
     for k, v in list(variants.items()):  # the first prefill compiles kernels: timed on its own
         key, sub = mx.random.split(key)
         first[k] = v.prefill(mx.random.randint(0, vocab, (1, a.prompt), key=sub))
@@ -287,6 +302,10 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
             continue
         print(f"  first {a.prompt}-token prefill, {k}: {first[k]:.2f} s; first 3 tokens "
               f"{time.perf_counter() - tic:.2f} s", flush=True)  # fmt: skip
+        memory[k] = m = memory_now()
+        print(
+            "    memory (GB): " + ", ".join(f"{n[:-3]} {v:.1f}" for n, v in m.items()), flush=True
+        )
         if isinstance(v, GraphVariant) and a.parity:
             key, sub = mx.random.split(key)
             prompt = mx.random.randint(0, vocab, (1, a.prompt), key=sub)
@@ -318,7 +337,8 @@ def run_shape(name: str, config: dict, a, use_cuda: bool) -> dict:
     out = {"shape": name, "layers": layers, "moe": moe, "prompt": a.prompt, "tokens": a.tokens,
            "decode_path": "compiled" if compiled else "eager", "first_prefill_s": first,
            "gguf": None if gguf is None else str(gguf), "variants": {},
-           "graph_parity": parity}  # fmt: skip
+           "graph_parity": parity, "memory_after_first": memory}  # fmt: skip
+    memory["after_rounds"] = memory_now()
     ref = "mlx-lm mlx4" if "mlx-lm mlx4" in variants else None
     for k, v in variants.items():
         row = {"decode": stats(dec[k]), "prefill": stats(pre[k])}

@@ -165,6 +165,15 @@ class Driver:
             raise CudaDriverError(f"{what} failed: {text} ({err})")
 
     # -- memory --------------------------------------------------------------------------------
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device, as the driver counts them (other processes'
+        allocations, MLX's pools and evictable managed pages all included)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self._check(
+            "cuMemGetInfo", self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+        )
+        return free.value, total.value
+
     def is_managed(self, ptr: int) -> bool:
         flag = ctypes.c_uint()
         err = self.lib.cuPointerGetAttribute(
