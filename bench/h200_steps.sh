@@ -316,6 +316,9 @@ step staged-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_stag
 # read at 9 GB/s; beside its MLX 4-bit twin, or two 31B processes in mlx_env_ab). The capture now
 # ends with mx.clear_cache(); speed_table prints MLX's and the driver's memory after each first
 # prefill: 31B alone through the graph (no twin, no compiled variant), then beside its twin
+# session 38: the norm + RoPE kernel's sin / cos without the dead large-argument path (the slowest
+# compile of a fresh machine's first prefill): its GPU bits, before first-prefill-defaults
+step norm-rope-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_norm_rope.py --tb=short"
 step graph-memory 420 "python3 bench/speed_table.py $OUT/graph_memory_31b.json --shapes gemma4:31b --formats q4_k --no-mlx-lm --skip 'ours q4_k' --graph q4_k --rounds 3 --tokens 32 && python3 bench/speed_table.py $OUT/graph_memory_31b_twin.json --shapes gemma4:31b --formats q4_k,mlx4 --skip 'ours mlx4,ours q4_k' --graph q4_k --rounds 3 --tokens 32"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
