@@ -319,6 +319,10 @@ step staged-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_stag
 # session 38: the norm + RoPE kernel's sin / cos without the dead large-argument path (the slowest
 # compile of a fresh machine's first prefill): its GPU bits, before first-prefill-defaults
 step norm-rope-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_norm_rope.py --tb=short"
+# session 38: MLX 4-bit linears' prompt rows as dequantized chunks + cuBLAS (HF2Q_AFFINE_PREFILL=1,
+# off; MLX's quantized_matmul JIT-compiles at first use, 45.6 s for 31B's first prefill on a fresh
+# H100, and ran 31B's q|k|v 5.3x the plain matmul's time): GPU test, then 31B's MLX 4-bit prefill
+step affine-prefill 420 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_prefill.py --tb=short && python3 bench/prefill.py $OUT/prefill_affine.json --shapes ${PREFILL_SHAPES:-gemma4:31b} --formats mlx4 --rounds 3 --env HF2Q_AFFINE_PREFILL=1"
 step graph-memory 420 "python3 bench/speed_table.py $OUT/graph_memory_31b.json --shapes gemma4:31b --formats q4_k --no-mlx-lm --skip 'ours q4_k' --graph q4_k --rounds 3 --tokens 32 && python3 bench/speed_table.py $OUT/graph_memory_31b_twin.json --shapes gemma4:31b --formats q4_k,mlx4 --skip 'ours mlx4,ours q4_k' --graph q4_k --rounds 3 --tokens 32"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 

@@ -36,6 +36,7 @@ import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders, the mlx
 from hf2q_mlx import compile_ahead  # noqa: E402
 from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.custom_kernels import expert_matmul as EXM  # noqa: E402
+from hf2q_mlx.models import kernel_linears  # noqa: E402
 
 # switches a module reads from the environment once, at import: a variant sets the module's
 # attribute too (session 13's `--env HF2Q_EXPERT_PREFILL=dequant32` set only the environment,
@@ -110,6 +111,7 @@ def run_shape(name: str, config: dict, a) -> dict:
         if fmt == "mlx4" and not a.no_mlx_lm:
             twin = ds.mlx_lm_twin(name, config, model)
         model.fuse_projections()
+        kernel_linears.use_kernels(model)  # as generation.prefill with HF2Q_AFFINE_PREFILL=1
         print(f"{name} {fmt}: built in {time.perf_counter() - tic:.1f} s", flush=True)
         variants[f"{fmt}"] = Variant(model, {}, a.chunk)
         for e in a.env:  # NAME=VALUE[,NAME=VALUE...]: one variant with all of them set

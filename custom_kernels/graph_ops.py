@@ -258,6 +258,15 @@ def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> m
     ok = ok and biases is not None and biases.dtype == dt and wq.shape[-1] * 32 == D * bits
     if not ok:
         return gather_affine_rows_reference(wq, scales, biases, ids, group_size, bits)
+    return affine_rows_kernel(wq, scales, biases, ids, group_size, bits)
+
+
+def affine_rows_kernel(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
+    """The kernel of ``gather_affine_rows`` for any row count (ids int32; 4- or 8-bit codes,
+    rows of a multiple of 32 values, biases of the scales' float dtype: the caller checks)."""
+    D = scales.shape[-1] * group_size
+    dt = scales.dtype
+    tg = row_threads(D)
     R = ids.size
     launch = _affine_rows_kernel.launcher(
         [wq.dtype, dt, dt, mx.int32], grid=(R * D,), threadgroup=(tg,), output_shapes=[(R, D)],

@@ -22,9 +22,10 @@ import numpy as np
 
 from hf2q_mlx import compile_ahead
 from hf2q_mlx import speculative as spec
-from hf2q_mlx.custom_kernels import cuda_cache
+from hf2q_mlx.custom_kernels import affine_prefill, cuda_cache
 from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, SamplingOptionsError
+from hf2q_mlx.models import kernel_linears
 from hf2q_mlx.models.cache import KVCache
 from hf2q_mlx.sampling import make_logits_processors, make_sampler, validate_sampling_options
 
@@ -244,6 +245,8 @@ def prefill(model: Any, tokens: mx.array, cache: list, step: int = 512) -> mx.ar
     """Run prompt ``tokens`` (L,) through the model in chunks of ``step``; logits (1, V) of the
     last position. Chunks before the last token only evaluate the cache, so the output head
     runs once, on one position."""
+    if affine_prefill.enabled():  # MLX affine linears' prompt rows: dequantized chunks, cuBLAS
+        kernel_linears.use_kernels(model)
     # a process's first prefill: its CUDA kernels compiled together first (compile_ahead)
     n = tokens.shape[0]
     sizes = tuple(sorted({min(step, n - 1 - i) for i in range(0, n - 1, step)} | {1}))

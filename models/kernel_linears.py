@@ -17,10 +17,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels import backend, dense_matvec, launch_recorder
+from hf2q_mlx.custom_kernels import affine_prefill, backend, dense_matvec, launch_recorder
 from hf2q_mlx.custom_kernels.graph_ops import gather_affine_rows, gather_rows
 
-MAX_ROWS = dense_matvec.MAX_TOKENS  # rows of x the kernels take; prefill keeps MLX's matmul
+MAX_ROWS = dense_matvec.MAX_TOKENS  # rows of x the mat-vec kernels take (prompts: affine_prefill)
 
 
 def _on_cuda() -> bool:
@@ -44,6 +44,8 @@ def _affine_linear(layer, x, bias):
         args = (layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
         if dense_matvec.affine_kernel_covers(x, *args, bias):
             return dense_matvec.affine_matvec(x, *args, bias)
+        if affine_prefill.covers(x, *args):  # a prompt: dequantized chunks, then cuBLAS
+            return affine_prefill.affine_matmul(x, *args, bias)
     return None
 
 

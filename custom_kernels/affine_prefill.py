@@ -1,0 +1,66 @@
+"""MLX affine (4-/8-bit) linears at prompt sizes on CUDA: the weight dequantized in chunks of
+rows by our kernel (``graph_ops.affine_rows_kernel`` over each chunk's rows, MLX's dequantize
+arithmetic), each chunk then one MLX matmul (cuBLAS), as the GGML many-rows path does.
+
+Why: MLX 0.32.4's CUDA ``quantized_matmul`` compiles each of its GEMM variants at first use on
+a machine (a fresh H100's first 512-token prefill of Gemma-4-31B in MLX 4-bit took 45.6 s in
+session 38) and ran 31B's linears at 2,471 us on q|k|v at 2,048 tokens against 462 us for the
+plain bf16 matmul of that shape (``bench/dense_prefill.py``, "mlx q4"). ``HF2Q_AFFINE_PREFILL``
+(read per call; ``1`` on, ``0`` or unset off until timed on a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from hf2q_mlx.custom_kernels import backend, env_int, row_threads
+from hf2q_mlx.custom_kernels.dense_matvec import MAX_TOKENS
+from hf2q_mlx.custom_kernels.graph_ops import affine_rows_kernel
+from hf2q_mlx.custom_kernels.qmatmul import _deq_chunk_rows
+
+_IDS: dict[int, mx.array] = {}  # row count -> arange(rows) int32, made once
+
+
+def enabled() -> bool:
+    return env_int("HF2Q_AFFINE_PREFILL", 0, 1) == 1
+
+
+def covers(x, wq, scales, biases, group_size: int, bits: int) -> bool:
+    """True when :func:`affine_matmul` takes ``x``: the switch on, MLX's CUDA back end, more
+    rows than the mat-vec kernels take, x in the weights' half dtype (an fp32 x would run as
+    TF32 in MLX's CUDA matmul), 4-/8-bit codes with biases."""
+    D = scales.shape[-1] * group_size
+    return (
+        enabled()
+        and backend() == "cuda"
+        and math.prod(x.shape[:-1]) > MAX_TOKENS
+        and bits in (4, 8)
+        and biases is not None
+        and x.dtype == scales.dtype == biases.dtype
+        and x.dtype in (mx.bfloat16, mx.float16)
+        and x.shape[-1] == D
+        and wq.shape[-1] * 32 == D * bits
+        and row_threads(D) > 0
+    )
+
+
+def affine_matmul(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.array:
+    """x (..., D) @ dequantize(wq, scales, biases).T (+ bias) -> (..., N): chunks of whole
+    multiples of 128 rows (an odd chunk is an odd GEMM dimension), each dequantized then
+    multiplied; the chunks' outputs concatenated."""
+    n, D = wq.shape[0], x.shape[-1]
+    rows = _deq_chunk_rows(n, D)
+    ids = _IDS.get(rows)
+    if ids is None:
+        ids = _IDS[rows] = mx.arange(rows, dtype=mx.int32)
+        mx.eval(ids)
+    parts = []
+    for r in range(0, n, rows):
+        m = min(rows, n - r)
+        w = affine_rows_kernel(wq[r : r + m], scales[r : r + m], biases[r : r + m],
+                               ids if m == rows else ids[:m], group_size, bits)  # fmt: skip
+        parts.append(x @ w.T)  # (..., m)
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return y if bias is None else y + bias
