@@ -18,7 +18,7 @@ import mlx.core as mx
 from hf2q_mlx.custom_kernels import backend, env_int, row_threads
 from hf2q_mlx.custom_kernels.dense_matvec import MAX_TOKENS
 from hf2q_mlx.custom_kernels.graph_ops import affine_rows_kernel
-from hf2q_mlx.custom_kernels.qmatmul import _deq_chunk_rows
+from hf2q_mlx.custom_kernels.qmatmul import deq_chunk_rows
 
 _IDS: dict[int, mx.array] = {}  # row count -> arange(rows) int32, made once
 
@@ -51,7 +51,7 @@ def affine_matmul(x, wq, scales, biases, group_size: int, bits: int, bias=None) 
     multiples of 128 rows (an odd chunk is an odd GEMM dimension), each dequantized then
     multiplied; the chunks' outputs concatenated."""
     n, D = wq.shape[0], x.shape[-1]
-    rows = _deq_chunk_rows(n, D)
+    rows = deq_chunk_rows(n, D)
     ids = _IDS.get(rows)
     if ids is None:
         ids = _IDS[rows] = mx.arange(rows, dtype=mx.int32)

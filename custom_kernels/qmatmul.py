@@ -374,7 +374,7 @@ _DEQ_CHUNK = 1 << 26  # elements of dequantized weight alive at once on the many
 _DEQ_ROW_ALIGN = 128
 
 
-def _deq_chunk_rows(n: int, k: int) -> int:
+def deq_chunk_rows(n: int, k: int) -> int:
     """Rows of W dequantized at once: about _DEQ_CHUNK elements, a multiple of _DEQ_ROW_ALIGN
     (all of W when it fits)."""
     rows = _DEQ_CHUNK // k // _DEQ_ROW_ALIGN * _DEQ_ROW_ALIGN
@@ -384,7 +384,7 @@ def _deq_chunk_rows(n: int, k: int) -> int:
 def _ggml_matmul_dequant(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -> mx.array:
     """Many rows of x: dequantize row chunks of W on the GPU, then mx.matmul in x.dtype."""
     n = w_raw.shape[0]
-    rows = _deq_chunk_rows(n, k)
+    rows = deq_chunk_rows(n, k)
     parts = [
         x @ ggml_dequantize_kernel(w_raw[r : r + rows], ggml_type, k, x.dtype).T
         for r in range(0, n, rows)

@@ -129,11 +129,11 @@ def test_dequant_chunks_are_aligned_rows_covering_w():
     odd GEMM leading dimension), about _DEQ_CHUNK elements, all of W in one when it fits."""
     align = Q._DEQ_ROW_ALIGN
     for n, k in [(16384, 5376), (43008, 5376), (5376, 21504), (5376, 8192), (300, 1 << 20)]:
-        rows = Q._deq_chunk_rows(n, k)
+        rows = Q.deq_chunk_rows(n, k)
         assert rows == n or rows % align == 0
         assert rows * k <= max(Q._DEQ_CHUNK, align * k)
         assert rows == n or (rows + align) * k > Q._DEQ_CHUNK  # no smaller than it needs be
-    assert Q._deq_chunk_rows(4096, 4096) == 4096  # 16M elements: one chunk
+    assert Q.deq_chunk_rows(4096, 4096) == 4096  # 16M elements: one chunk
 
 
 def test_dequant_chunks_concatenate_to_the_reference(monkeypatch):
