@@ -308,7 +308,7 @@ step wide-nt-ab 480 "python3 bench/prefill.py $OUT/prefill_wide_nt.json --shapes
 # chunk had run q|k|v and gate|up ~9x slow) with HF2Q_AVOID_MLX_JIT=0 beside it (its steady
 # cost, if any), then a fresh machine's first prefill of 26B-A4B and 31B with the defaults
 step prefill-31b 420 "python3 bench/prefill.py $OUT/prefill_31b.json --shapes ${PREFILL_SHAPES:-gemma4:31b} --rounds 3 --env HF2Q_AVOID_MLX_JIT=0"
-step first-prefill-defaults 360 "for sh in gemma4:26b-a4b gemma4:31b; do rm -rf /tmp/ptx-fpd /tmp/cuda-fpd \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpd CUDA_CACHE_PATH=/tmp/cuda-fpd python3 bench/first_prefill.py $OUT/first_prefill_\${sh#*:}_\$run.json --shape \$sh --top 8; done; done"
+step first-prefill-defaults 360 "for sh in ${FP_SHAPES:-gemma4:26b-a4b gemma4:31b}; do rm -rf /tmp/ptx-fpd /tmp/cuda-fpd \$HF2Q_MLX_CACHE/cuda_kernels; for run in cold warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fpd CUDA_CACHE_PATH=/tmp/cuda-fpd python3 bench/first_prefill.py $OUT/first_prefill_\${sh#*:}_\$run.json --shape \$sh --top 8; done; done"
 # the dequantizer's stores staged through shared memory (HF2Q_DEQUANT_STAGED=1, session 37, CPU
 # emulator and nvcc only): GPU bits against the plain kernel, then dense-prefill's "staged" rows
 step staged-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_staged or gpu_get_rows' tests/kernels/test_qmatmul.py --tb=short"
