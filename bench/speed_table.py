@@ -200,7 +200,9 @@ def memory_now() -> dict:
     if mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available():
         from hf2q_mlx.custom_kernels.cuda_driver import Driver
 
-        free, total = Driver().memory()
+        if not hasattr(memory_now, "driver"):  # one driver (its stream) for the run
+            memory_now.driver = Driver()
+        free, total = memory_now.driver.memory()
         out.update(device_free_gb=free * gb, device_total_gb=total * gb)
     return out
 
