@@ -30,6 +30,11 @@ def test_tiny_run_writes_every_column(tmp_path):
             assert len(s["values"]) == 2 and 0 < s["min"] <= s["median"] <= s["max"]
         assert row["profile"]["python_ms"] > 0 and row["profile"]["wall_ms"] > 0
         assert "weight_gb_s" in row and "decode_ratio" not in row  # dense; no mlx-lm column
+    # MLX's memory after each variant's first prefill and after the rounds (no driver figures
+    # on the CPU)
+    mem = res["memory_after_first"]
+    assert set(mem) == {"ours q4_k", "ours mlx4", "after_rounds"}
+    assert all(m["active_gb"] > 0 and "device_free_gb" not in m for m in mem.values())
 
 
 def test_skipped_variants_are_built_but_not_timed(tmp_path):
