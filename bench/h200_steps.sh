@@ -318,6 +318,9 @@ step staged-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_stag
 # prefill: 31B alone through the graph (no twin, no compiled variant), then beside its twin
 # session 38: the norm + RoPE kernel's sin / cos without the dead large-argument path (the slowest
 # compile of a fresh machine's first prefill): its GPU bits, before first-prefill-defaults
+# and HF2Q_GRAPH_PREFETCH=1 (the graph's managed buffers migrated to the GPU after each capture)
+# against the default, 31B in two worker processes at once (session 38's 0.5 tok/s case)
+step graph-prefetch-ab 300 "python3 bench/mlx_env_ab.py $OUT/graph_prefetch_ab.json --step graph --shape ${SHAPE:-gemma4:31b} --rounds 3 --tokens 32 --time-cap 240 --env '' --env HF2Q_GRAPH_PREFETCH=1"
 step norm-rope-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_norm_rope.py --tb=short"
 # session 38: MLX 4-bit linears' prompt rows as dequantized chunks + cuBLAS (HF2Q_AFFINE_PREFILL=1,
 # off; MLX's quantized_matmul JIT-compiles at first use, 45.6 s for 31B's first prefill on a fresh

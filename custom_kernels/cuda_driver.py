@@ -122,7 +122,7 @@ class Driver:
             "cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
         )
         self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(ctx))
-        self.ctx = ctx
+        self.ctx, self.device = ctx, dev.value
         self.stream = ctypes.c_void_p()
         self._check(
             "cuStreamCreate",
@@ -173,6 +173,14 @@ class Driver:
             "cuMemGetInfo", self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
         )
         return free.value, total.value
+
+    def prefetch(self, ptr: int, nbytes: int) -> None:
+        """Migrate ``nbytes`` of managed memory at ``ptr`` to the device, on the stream
+        (``cuMemPrefetchAsync``, the pre-13 symbol libcuda keeps: device ordinal, no location
+        struct)."""
+        fn = self.lib.cuMemPrefetchAsync
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._check("cuMemPrefetchAsync", fn(ptr, nbytes, self.device, self.stream))
 
     def is_managed(self, ptr: int) -> bool:
         flag = ctypes.c_uint()

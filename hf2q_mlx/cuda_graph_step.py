@@ -89,6 +89,14 @@ def graph_pdl() -> int:
     return env_int("HF2Q_GRAPH_PDL", 0, 2) or 0
 
 
+def graph_prefetch() -> bool:
+    """HF2Q_GRAPH_PREFETCH=1: after a capture, every managed buffer the graph reads or writes is
+    migrated to the GPU (``cuMemPrefetchAsync``) instead of page by page at the first replays.
+    Off by default: built in session 38 for a card where the managed weights sat in host memory
+    (docs/decode_step.md, "Memory"), not yet run on a GPU."""
+    return env_int("HF2Q_GRAPH_PREFETCH", 0, 1) == 1
+
+
 def graph_lanes() -> int:
     """HF2Q_GRAPH_LANES: streams a graph's capture spreads independent launches over (a Gemma 4
     26B-A4B layer's dense MLP beside its router and experts, Qwen 3.5's shared expert beside
@@ -459,7 +467,7 @@ class CudaGraphStep:
             functions[name] = drv.function(name, blob)
         # Every address is resolved before the capture: data_ptr evaluates a lazy array, and an
         # MLX allocation inside a capture is refused (cudaMallocManaged while capturing).
-        plan = []
+        plan, spans = [], {}  # spans: address -> bytes from it the graph touches
         for launch in rec.launches:
             spec = launch.spec
             fills = []
@@ -467,7 +475,10 @@ class CudaGraphStep:
                 for o in launch.outputs:
                     bits, width = _fill_bits(spec.init_value, o.dtype)
                     fills.append((data_ptr(o), bits, o.nbytes // width, width))
-            ptrs = [data_ptr(x) for x in launch.inputs + launch.outputs]
+            arrays = launch.inputs + launch.outputs
+            ptrs = [data_ptr(x) for x in arrays]
+            for p, a in zip(ptrs, arrays):
+                spans[p] = max(spans.get(p, 0), a.nbytes)
             plan.append((fills, functions[names[len(plan)]], spec.blocks, spec.threadgroup, ptrs,
                          pdl > 0))  # fmt: skip
         copies = [(data_ptr(dst), data_ptr(src), dst.nbytes) for dst, src in rec.copies]
@@ -514,6 +525,11 @@ class CudaGraphStep:
         # (docs/decode_step.md, "Memory": an 80 GB H100 decoding 31B at 0.5 tok/s).
         mx.synchronize()
         mx.clear_cache()
+        if graph_prefetch():
+            for p, nbytes in spans.items():
+                if nbytes and drv.is_managed(p):
+                    drv.prefetch(p, nbytes)
+            drv.synchronize()
 
     def _bind(self) -> None:
         """Make the graph's cache arrays hold what the step's caches hold now."""

@@ -661,6 +661,9 @@ class _FakeDriver:
         self.asked.append(ptr)
         return self.managed
 
+    def prefetch(self, ptr, nbytes):
+        self.calls.append(("prefetch", ptr, nbytes))
+
     def function(self, name, image):
         return name
 
@@ -1150,3 +1153,29 @@ def test_graph_step_refuses_a_gpu_whose_arrays_reach_the_host_as_pinned_memory(m
         capsys.readouterr()
         assert run() == want
         assert "pinned host memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("on", ["", "1"])
+def test_capture_prefetches_the_graphs_buffers_when_asked(doubler, monkeypatch, on):
+    """HF2Q_GRAPH_PREFETCH=1: after the capture, each distinct buffer the graph's launches read
+    or write is prefetched to the device once, with its size, then the stream synchronized;
+    unset: nothing prefetched."""
+    from hf2q_mlx.custom_kernels import cuda_cache, cuda_driver
+
+    monkeypatch.setenv("HF2Q_GRAPH_PREFETCH", on)
+    graph, rec, _ = _two_launch_graph(doubler)
+    monkeypatch.setattr(cuda_cache, "cubin", lambda name, unit, force=False: b"cubin")
+    graph.driver = drv = _FakeDriver()
+    graph._capture(rec)
+    got = [c[1:] for c in drv.calls if c[0] == "prefetch"]
+    if not on:
+        assert got == []
+        return
+    arrays = [a for launch in rec.launches for a in launch.inputs + launch.outputs]
+    want = {}
+    for a in arrays:
+        p = cuda_driver.data_ptr(a)
+        want[p] = max(want.get(p, 0), a.nbytes)
+    assert sorted(got) == sorted(want.items()) and len(want) == 4  # x, n, the middle, the output
+    last = max(i for i, c in enumerate(drv.calls) if c[0] == "prefetch")
+    assert ("sync",) in drv.calls[last:]
