@@ -178,7 +178,11 @@ class Driver:
         """Migrate ``nbytes`` of managed memory at ``ptr`` to the device, on the stream
         (``cuMemPrefetchAsync``, the pre-13 symbol libcuda keeps: device ordinal, no location
         struct)."""
-        fn = self.lib.cuMemPrefetchAsync
+        fn = getattr(self.lib, "cuMemPrefetchAsync", None)
+        if fn is None:
+            raise CudaDriverError(
+                "this CUDA driver has no cuMemPrefetchAsync (HF2Q_GRAPH_PREFETCH)"
+            )
         fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._check("cuMemPrefetchAsync", fn(ptr, nbytes, self.device, self.stream))
 
