@@ -18,9 +18,17 @@ import mlx.core as mx
 from hf2q_mlx.custom_kernels import backend, env_int, row_threads
 from hf2q_mlx.custom_kernels.dense_matvec import MAX_TOKENS
 from hf2q_mlx.custom_kernels.graph_ops import affine_rows_kernel
-from hf2q_mlx.custom_kernels.qmatmul import deq_chunk_rows
+from hf2q_mlx.custom_kernels.qmatmul import dequant_matmul
 
 _IDS: dict[int, mx.array] = {}  # row count -> arange(rows) int32, made once
+
+
+def _ids(m: int) -> mx.array:
+    ids = _IDS.get(m)
+    if ids is None:
+        ids = _IDS[m] = mx.arange(m, dtype=mx.int32)
+        mx.eval(ids)
+    return ids
 
 
 def enabled() -> bool:
@@ -49,18 +57,11 @@ def covers(x, wq, scales, biases, group_size: int, bits: int) -> bool:
 def affine_matmul(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.array:
     """x (..., D) @ dequantize(wq, scales, biases).T (+ bias) -> (..., N): chunks of whole
     multiples of 128 rows (an odd chunk is an odd GEMM dimension), each dequantized then
-    multiplied; the chunks' outputs concatenated."""
-    n, D = wq.shape[0], x.shape[-1]
-    rows = deq_chunk_rows(n, D)
-    ids = _IDS.get(rows)
-    if ids is None:
-        ids = _IDS[rows] = mx.arange(rows, dtype=mx.int32)
-        mx.eval(ids)
-    parts = []
-    for r in range(0, n, rows):
-        m = min(rows, n - r)
-        w = affine_rows_kernel(wq[r : r + m], scales[r : r + m], biases[r : r + m],
-                               ids if m == rows else ids[:m], group_size, bits)  # fmt: skip
-        parts.append(x @ w.T)  # (..., m)
-    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    multiplied (``qmatmul.dequant_matmul``, the GGML path's chunking)."""
+
+    def rows(r: int, m: int) -> mx.array:  # (m, D): rows r .. r + m of W
+        return affine_rows_kernel(wq[r : r + m], scales[r : r + m], biases[r : r + m], _ids(m),
+                                  group_size, bits)  # fmt: skip
+
+    y = dequant_matmul(x, wq.shape[0], x.shape[-1], rows)
     return y if bias is None else y + bias

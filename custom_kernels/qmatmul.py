@@ -381,15 +381,21 @@ def deq_chunk_rows(n: int, k: int) -> int:
     return n if rows >= n else max(rows, _DEQ_ROW_ALIGN)
 
 
+def dequant_matmul(x: mx.array, n: int, k: int, dequant_rows) -> mx.array:
+    """x (..., k) @ W.T for an n-row W dequantized ``deq_chunk_rows`` rows at a time:
+    ``dequant_rows(r, m)`` gives rows r .. r + m of W (m, k) in x.dtype; the chunks' products
+    concatenated -> (..., n)."""
+    rows = deq_chunk_rows(n, k)
+    parts = [x @ dequant_rows(r, min(rows, n - r)).T for r in range(0, n, rows)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
 def _ggml_matmul_dequant(x: mx.array, w_raw: mx.array, ggml_type: int, k: int) -> mx.array:
     """Many rows of x: dequantize row chunks of W on the GPU, then mx.matmul in x.dtype."""
-    n = w_raw.shape[0]
-    rows = deq_chunk_rows(n, k)
-    parts = [
-        x @ ggml_dequantize_kernel(w_raw[r : r + rows], ggml_type, k, x.dtype).T
-        for r in range(0, n, rows)
-    ]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return dequant_matmul(
+        x, w_raw.shape[0], k,
+        lambda r, m: ggml_dequantize_kernel(w_raw[r : r + m], ggml_type, k, x.dtype),
+    )  # fmt: skip
 
 
 def _ggml_matmul_row_slices(
