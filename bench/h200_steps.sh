@@ -327,6 +327,15 @@ step norm-rope-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu te
 # H100, and ran 31B's q|k|v 5.3x the plain matmul's time): GPU test, then 31B's MLX 4-bit prefill
 step affine-prefill 420 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_prefill.py --tb=short && python3 bench/prefill.py $OUT/prefill_affine.json --shapes ${PREFILL_SHAPES:-gemma4:31b} --formats mlx4 --rounds 3 --env HF2Q_AFFINE_PREFILL=1"
 step graph-memory 420 "python3 bench/speed_table.py $OUT/graph_memory_31b.json --shapes gemma4:31b --formats q4_k --no-mlx-lm --skip 'ours q4_k' --graph q4_k --rounds 3 --tokens 32 && python3 bench/speed_table.py $OUT/graph_memory_31b_twin.json --shapes gemma4:31b --formats q4_k,mlx4 --skip 'ours mlx4,ours q4_k' --graph q4_k --rounds 3 --tokens 32"
+# session 39: the chunked delta rule's identity without mx.eye (a scatter MLX's CUDA back end
+# JIT-compiles: 4.6-5.2 s of Qwen 3.5's first prefill on a fresh H100): its GPU parity, then
+# run first-prefill-defaults with FP_SHAPES="qwen3_5:35b-a3b qwen3_5:9b"
+step delta-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu or inverse or chunked' tests/kernels/test_gated_delta.py --tb=short"
+# HF2Q_AFFINE_PREFILL on by default with CUDA (session 39): the MLX 4-bit prefill with it and
+# without it against mlx-lm, from an empty PTX cache (prefill.py's "first prefill" line of the
+# default is then a fresh machine's, MLX's JIT included); first-prefill-mlx4 takes one apart
+step first-prefill-mlx4 300 "rm -rf /tmp/ptx-m4 /tmp/cuda-m4; for sh in ${FP_SHAPES:-gemma4:26b-a4b gemma4:31b}; do MLX_PTX_CACHE_DIR=/tmp/ptx-m4 CUDA_CACHE_PATH=/tmp/cuda-m4 python3 bench/first_prefill.py $OUT/first_prefill_mlx4_\${sh#*:}.json --shape \$sh --format mlx4 --top 8; done"
+step prefill-mlx4 420 "rm -rf /tmp/ptx-m4 /tmp/cuda-m4; MLX_PTX_CACHE_DIR=/tmp/ptx-m4 CUDA_CACHE_PATH=/tmp/cuda-m4 python3 bench/prefill.py $OUT/prefill_mlx4.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b} --formats mlx4 --rounds 3 --env HF2Q_AFFINE_PREFILL=0"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

@@ -6,7 +6,9 @@ Why: MLX 0.32.4's CUDA ``quantized_matmul`` compiles each of its GEMM variants a
 a machine (a fresh H100's first 512-token prefill of Gemma-4-31B in MLX 4-bit took 45.6 s in
 session 38) and ran 31B's linears at 2,471 us on q|k|v at 2,048 tokens against 462 us for the
 plain bf16 matmul of that shape (``bench/dense_prefill.py``, "mlx q4"). ``HF2Q_AFFINE_PREFILL``
-(read per call; ``1`` on, ``0`` or unset off until timed on a GPU).
+(read per call; ``1`` on, ``0`` off, unset: on with MLX's CUDA back end). Session 39 (H100,
+31B MLX 4-bit, ``bench/prefill.py``, 3 rounds): 1,716 -> 2,240 tok/s at 512 tokens, 2,038 ->
+4,854 at 2,048 (mlx-lm 1,736 / 2,034 in the same rounds).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def _ids(m: int) -> mx.array:
 
 
 def enabled() -> bool:
-    return env_int("HF2Q_AFFINE_PREFILL", 0, 1) == 1
+    """The switch: ``1`` on, ``0`` off, unset on with MLX's CUDA back end (the only back end
+    ``covers`` takes; Metal's quantized_matmul is not compiled at first use)."""
+    on = env_int("HF2Q_AFFINE_PREFILL", 0, 1)
+    return backend() == "cuda" if on is None else on == 1
 
 
 def covers(x, wq, scales, biases, group_size: int, bits: int) -> bool:

@@ -77,14 +77,22 @@ def test_prompt_rows_match_quantized_matmul(on_cuda, dtype, gs, bits, bias):
     assert ours <= 2 * mlx + 1e-6 * scale, (ours, mlx)
 
 
-def test_off_by_default_and_decode_rows_keep_their_paths(on_cuda, monkeypatch):
-    """Unset or 0: MLX's quantized_matmul (no chunk dequantized); 32 rows or fewer: the mat-vec
-    kernels' path, not this one; fp32 x: MLX's op (its CUDA matmul would run TF32)."""
+def test_switch_and_decode_rows_keep_their_paths(on_cuda, monkeypatch):
+    """0: MLX's quantized_matmul (no chunk dequantized); unset: on with the CUDA back end, off
+    elsewhere; 32 rows or fewer: the mat-vec kernels' path, not this one; fp32 x: MLX's op
+    (its CUDA matmul would run TF32)."""
     layer = _layer(256, 256, 64, 4, mx.bfloat16, False, seed=3)
     x = mx.random.normal((1, 40, 256), key=mx.random.key(1)).astype(mx.bfloat16)
-    for v in ("", "0"):
-        monkeypatch.setenv("HF2Q_AFFINE_PREFILL", v)
-        layer(x)
+    monkeypatch.setenv("HF2Q_AFFINE_PREFILL", "0")
+    layer(x)
+    assert on_cuda == []
+    monkeypatch.setenv("HF2Q_AFFINE_PREFILL", "")
+    layer(x)
+    assert on_cuda == [(128, 128), (128, 128)]  # unset, on CUDA: two chunks dequantized
+    monkeypatch.setattr(AP, "backend", lambda: "metal")
+    assert not AP.enabled()
+    monkeypatch.setattr(AP, "backend", lambda: "cuda")
+    on_cuda.clear()
     monkeypatch.setenv("HF2Q_AFFINE_PREFILL", "1")
     args = (layer.weight, layer.scales, layer.biases, 64, 4)
     assert not AP.covers(x[:, :32], *args)

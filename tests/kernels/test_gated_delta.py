@@ -117,6 +117,23 @@ def test_chunked_matches_sequential(T, chunk):
     check(s, np.array(s_ref), 2e-5, "state")
 
 
+@pytest.mark.parametrize("C", [2, 8, 64])
+def test_unit_lower_inverse_without_a_scatter(C):
+    """(I + a)^-1 by doubling against numpy's inverse (fp32, strictly lower a of random
+    entries: ~1e-6 relative; allow 1e-5), and no Scatter in its graph: MLX's CUDA back end
+    JIT-compiles a scatter at first use (mx.eye is one; 4.6-5.2 s of a fresh machine's first
+    Qwen 3.5 prefill, session 39)."""
+    import tempfile
+
+    a = mx.tril(0.3 * mx.random.normal((3, C, C), key=mx.random.key(C)), k=-1)
+    inv = gd._unit_lower_inverse(a)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, inv)
+        assert "Scatter" not in f.read()
+    want = np.linalg.inv(np.eye(C) + np.array(a, dtype=np.float64))
+    check(inv, want, 1e-5, "inverse")
+
+
 @pytest.mark.parametrize("cuda", [False, True], ids=["no-cuda", "cuda"])
 @pytest.mark.parametrize("value", ["", "auto", "chunked", "reference", " Reference "])
 def test_prefill_switch_picks_the_recurrence(value, cuda, monkeypatch):
