@@ -15,7 +15,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hf2q_mlx import custom_kernels
-from hf2q_mlx.custom_kernels import activations, device_array, gated_delta, launch_recorder
+from hf2q_mlx.custom_kernels import (
+    activations,
+    affine_q4_1,
+    device_array,
+    gated_delta,
+    launch_recorder,
+)
 from hf2q_mlx.custom_kernels import expert_down as expert_down_kernel
 from hf2q_mlx.custom_kernels import expert_down_affine as affine_down_kernel
 from hf2q_mlx.custom_kernels import expert_glu as expert_glu_kernel
@@ -377,6 +383,12 @@ def expert_glu(
         same = up is None or (up.group_size, up.bits, up.mode) == (gs, bits, "affine")
         if same and affine_glu_kernel.kernel_covers(x, arrays, up_arrays, ids, gs, bits):
             return affine_glu_kernel.expert_glu_affine(x, arrays, ids, gs, bits, kind, up_arrays)
+        if same and affine_q4_1.covers(x, ids, (arrays, up_arrays), gs, bits):
+            # a prompt: the experts as Q4_1 blocks through the grouped kernels (no gather_qmm)
+            w = affine_q4_1.to_q4_1(*arrays, gs)
+            w_up = None if up is None else affine_q4_1.to_q4_1(*up_arrays, gs)
+            return expert_glu_kernel.expert_glu(x, w, ids, affine_q4_1.Q4_1, x.shape[-1], kind,
+                                                w_up)  # fmt: skip
     t = getattr(gate_up, "ggml_type", None)
     if (
         use_kernels()
@@ -402,6 +414,10 @@ def expert_down(h: mx.array, ids: mx.array, weights: mx.array, down: nn.Module) 
         gs, bits = down.group_size, down.bits
         if affine_down_kernel.kernel_covers(h, arrays, ids, weights, gs, bits):
             return affine_down_kernel.expert_down_affine(h, arrays, ids, weights, gs, bits)
+        if affine_q4_1.covers(h, ids, (arrays,), gs, bits):  # a prompt: as in expert_glu
+            w = affine_q4_1.to_q4_1(*arrays, gs)
+            return expert_down_kernel.expert_down(h, w, ids, weights, affine_q4_1.Q4_1,
+                                                  h.shape[-1])  # fmt: skip
     t = getattr(down, "ggml_type", None)
     if use_kernels() and t is not None:
         return expert_down_kernel.expert_down(h, down.weight, ids, weights, t, down.in_features)
