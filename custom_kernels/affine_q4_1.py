@@ -3,14 +3,15 @@ grouped tensor-core kernels (expert_mma) instead of MLX's ``gather_qmm``.
 
 Why: MLX 0.32.4's CUDA ``gather_qmm`` compiles its GEMM variants at first use on a machine (a
 fresh H100's first 512-token prefill of Gemma-4-26B-A4B in MLX 4-bit: 46.6 s, Qwen3.5-35B-A3B
-50.2 s, session 39), and the grouped kernels prefill the same shapes in Q4_K at 3-4x the MLX
-4-bit rate. Both formats are ``scale * q + bias`` per group: an affine group of 32, 64 or 128
-codes is one, two or four Q4_1 blocks (fp16 d = scale, fp16 m = bias, 16 bytes of nibbles:
-value j low, value j + 16 high). The scales and biases pass through fp16: exact for bf16
-values in fp16's normal range (|v| from 2^-14 to 65504) and zero, rounded below it (below
-2^-17 a bf16 value loses bits; |error| < 2^-25). A layer's experts are transcoded per call
-(one read of the codes, a 5-bit-per-value write: ~11 % more bytes than the codes), never
-kept: decode keeps the affine kernels and no memory is added.
+50.2 s, session 39), and in Q4_K the grouped kernels prefill those shapes at 2.4-4.4x our
+MLX 4-bit rate (docs/kernels.md). Both formats are ``scale * q + bias`` per group: an affine
+group of 32, 64 or 128 codes is one, two or four Q4_1 blocks (fp16 d = scale, fp16 m = bias,
+16 bytes of nibbles: value j low, value j + 16 high). Scales and biases pass through fp16:
+exact for bf16 values from 2^-17 to 65504 in magnitude and zero (bf16's 8 significant bits
+fit fp16's subnormals down to 2^-17), rounded below (|error| < 2^-25), infinite above. A
+layer's experts are transcoded per call (one read of the codes, a 5-bit-per-value write:
+~11 % more bytes than the codes), never kept: decode keeps the affine kernels and no memory
+is added.
 
 ``HF2Q_AFFINE_EXPERT_PREFILL`` (read per call): ``1`` on, ``0`` or unset off (built without a
 GPU in session 39; ``bench/h200_steps.sh affine-experts`` times it).

@@ -641,6 +641,8 @@ LOADS = load_flags(os.environ.get("HF2Q_MMA_LOADS", ""))
 # 5,376 shapes the grid is 336 threadgroups of 8 SIMD groups, two an SM at 86 registers (1.27
 # waves); 3 gives 80 registers (32 bytes spilled, nvcc 13.0) and one wave. Same math, same bits
 # (launch bounds only bound the registers); cubins only (graph and prefill), not MLX's builds.
+# Stays unset: session 39 (H100, mlx_env_ab, 7 rounds) 26B-A4B's graph decode 0.98x [0.97-0.99]
+# with 3 (31B 1.03x in session 37): no default that loses a shape.
 MIN_BLOCKS_RAW = os.environ.get("HF2Q_MMA_MIN_BLOCKS", "")
 
 
