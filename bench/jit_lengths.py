@@ -19,6 +19,12 @@ bias), and prints what the load asked for that the warm-up had not (nothing, if 
 
     python3 bench/jit_lengths.py gemma4:tiny-moe --engine --kv-bits 8 --batch-prefill
 
+With ``--mlx-ops`` it lists the MLX primitives one prefill (of the first length) runs with the
+CUDA branch taken, and which of them MLX's CUDA back end JIT-compiles at first use on a machine
+(``MLX_JIT``: the seconds of a fresh machine's first prefill that our cubin cache cannot save):
+
+    python3 bench/jit_lengths.py qwen3_5:tiny-moe --format mlx4 --mlx-ops --lengths 300
+
 Session 30 found Qwen 3.5's ``head_gate`` carrying the element count: a compile for every
 prompt length (and every packed total) on Qwen 3.5, none on Gemma 4.
 """
@@ -96,6 +102,54 @@ def probe(
     return out
 
 
+# MLX primitives that MLX 0.32.4's CUDA back end JIT-compiles with NVRTC at first use on a machine
+# (seconds each): its gathers and scatters and its quantized GEMMs. Its fusions ("Compiled") do
+# too, but on the CPU the fast ops' fallbacks (rms_norm, rope) trace as fusions that CUDA runs as
+# one shipped primitive: printed, not counted.
+MLX_JIT = ("Gather", "GatherAxis", "Scatter", "ScatterAxis", "QuantizedMatmul", "GatherQMM",
+           "GatherMM")  # fmt: skip
+
+
+def mlx_ops(spec: str, fmt: str, layers: int | None, length: int) -> dict[str, int]:
+    """-> {MLX primitive: nodes} of one ``length``-token prefill with the CUDA branch taken on the
+    CPU, as ``generation.prefill`` runs the model (its MLX linears turned into kernel linears
+    where ``affine_prefill`` is on): each kernel launch keeps its inputs and returns zeros, and
+    the graphs of those inputs and of the logits are read (nothing is evaluated)."""
+    import re
+    import tempfile
+    from collections import Counter
+
+    from decode_profile import build
+
+    from hf2q_mlx.custom_kernels import affine_prefill, expert_matmul, gated_delta
+    from hf2q_mlx.models import kernel_linears
+
+    kept: list = []
+
+    def kernel_for(self, backend, sig):
+        def launch(*, inputs, template=None, grid, threadgroup, output_shapes, output_dtypes,
+                   init_value=None, verbose=False):  # fmt: skip
+            kept.extend(inputs)
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    install_fake_cuda(kernel_for)
+    # choices between MLX ops as on a CUDA device too (the chunked delta rule, the gathers' flags)
+    for mod in (ck, gated_delta, expert_matmul):
+        mod.on_cuda_device = lambda: True
+    family, shape = spec.split(":")
+    model, vocab = build(family, shape, fmt, mx.bfloat16, layers)
+    if affine_prefill.enabled():
+        kernel_linears.use_kernels(model)
+    ids = mx.array([[(7 * i + 3) % vocab for i in range(length)]], dtype=mx.int32)
+    logits = model(ids, cache=model.make_cache())
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, logits, *kept)
+        dot = f.read()
+    return dict(Counter(re.findall(r'label\s*=\s*"([A-Za-z]+)', dot)))
+
+
 def load_params(i: int, vocab: int):
     """The i-th load request's sampling options: greedy, or sampled with a top-k from 1 to 64
     (every class of the sampling kernels), some with penalties, log-probs and a logit bias."""
@@ -162,8 +216,21 @@ def main() -> None:
     ap.add_argument("--kv-bits", type=int, default=None, help="a TurboQuant cache of 4 or 8 bits")
     ap.add_argument("--engine", action="store_true", help="the engine's warm-up, then a load")
     ap.add_argument("--batch-prefill", action="store_true", help="with --engine: packed prefill")
+    ap.add_argument("--mlx-ops", action="store_true",
+                    help="the MLX primitives one prefill of the first length runs (MLX_JIT: "
+                         "those CUDA compiles at first use)")  # fmt: skip
     ap.add_argument("--json", help="write {length: [[kernel, template], ...]} here")
     a = ap.parse_args()
+    if a.mlx_ops:
+        n = int(a.lengths.split(",")[0])
+        ops = mlx_ops(a.model, a.format, a.layers, n)
+        jit = {k: v for k, v in sorted(ops.items()) if k in MLX_JIT}
+        fused = {k: v for k, v in sorted(ops.items()) if k.startswith("Compiled")}
+        print(f"{a.model} {a.format}, {n} tokens: MLX ops CUDA JIT-compiles {jit or 'none'}")
+        print(f"  fusions (CPU fallbacks of fast ops among them): {fused or 'none'}")
+        if a.json:
+            Path(a.json).write_text(json.dumps({"jit": jit, "ops": ops}))
+        return
     if a.engine:
         out = probe_engine(a.model, a.format, a.layers, a.kv_bits, a.batch_prefill)
         for when, new in out.items():

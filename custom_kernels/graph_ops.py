@@ -248,12 +248,13 @@ _affine_rows_kernel = Kernel(
 def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
     """``gather_affine_rows_reference`` as one kernel when recording, or on CUDA for up to 32
     rows (so the compiled step's rows are the graph's: MLX's CUDA dequantize may round
-    otherwise; longer prompts keep MLX's op), the reference elsewhere. Rows of a multiple of 32
+    otherwise) and for a prompt's rows too with ``avoid_mlx_jit()`` (MLX's three gathers
+    JIT-compile at first use on a machine), the reference elsewhere. Rows of a multiple of 32
     values (every real model's)."""
     D = scales.shape[-1] * group_size
     dt = scales.dtype
     tg = row_threads(D)
-    ok = active() or (backend() == "cuda" and ids.size <= 32)
+    ok = active() or (backend() == "cuda" and (ids.size <= 32 or avoid_mlx_jit()))
     ok = ok and bits in (4, 8) and dt in _F and ids.dtype == mx.int32 and tg and ids.size
     ok = ok and biases is not None and biases.dtype == dt and wq.shape[-1] * 32 == D * bits
     if not ok:

@@ -222,3 +222,38 @@ def test_switch_defaults(monkeypatch):
         monkeypatch.setenv(name, "yes")
         with pytest.raises(InvalidArgumentError, match=name):
             ck.avoid_mlx_jit() if name == "HF2Q_AVOID_MLX_JIT" else expert_mma.sorted_lists()
+
+
+@pytest.mark.parametrize(
+    "spec,fmt,env",
+    [
+        ("gemma4:tiny-moe", "q4_k", {}),
+        ("qwen3_5:tiny-moe", "q4_k", {}),
+        ("qwen3_5:tiny", "q4_k", {}),
+        ("gemma4:tiny-dense", "mlx4", {}),
+        ("gemma4:tiny-moe", "mlx4", {"HF2Q_AFFINE_EXPERT_PREFILL": "1"}),
+        ("qwen3_5:tiny-moe", "mlx4", {"HF2Q_AFFINE_EXPERT_PREFILL": "1"}),
+    ],
+)
+def test_cuda_prefill_asks_mlx_for_no_jit_op(spec, fmt, env, tmp_path):
+    """A 300-token prefill with the CUDA branch taken on the CPU (``bench/jit_lengths.py
+    --mlx-ops``, its own process: the fake back end is global) runs none of the MLX ops that
+    MLX's CUDA back end JIT-compiles at a machine's first use (gathers, scatters, quantized
+    GEMMs: seconds each of a first prefill, which issue 15 wants under 2 s). Session 39 found
+    mx.eye in the chunked delta rule (a scatter: 4.6-5.2 s of Qwen 3.5's first prefill on an
+    H100) and MLX 4-bit embeddings past 32 rows (three gathers) this way. MLX 4-bit MoE
+    prompts need HF2Q_AFFINE_EXPERT_PREFILL (their experts otherwise run gather_qmm)."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ops.json"
+    cmd = [sys.executable, str(root / "bench" / "jit_lengths.py"), spec, "--format", fmt,
+           "--mlx-ops", "--lengths", "300", "--json", str(out)]  # fmt: skip
+    run_env = {**os.environ, **env, "HF2Q_AVOID_MLX_JIT": "1"}
+    res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = json.loads(out.read_text())
+    assert found["ops"].get("Matmul", 0) > 0  # the probe saw the model's own ops
+    assert found["jit"] == {}, found["jit"]
