@@ -110,7 +110,9 @@ MLX_JIT = ("Gather", "GatherAxis", "Scatter", "ScatterAxis", "QuantizedMatmul", 
            "GatherMM")  # fmt: skip
 
 
-def mlx_ops(spec: str, fmt: str, layers: int | None, length: int) -> dict[str, int]:
+def mlx_ops(
+    spec: str, fmt: str, layers: int | None, length: int, kv_bits: int | None = None
+) -> dict[str, int]:
     """-> {MLX primitive: nodes} of one ``length``-token prefill with the CUDA branch taken on the
     CPU, as ``generation.prefill`` runs the model (its MLX linears turned into kernel linears
     where ``affine_prefill`` is on): each kernel launch keeps its inputs and returns zeros, and
@@ -122,6 +124,7 @@ def mlx_ops(spec: str, fmt: str, layers: int | None, length: int) -> dict[str, i
     from decode_profile import build
 
     from hf2q_mlx.custom_kernels import affine_prefill, expert_matmul, gated_delta
+    from hf2q_mlx.generation import make_prompt_cache
     from hf2q_mlx.models import kernel_linears
 
     kept: list = []
@@ -143,7 +146,7 @@ def mlx_ops(spec: str, fmt: str, layers: int | None, length: int) -> dict[str, i
     if affine_prefill.enabled():
         kernel_linears.use_kernels(model)
     ids = mx.array([[(7 * i + 3) % vocab for i in range(length)]], dtype=mx.int32)
-    logits = model(ids, cache=model.make_cache())
+    logits = model(ids, cache=make_prompt_cache(model, kv_bits))  # kv_bits: TurboQuant
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
         mx.export_to_dot(f.name, logits, *kept)
         dot = f.read()
@@ -223,7 +226,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.mlx_ops:
         n = int(a.lengths.split(",")[0])
-        ops = mlx_ops(a.model, a.format, a.layers, n)
+        ops = mlx_ops(a.model, a.format, a.layers, n, a.kv_bits)
         jit = {k: v for k, v in sorted(ops.items()) if k in MLX_JIT}
         fused = {k: v for k, v in sorted(ops.items()) if k.startswith("Compiled")}
         print(f"{a.model} {a.format}, {n} tokens: MLX ops CUDA JIT-compiles {jit or 'none'}")

@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import backend, env_int
+from hf2q_mlx.custom_kernels import backend, device_constant, env_int
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 
 Q4_1 = int(GGMLQuantizationType.Q4_1)
@@ -97,17 +97,13 @@ _KERNEL = Kernel(
     ],
 )
 _THREADS = 256
-_DIMS: dict[int, mx.array] = {}  # block count -> its (1,) int32 device array, made once
 
 
 def to_q4_1_kernel(wq: mx.array, scales: mx.array, biases: mx.array, group_size: int):
     """The kernel of :func:`to_q4_1_reference` (contiguous arrays; the caller checks shapes)."""
     lead, n_words = wq.shape[:-1], wq.shape[-1]
     n_blocks = math.prod(lead) * (n_words // 4)
-    dims = _DIMS.get(n_blocks)
-    if dims is None:
-        dims = _DIMS[n_blocks] = mx.array([n_blocks], dtype=mx.int32)
-        mx.eval(dims)
+    dims = device_constant((n_blocks,), mx.int32)  # the count as data: no build per shape
     launch = _KERNEL.launcher(
         [mx.uint32, scales.dtype, biases.dtype, mx.int32], grid=(n_blocks,),
         threadgroup=(_THREADS,), output_shapes=[(n_blocks * 5,)], output_dtypes=[mx.uint32],

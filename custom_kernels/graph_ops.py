@@ -277,6 +277,49 @@ def affine_rows_kernel(wq, scales, biases, ids, group_size: int, bits: int) -> m
     return rows.reshape(*ids.shape, D)
 
 
+# ---- small-table lookups ------------------------------------------------------------------------
+
+_LOOKUP_BODY = """
+  // One thread per element i (< dims[0]): table[codes[i]] as 32-bit words (codes clamped to the
+  // table's V entries). The element count is data, not a template value: one build per V.
+  if (pos_x >= uint(dims[0])) return;
+  uint c = uint(codes[pos_x]);
+  c = c < uint(V) ? c : uint(V) - 1u;
+  out[pos_x] = table[c];
+"""
+
+_lookup_kernel = Kernel(
+    "table_lookup",
+    inputs=["table", "codes", "dims"],
+    outputs=["out"],
+    body=_LOOKUP_BODY,
+    examples=[
+        Example(
+            {"table": mx.uint32, "codes": mx.uint32, "dims": (mx.int32, 1)},
+            {"out": mx.uint32},
+            {"V": 16},
+        )  # fmt: skip
+    ],
+)
+
+
+def table_lookup(table: mx.array, codes: mx.array) -> mx.array:
+    """``mx.take(table, codes)`` of a small 1-D fp32 table (a TurboQuant codebook) at uint32
+    codes in range: one kernel on CUDA with ``avoid_mlx_jit()`` (MLX's gather JIT-compiles at a
+    machine's first use), MLX's take elsewhere. Data movement: the same bits."""
+    n = codes.size
+    ok = backend() == "cuda" and avoid_mlx_jit() and table.ndim == 1 and table.dtype == mx.float32
+    if not ok or codes.dtype != mx.uint32 or n == 0 or n >= 2**31:
+        return mx.take(table, codes)
+    launch = _lookup_kernel.launcher(
+        [mx.uint32, mx.uint32, mx.int32], grid=(n,), threadgroup=(256,), output_shapes=[(n,)],
+        output_dtypes=[mx.uint32], template={"V": table.size},
+    )  # fmt: skip
+    dims = device_constant((n,), mx.int32)
+    words = launch(inputs=[table.view(mx.uint32), codes.reshape(-1), dims])[0]
+    return words.view(mx.float32).reshape(codes.shape)
+
+
 # ---- embedding scale ---------------------------------------------------------------------------
 
 

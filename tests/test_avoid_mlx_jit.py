@@ -112,6 +112,53 @@ def test_gather_rows_any_kernel_matches_take(avoid, monkeypatch, row_bytes):
     np.testing.assert_array_equal(np.array(past), np.array(table[mx.array([V - 1, 1])]))
 
 
+@needs_gxx
+def test_table_lookup_kernel_matches_take(avoid, monkeypatch):
+    """A TurboQuant codebook (fp32, 256 entries) at 1,000 random uint32 codes (not a whole
+    number of threadgroups) through the lookup kernel (the emulator, outputs poisoned first):
+    ``mx.take``'s bits, the count as data (one build per table size); a code past the table
+    reads its last entry; a TQ8 codec's quantize and dequantize give the same bits with the
+    switch on and off (its unpacking has no gather either way)."""
+    from hf2q_mlx.custom_kernels._render import Kernel
+    from hf2q_mlx.models.turboquant.codec import TQCodec
+
+    launches = []
+
+    def launcher(self, dtypes, **kw):
+        launches.append(kw["template"])
+        return kernel_emulator.kernel_launcher(self, dtypes, **kw)
+
+    monkeypatch.setattr(Kernel, "launcher", launcher)
+    monkeypatch.setattr(graph_ops, "backend", lambda: "cuda")
+    codec = TQCodec(128, 8, seed=3)
+    codes = mx.array(np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint32))
+    got = graph_ops.table_lookup(codec.codebook, codes)
+    assert launches == [{"V": 256}]
+    np.testing.assert_array_equal(_bits(got), _bits(mx.take(codec.codebook, codes)))
+    past = graph_ops.table_lookup(codec.codebook, mx.array([300, 2], dtype=mx.uint32))
+    np.testing.assert_array_equal(np.array(past), np.array(codec.codebook[mx.array([255, 2])]))
+    x = mx.random.normal((3, 5, 128), key=mx.random.key(4))
+    rows = codec.quantize(x)
+    back = codec.dequantize(rows)
+    monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
+    rows0 = codec.quantize(x)
+    np.testing.assert_array_equal(np.array(rows), np.array(rows0))
+    np.testing.assert_array_equal(_bits(back), _bits(codec.dequantize(rows0)))
+    assert "Gather" in _prims(codec.dequantize(rows0))  # off: MLX's take
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
+def test_unpack_bits_without_a_gather(bits):
+    """The packed codes' unpacking reads each code's words by broadcast slices, no gather:
+    every code back, at widths that straddle words (3, 5, 6) and that do not."""
+    from hf2q_mlx.models.turboquant.codec import pack_bits, unpack_bits
+
+    codes = mx.array(np.random.default_rng(bits).integers(0, 2**bits, (4, 70), dtype=np.uint32))
+    got = unpack_bits(pack_bits(codes, bits), bits, 70)
+    assert "Gather" not in _prims(got)
+    np.testing.assert_array_equal(np.array(got), np.array(codes))
+
+
 def test_gather_rows_takes_mlx_with_the_switch_off(monkeypatch):
     monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", "0")
     monkeypatch.setattr(graph_ops, "backend", lambda: "cuda")
@@ -233,6 +280,8 @@ def test_switch_defaults(monkeypatch):
         ("gemma4:tiny-dense", "mlx4", {}),
         ("gemma4:tiny-moe", "mlx4", {"HF2Q_AFFINE_EXPERT_PREFILL": "1"}),
         ("qwen3_5:tiny-moe", "mlx4", {"HF2Q_AFFINE_EXPERT_PREFILL": "1"}),
+        ("gemma4:tiny-moe", "q4_k", {"kv_bits": "8"}),
+        ("qwen3_5:tiny", "q4_k", {"kv_bits": "4"}),
     ],
 )
 def test_cuda_prefill_asks_mlx_for_no_jit_op(spec, fmt, env, tmp_path):
@@ -242,15 +291,18 @@ def test_cuda_prefill_asks_mlx_for_no_jit_op(spec, fmt, env, tmp_path):
     GEMMs: seconds each of a first prefill, which issue 15 wants under 2 s). Session 39 found
     mx.eye in the chunked delta rule (a scatter: 4.6-5.2 s of Qwen 3.5's first prefill on an
     H100) and MLX 4-bit embeddings past 32 rows (three gathers) this way. MLX 4-bit MoE
-    prompts need HF2Q_AFFINE_EXPERT_PREFILL (their experts otherwise run gather_qmm)."""
+    prompts need HF2Q_AFFINE_EXPERT_PREFILL (their experts otherwise run gather_qmm). A
+    TurboQuant cache (kv_bits) too: its prefill dequantizes the cache (codebook lookups)."""
     import json
     import os
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "ops.json"
+    env = dict(env)
+    kv = ["--kv-bits", env.pop("kv_bits")] if "kv_bits" in env else []
     cmd = [sys.executable, str(root / "bench" / "jit_lengths.py"), spec, "--format", fmt,
-           "--mlx-ops", "--lengths", "300", "--json", str(out)]  # fmt: skip
+           "--mlx-ops", "--lengths", "300", "--json", str(out), *kv]  # fmt: skip
     run_env = {**os.environ, **env, "HF2Q_AVOID_MLX_JIT": "1"}
     res = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -22,6 +22,7 @@ from statistics import NormalDist
 import mlx.core as mx
 import numpy as np
 
+from hf2q_mlx.custom_kernels.graph_ops import table_lookup
 from hf2q_mlx.errors import Hf2qError
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
@@ -155,14 +156,25 @@ def unpack_bits(words: mx.array, bits: int, n: int) -> mx.array:
     lo, sh = off // 32, off % 32
     straddle = sh + bits > 32
     hi = np.minimum(lo + 1, bits - 1)
-    w_lo = mx.take(w, mx.array(lo), axis=-1)
-    w_hi = mx.take(w, mx.array(hi), axis=-1)
+    w_lo, w_hi = _take_runs(w, lo), _take_runs(w, hi)
     low_part = mx.right_shift(w_lo, mx.array(sh.astype(np.uint32)))
     high_shift = mx.array(np.where(straddle, 32 - sh, 0).astype(np.uint32))
     high_part = mx.where(mx.array(straddle), mx.left_shift(w_hi, high_shift), 0)
     mask = mx.array(np.uint32((1 << bits) - 1))
     codes = mx.bitwise_and(low_part.astype(mx.uint32) | high_part.astype(mx.uint32), mask)
     return codes.reshape(*lead, groups * 32)[..., :n]
+
+
+def _take_runs(w: mx.array, idx: np.ndarray) -> mx.array:
+    """``mx.take(w, idx, axis=-1)`` for a non-decreasing constant ``idx``, as slices broadcast
+    over each run of equal entries (no gather: MLX's CUDA back end JIT-compiles its gathers at a
+    machine's first use). The same values."""
+    starts = [0, *(np.flatnonzero(np.diff(idx)) + 1), len(idx)]
+    parts = [
+        mx.broadcast_to(w[..., int(idx[a]) : int(idx[a]) + 1], (*w.shape[:-1], int(b - a)))
+        for a, b in zip(starts[:-1], starts[1:])
+    ]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
 def search_codes(u: mx.array, boundaries: mx.array, bits: int) -> mx.array:
@@ -173,7 +185,7 @@ def search_codes(u: mx.array, boundaries: mx.array, bits: int) -> mx.array:
     idx = mx.zeros(u.shape, dtype=mx.uint32)
     for k in range(bits - 1, -1, -1):
         cand = idx + (1 << k)
-        idx = mx.where(u > mx.take(boundaries, cand - 1), cand, idx)
+        idx = mx.where(u > table_lookup(boundaries, cand - 1), cand, idx)
     return idx
 
 
@@ -245,7 +257,7 @@ class TQCodec:
         # the stored scale makes x_hat . x = ||x||^2: Lloyd-Max codes shrink a vector by about
         # 1 - D(b) on average (E[Q(u) u] = E[Q(u)^2] = 1 - D), which would scale every score
         # q . k and attention output by that much; this way the error is orthogonal to x
-        dot = mx.sum(mx.take(self.codebook, codes) * u, axis=-1, keepdims=True)
+        dot = mx.sum(table_lookup(self.codebook, codes) * u, axis=-1, keepdims=True)
         scale = mx.where(dot > 0, norm * (self.padded_dim / mx.maximum(dot, 1e-30)), 0.0)
         return mx.concatenate([words, scale.view(mx.uint32)], axis=-1)
 
@@ -258,7 +270,7 @@ class TQCodec:
         words, scales = self.split(rows)
         codes = unpack_bits(words, self.bits, self.padded_dim)
         scale = scales * (1.0 / math.sqrt(self.padded_dim))
-        return mx.take(self.codebook, codes) * scale[..., None]
+        return table_lookup(self.codebook, codes) * scale[..., None]
 
     def dequantize(self, rows: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
         """Packed rows (..., row_words) uint32 -> (..., dim) in ``dtype``."""
