@@ -199,18 +199,20 @@ def test_gpu_gather_rows_any_equals_mlx_gather(monkeypatch, row_bytes):
     np.testing.assert_array_equal(np.array(got), want)
 
 
-@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
-def test_gpu_prefill_logits_unchanged(monkeypatch, family):
+@pytest.mark.parametrize("family,kv_bits", [("gemma4", None), ("qwen3_5", None), ("gemma4", 8)])
+def test_gpu_prefill_logits_unchanged(monkeypatch, family, kv_bits):
     """A tiny MoE model's 300-token prefill (the grouped expert kernels, the router off its
     decode kernel) on CUDA: logits bit for bit the same with the switch (it moves data only).
     The wide slices cut to 256 pairs, so most slices are views at an offset into their
     parent with the switch (copies without it): a kernel reading a view from its parent's
-    start would differ."""
+    start would differ. With a TurboQuant cache (kv_bits) the prefill's dequantized cache
+    comes through the table-lookup kernel and gather-free unpacking with the switch."""
     _needs_cuda()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from decode_profile import build
 
     from hf2q_mlx.custom_kernels import expert_mma
+    from hf2q_mlx.generation import make_prompt_cache
 
     monkeypatch.setattr(expert_mma, "WIDE_PAIRS", 256)
     monkeypatch.setattr(expert_matmul, "GROUPED_SLICE_COPY", True)
@@ -220,7 +222,7 @@ def test_gpu_prefill_logits_unchanged(monkeypatch, family):
     out = {}
     for v in ("0", "1"):
         monkeypatch.setenv("HF2Q_AVOID_MLX_JIT", v)
-        out[v] = model(ids, cache=model.make_cache())
+        out[v] = model(ids, cache=make_prompt_cache(model, kv_bits))
         mx.eval(out[v])
     np.testing.assert_array_equal(_bits(out["0"]), _bits(out["1"]))
     assert np.isfinite(np.array(out["1"].astype(mx.float32))).all()
