@@ -223,8 +223,9 @@ def test_gpu_tiny_moe_prefill_close_to_gather_qmm(monkeypatch, family):
     """A tiny MLX 4-bit MoE model's 300-token prefill on CUDA with the switch on (experts
     transcoded, the grouped Q4_1 kernels) against off (MLX's gather_qmm): the same bf16 model
     summed in other orders, logits within 2^-4 in relative 2-norm (bf16 rounding carried
-    through six random layers, ~1e-2; a wrong expert, token or nibble order is off by ~1),
-    the same last-position argmax, the transcode launched."""
+    through six random layers, ~1e-2; a wrong expert, token or nibble order is off by ~1;
+    the top logits of random weights are too close for an argmax check), the transcode
+    launched."""
     import sys
     from pathlib import Path
 
@@ -244,4 +245,3 @@ def test_gpu_tiny_moe_prefill_close_to_gather_qmm(monkeypatch, family):
         mx.eval(out[v])
     assert calls, "the switch did not reach the transcode"
     assert _rel(out["1"], out["0"]) <= 2.0**-4
-    assert mx.argmax(out["1"][0, -1]).item() == mx.argmax(out["0"][0, -1]).item()
