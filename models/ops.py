@@ -18,6 +18,7 @@ from hf2q_mlx import custom_kernels
 from hf2q_mlx.custom_kernels import (
     activations,
     affine_q4_1,
+    cpu_ext,
     device_array,
     gated_delta,
     launch_recorder,
@@ -93,7 +94,21 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
         # decode-sized rows only: the zero residual is kept per shape (a prefill's would be big)
         zero = _zeros(tuple(x.shape), x.dtype)
         return residual_norm_kernel.residual_rms_norm(x, zero, weight, eps)[1]
+    ext = _cpu_ext(x, weight)
+    if ext is not None:  # the CPU: one op where mx.fast.rms_norm's fallback is four or five
+        return ext.rms_norm_cpu(x, weight, eps)
     return _rms_norm(x, weight, eps)
+
+
+def _cpu_ext(x: mx.array, weight: mx.array | None = None):
+    """The CPU extension (custom_kernels/cpu_ext: its one-op RMS norm and RoPE) where this call's
+    ops run on the CPU in float32 with a (D,) weight or none, else None. MLX 0.32.4's CPU back
+    end runs mx.fast.rms_norm and mx.fast.rope as their fallbacks: 4-5 and ~10 ops a call."""
+    if x.dtype != mx.float32 or x.ndim == 0 or mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    if weight is not None and (weight.dtype != mx.float32 or weight.shape != (x.shape[-1],)):
+        return None
+    return cpu_ext.load() if cpu_ext.fused_ops() else None
 
 
 @lru_cache(maxsize=64)
@@ -129,6 +144,9 @@ def residual_norm(
         y = y if post_norm is None else post_norm(y)
         return residual_norm_kernel.residual_rms_norm(x, y, norm.weight, norm.eps)
     if post_norm is None:
+        if _cpu_ext(x, norm.weight) is not None and y.dtype == mx.float32:
+            h = x + y
+            return h, rms_norm(h, norm.weight, norm.eps)
         return _add_rms_norm(x, y, norm.weight, norm.eps)
     return _norm_add_rms_norm(x, y, post_norm.weight, post_norm.eps, norm.weight, norm.eps)
 
@@ -236,7 +254,18 @@ class RoPE:
 
     def __call__(self, x: mx.array, pos: mx.array) -> mx.array:
         """x (B, H, L, D), ``pos`` the (1,) first position -> rotated x."""
+        ext = self._cpu_ext(x, pos)
+        if ext is not None:  # the CPU: one op where mx.fast.rope's fallback is about ten
+            return ext.rope_cpu(x, pos, self.inv_freq, self.dims, self.scale)
         return _rope(x, pos, self.dims, self.base, self.scale, self.freqs)
+
+    def _cpu_ext(self, x: mx.array, pos: mx.array):
+        """``ops._cpu_ext`` for a (B, H, L, D) x at (1,) or (B,) first positions or (1 or B,
+        L) positions per token."""
+        ok = x.ndim == 4 and pos.ndim in (1, 2) and pos.shape[0] in (1, x.shape[0])
+        ok = ok and (pos.ndim == 1 or pos.shape[1] == x.shape[2])
+        ok = ok and self.dims % 2 == 0 and self.inv_freq.dtype == mx.float32
+        return _cpu_ext(x) if ok else None
 
 
 def _rope_graph(x, pos, dims: int, base, scale: float, freqs):
@@ -281,8 +310,19 @@ def norm_rope(x: mx.array | Heads, norm: RMSNorm, rope: RoPE, pos: mx.array) -> 
             x, norm.weight, rope.inv_freq, eps=norm.eps, offset=pos, scale=rope.scale
         )
     (x,) = split_heads((x,))
-    rope_args = (rope.dims, rope.base, rope.scale, rope.freqs)
-    return _norm_rope(x, norm.weight, norm.eps, pos, *rope_args, x.shape[-1])
+    return _norm_rope_any(x, norm.weight, norm.eps, pos, rope, x.shape[-1])
+
+
+def _norm_rope_any(x, weight, eps: float, pos, rope: RoPE | None, D: int) -> mx.array:
+    """``_norm_rope`` (``rope`` None: the norm alone): on the CPU the extension's norm and RoPE
+    (two ops), elsewhere the compiled MLX graph."""
+    xs = x[..., :D] if x.shape[-1] > D else x  # (B, L, H, D)
+    if _cpu_ext(xs, weight) is not None:  # the rope takes the extension where it can
+        y = rms_norm(xs, weight, eps).transpose(0, 2, 1, 3)
+        return y if rope is None else rope(y, pos)
+    if rope is None:
+        return _norm_rope(x, weight, eps, pos, 0, None, 1.0, None, D)
+    return _norm_rope(x, weight, eps, pos, rope.dims, rope.base, rope.scale, rope.freqs, D)
 
 
 def qk_norm_rope(
@@ -307,14 +347,14 @@ def qk_norm_rope(
             eps=q_norm.eps, offset=pos, scale=rope.scale, v=v, v_norm=v_norm,
         )  # fmt: skip
     q, k, v = split_heads((q, k, v))
-    D, eps, rope_args = k.shape[-1], q_norm.eps, (rope.dims, rope.base, rope.scale, rope.freqs)
-    q = _norm_rope(q, q_norm.weight, eps, pos, *rope_args, D)
-    k = _norm_rope(k, k_norm.weight, eps, pos, *rope_args, D)
+    D, eps = k.shape[-1], q_norm.eps
+    q = _norm_rope_any(q, q_norm.weight, eps, pos, rope, D)
+    k = _norm_rope_any(k, k_norm.weight, eps, pos, rope, D)
     if v is None:
         return q, k
     if not v_norm:
         return q, k, v.transpose(0, 2, 1, 3)
-    return q, k, _norm_rope(v, None, eps, pos, 0, None, 1.0, None, D)
+    return q, k, _norm_rope_any(v, None, eps, pos, None, D)
 
 
 def rope_qkv(

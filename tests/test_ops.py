@@ -26,7 +26,9 @@ def eager():
 def test_rope_gets_one_offset_for_every_row(eager, monkeypatch):
     """mx.fast.rope reads an offset array of shape (B,) per batch row; its GPU kernel indexes a
     (1,) array that way too, so for B > 1 the ops must pass the position as a scalar (the CPU
-    fallback broadcasts either, which is why only this spy sees it)."""
+    fallback broadcasts either, which is why only this spy sees it). The CPU's own one-op RoPE
+    (HF2Q_CPU_FUSED) off, so that the ops call mx.fast.rope here."""
+    monkeypatch.setenv("HF2Q_CPU_FUSED", "0")
     offsets, rope_fn = [], mx.fast.rope
 
     def spy(x, *args, offset, **kwargs):

@@ -8,7 +8,8 @@ cmake into ``cache_dir()``, under a file lock so that two processes do not build
 imports it. On any failure (no cmake or compiler, nanobind missing, an ABI mismatch with the
 installed mlx) it prints one line to stderr and returns None: callers keep their MLX path.
 ``HF2Q_CPU_EXT=0`` turns it off; ``HF2Q_CPU_EXT_THREADS=n`` sets its threads (default: one
-per core).
+per core). The module also holds the models' CPU RMS norm and RoPE as one-op primitives
+(``fused_ops.cpp``; ``HF2Q_CPU_FUSED=0`` keeps MLX's fallbacks of mx.fast's ops).
 
 The module must be built against the nanobind mlx.core was built with (the ``mx.array`` type
 crosses between the two only when their nanobind internals match: nanobind 3.1's, domain
@@ -34,9 +35,11 @@ from types import ModuleType
 import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
+from hf2q_mlx.custom_kernels import env_int
+
 ENV_VAR = "HF2Q_CPU_EXT"
 MODULE_NAME = "_hf2q_cpu_matvec"  # NB_MODULE's name in ggml_matvec.cpp
-SOURCES = ("ggml_matvec.cpp", "CMakeLists.txt")
+SOURCES = ("ggml_matvec.cpp", "fused_ops.cpp", "CMakeLists.txt")
 TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 # Rows of x the callers send here (more: their dequantize + GEMM path). Up to 64, as the GPU's
 # mat-vec slices (qmatmul.ROW_SLICE_MAX): each row's output is the same bits in a batch as alone
@@ -60,6 +63,12 @@ def cache_dir() -> Path:
 
 def disabled() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() in ("0", "off", "no", "false", "none")
+
+
+def fused_ops() -> bool:
+    """``HF2Q_CPU_FUSED`` (read per call; ``0`` off, ``1`` or unset on): the models' CPU RMS
+    norms and RoPE as this extension's one-op primitives (``fused_ops.cpp``) where it loads."""
+    return env_int("HF2Q_CPU_FUSED", 0, 1) != 0
 
 
 def _nanobind() -> tuple[str, str]:

@@ -738,6 +738,8 @@ mx::array ggml_matvec(const mx::array& x, const mx::array& w, int type, int k) {
 
 }  // namespace
 
+void register_fused_ops(nb::module_& m);  // fused_ops.cpp: the RMS norm and RoPE primitives
+
 NB_MODULE(_hf2q_cpu_matvec, m) {
   // a forked child has none of the pool's threads (and maybe a mutex held by one): it makes
   // its own pool at its first mat-vec (the parent's is left as it is)
@@ -749,6 +751,7 @@ NB_MODULE(_hf2q_cpu_matvec, m) {
   m.def("simd", []() -> const char* {
     return HF2Q_AVX512 ? "avx512f" : HF2Q_AVX2 ? "avx2+fma" : "scalar";
   });
+  register_fused_ops(m);
   m.def("threads", [] { return pool().size(); });
   m.def(
       "stats",

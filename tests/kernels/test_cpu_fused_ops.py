@@ -1,0 +1,129 @@
+"""The CPU extension's one-op RMS norm and RoPE (custom_kernels/cpu_ext/fused_ops.cpp) against a
+float64 numpy oracle and MLX's fallbacks of mx.fast.rms_norm / mx.fast.rope, and the models' ops
+taking them on the CPU (``HF2Q_CPU_FUSED``, on by default).
+
+Tolerance: 1e-6 of the largest |output| (fp32 math: the norm sums squares in double, so its
+error is the output's rounding, ~1e-7; RoPE against an oracle that forms each angle in fp32 as
+the kernel does, position * scale * inv_freq, then cos / sin in float64). Against MLX's RoPE
+the angles themselves may round differently: up to an ulp of the largest angle, so 4 x
+max|angle| x 2^-24 more (positions to 3,000 here). A wrong pair, position, stride or row is off
+by O(1). Fresh random inputs each run.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hf2q_mlx.custom_kernels import cpu_ext
+from hf2q_mlx.models import ops
+
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_ext.load()
+    if module is None:
+        pytest.skip("the CPU extension cannot be built or is disabled (stderr says why)")
+    return module
+
+
+def _check(got: mx.array, want: np.ndarray, what: str, rtol: float = RTOL) -> None:
+    g = np.array(got, dtype=np.float64)
+    assert g.shape == want.shape, what
+    err = np.abs(g - want).max() / np.abs(want).max()
+    assert err <= rtol, f"{what}: {err:.3g}"
+
+
+def _norm_oracle(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * w
+
+
+def _rope_oracle(x: np.ndarray, positions: np.ndarray, inv: np.ndarray, dims: int, scale):
+    """x (B, H, L, D), positions (B, L) -> rotated, float64."""
+    x = x.astype(np.float64)
+    half = dims // 2
+    p = positions.astype(np.float32) * np.float32(scale)  # fp32 angles, as the kernel forms them
+    th = (p[:, None, :, None] * inv.astype(np.float32)).astype(np.float64)
+    c, s = np.cos(th), np.sin(th)  # (B, 1, L, half)
+    x1, x2 = x[..., :half], x[..., half:dims]
+    return np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c, x[..., dims:]], axis=-1)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_against_float64(ext, weighted):
+    """(2, 5, 3, 96) rows, contiguous and as a transposed view, with and without a weight."""
+    x = mx.random.normal((2, 5, 3, 96)) * 3 + 0.5
+    w = mx.random.normal((96,)) if weighted else None
+    wn = None if w is None else np.array(w)
+    for view in (x, x.transpose(0, 2, 1, 3)):
+        got = ext.rms_norm_cpu(view, w, 1e-5)
+        _check(got, _norm_oracle(np.array(view), wn, 1e-5), f"view {view.shape}")
+        assert got.shape == view.shape and got.dtype == mx.float32
+
+
+@pytest.mark.parametrize("form", ["one", "per-row", "per-token", "per-row-token"])
+def test_rope_against_float64_and_mlx(ext, form):
+    """x (3, 4, 6, 80) as a transposed view of (B, L, H, D), the first 64 channels rotated
+    (partial), scale 0.5, positions as a first position for every row, one per row, one per
+    token, or one per row and token; against float64 and mx.fast.rope (its row-per-token form
+    for the per-token positions)."""
+    B, H, L, D, dims = 3, 4, 6, 80, 64
+    x = mx.random.normal((B, L, H, D)).transpose(0, 2, 1, 3)
+    inv = ops.rope_inv_freq(dims, 5000.0)
+    first = np.random.default_rng().integers(0, 3000, B).astype(np.int32)
+    pos = {
+        "one": mx.array(first[:1]),
+        "per-row": mx.array(first),
+        "per-token": mx.array((first[:1, None] + np.arange(L)[None] * 7).astype(np.int32)),
+        "per-row-token": mx.array((first[:, None] + np.arange(L)[None] * 3).astype(np.int32)),
+    }[form]
+    p2 = np.array(pos)
+    p2 = np.broadcast_to(p2[:, None] + np.arange(L)[None], (B, L)) if p2.ndim == 1 else p2
+    p2 = np.broadcast_to(p2, (B, L))
+    got = ext.rope_cpu(x, pos, inv, dims, 0.5)
+    _check(got, _rope_oracle(np.array(x), p2, np.array(inv), dims, 0.5), form)
+    rows = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+    offs = mx.array(np.ascontiguousarray(p2).reshape(-1))
+    mlx = mx.fast.rope(rows, dims, traditional=False, base=5000.0, scale=0.5, offset=offs)
+    mlx = mlx.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+    angle = float(np.abs(p2).max()) * 0.5 * float(np.array(inv).max())
+    _check(got, np.array(mlx, dtype=np.float64), f"{form} against mx.fast.rope",
+           RTOL + 4 * angle * 2.0**-24)  # fmt: skip
+
+
+def test_models_ops_take_the_extension_on_the_cpu(ext, monkeypatch):
+    """``ops.rms_norm``, ``RoPE`` and ``qk_norm_rope`` (q wider than D, v normed without a
+    weight) run as RMSNormCPU / RopeCPU nodes on the CPU and give HF2Q_CPU_FUSED=0's values
+    (MLX's fallbacks); a bf16 x keeps MLX's ops."""
+    import tempfile
+
+    def prims(*arrays) -> str:
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, *arrays)
+            return f.read()
+
+    B, L, H, D = 2, 5, 3, 32
+    q = mx.random.normal((B, L, H, 2 * D))  # Qwen 3.5's [query | gate] heads
+    k = mx.random.normal((B, L, H, D))
+    v = mx.random.normal((B, L, H, D))
+    pos = mx.array([11], dtype=mx.int32)
+    rope, qn, kn = ops.RoPE(16, 10_000.0), ops.RMSNorm(D), ops.RMSNorm(D)
+    qn.weight, kn.weight = mx.random.normal((D,)), mx.random.normal((D,))
+    outs = {}
+    for v_ in ("1", "0"):
+        monkeypatch.setenv("HF2Q_CPU_FUSED", v_)
+        outs[v_] = [ops.rms_norm(k, kn.weight, 1e-6), rope(k.transpose(0, 2, 1, 3), pos),
+                    *ops.qk_norm_rope(q, k, qn, kn, rope, pos, v=v)]  # fmt: skip
+    dot = prims(*outs["1"])
+    assert "RMSNormCPU" in dot and "RopeCPU" in dot and "Compiled" not in dot
+    assert "RMSNormCPU" not in prims(*outs["0"])
+    for i, (a, b) in enumerate(zip(outs["1"], outs["0"])):
+        _check(a, np.array(b, dtype=np.float64), f"output {i}")
+    monkeypatch.setenv("HF2Q_CPU_FUSED", "1")
+    bf = ops.rms_norm(k.astype(mx.bfloat16), kn.weight.astype(mx.bfloat16), 1e-6)
+    assert "RMSNormCPU" not in prims(bf)
