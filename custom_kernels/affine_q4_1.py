@@ -26,11 +26,12 @@ from gguf import GGMLQuantizationType
 
 from hf2q_mlx.custom_kernels import backend, device_constant, env_int
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS
+from hf2q_mlx.custom_kernels.graph_ops import per_element
 
 Q4_1 = int(GGMLQuantizationType.Q4_1)
 BLOCK = 32  # values per Q4_1 block
 BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
-MIN_TOKENS = 33  # more than the affine expert kernels' 32 tokens (expert_glu.MAX_TOKENS)
 
 
 def enabled() -> bool:
@@ -96,7 +97,6 @@ _KERNEL = Kernel(
         for t, gs in ((mx.bfloat16, 64), (mx.float16, 32), (mx.float32, 128))
     ],
 )
-_THREADS = 256
 
 
 def to_q4_1_kernel(wq: mx.array, scales: mx.array, biases: mx.array, group_size: int):
@@ -104,12 +104,8 @@ def to_q4_1_kernel(wq: mx.array, scales: mx.array, biases: mx.array, group_size:
     lead, n_words = wq.shape[:-1], wq.shape[-1]
     n_blocks = math.prod(lead) * (n_words // 4)
     dims = device_constant((n_blocks,), mx.int32)  # the count as data: no build per shape
-    launch = _KERNEL.launcher(
-        [mx.uint32, scales.dtype, biases.dtype, mx.int32], grid=(n_blocks,),
-        threadgroup=(_THREADS,), output_shapes=[(n_blocks * 5,)], output_dtypes=[mx.uint32],
-        template={"GS": group_size},
-    )  # fmt: skip
-    words = launch(inputs=[wq, scales, biases, dims])[0]
+    inputs = [wq, scales, biases, dims]
+    words = per_element(_KERNEL, inputs, n_blocks, (n_blocks * 5,), mx.uint32, {"GS": group_size})
     return words.view(mx.uint8).reshape(*lead, (n_words // 4) * BLOCK_BYTES)
 
 
@@ -140,7 +136,7 @@ def covers(x: mx.array, expert_ids: mx.array, arrays, group_size: int, bits: int
         and backend() == "cuda"
         and x.dtype == mx.bfloat16
         and expert_ids.ndim >= 2
-        and math.prod(expert_ids.shape[:-1]) >= MIN_TOKENS
+        and math.prod(expert_ids.shape[:-1]) > MAX_TOKENS  # past the affine expert kernels
         and all(a is None or transcodes(a, group_size, bits) for a in arrays)
     )
 

@@ -151,7 +151,7 @@ _rows_kernel = Kernel(
 )
 
 
-def _per_element(kernel: Kernel, inputs: list, n: int, shape, dtype, template: dict) -> mx.array:
+def per_element(kernel: Kernel, inputs: list, n: int, shape, dtype, template: dict) -> mx.array:
     """One launch of a one-thread-per-output-element ``kernel``: n threads in groups of 256."""
     launch = kernel.launcher(
         [a.dtype for a in inputs],
@@ -195,7 +195,7 @@ def gather_rows(table: mx.array, ids: mx.array) -> mx.array:
     W = RB // 4
     inputs = [table.view(mx.uint32), ids.reshape(-1)]
     if active():
-        rows = _per_element(_rows_kernel, inputs, R * W, (R, W), mx.uint32, {"R": R, "W": W})
+        rows = per_element(_rows_kernel, inputs, R * W, (R, W), mx.uint32, {"R": R, "W": W})
     elif backend() == "cuda" and avoid_mlx_jit():
         tg = 128 if W >= 128 else 32  # the body checks the row's end
         rows = _rows_any_kernel(
@@ -311,12 +311,8 @@ def table_lookup(table: mx.array, codes: mx.array) -> mx.array:
     ok = backend() == "cuda" and avoid_mlx_jit() and table.ndim == 1 and table.dtype == mx.float32
     if not ok or codes.dtype != mx.uint32 or n == 0 or n >= 2**31:
         return mx.take(table, codes)
-    launch = _lookup_kernel.launcher(
-        [mx.uint32, mx.uint32, mx.int32], grid=(n,), threadgroup=(256,), output_shapes=[(n,)],
-        output_dtypes=[mx.uint32], template={"V": table.size},
-    )  # fmt: skip
-    dims = device_constant((n,), mx.int32)
-    words = launch(inputs=[table.view(mx.uint32), codes.reshape(-1), dims])[0]
+    inputs = [table.view(mx.uint32), codes.reshape(-1), device_constant((n,), mx.int32)]
+    words = per_element(_lookup_kernel, inputs, n, (n,), mx.uint32, {"V": table.size})
     return words.view(mx.float32).reshape(codes.shape)
 
 
@@ -356,7 +352,7 @@ def scale_cast(x: mx.array, scale: float, dtype: mx.Dtype) -> mx.array:
         return scale_cast_reference(x, scale, dtype)
     s = mx.array(scale, dtype=dtype).astype(mx.float32).item()
     inputs = [x, device_constant((s,), mx.float32)]
-    return _per_element(_scale_kernel, inputs, x.size, x.shape, dtype, {"T": dtype, "N": x.size})
+    return per_element(_scale_kernel, inputs, x.size, x.shape, dtype, {"T": dtype, "N": x.size})
 
 
 # ---- a linear's bias ---------------------------------------------------------------------------
@@ -398,7 +394,7 @@ def add_bias(y: mx.array, bias: mx.array) -> mx.array:
     if not ok:
         return add_bias_reference(y, bias)
     template = {"T": y.dtype, "N": y.size, "C": C}
-    return _per_element(_bias_kernel, [y, bias], y.size, y.shape, y.dtype, template)
+    return per_element(_bias_kernel, [y, bias], y.size, y.shape, y.dtype, template)
 
 
 def cast(x: mx.array, dtype: mx.Dtype) -> mx.array:

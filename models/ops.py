@@ -144,9 +144,10 @@ def residual_norm(
         y = y if post_norm is None else post_norm(y)
         return residual_norm_kernel.residual_rms_norm(x, y, norm.weight, norm.eps)
     if post_norm is None:
-        if _cpu_ext(x, norm.weight) is not None and y.dtype == mx.float32:
+        ext = _cpu_ext(x, norm.weight) if y.dtype == mx.float32 else None
+        if ext is not None:  # the CPU: the add, then the extension's one-op norm
             h = x + y
-            return h, rms_norm(h, norm.weight, norm.eps)
+            return h, ext.rms_norm_cpu(h, norm.weight, norm.eps)
         return _add_rms_norm(x, y, norm.weight, norm.eps)
     return _norm_add_rms_norm(x, y, post_norm.weight, post_norm.eps, norm.weight, norm.eps)
 
@@ -317,8 +318,9 @@ def _norm_rope_any(x, weight, eps: float, pos, rope: RoPE | None, D: int) -> mx.
     """``_norm_rope`` (``rope`` None: the norm alone): on the CPU the extension's norm and RoPE
     (two ops), elsewhere the compiled MLX graph."""
     xs = x[..., :D] if x.shape[-1] > D else x  # (B, L, H, D)
-    if _cpu_ext(xs, weight) is not None:  # the rope takes the extension where it can
-        y = rms_norm(xs, weight, eps).transpose(0, 2, 1, 3)
+    ext = _cpu_ext(xs, weight)
+    if ext is not None:  # the rope takes the extension too where it can
+        y = ext.rms_norm_cpu(xs, weight, eps).transpose(0, 2, 1, 3)
         return y if rope is None else rope(y, pos)
     if rope is None:
         return _norm_rope(x, weight, eps, pos, 0, None, 1.0, None, D)
