@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode_step as ds  # noqa: E402  (bench/decode_step.py: builders)
 import prefill as pf  # noqa: E402  (bench/prefill.py: one timed prefill into a new cache)
 
-from hf2q_mlx.custom_kernels import _render, cuda_cache  # noqa: E402
-from hf2q_mlx.models import ops  # noqa: E402
+from hf2q_mlx.custom_kernels import _render, affine_prefill, cuda_cache  # noqa: E402
+from hf2q_mlx.models import kernel_linears, ops  # noqa: E402
 
 
 def arrays_in(tree) -> list[mx.array]:
@@ -183,6 +183,9 @@ def main() -> None:
     started = time.time()  # wall clock: compared with the PTX cache files' times
     tic = time.perf_counter()
     model = ds.build(name, config, a.format)
+    model.fuse_projections()  # as the loader does (a no-op where the builder fused)
+    if affine_prefill.enabled():  # as generation.prefill does (the MLX linears' prompt rows)
+        kernel_linears.use_kernels(model)
     build_s = time.perf_counter() - tic
     timer = CallTimer(model)
     prompts = [

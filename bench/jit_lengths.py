@@ -137,6 +137,9 @@ def mlx_ops(
 
         return launch
 
+    # on the CPU even where a GPU is present: a real device evaluates parts of the graph as it is
+    # built (session 40: Gemma 4's graphs came back empty on an H100), and nothing runs here
+    mx.set_default_device(mx.cpu)
     install_fake_cuda(kernel_for)
     # choices between MLX ops as on a CUDA device too (the chunked delta rule, the gathers' flags)
     for mod in (ck, gated_delta, expert_matmul):

@@ -13,8 +13,10 @@ layer's experts are transcoded per call (one read of the codes, a 5-bit-per-valu
 ~11 % more bytes than the codes), never kept: decode keeps the affine kernels and no memory
 is added.
 
-``HF2Q_AFFINE_EXPERT_PREFILL`` (read per call): ``1`` on, ``0`` or unset off (built without a
-GPU in session 39; ``bench/h200_steps.sh affine-experts`` times it).
+``HF2Q_AFFINE_EXPERT_PREFILL`` (read per call): ``1`` on, ``0`` off, unset on with MLX's CUDA
+back end. Session 40, H100, MLX 4-bit at 512 / 2,048 tokens: Gemma-4-26B-A4B 5,025 / 8,206 tok/s
+against 1,524 / 1,670 through gather_qmm, Qwen3.5-35B-A3B 3,743 / 6,329 against 1,720 / 2,019
+(``bench/h200_steps.sh affine-experts``).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 
 
 def enabled() -> bool:
-    """The switch: ``1`` on, ``0`` or unset off."""
-    return env_int("HF2Q_AFFINE_EXPERT_PREFILL", 0, 1) == 1
+    """The switch: ``1`` on, ``0`` off, unset on with MLX's CUDA back end (the only back end
+    ``covers`` takes: Metal's gather_qmm is not compiled at first use)."""
+    on = env_int("HF2Q_AFFINE_EXPERT_PREFILL", 0, 1)
+    return backend() == "cuda" if on is None else on == 1
 
 
 def to_q4_1_reference(wq: mx.array, scales: mx.array, biases: mx.array, group_size: int):

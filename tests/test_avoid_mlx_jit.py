@@ -280,8 +280,8 @@ def test_switch_defaults(monkeypatch):
         ("qwen3_5:tiny-moe", "q4_k", {}),
         ("qwen3_5:tiny", "q4_k", {}),
         ("gemma4:tiny-dense", "mlx4", {}),
-        ("gemma4:tiny-moe", "mlx4", {"HF2Q_AFFINE_EXPERT_PREFILL": "1"}),
-        ("qwen3_5:tiny-moe", "mlx4", {"HF2Q_AFFINE_EXPERT_PREFILL": "1"}),
+        ("gemma4:tiny-moe", "mlx4", {}),
+        ("qwen3_5:tiny-moe", "mlx4", {}),
         ("gemma4:tiny-moe", "q4_k", {"kv_bits": "8"}),
         ("qwen3_5:tiny", "q4_k", {"kv_bits": "4"}),
     ],
@@ -293,7 +293,8 @@ def test_cuda_prefill_asks_mlx_for_no_jit_op(spec, fmt, env, tmp_path):
     GEMMs: seconds each of a first prefill, which issue 15 wants under 2 s). Session 39 found
     mx.eye in the chunked delta rule (a scatter: 4.6-5.2 s of Qwen 3.5's first prefill on an
     H100) and MLX 4-bit embeddings past 32 rows (three gathers) this way. MLX 4-bit MoE
-    prompts need HF2Q_AFFINE_EXPERT_PREFILL (their experts otherwise run gather_qmm). A
+    prompts rely on HF2Q_AFFINE_EXPERT_PREFILL, on by default with CUDA (their experts
+    otherwise run gather_qmm). A
     TurboQuant cache (kv_bits) too: its prefill dequantizes the cache (codebook lookups)."""
     import json
     import os
