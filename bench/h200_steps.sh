@@ -334,13 +334,15 @@ step delta-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu or in
 # HF2Q_AFFINE_PREFILL on by default with CUDA (session 39): the MLX 4-bit prefill with it and
 # without it against mlx-lm, from an empty PTX cache (prefill.py's "first prefill" line of the
 # default is then a fresh machine's, MLX's JIT included); first-prefill-mlx4 takes one apart
-step first-prefill-mlx4 300 "rm -rf /tmp/ptx-m4 /tmp/cuda-m4; for sh in ${FP_SHAPES:-gemma4:26b-a4b gemma4:31b}; do MLX_PTX_CACHE_DIR=/tmp/ptx-m4 CUDA_CACHE_PATH=/tmp/cuda-m4 python3 bench/first_prefill.py $OUT/first_prefill_mlx4_\${sh#*:}.json --shape \$sh --format mlx4 --top 8; done"
+step first-prefill-mlx4 300 "for sh in ${FP_SHAPES:-gemma4:26b-a4b gemma4:31b}; do rm -rf /tmp/ptx-m4 /tmp/cuda-m4 \$HF2Q_MLX_CACHE/cuda_kernels; MLX_PTX_CACHE_DIR=/tmp/ptx-m4 CUDA_CACHE_PATH=/tmp/cuda-m4 python3 bench/first_prefill.py $OUT/first_prefill_mlx4_\${sh#*:}.json --shape \$sh --format mlx4 --top 8; done"
 step prefill-mlx4 420 "rm -rf /tmp/ptx-m4 /tmp/cuda-m4; MLX_PTX_CACHE_DIR=/tmp/ptx-m4 CUDA_CACHE_PATH=/tmp/cuda-m4 python3 bench/prefill.py $OUT/prefill_mlx4.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b,qwen3_5:9b} --formats mlx4 --rounds 3 --env HF2Q_AFFINE_PREFILL=0"
 # session 39: MLX 4-bit experts transcoded to Q4_1 per prompt call, through the grouped kernels
 # (HF2Q_AFFINE_EXPERT_PREFILL=1, built without a GPU): GPU tests, a fresh PTX cache's first
 # MLX 4-bit prefill with it (MLX's gather_qmm JIT: 46.6 s / 50.2 s on 26B-A4B / 35B-A3B without),
 # then the prefill with it against the default and mlx-lm; on a win default it on with CUDA
 step affine-experts 560 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_q4_1.py --tb=short; rm -rf /tmp/ptx-ae /tmp/cuda-ae; for sh in ${FP_SHAPES:-gemma4:26b-a4b}; do HF2Q_AFFINE_EXPERT_PREFILL=1 MLX_PTX_CACHE_DIR=/tmp/ptx-ae CUDA_CACHE_PATH=/tmp/cuda-ae python3 bench/first_prefill.py $OUT/first_prefill_ae_\${sh#*:}.json --shape \$sh --format mlx4 --top 8 | grep -v '^ops\\.'; done; python3 bench/prefill.py $OUT/prefill_affine_experts.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats mlx4 --rounds 3 --env HF2Q_AFFINE_EXPERT_PREFILL=1"
+# the transcoded experts' GPU tests at the ops (on by default with CUDA since session 40)
+step affine-experts-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_q4_1.py --tb=short"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then
