@@ -141,6 +141,7 @@ def mlx_ops(
     # built (session 40: Gemma 4's graphs came back empty on an H100), and nothing runs here
     mx.set_default_device(mx.cpu)
     install_fake_cuda(kernel_for)
+    _render.cuda_cache.wants_cubin = lambda: False  # the fake launches, never real cubins
     # choices between MLX ops as on a CUDA device too (the chunked delta rule, the gathers' flags)
     for mod in (ck, gated_delta, expert_matmul):
         mod.on_cuda_device = lambda: True
