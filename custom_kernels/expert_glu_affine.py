@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import activations, backend, device_array
+from hf2q_mlx.custom_kernels import activations, backend, device_array, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.expert_glu import ACTIVATIONS, MAX_TOKENS
 from hf2q_mlx.custom_kernels.expert_matmul import uint32_ids
@@ -271,3 +271,52 @@ def _run(plan, x, gate_up: Affine, up, expert_ids) -> mx.array:
     # x and the ids in their own shapes: the kernel reads flat memory (no reshape nodes)
     inputs = [x, *gate_up, *(gate_up if up is None else up), uint32_ids(expert_ids), edims]
     return launch(inputs=inputs)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# A dense MLP's fused [gate | up] affine weight: the same kernel over one expert (every id 0,
+# the 2-D arrays read as expert 0's), the output (..., F) as the rows of x: no view nodes.
+
+_DENSE_CALLS: dict[tuple, tuple | None] = {}
+
+
+def dense_glu_affine(
+    x: mx.array, w: Affine, group_size: int, bits: int, activation: str = "silu"
+) -> mx.array | None:
+    """act(gate) * up of one fused [gate | up] affine weight (codes (2F, K bits / 32), scales
+    and biases (2F, K / group_size)) for 1..32 rows of x (..., K) -> (..., F) in x.dtype, as
+    :func:`expert_glu_affine_reference` over that one expert; None where the kernel does not
+    apply (no GPU, other rows, shapes or dtypes, an unknown activation)."""
+    wq = w[0]
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    key = (_kernel, group_size, bits, activation, x.shape, x.dtype,
+           *((a.shape, a.dtype) for a in w))  # fmt: skip
+    plan = _DENSE_CALLS.get(key, False)
+    if plan is False:
+        plan = None
+        if (
+            backend() is not None
+            and activation in ACTIVATIONS
+            and 1 <= rows <= MAX_TOKENS
+            and wq.ndim == 2
+            and wq.shape[0] % 2 == 0
+            and affine_experts_covered(x, tuple(a[None] for a in w), group_size, bits)
+        ):
+            F, K = wq.shape[0] // 2, x.shape[-1]
+            launch = dict(
+                grid=(-(-F // (ROWS // 2)) * 32 * WARPS, rows),
+                threadgroup=(32 * WARPS, 1),
+                output_shapes=[(*x.shape[:-1], F)],
+                output_dtypes=[x.dtype],
+                template={"T": x.dtype, "BITS": bits, "GS": group_size, "R": ROWS,
+                          "ACT": ACTIVATIONS.index(activation)},
+            )  # fmt: skip
+            dtypes = [x.dtype, *(a.dtype for a in w), *(a.dtype for a in w), mx.uint32, mx.int32]
+            edims = device_array([1, F, K, 1, 1, 2 * F, F], mx.int32)
+            ids = device_constant((0,) * rows, mx.uint32)  # every row: expert 0
+            plan = (_kernel.launcher(dtypes, **launch), ids, edims)
+        _DENSE_CALLS[key] = plan
+    if plan is None:
+        return None
+    launch, ids, edims = plan
+    return launch(inputs=[x, *w, *w, ids, edims])[0]

@@ -17,7 +17,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from hf2q_mlx.custom_kernels import affine_prefill, backend, dense_matvec, launch_recorder
+from hf2q_mlx.custom_kernels import (
+    affine_prefill,
+    backend,
+    dense_matvec,
+    expert_glu_affine,
+    launch_recorder,
+)
 from hf2q_mlx.custom_kernels.graph_ops import gather_affine_rows, gather_rows
 
 MAX_ROWS = dense_matvec.MAX_TOKENS  # rows of x the mat-vec kernels take (prompts: affine_prefill)
@@ -49,6 +55,17 @@ def _affine_linear(layer, x, bias):
     return None
 
 
+def _affine_glu(layer, x: mx.array, kind: str) -> mx.array | None:
+    """act(gate) * up of ``layer``'s fused [gate | up] rows in one launch
+    (``expert_glu_affine.dense_glu_affine``: the affine experts' GLU kernel over one expert), so
+    a decode's dense MLP skips the separate activation launch and the gate / up rounding between
+    them; None where it does not apply (the caller runs the linear, then the activation)."""
+    if not (_on_cuda() and _affine(layer)) or "bias" in layer:
+        return None
+    w = (layer.weight, layer.scales, layer.biases)
+    return expert_glu_affine.dense_glu_affine(x, w, layer.group_size, layer.bits, kind)
+
+
 class KernelLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         y = _float_linear(x, self.weight, self.get("bias"))
@@ -59,6 +76,11 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         y = _affine_linear(self, x, self.get("bias"))
         return super().__call__(x) if y is None else y
+
+    def glu(self, x: mx.array, kind: str) -> mx.array | None:
+        """``act(gate) * up`` of fused [gate | up] rows in one launch (``ops.gated_projection``),
+        or None: then the caller runs this linear and the activation."""
+        return _affine_glu(self, x, kind)
 
 
 class KernelEmbedding(nn.Embedding):

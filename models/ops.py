@@ -402,10 +402,16 @@ _GLU_ACTS = expert_glu_kernel.ACTIVATIONS
 def gated_projection(proj: nn.Module, x: mx.array, kind: str = "silu") -> mx.array:
     """``act(gate) * up`` of a fused [gate | up] projection ``proj``: x (..., D) -> (..., F).
     A GGML layer with kernels and 1..32 rows: one launch (expert_glu.dense_glu, the experts' GLU
-    kernel over one expert); otherwise ``proj``, then ``gated_activation``."""
+    kernel over one expert), an MLX affine kernel linear likewise (``glu``, on CUDA); otherwise
+    ``proj``, then ``gated_activation``."""
     t = getattr(proj, "ggml_type", None)
     if t is not None and use_kernels() and kind in _GLU_ACTS and "bias" not in proj:
         y = expert_glu_kernel.dense_glu(x, proj.weight, t, proj.in_features, kind)
+        if y is not None:
+            return y
+    glu = getattr(proj, "glu", None)  # MLX affine rows turned into kernel linears
+    if glu is not None and use_kernels():
+        y = glu(x, kind)
         if y is not None:
             return y
     return gated_activation(proj(x), None, kind)

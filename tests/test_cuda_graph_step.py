@@ -73,6 +73,9 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
     # kernel writes the keys and values into the caches itself (fuse_kv_writes: Qwen 3.5's
     # values pass through it unnormed), so no kv_write is left
     assert kinds <= set(out["kernels"]) and "kv_write" not in out["kernels"]
+    # a dense MLP's fused gate / up and its activation are one launch in GGML and MLX affine
+    # weights (expert_glu.dense_glu, KernelQuantizedLinear.glu); bf16 keeps the two
+    assert ("gated_activation" in out["kernels"]) == (fmt == "bf16")
     # the delta-net kernel writes its recurrent and conv states over the old ones
     # (fuse_state_writes): nothing is copied back at the graph's end
     assert out["copies"] == 0

@@ -63,23 +63,27 @@ def test_decode_layer_nodes(model, fmt, layers, views, kernels, tmp_path):
     assert per.get("CustomKernel", 0) <= kernels, per
 
 
-def _graph_count(model: str, layers: int, tmp_path) -> dict[str, int]:
+def _graph_count(model: str, fmt: str, layers: int, tmp_path) -> dict[str, int]:
     out = tmp_path / f"graph{layers}.json"
-    cmd = [sys.executable, str(BENCH / "graph_nodes.py"), model, "q4_k", "--layers", str(layers),
+    cmd = [sys.executable, str(BENCH / "graph_nodes.py"), model, fmt, "--layers", str(layers),
            "--graph", "--json", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return json.loads(out.read_text())["graph_launches"]
 
 
-# Qwen 3.5 tiny MoE alternates a delta-net layer (11) and an attention layer (14: one q/k/v
-# mat-vec, its KV rows written by the norm + RoPE kernel)
-@pytest.mark.parametrize("model, layers, kernels", [("gemma4:tiny-moe", 3, 12),
-                                                    ("qwen3_5:tiny-moe", 2, 12.5)])  # fmt: skip
-def test_graph_step_launches_per_layer(model, layers, kernels, tmp_path):
+# Qwen 3.5 tiny MoE alternates a delta-net layer and an attention layer (one q/k/v mat-vec,
+# its KV rows written by the norm + RoPE kernel)
+# MLX 4-bit as many as Q4_K since session 40: its dense MLP's gate / up and activation are one
+# launch (KernelQuantizedLinear.glu), as GGML's dense_glu
+@pytest.mark.parametrize("model, fmt, layers, kernels", [
+    ("gemma4:tiny-moe", "q4_k", 3, 11), ("gemma4:tiny-moe", "mlx4", 3, 11),
+    ("qwen3_5:tiny-moe", "q4_k", 2, 12), ("qwen3_5:tiny-moe", "mlx4", 2, 12),
+])  # fmt: skip
+def test_graph_step_launches_per_layer(model, fmt, layers, kernels, tmp_path):
     """The CUDA graph step (recorded on the CPU, KV writes fused where the norm + RoPE kernel
     makes keys and values): at most ``kernels`` launches per layer, counted as the difference
     between 2L and L layers; no KV row is written by a launch of its own."""
-    a, b = (_graph_count(model, n, tmp_path) for n in (layers, 2 * layers))
+    a, b = (_graph_count(model, fmt, n, tmp_path) for n in (layers, 2 * layers))
     per = (sum(b.values()) - sum(a.values())) / layers
     assert per <= kernels, (a, b)
     assert "kv_write" not in b

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import kernel_emulator
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import requires_gpu
@@ -349,3 +350,72 @@ def test_gpu_down_kernel_matches_reference(m, k, dtype, bits, gs, e, n, kk):
                                        init_value=float("nan"))  # fmt: skip
     mx.eval(out)
     _check_down(out, h, arrays, ids, wts, gs, bits)
+
+
+# --------------------------------------------------------------------------------------------
+# A dense MLP's fused [gate | up] MLX affine rows (kernel_linears.KernelQuantizedLinear.glu):
+# the same kernel over one expert, so a decode runs one launch instead of the mat-vec and the
+# activation (session 40: one launch a layer fewer on the MLX 4-bit shapes)
+
+
+def _dense_glu_layer(f: int, kk: int, gs: int, bits: int, dt, seed: int):
+    from hf2q_mlx.models import kernel_linears
+
+    layer = nn.QuantizedLinear(kk, 2 * f, bias=False, group_size=gs, bits=bits)
+    wq, sc, bi = (a[0] for a in _experts(1, 2 * f, kk, gs, bits, dt, seed=seed))
+    layer.weight, layer.scales, layer.biases = wq, sc, bi
+    kernel_linears.use_kernels(layer)
+    return layer, (wq[None], sc[None], bi[None])
+
+
+@needs_gxx
+@pytest.mark.parametrize("dt,bits,gs,act,shape", [
+    (mx.bfloat16, 4, 64, "gelu_tanh", (1, 1)),
+    (mx.float32, 8, 32, "silu", (3, 1)),
+    (mx.float16, 4, 128, "silu", (32,)),
+], ids=["bf16-q4-B1", "fp32-q8-B3", "fp16-q4-32rows"])  # fmt: skip
+def test_dense_affine_glu_is_one_launch_on_the_emulator(monkeypatch, dt, bits, gs, act, shape):
+    """ops.gated_projection on an MLX affine kernel linear of fused [gate | up] rows, 1..32 rows
+    of x, CUDA standing in: one launch of this kernel (no mat-vec, no activation launch), within
+    the kernel's tolerance of fp32 math; 33 rows: not taken (the prompt path)."""
+    from hf2q_mlx.custom_kernels import dense_matvec
+    from hf2q_mlx.models import kernel_linears
+
+    f, kk = 9, 320 if gs != 128 else 1152
+    layer, arrays = _dense_glu_layer(f, kk, gs, bits, dt, seed=21)
+    emu = Emulated(A._kernel)
+    monkeypatch.setattr(A, "_kernel", emu)
+    for mod in (A, kernel_linears, ck, dense_matvec):
+        monkeypatch.setattr(mod, "backend", lambda: "cuda")
+    monkeypatch.setattr(A, "_DENSE_CALLS", {})
+    monkeypatch.setattr(ops, "gated_activation", None)  # a second launch would call it
+    monkeypatch.setattr(dense_matvec, "affine_matvec", None)
+    x = _x((*shape, kk), dt, seed=22)
+    y = ops.gated_projection(layer, x, act)
+    assert emu.launches == 1 and y.shape == (*shape, f) and y.dtype == dt
+    rows = x.size // kk
+    zeros = mx.zeros((rows, 1), dtype=mx.uint32)
+    _check(y.reshape(rows, 1, f), x.reshape(rows, kk), arrays, zeros, gs, bits, act)
+    assert layer.glu(_x((33, kk), dt, seed=23), act) is None  # a prompt: the linear's own path
+    assert layer.glu(x, "relu") is None and emu.launches == 1
+
+
+@requires_gpu
+def test_gpu_dense_affine_glu_matches_fp32_math():
+    """On a GPU: the dense GLU at Gemma-4-26B-A4B's shared MLP (2 x 2112 rows of K 2816, MLX
+    4-bit, groups of 64), bf16 x of 1 and 4 rows, within twice the error of fp32 math rounded
+    to bf16, and equal to the experts' kernel over the same rows as expert 0."""
+    from hf2q_mlx.custom_kernels import backend
+
+    if backend() is None:
+        pytest.skip("no GPU back end")
+    layer, arrays = _dense_glu_layer(2112, 2816, 64, 4, mx.bfloat16, seed=31)
+    for rows in (1, 4):
+        x = _x((rows, 1, 2816), mx.bfloat16, seed=32 + rows)
+        y = layer.glu(x, "gelu_tanh")
+        assert y is not None and y.shape == (rows, 1, 2112)
+        zeros = mx.zeros((rows, 1), dtype=mx.uint32)
+        _check(y.reshape(rows, 1, 2112), x.reshape(rows, 2816), arrays, zeros, 64, 4, "gelu_tanh")
+        want = A.expert_glu_affine_kernel(x.reshape(rows, 2816), arrays, zeros, 64, 4, "gelu_tanh")
+        np.testing.assert_array_equal(np.array(y.reshape(rows, 1, 2112).astype(mx.float32)),
+                                      np.array(want.astype(mx.float32)))  # fmt: skip
