@@ -343,6 +343,8 @@ step prefill-mlx4 420 "rm -rf /tmp/ptx-m4 /tmp/cuda-m4; MLX_PTX_CACHE_DIR=/tmp/p
 step affine-experts 560 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_q4_1.py --tb=short; rm -rf /tmp/ptx-ae /tmp/cuda-ae; for sh in ${FP_SHAPES:-gemma4:26b-a4b}; do HF2Q_AFFINE_EXPERT_PREFILL=1 MLX_PTX_CACHE_DIR=/tmp/ptx-ae CUDA_CACHE_PATH=/tmp/cuda-ae python3 bench/first_prefill.py $OUT/first_prefill_ae_\${sh#*:}.json --shape \$sh --format mlx4 --top 8 | grep -v '^ops\\.'; done; python3 bench/prefill.py $OUT/prefill_affine_experts.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats mlx4 --rounds 3 --env HF2Q_AFFINE_EXPERT_PREFILL=1"
 # the transcoded experts' GPU tests at the ops (on by default with CUDA since session 40)
 step affine-experts-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_q4_1.py --tb=short"
+# the MLX affine dense MLP's one-launch GLU (session 40) against the mat-vec + activation
+step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

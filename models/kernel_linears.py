@@ -21,6 +21,7 @@ from hf2q_mlx.custom_kernels import (
     affine_prefill,
     backend,
     dense_matvec,
+    env_int,
     expert_glu_affine,
     launch_recorder,
 )
@@ -61,6 +62,8 @@ def _affine_glu(layer, x: mx.array, kind: str) -> mx.array | None:
     a decode's dense MLP skips the separate activation launch and the gate / up rounding between
     them; None where it does not apply (the caller runs the linear, then the activation)."""
     if not (_on_cuda() and _affine(layer)) or "bias" in layer:
+        return None
+    if env_int("HF2Q_AFFINE_DENSE_GLU", 0, 1) == 0:  # 0: the mat-vec, then the activation
         return None
     w = (layer.weight, layer.scales, layer.biases)
     return expert_glu_affine.dense_glu_affine(x, w, layer.group_size, layer.bits, kind)

@@ -398,6 +398,11 @@ def test_dense_affine_glu_is_one_launch_on_the_emulator(monkeypatch, dt, bits, g
     _check(y.reshape(rows, 1, f), x.reshape(rows, kk), arrays, zeros, gs, bits, act)
     assert layer.glu(_x((33, kk), dt, seed=23), act) is None  # a prompt: the linear's own path
     assert layer.glu(x, "relu") is None and emu.launches == 1
+    monkeypatch.setenv("HF2Q_AFFINE_DENSE_GLU", "0")  # off: the two launches again
+    assert layer.glu(x, act) is None
+    monkeypatch.setenv("HF2Q_AFFINE_DENSE_GLU", "2")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_AFFINE_DENSE_GLU"):
+        layer.glu(x, act)
 
 
 @requires_gpu
