@@ -279,3 +279,47 @@ def test_gpu_down_within_twice_gather_qmm_error(monkeypatch):
         oracle = expert_down_affine_reference(hid.astype(mx.float32), arrays, ids, wts, 32, 4)
         mx.eval(oracle)
     assert _rel(got, oracle) <= min(2 * _rel(mlx, oracle), BF16_TOL)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_model_experts_on_a_prompts_shape(fake_gpu, monkeypatch, family):
+    """The models' Experts modules (Gemma 4 fused [gate | up], Qwen 3.5 gate and up) on MLX
+    4-bit experts at a prompt's (B, L, H) = (2, 20, H) with ids (2, 20, k): both projections
+    transcoded and through the grouped Q4_1 kernels, the GGML path's bits on the transcoded
+    blocks (leading dims as the models pass them), within twice gather_qmm's error of fp32
+    math and BF16_TOL. Routing is the same in both runs (given ids): a model-level comparison
+    with the router in the loop flips near-tied picks instead (session 40)."""
+    from hf2q_mlx.models import gemma4_moe, qwen3_5_moe
+
+    if family == "gemma4":
+        experts = gemma4_moe.Experts(H, F, E, "gelu_tanh")
+        experts.gate_up_proj = _affine(E, 2 * F, H, 64, mx.bfloat16, seed=71)
+        glu = [experts.gate_up_proj]
+    else:
+        experts = qwen3_5_moe.Experts(H, F, E, fused_gate_up=False)
+        experts.gate_proj = _affine(E, F, H, 64, mx.bfloat16, seed=71)
+        experts.up_proj = _affine(E, F, H, 64, mx.bfloat16, seed=72)
+        glu = [experts.gate_proj, experts.up_proj]
+    experts.down_proj = _affine(E, H, F, 32, mx.bfloat16, seed=73)
+    x = (mx.random.normal((2, 20, H), key=mx.random.key(74)) * 0.5).astype(mx.bfloat16)
+    ids, wts = TD._route(40, K_SLOTS, E, seed=75)
+    ids, wts = ids.reshape(2, 20, K_SLOTS), wts.reshape(2, 20, K_SLOTS)
+    got = experts(x, ids, wts)
+    assert got.shape == (2, 20, H) and got.dtype == mx.bfloat16
+    assert fake_gpu.count("affine_to_q4_1") == len(glu) + 1
+    arrays = lambda m: (m.weight, m.scales, m.biases)  # noqa: E731
+    blocks = [AQ.to_q4_1_reference(*arrays(m), 64) for m in glu]
+    act = "gelu_tanh" if family == "gemma4" else "silu"
+    h = G.expert_glu(x, blocks[0], ids, AQ.Q4_1, H, act, blocks[1] if len(glu) > 1 else None)
+    down = AQ.to_q4_1_reference(*arrays(experts.down_proj), 32)
+    want = D.expert_down(h, down, ids, wts, AQ.Q4_1, F)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    from hf2q_mlx.custom_kernels.expert_down_affine import expert_down_affine_reference
+    from hf2q_mlx.custom_kernels.expert_glu_affine import expert_glu_affine_reference
+
+    x32 = x.astype(mx.float32)
+    h32 = expert_glu_affine_reference(x32, arrays(glu[0]), ids, 64, 4, act,
+                                      arrays(glu[1]) if len(glu) > 1 else None)  # fmt: skip
+    oracle = expert_down_affine_reference(h32, arrays(experts.down_proj), ids, wts, 32, 4)
+    mlx = _mlx_path(monkeypatch, lambda: experts(x, ids, wts))
+    assert _rel(got, oracle) <= min(2 * _rel(mlx, oracle), BF16_TOL)
