@@ -1,7 +1,7 @@
 """The one attention call models make after ``cache.update_and_fetch``.
 
 ``attend(queries, keys, values, cache, scale, mask)`` hands the call to the cache that fetched
-the keys/values (``cache.attend``): plain caches run ``mx.fast.scaled_dot_product_attention``,
+the keys/values (``cache.attend``): plain caches run ``sdpa`` (models/sdpa.py: MLX's attention),
 TurboQuant caches their flash-decode kernel on the packed buffers where it applies. Without a
 cache it is plain attention, or the flash-decode kernel on ``TQPacked`` placeholders (a layer
 that shares another layer's TurboQuant K/V).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from hf2q_mlx.models.sdpa import sdpa
 from hf2q_mlx.models.turboquant.cache import TQPacked
 
 
@@ -31,4 +32,4 @@ def attend(
         return cache.attend(queries, keys, values, scale, mask)
     if isinstance(keys, TQPacked):
         return keys.attend(queries, scale)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return sdpa(queries, keys, values, scale, mask)

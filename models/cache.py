@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from hf2q_mlx.custom_kernels.decode_attention import ring_slot_positions
 from hf2q_mlx.errors import Hf2qError
+from hf2q_mlx.models.sdpa import sdpa
 
 
 def attention_mask(
@@ -87,7 +88,7 @@ class _KVBuffers:
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     ) -> mx.array:
         """queries (B, Hq, L, Dk) over the keys/values and mask ``update_and_fetch`` returned."""
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return sdpa(queries, keys, values, scale, mask)
 
 
 class KVCache(_KVBuffers):

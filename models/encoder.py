@@ -7,6 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.models.sdpa import sdpa
+
 
 def bidirectional_mask(length: int, window: int | None) -> mx.array | None:
     """Boolean (L, L) mask of a bidirectional pass (True = attend), or None when every key is
@@ -42,7 +44,7 @@ class PaddedBatch:
     def attend(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     ) -> mx.array:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return sdpa(queries, keys, values, scale, mask)
 
 
 def mean_pool(hidden: mx.array, valid: mx.array) -> mx.array:

@@ -1,11 +1,14 @@
-// CPU primitives for the per-token ops around the mat-vecs (eval_cpu only): the RMS norm and the
-// non-interleaved RoPE, one graph op each. MLX 0.32.4's CPU back end has no kernel for
+// CPU primitives for the per-token ops around the mat-vecs (eval_cpu only): the RMS norm, the
+// non-interleaved RoPE, the SiLU gate and the softmax, one graph op each. MLX 0.32.4's CPU back end has no kernel for
 // mx.fast.rms_norm or mx.fast.rope and runs their fallbacks, 4-5 and ~10 ops per call: a
 // SmolLM2-135M decode step was 2,209 ops, ~900 of them these two (each op ~4 us of dispatch on
 // a 2-core machine). float32 only (the CPU path's dtype); any strides in, contiguous out.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -163,7 +166,148 @@ class RopeCPU : public mx::UnaryPrimitive {
   float scale_;
 };
 
+// MLX 0.32.4's CPU exp (mlx/backend/cpu/simd/math.h, exp<float, N>) step for step: on x86 MLX
+// runs it one element at a time with each fma a libm call (~12 ns an element); written here
+// over whole rows so the compiler vectorizes it, with the same operations in the same order
+// and the fmas fused as MLX's are (this file is built with -ffp-contract=off), so each result
+// is MLX's bit for bit.
+inline float mlx_exp(float x_init) {
+  float x = x_init * 1.442695f;
+  const float ipart = std::floor(x + 0.5f);
+  const float fpart = x - ipart;
+  x = 1.535336188319500e-4f;
+  x = std::fma(x, fpart, 1.339887440266574e-3f);
+  x = std::fma(x, fpart, 9.618437357674640e-3f);
+  x = std::fma(x, fpart, 5.550332471162809e-2f);
+  x = std::fma(x, fpart, 2.402264791363012e-1f);
+  x = std::fma(x, fpart, 6.931472028550421e-1f);
+  x = std::fma(x, fpart, 1.000000000000000f);
+  const int32_t epart = (int32_t(ipart) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &epart, sizeof(scale));
+  float r = std::isnan(x_init) ? x_init : scale * x;
+  r = x_init > 88.0f ? std::numeric_limits<float>::infinity() : r;
+  return x_init < -88.0f ? 0.0f : r;
+}
+
+// MLX's CPU sigmoid (unary_ops.h, Sigmoid) on mlx_exp.
+inline float mlx_sigmoid(float x) {
+  const float y = 1.0f / (1.0f + mlx_exp(std::fabs(x)));
+  return x < 0.0f ? y : 1.0f - y;
+}
+
+// silu(gate) * up = (gate * sigmoid(gate)) * up over the last axis, gate and up each (..., F)
+// with any strides (the halves of a fused [gate | up] projection among them); out contiguous.
+// The products in the order of ops.gated_activation's compiled MLX graph, so the values are
+// that graph's on the CPU bit for bit.
+class SiluGluCPU : public mx::UnaryPrimitive {
+ public:
+  explicit SiluGluCPU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const mx::array g = inputs[0], u = inputs[1];
+    enc.dispatch([g, u, out]() mutable {
+      const int64_t F = out.shape(-1), rows = F ? int64_t(out.size()) / F : 0;
+      const int64_t sg = g.strides().back(), su = u.strides().back();
+      const float* gp = g.data<float>();
+      const float* up = u.data<float>();
+      float* yp = out.data<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* gr = gp + row_offset(g, r);
+        const float* ur = up + row_offset(u, r);
+        float* yr = yp + r * F;
+        if (sg == 1 && su == 1) {
+          for (int64_t i = 0; i < F; ++i) yr[i] = (gr[i] * mlx_sigmoid(gr[i])) * ur[i];
+        } else {
+          for (int64_t i = 0; i < F; ++i)
+            yr[i] = (gr[i * sg] * mlx_sigmoid(gr[i * sg])) * ur[i * su];
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("silu_glu_cpu runs on the CPU only");
+  }
+
+  const char* name() const override { return "SiluGluCPU"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+// Softmax over the last axis of a float32 array whose rows are contiguous, as MLX 0.32.4's CPU
+// Softmax computes it for float32 (mlx/backend/cpu/softmax.cpp, one lane on x86): the maximum,
+// exp(x - max) (mlx_exp), their sum in index order, then each times 1 / sum. The exps run
+// vectorized, the sum stays sequential: MLX's values bit for bit, the exp ~24x faster.
+class SoftmaxCPU : public mx::UnaryPrimitive {
+ public:
+  explicit SoftmaxCPU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(inputs[0]);
+    enc.set_output_array(out);
+    const mx::array x = inputs[0];
+    enc.dispatch([x, out]() mutable {
+      const int64_t M = out.shape(-1), rows = M ? int64_t(out.size()) / M : 0;
+      const int64_t sx = x.strides().back();
+      const float* xp = x.data<float>();
+      float* yp = out.data<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = xp + row_offset(x, r);
+        float* yr = yp + r * M;
+        if (sx != 1) {  // a strided row: copied into the output first, then read from there
+          for (int64_t i = 0; i < M; ++i) yr[i] = xr[i * sx];
+          xr = yr;
+        }
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < M; ++i) m = std::max(xr[i], m);
+        for (int64_t i = 0; i < M; ++i) yr[i] = mlx_exp(xr[i] - m);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < M; ++i) sum += yr[i];
+        const float inv = 1 / sum;
+        for (int64_t i = 0; i < M; ++i) yr[i] = yr[i] * inv;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("softmax_cpu runs on the CPU only");
+  }
+
+  const char* name() const override { return "SoftmaxCPU"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+mx::array softmax_cpu(const mx::array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1)
+    throw std::invalid_argument("softmax_cpu: x must be float32 with at least one axis");
+  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxCPU>(cpu_stream()), {x});
+}
+
+mx::array silu_glu_cpu(const mx::array& gate, const mx::array& up) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.ndim() < 1 ||
+      gate.shape() != up.shape())
+    throw std::invalid_argument("silu_glu_cpu: gate and up must be float32 of one shape");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluGluCPU>(cpu_stream()),
+                   {gate, up});
+}
 
 mx::array rms_norm_cpu(const mx::array& x, const std::optional<mx::array>& w, float eps) {
   if (x.dtype() != mx::float32 || x.ndim() < 1)
@@ -201,4 +345,8 @@ void register_fused_ops(nb::module_& m) {
         nb::arg("dims"), nb::arg("scale"),
         "x (B, H, L, D) float32: MLX's non-interleaved RoPE at offset (+ l) or per-token "
         "positions, one op");
+  m.def("softmax_cpu", &softmax_cpu, nb::arg("x"),
+        "x (..., M) float32 -> softmax over the last axis, MLX's CPU values, one op");
+  m.def("silu_glu_cpu", &silu_glu_cpu, nb::arg("gate"), nb::arg("up"),
+        "gate, up (..., F) float32, any strides -> silu(gate) * up, MLX's CPU values, one op");
 }

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 # Functions timed as ops: (module, attribute, op label). Missing ones are skipped.
 HOT_FUNCTIONS: list[tuple[str, str, str]] = [
-    ("mlx.core.fast", "scaled_dot_product_attention", "sdpa"),
+    ("hf2q_mlx.models.sdpa", "sdpa", "sdpa"),  # every model's attention (mx.fast's inside)
     ("mlx.core.fast", "rope", "rope"),
     ("mlx.core.fast", "rms_norm", "rms_norm"),
     ("mlx.core.fast", "layer_norm", "layer_norm"),

@@ -19,6 +19,7 @@ from hf2q_mlx.custom_kernels.tq_flash_decode import MAX_FLASH_QUERIES
 from hf2q_mlx.errors import Hf2qError
 from hf2q_mlx.models.cache import KVCache, RotatingKVCache
 from hf2q_mlx.models.contract import architecture_of
+from hf2q_mlx.models.sdpa import sdpa
 from hf2q_mlx.models.turboquant.codec import (
     CENTER_CONTEXT,
     SUPPORTED_BITS,
@@ -157,7 +158,7 @@ class _TQMixin:
             keys, values, mask = self.calibrate(queries)
         if self.can_flash(queries.shape[2]):
             return tq_flash_decode(queries, self.packed_state(), scale)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return sdpa(queries, keys, values, scale, mask)
 
     def can_flash(self, n_queries: int) -> bool:
         """Whether the packed buffers hold every key the last ``n_queries`` writes attend to."""

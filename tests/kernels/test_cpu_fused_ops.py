@@ -1,6 +1,7 @@
 """The CPU extension's one-op RMS norm and RoPE (custom_kernels/cpu_ext/fused_ops.cpp) against a
-float64 numpy oracle and MLX's fallbacks of mx.fast.rms_norm / mx.fast.rope, and the models' ops
-taking them on the CPU (``HF2Q_CPU_FUSED``, on by default).
+float64 numpy oracle and MLX's fallbacks of mx.fast.rms_norm / mx.fast.rope, its SiLU gate,
+softmax and attention against MLX's own CPU values bit for bit, and the models' ops taking them
+on the CPU (``HF2Q_CPU_FUSED``, on by default).
 
 Tolerance: 1e-6 of the largest |output| (fp32 math: the norm sums squares in double, so its
 error is the output's rounding, ~1e-7; RoPE against an oracle that forms each angle in fp32 as
@@ -127,3 +128,108 @@ def test_models_ops_take_the_extension_on_the_cpu(ext, monkeypatch):
     monkeypatch.setenv("HF2Q_CPU_FUSED", "1")
     bf = ops.rms_norm(k.astype(mx.bfloat16), kn.weight.astype(mx.bfloat16), 1e-6)
     assert "RMSNormCPU" not in prims(bf)
+
+
+# ---- the SiLU gate, the softmax and the attention around it (session 40): MLX's exact values,
+# its exp vectorized. Checked bit for bit: they repeat MLX 0.32.4's CPU exp, sigmoid and
+# softmax op for op (an exp that differs by one ulp anywhere fails these).
+
+EDGES = [
+    0.0,
+    -0.0,
+    1e-30,
+    -1e-30,
+    1e-8,
+    0.5,
+    -0.5,
+    20.0,
+    -20.0,
+    87.9,
+    88.0,
+    88.1,
+    -87.9,
+    -88.0,
+    -88.1,
+    100.0,
+    -100.0,
+    3.4e38,
+    -3.4e38,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+]
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a).view(np.uint32)
+
+
+def _dot(*arrays) -> str:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return f.read()
+
+
+def test_silu_glu_bits_equal_mlx(ext, monkeypatch):
+    """silu(gate) * up: the extension's op against ops.gated_activation's compiled MLX graph, bit
+    for bit, over random values at several scales and the exp's edges (its +-88 cut-offs, inf,
+    NaN, extremes), contiguous and as the strided halves of a fused [gate | up] projection;
+    ``ops.gated_activation`` takes it on the CPU (one SiluGluCPU node), HF2Q_CPU_FUSED=0 not."""
+    g = mx.concatenate([mx.random.normal((3, 1000)).reshape(-1) * s for s in (0.1, 4.0, 40.0)])
+    g = mx.concatenate([g, mx.array(EDGES)])
+    u = mx.concatenate([mx.random.normal((g.size - len(EDGES),)), mx.ones((len(EDGES),))])
+    want = ops._GATED["silu"](g, u)
+    np.testing.assert_array_equal(_bits(ext.silu_glu_cpu(g, u)), _bits(want))
+    gu = mx.random.normal((2, 7, 2 * 96)) * 6  # fused rows: the halves are strided views
+    gate, up = mx.split(gu, 2, axis=-1)
+    np.testing.assert_array_equal(_bits(ext.silu_glu_cpu(gate, up)),
+                                  _bits(ops._GATED["silu"](gate, up)))  # fmt: skip
+    outs = {}
+    for v in ("1", "0"):
+        monkeypatch.setenv("HF2Q_CPU_FUSED", v)
+        outs[v] = ops.gated_activation(gu, None, "silu")
+    assert "SiluGluCPU" in _dot(outs["1"]) and "SiluGluCPU" not in _dot(outs["0"])
+    np.testing.assert_array_equal(_bits(outs["1"]), _bits(outs["0"]))
+    with pytest.raises(ValueError, match="one shape"):
+        ext.silu_glu_cpu(gate, up[..., :5])
+
+
+def test_softmax_bits_equal_mlx(ext):
+    """Softmax over the last axis against mx.softmax (precise, float32) bit for bit: rows of
+    several lengths and scales, rows holding -inf entries (a masked score), a NaN row, and a
+    transposed (strided) input."""
+    x = mx.random.normal((4, 3, 257)) * 12
+    x = mx.where(mx.random.uniform(shape=x.shape) < 0.2, -float("inf"), x)
+    for a in (x, x * 0.01, mx.random.normal((5, 1)), mx.array([EDGES[:-3]]),
+              mx.array([[1.0, float("nan"), 2.0]]), x.transpose(0, 2, 1)):  # fmt: skip
+        np.testing.assert_array_equal(_bits(ext.softmax_cpu(a)),
+                                      _bits(mx.softmax(a, axis=-1, precise=True)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,K,D",
+    [(1, 9, 3, 64, 64, 64), (2, 4, 4, 7, 19, 32), (1, 8, 1, 1, 40, 256), (3, 6, 2, 5, 5, 48)],
+)
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "bool-per-row", "additive"])
+def test_sdpa_bits_equal_mlx(ext, monkeypatch, B, Hq, Hkv, L, K, D, mask):
+    """models/sdpa.sdpa on the CPU against mx.fast.scaled_dot_product_attention bit for bit,
+    grouped (Hq a multiple of Hkv) and not, one query and many, every mask kind the models pass;
+    its graph holds the SoftmaxCPU node, and HF2Q_CPU_FUSED=0 hands the call to MLX."""
+    from hf2q_mlx.models.sdpa import sdpa
+
+    if mask == "causal" and L > K:
+        pytest.skip("causal needs L <= K")
+    q = mx.random.normal((B, Hq, L, D)) * 2
+    k, v = mx.random.normal((B, Hkv, K, D)) * 2, mx.random.normal((B, Hkv, K, D))
+    m = {"none": None, "causal": "causal",
+         "bool": mx.random.uniform(shape=(L, K)) > 0.3,
+         "bool-per-row": mx.random.uniform(shape=(B, 1, L, K)) > 0.3,
+         "additive": mx.random.normal((L, K))}[mask]  # fmt: skip
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=m)
+    got = sdpa(q, k, v, D**-0.5, m)
+    assert "SoftmaxCPU" in _dot(got)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    monkeypatch.setenv("HF2Q_CPU_FUSED", "0")
+    assert "SoftmaxCPU" not in _dot(sdpa(q, k, v, D**-0.5, m))
