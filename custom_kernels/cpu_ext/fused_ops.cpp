@@ -196,13 +196,29 @@ inline float mlx_sigmoid(float x) {
   return x < 0.0f ? y : 1.0f - y;
 }
 
+// A parameterless CPU-only primitive whose one output has its first input's shape.
+class ElementwiseCPU : public mx::UnaryPrimitive {
+ public:
+  explicit ElementwiseCPU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 // silu(gate) * up = (gate * sigmoid(gate)) * up over the last axis, gate and up each (..., F)
 // with any strides (the halves of a fused [gate | up] projection among them); out contiguous.
 // The products in the order of ops.gated_activation's compiled MLX graph, so the values are
 // that graph's on the CPU bit for bit.
-class SiluGluCPU : public mx::UnaryPrimitive {
+class SiluGluCPU : public ElementwiseCPU {
  public:
-  explicit SiluGluCPU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  using ElementwiseCPU::ElementwiseCPU;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -230,26 +246,16 @@ class SiluGluCPU : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("silu_glu_cpu runs on the CPU only");
-  }
-
   const char* name() const override { return "SiluGluCPU"; }
-
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
 };
 
-// Softmax over the last axis of a float32 array whose rows are contiguous, as MLX 0.32.4's CPU
-// Softmax computes it for float32 (mlx/backend/cpu/softmax.cpp, one lane on x86): the maximum,
+// Softmax over the last axis of a float32 array (any strides), as MLX 0.32.4's CPU Softmax
+// computes it for float32 (mlx/backend/cpu/softmax.cpp, one lane on x86): the maximum,
 // exp(x - max) (mlx_exp), their sum in index order, then each times 1 / sum. The exps run
 // vectorized, the sum stays sequential: MLX's values bit for bit, the exp ~24x faster.
-class SoftmaxCPU : public mx::UnaryPrimitive {
+class SoftmaxCPU : public ElementwiseCPU {
  public:
-  explicit SoftmaxCPU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  using ElementwiseCPU::ElementwiseCPU;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -280,17 +286,7 @@ class SoftmaxCPU : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("softmax_cpu runs on the CPU only");
-  }
-
   const char* name() const override { return "SoftmaxCPU"; }
-
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
 };
 
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
