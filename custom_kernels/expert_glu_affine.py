@@ -157,16 +157,24 @@ def _launch(x, gate_up: Affine, up, expert_ids, group_size: int, bits: int, acti
     K = gate_up[0].shape[-1] * 32 // bits
     k = expert_ids.shape[-1]
     per_slot = x.ndim == expert_ids.ndim + 1
-    launch = dict(
-        grid=(-(-F // (ROWS // 2)) * 32 * WARPS, expert_ids.size),
-        threadgroup=(32 * WARPS, 1),
-        output_shapes=[(*expert_ids.shape, F)],  # written flat: no reshape node after
-        output_dtypes=[x.dtype],
-        template={"T": x.dtype, "BITS": bits, "GS": group_size, "R": ROWS,
-                  "ACT": ACTIVATIONS.index(activation)},
-    )  # fmt: skip
+    # written flat as (..., k, F): no reshape node after
+    launch = _launch_args(F, expert_ids.size, (*expert_ids.shape, F), x.dtype, group_size, bits,
+                          activation)  # fmt: skip
     edims = [1, F, K, 1 if per_slot else k, E, rows, 0 if up is not None else F]
     return launch, edims
+
+
+def _launch_args(F: int, pairs: int, out_shape: tuple, dtype, group_size: int, bits: int,
+                 activation: str) -> dict:  # fmt: skip
+    """The launch keywords for ``pairs`` (token, slot) rows of F features each."""
+    return dict(
+        grid=(-(-F // (ROWS // 2)) * 32 * WARPS, pairs),
+        threadgroup=(32 * WARPS, 1),
+        output_shapes=[out_shape],
+        output_dtypes=[dtype],
+        template={"T": dtype, "BITS": bits, "GS": group_size, "R": ROWS,
+                  "ACT": ACTIVATIONS.index(activation)},
+    )  # fmt: skip
 
 
 def affine_experts_covered(x: mx.array, w: Affine, group_size: int, bits: int) -> bool:
@@ -303,14 +311,8 @@ def dense_glu_affine(
             and affine_experts_covered(x, tuple(a[None] for a in w), group_size, bits)
         ):
             F, K = wq.shape[0] // 2, x.shape[-1]
-            launch = dict(
-                grid=(-(-F // (ROWS // 2)) * 32 * WARPS, rows),
-                threadgroup=(32 * WARPS, 1),
-                output_shapes=[(*x.shape[:-1], F)],
-                output_dtypes=[x.dtype],
-                template={"T": x.dtype, "BITS": bits, "GS": group_size, "R": ROWS,
-                          "ACT": ACTIVATIONS.index(activation)},
-            )  # fmt: skip
+            launch = _launch_args(F, rows, (*x.shape[:-1], F), x.dtype, group_size, bits,
+                                  activation)  # fmt: skip
             dtypes = [x.dtype, *(a.dtype for a in w), *(a.dtype for a in w), mx.uint32, mx.int32]
             edims = device_array([1, F, K, 1, 1, 2 * F, F], mx.int32)
             ids = device_constant((0,) * rows, mx.uint32)  # every row: expert 0

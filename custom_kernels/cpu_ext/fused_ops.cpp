@@ -41,17 +41,41 @@ int64_t row_offset(const mx::array& x, int64_t r) {
   return off;
 }
 
-// y = x * rsqrt(mean(x^2) + eps) (* w) over the last axis; the sum of squares in double, the
-// rest in float, as transformers' fp32 RMSNorm up to the summation order.
-class RMSNormCPU : public mx::UnaryPrimitive {
+// What every primitive here shares: eval_cpu only, one output of the first input's shape in a
+// fresh contiguous buffer, parameterless ones equivalent to each other (the others override).
+class CpuPrimitive : public mx::UnaryPrimitive {
  public:
-  RMSNormCPU(mx::Stream s, float eps, bool has_w) : mx::UnaryPrimitive(s), eps_(eps), w_(has_w) {}
+  explicit CpuPrimitive(mx::Stream s) : mx::UnaryPrimitive(s) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ protected:
+  // out's buffer allocated, the inputs and out registered: the encoder to dispatch on
+  mx::cpu::CommandEncoder& encoder(const std::vector<mx::array>& inputs, mx::array& out) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
+    return enc;
+  }
+};
+
+// y = x * rsqrt(mean(x^2) + eps) (* w) over the last axis; the sum of squares in double, the
+// rest in float, as transformers' fp32 RMSNorm up to the summation order.
+class RMSNormCPU : public CpuPrimitive {
+ public:
+  RMSNormCPU(mx::Stream s, float eps, bool has_w) : CpuPrimitive(s), eps_(eps), w_(has_w) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = encoder(inputs, out);
     const mx::array x = inputs[0];
     const std::optional<mx::array> w = w_ ? std::optional<mx::array>(inputs[1]) : std::nullopt;
     enc.dispatch([x, w, out, eps = eps_]() mutable {
@@ -75,19 +99,11 @@ class RMSNormCPU : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("rms_norm_cpu runs on the CPU only");
-  }
-
   const char* name() const override { return "RMSNormCPU"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const RMSNormCPU&>(other);
     return eps_ == o.eps_ && w_ == o.w_;
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
 
  private:
@@ -98,15 +114,12 @@ class RMSNormCPU : public mx::UnaryPrimitive {
 // Non-interleaved RoPE of x (B, H, L, D): pair i of the first `dims` channels (i, i + dims / 2)
 // turns by theta = position * scale * inv_freq[i]; channels past dims are copied. offset, int32:
 // (1,) or (B,) first positions (token l at offset_b + l), or (1 or B, L) a position per token.
-class RopeCPU : public mx::UnaryPrimitive {
+class RopeCPU : public CpuPrimitive {
  public:
-  RopeCPU(mx::Stream s, int dims, float scale) : mx::UnaryPrimitive(s), dims_(dims), scale_(scale) {}
+  RopeCPU(mx::Stream s, int dims, float scale) : CpuPrimitive(s), dims_(dims), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder(inputs, out);
     const mx::array x = inputs[0], off = inputs[1], inv = inputs[2];
     enc.dispatch([x, off, inv, out, dims = dims_, scale = scale_]() mutable {
       const int64_t B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
@@ -146,19 +159,11 @@ class RopeCPU : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("rope_cpu runs on the CPU only");
-  }
-
   const char* name() const override { return "RopeCPU"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const RopeCPU&>(other);
     return dims_ == o.dims_ && scale_ == o.scale_;
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
 
  private:
@@ -196,35 +201,16 @@ inline float mlx_sigmoid(float x) {
   return x < 0.0f ? y : 1.0f - y;
 }
 
-// A parameterless CPU-only primitive whose one output has its first input's shape.
-class ElementwiseCPU : public mx::UnaryPrimitive {
- public:
-  explicit ElementwiseCPU(mx::Stream s) : mx::UnaryPrimitive(s) {}
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
-  }
-
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
-};
-
 // silu(gate) * up = (gate * sigmoid(gate)) * up over the last axis, gate and up each (..., F)
 // with any strides (the halves of a fused [gate | up] projection among them); out contiguous.
 // The products in the order of ops.gated_activation's compiled MLX graph, so the values are
 // that graph's on the CPU bit for bit.
-class SiluGluCPU : public ElementwiseCPU {
+class SiluGluCPU : public CpuPrimitive {
  public:
-  using ElementwiseCPU::ElementwiseCPU;
+  using CpuPrimitive::CpuPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder(inputs, out);
     const mx::array g = inputs[0], u = inputs[1];
     enc.dispatch([g, u, out]() mutable {
       const int64_t F = out.shape(-1), rows = F ? int64_t(out.size()) / F : 0;
@@ -253,15 +239,12 @@ class SiluGluCPU : public ElementwiseCPU {
 // computes it for float32 (mlx/backend/cpu/softmax.cpp, one lane on x86): the maximum,
 // exp(x - max) (mlx_exp), their sum in index order, then each times 1 / sum. The exps run
 // vectorized, the sum stays sequential: MLX's values bit for bit, the exp ~24x faster.
-class SoftmaxCPU : public ElementwiseCPU {
+class SoftmaxCPU : public CpuPrimitive {
  public:
-  using ElementwiseCPU::ElementwiseCPU;
+  using CpuPrimitive::CpuPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(inputs[0]);
-    enc.set_output_array(out);
+    auto& enc = encoder(inputs, out);
     const mx::array x = inputs[0];
     enc.dispatch([x, out]() mutable {
       const int64_t M = out.shape(-1), rows = M ? int64_t(out.size()) / M : 0;
