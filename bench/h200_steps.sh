@@ -344,6 +344,8 @@ step affine-experts 560 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tes
 # the transcoded experts' GPU tests at the ops (on by default with CUDA since session 40)
 step affine-experts-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_affine_q4_1.py --tb=short"
 # the MLX affine dense MLP's one-launch GLU (session 40) against the mat-vec + activation
+# one-time costs of single MLX ops (library loads, cuDNN plans) in a fresh process, then warm
+step first-ops 120 "rm -rf /tmp/ptx-fo /tmp/cuda-fo; for run in fresh warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fo CUDA_CACHE_PATH=/tmp/cuda-fo python3 bench/first_ops.py $OUT/first_ops_\$run.json; done"
 step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
