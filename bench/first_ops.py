@@ -24,6 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf2q_mlx  # noqa: E402, F401  (before mlx: the CPU BLAS routing)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -138,7 +140,8 @@ def run(names: list[str]) -> list[dict]:
                 libs = sorted(mapped_libs() - libs0)
         else:
             rows.append({"case": name, "first_s": times[0], "second_s": times[1],
-                         "major_faults": faults, "read_mb": read / 1e6, "new_libs": libs})  # fmt: skip
+                         "major_faults": faults, "read_mb": read / 1e6,
+                         "new_libs": libs})  # fmt: skip
         r = rows[-1]
         if "error" in r:
             print(f"{name:24s} error: {r['error']}", flush=True)

@@ -532,19 +532,45 @@ def _collected_here() -> list | None:
     return next((specs for tid, specs in reversed(_collector) if tid == me), None)
 
 
+class Collected(list):
+    """``collecting``'s list of launch specs, and the warm-ups its graph asked for
+    (``note_warm_up``): key -> a function of no arguments building MLX ops only."""
+
+    def __init__(self):
+        super().__init__()
+        self.warm_ups: dict = {}
+
+
 @contextlib.contextmanager
-def collecting() -> Iterator[list]:
+def collecting() -> Iterator[Collected]:
     """The ``LaunchSpec`` of every launch a graph built inside makes (a dry pass of a forward
     that is never evaluated: its launches' cubins can then be compiled at once,
     ``cuda_cache.cubins``). The outputs are MLX's lazy launches of the same kernels, so a value
     evaluated or kept by mistake is still right (MLX compiles its own build for it then)."""
-    specs: list = []
+    specs = Collected()
     entry = (threading.get_ident(), specs)  # this thread's launches only (an engine's beside)
     _collector.append(entry)
     try:
         yield specs
     finally:
         _collector.remove(entry)
+
+
+def is_collecting() -> bool:
+    """Whether a ``collecting`` pass is active on this thread (cheap when none is anywhere)."""
+    return bool(_collector) and _collected_here() is not None
+
+
+def note_warm_up(key, build: Callable[[], object]) -> None:
+    """Inside ``collecting`` on this thread: ``build`` (MLX ops only, no kernels of ours, and no
+    array of the dry graph: shapes and dtypes only) makes a graph whose evaluation does the
+    one-time work of a library op the forward will meet (loading cuDNN for attention, cuBLAS's
+    modules for a fp32 batched matmul). ``compile_ahead`` evaluates it while NVRTC compiles.
+    Once per ``key``; elsewhere nothing."""
+    if _collector:
+        specs = _collected_here()
+        if specs is not None:
+            specs.warm_ups.setdefault(key, build)
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, device_array, on_cuda_device
-from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels._render import Example, Kernel, is_collecting, note_warm_up
 from hf2q_mlx.errors import InvalidArgumentError
 
 L2_EPS = 1e-6
@@ -47,6 +47,79 @@ def causal_conv_reference(
     x = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # (B, K-1+T, C)
     out = mx.conv1d(x, weight.astype(qkv.dtype)[..., None], groups=qkv.shape[-1])
     return silu(out), x[:, x.shape[1] - (K - 1) :]
+
+
+_CONV_BODY = """
+  // One thread per (channel c, row t, batch b) = (pos_x, pos_y, pos_z): the KC-tap causal conv
+  // of channel c over [conv_state (KC-1 rows); qkv (L rows)] summed in fp32, SiLU, one rounding.
+  // Threads of rows t < KC-1 also copy sequence row L + t into the new conv state.
+  const uint c = pos_x;
+  const uint t = pos_y;
+  const uint64_t bi = pos_z;
+  const uint L = uint(n_rows[0]);
+  if (c >= uint(C)) return;
+  if (t < L) {
+    float acc = 0.0f;
+    UNROLL for (int j = 0; j < KC; ++j) {
+      const uint p = t + uint(j);  // sequence row: the conv state's KC-1 rows come first
+      const float x = p < uint(KC - 1) ? to_float(conv_state[(bi * (KC - 1) + p) * C + c])
+                                       : to_float(qkv[(bi * L + p - (KC - 1)) * C + c]);
+      acc += to_float(conv_w[c * KC + j]) * x;
+    }
+    y[(bi * L + t) * C + c] = from_float<T>(acc / (1.0f + exp_f(-acc)));
+  }
+  if (t < uint(KC - 1)) {
+    const uint p = L + t;
+    conv_out[(bi * (KC - 1) + t) * C + c] = p < uint(KC - 1)
+        ? conv_state[(bi * (KC - 1) + p) * C + c] : qkv[(bi * L + p - (KC - 1)) * C + c];
+  }
+"""
+
+_conv_kernel = Kernel(
+    "causal_conv_silu",
+    inputs=["qkv", "conv_state", "conv_w", "n_rows"],
+    outputs=["y", "conv_out"],
+    body=_CONV_BODY,
+    examples=[
+        Example({"qkv": t, "conv_state": t, "conv_w": t, "n_rows": (mx.int32, 1)},
+                {"y": t, "conv_out": t}, {"T": t, "C": 8192, "KC": 4})
+        for t in (mx.bfloat16, mx.float32)
+    ],
+)  # fmt: skip
+_CONV_GROUP = 256  # threads per threadgroup, along the channels
+_GRID_ROWS_MAX = 65535  # CUDA's grid y: longer chunks take the reference
+
+
+def causal_conv(
+    qkv: mx.array, conv_state: mx.array, weight: mx.array, init_value: float | None = None
+) -> tuple[mx.array, mx.array]:
+    """``causal_conv_reference``'s contract: (silu(conv) (B, T, C), new conv state (B, K-1, C)),
+    both in qkv.dtype. With a GPU kernel back end one launch (the conv summed in fp32 and
+    rounded once, where the reference rounds the conv and then its SiLU: within one rounding of
+    it); MLX's conv1d on CUDA is a cuDNN convolution whose first use in a process loads cuDNN
+    and compiles a kernel (0.71 s of a fresh H100's first Qwen 3.5 prefill, session 41).
+    ``init_value`` fills the outputs before the launch (tests poison them with NaN)."""
+    B, T, C = qkv.shape
+    K = weight.shape[-1]
+    if (
+        backend() is None
+        or qkv.dtype not in (mx.float32, mx.float16, mx.bfloat16)
+        or not 0 < T <= _GRID_ROWS_MAX
+        or B > _GRID_ROWS_MAX
+    ):
+        return causal_conv_reference(qkv, conv_state, weight)
+    conv_state, weight = (x if x.dtype == qkv.dtype else x.astype(qkv.dtype)
+                          for x in (conv_state, weight.reshape(C, K)))  # fmt: skip
+    y, conv = _conv_kernel(
+        [qkv, conv_state, weight, _steps(T)],
+        grid=(C, max(T, K - 1), B),
+        threadgroup=(min(_CONV_GROUP, C), 1, 1),
+        output_shapes=[(B, T, C), (B, K - 1, C)],
+        output_dtypes=[qkv.dtype, qkv.dtype],
+        template={"T": qkv.dtype, "C": C, "KC": K},
+        init_value=init_value,
+    )
+    return y, conv
 
 
 def split_qkv(x: mx.array, num_k_heads: int, head_k_dim: int, num_v_heads: int):
@@ -427,10 +500,16 @@ def gated_delta_update_reference(
     tiled: bool = False,
     recurrence=gated_delta_reference,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Conv then ``recurrence`` in MLX ops -> (y (B, T, Hv, Dv), conv state, state)."""
-    x, new_conv = causal_conv_reference(qkv, conv_state, conv_weight)
+    """Conv (``causal_conv``: one kernel with a GPU back end) then ``recurrence`` in MLX ops ->
+    (y (B, T, Hv, Dv), conv state, state)."""
+    x, new_conv = causal_conv(qkv, conv_state, conv_weight)
     q, k, v = split_qkv(x, num_k_heads, head_k_dim, a.shape[-1])
-    y, s = recurrence(q, k, v, a, b, A_log, dt_bias, state, tiled)
+    args = (q, k, v, a, b, A_log, dt_bias, state)
+    if is_collecting():  # a dry pass (compile_ahead): the recurrence's first MLX matmuls
+        sig = tuple((t.shape, t.dtype) for t in args)  # shapes only, never the dry arrays
+        note_warm_up(("gated_delta", recurrence.__name__, sig, tiled),
+                     lambda: recurrence(*(mx.full(sh, 0.01, dt) for sh, dt in sig), tiled))  # fmt: skip
+    y, s = recurrence(*args, tiled)
     return y, new_conv, s
 
 
@@ -479,8 +558,8 @@ def gated_delta_update(
     """Dispatcher -> (y (B, T, Hv, Dv) in qkv.dtype, new conv state, new state fp32).
 
     Decode (T == 1): the fused kernel where one applies, else the reference. Prefill: the conv
-    in MLX ops, then the chunked form on CUDA, elsewhere ``mx.fast.gated_delta_update`` when MLX
-    has it, else the chunked form (``auto_prefill_mode``);
+    (``causal_conv``), then the chunked form on CUDA, elsewhere ``mx.fast.gated_delta_update``
+    when MLX has it, else the chunked form (``auto_prefill_mode``);
     ``HF2Q_GDN_PREFILL=fast|chunked|reference|step`` forces one (step = the fused decode kernel
     token by token; docs/kernels.md).
     """

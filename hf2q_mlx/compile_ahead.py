@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,6 +40,31 @@ def missing_units(specs: list) -> list[tuple[str, str]]:
         if got is not None:
             units.setdefault(*got)
     return list(units.items())
+
+
+def _compile_while_warming(units: list, warm_ups: list) -> dict | None:
+    """Compiles ``units`` (``cuda_cache.cubins``, on worker threads) while this thread evaluates
+    the dry graph's ``warm_ups`` (library first uses: cuDNN's load and plans for attention,
+    cuBLAS's modules for the delta-net's matmuls), which the forward would otherwise pay after
+    the compiles. Only with something to compile and ``HF2Q_COMPILE_AHEAD_WARM`` not 0;
+    returns {"count", "seconds", "failed", "first_error"} when they ran. A warm-up that raises is skipped
+    (the forward meets the same op and reports its own error)."""
+    off = os.environ.get("HF2Q_COMPILE_AHEAD_WARM", "").strip() == "0"
+    if not units or not warm_ups or off:
+        cuda_cache.cubins(units)
+        return None
+    worker = threading.Thread(target=cuda_cache.cubins, args=(units,), daemon=True)
+    worker.start()
+    tic, failed = time.perf_counter(), []
+    for build in warm_ups:
+        try:
+            mx.eval(build())
+        except Exception as err:  # noqa: BLE001  (best effort)
+            failed.append(f"{type(err).__name__}: {str(err)[:200]}")
+    took = time.perf_counter() - tic
+    worker.join()
+    return {"count": len(warm_ups), "seconds": round(took, 3), "failed": len(failed),
+            "first_error": failed[0] if failed else None}  # fmt: skip
 
 
 def signature(model, shapes: tuple) -> str:
@@ -85,12 +111,12 @@ def once(model, dry_forward: Callable[[], object], shapes: tuple = ()) -> dict |
         except Exception as err:  # noqa: BLE001  (best effort: the real forward reports its own)
             error = f"{type(err).__name__}: {err}"
     units = missing_units(specs)
-    cuda_cache.cubins(units)
+    warmed = _compile_while_warming(units, list(specs.warm_ups.values()))
     if error is None and _can_mark():
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
         except OSError:
             pass  # an unwritable cache: the next process's dry pass again, nothing else
-    return {"launches": len(specs), "compiled": len(units),
+    return {"launches": len(specs), "compiled": len(units), "warm_ups": warmed,
             "seconds": time.perf_counter() - tic, "error": error}  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import cpu_ext
+from hf2q_mlx.custom_kernels import _render, cpu_ext
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None):
@@ -19,6 +19,8 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     (``softmax_cpu``: MLX's values bit for bit, its exp vectorized; MLX's own runs one element
     at a time, about 12 ns each: half of a 512-token SmolLM2-135M prefill). ``mask``: None,
     "causal", or a boolean or additive array broadcastable to (B, Hq, L, K)."""
+    if _render.is_collecting():  # a dry pass (compile_ahead): MLX's first attention of a shape
+        _note_warm_up(queries, keys, values, scale, mask)
     ext = _cpu_softmax(queries, keys, values, mask)
     if ext is None:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -62,3 +64,19 @@ def _cpu_softmax(queries, keys, values, mask):
     if q[1] % k[1] or q[-1] != k[-1] or q[0] != k[0] or k[:3] != v[:3]:
         return None  # MLX's own checks and messages
     return cpu_ext.load()
+
+
+def _note_warm_up(queries, keys, values, scale, mask) -> None:
+    """The same attention on constant arrays of the same shapes and dtypes, for
+    ``compile_ahead`` to run while it compiles: a CUDA process's first attention loads cuDNN
+    and builds a plan per shape. Only shapes and dtypes are kept (never the dry graph's
+    arrays, whose evaluation would run that graph)."""
+    sig = [(a.shape, a.dtype) for a in (queries, keys, values)]
+    m = mask if mask is None or isinstance(mask, str) else (mask.shape, mask.dtype)
+
+    def build():
+        q, k, v = (mx.full(shape, 0.01, dtype) for shape, dtype in sig)
+        arr = m if m is None or isinstance(m, str) else mx.ones(*m)  # bool: nothing masked
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=arr)
+
+    _render.note_warm_up(("sdpa", *sig, m, scale), build)

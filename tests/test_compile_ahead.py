@@ -34,6 +34,10 @@ def test_dry_pass_compiles_what_the_prefill_asks_for(model, tokens, tmp_path):
     assert res["marker_skipped"]  # a later model of the same signature: no dry pass
     assert len(list((tmp_path / "cuda_kernels" / "ahead").iterdir())) == 1
     assert res["equal"] and res["finite"]  # bit for bit the prefill without the dry pass
+    # the dry graph's library warm-ups ran while the cubins compiled: each attention shape
+    # (Gemma 4: sliding and global heads), and the delta-net recurrence (Qwen 3.5)
+    assert res["warm_ups"]["failed"] == 0
+    assert res["warm_ups"]["count"] >= 2, res["warm_ups"]
 
 
 def test_off_the_gpu_and_when_switched_off(monkeypatch):
@@ -142,3 +146,59 @@ def test_collecting_takes_the_calling_threads_launches_only():
         worker.join()
     assert specs == ["the spec"] and seen == [["mlx build"]]
     assert _render._collector == []
+
+
+def test_warm_ups_run_while_the_cubins_compile(monkeypatch):
+    """The warm-ups run on the calling thread while ``cuda_cache.cubins`` works on another
+    (the compile waits for the warm-up's signal: run one after the other, it would time out);
+    one that raises is counted and skipped; ``HF2Q_COMPILE_AHEAD_WARM=0`` runs none."""
+    import threading
+
+    from hf2q_mlx.custom_kernels import cuda_cache
+
+    warmed, saw = threading.Event(), []
+    monkeypatch.setattr(cuda_cache, "cubins", lambda units, force=False: saw.append(warmed.wait(5)))
+
+    def bad():
+        raise RuntimeError("no such op")
+
+    got = compile_ahead._compile_while_warming(
+        [("k", "src")], [lambda: warmed.set() or mx.ones(2), bad]
+    )
+    assert saw == [True] and got["count"] == 2 and got["failed"] == 1
+    monkeypatch.setenv("HF2Q_COMPILE_AHEAD_WARM", "0")
+    warmed.clear()
+    saw.clear()
+    monkeypatch.setattr(
+        cuda_cache, "cubins", lambda units, force=False: saw.append(warmed.is_set())
+    )
+    assert compile_ahead._compile_while_warming([("k", "src")], [lambda: warmed.set()]) is None
+    assert saw == [False] and not warmed.is_set()
+
+
+def test_attention_and_delta_net_note_shape_only_warm_ups():
+    """Inside a dry pass, attention and the delta-net prefill note warm-ups of their shapes and
+    dtypes; evaluated, those give arrays of the real outputs' shapes, with no dry array in
+    them. Outside a dry pass nothing is noted."""
+    from hf2q_mlx.custom_kernels import _render
+    from hf2q_mlx.custom_kernels import gated_delta as gd
+    from hf2q_mlx.models.sdpa import sdpa
+
+    q, k = mx.random.normal((1, 4, 6, 32)), mx.random.normal((1, 2, 6, 32))
+    mask = mx.random.uniform(shape=(6, 6)) > 0.3
+    qkv = mx.random.normal((1, 5, 2 * 2 * 32 + 4 * 16))
+    a, b = mx.random.normal((1, 5, 4)), mx.random.normal((1, 5, 4))
+    conv_w, A_log, dt_bias = mx.random.normal((192, 4)), mx.zeros((4,)), mx.zeros((4,))
+    with _render.collecting() as specs:
+        out = sdpa(q, k, k, 0.5, mask)
+        y, _, _ = gd.gated_delta_update(qkv, None, conv_w, a, b, A_log, dt_bias, None, 2, 32)
+    keys = [key[0] for key in specs.warm_ups]
+    assert sorted(keys) == ["gated_delta", "sdpa"], keys
+    built = {key[0]: fn() for key, fn in specs.warm_ups.items()}
+    assert built["sdpa"].shape == out.shape
+    assert built["gated_delta"][0].shape == y.shape
+    mx.eval(built)
+    with _render.collecting() as again:
+        pass
+    sdpa(q, k, k, 0.5, mask)
+    assert again.warm_ups == {}
