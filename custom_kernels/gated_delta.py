@@ -507,8 +507,8 @@ def gated_delta_update_reference(
     args = (q, k, v, a, b, A_log, dt_bias, state)
     if is_collecting():  # a dry pass (compile_ahead): the recurrence's first MLX matmuls
         sig = tuple((t.shape, t.dtype) for t in args)  # shapes only, never the dry arrays
-        note_warm_up(("gated_delta", recurrence.__name__, sig, tiled),
-                     lambda: recurrence(*(mx.full(sh, 0.01, dt) for sh, dt in sig), tiled))  # fmt: skip
+        warm = lambda: recurrence(*(mx.full(sh, 0.01, dt) for sh, dt in sig), tiled)  # noqa: E731
+        note_warm_up(("gated_delta", recurrence.__name__, sig, tiled), warm)
     y, s = recurrence(*args, tiled)
     return y, new_conv, s
 

@@ -47,8 +47,8 @@ def _compile_while_warming(units: list, warm_ups: list) -> dict | None:
     the dry graph's ``warm_ups`` (library first uses: cuDNN's load and plans for attention,
     cuBLAS's modules for the delta-net's matmuls), which the forward would otherwise pay after
     the compiles. Only with something to compile and ``HF2Q_COMPILE_AHEAD_WARM`` not 0;
-    returns {"count", "seconds", "failed", "first_error"} when they ran. A warm-up that raises is skipped
-    (the forward meets the same op and reports its own error)."""
+    returns {"count", "seconds", "failed", "first_error"} when they ran. A warm-up that raises
+    is skipped (the forward meets the same op and reports its own error)."""
     off = os.environ.get("HF2Q_COMPILE_AHEAD_WARM", "").strip() == "0"
     if not units or not warm_ups or off:
         cuda_cache.cubins(units)
