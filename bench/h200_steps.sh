@@ -349,6 +349,8 @@ step conv-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests
 # a fresh machine's first prefill with compile_ahead's library warm-ups on (1) and off (0),
 # every cache emptied before each run; the first run of the call also reads the libraries cold
 step first-prefill-warm-ab 540 "for sh in ${FP_SHAPES:-gemma4:26b-a4b qwen3_5:35b-a3b}; do for fmt in ${FP_FORMATS:-mlx4 q4_k}; do for w in 1 0; do rm -rf /tmp/ptx-w /tmp/cuda-w \$HF2Q_MLX_CACHE/cuda_kernels; HF2Q_COMPILE_AHEAD_WARM=\$w MLX_PTX_CACHE_DIR=/tmp/ptx-w CUDA_CACHE_PATH=/tmp/cuda-w timeout 120 python3 bench/first_prefill.py $OUT/first_prefill_warm\${w}_\${fmt}_\${sh#*:}.json --shape \$sh --format \$fmt --top 5 > $OUT/first_prefill_warm\${w}_\${fmt}_\${sh#*:}.log 2>&1; echo \"warm=\$w\"; grep -E 'prefills: first|^compile_ahead' -A0 $OUT/first_prefill_warm\${w}_\${fmt}_\${sh#*:}.log; grep -A5 'largest one-time' $OUT/first_prefill_warm\${w}_\${fmt}_\${sh#*:}.log; done; done; done"
+# how NVRTC compiles scale with threads on this machine (a first prefill compiles 12-15 at once)
+step nvrtc-scaling 120 "nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null; python3 bench/nvrtc_compile.py $OUT/nvrtc_scaling.json --limit 16 --thread-counts 1,4,8,16"
 # one-time costs of single MLX ops (library loads, cuDNN plans) in a fresh process, then warm
 step first-ops 120 "rm -rf /tmp/ptx-fo /tmp/cuda-fo; for run in fresh warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fo CUDA_CACHE_PATH=/tmp/cuda-fo python3 bench/first_ops.py $OUT/first_ops_\$run.json; done"
 step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"

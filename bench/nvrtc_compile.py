@@ -72,20 +72,37 @@ def run(lib, todo, options, threads: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="JSON file to write")
-    p.add_argument("--nvrtc", required=True, help="the NVRTC library to load")
+    p.add_argument("--nvrtc", default=None,
+                   help="the NVRTC library to load (default: cuda_cache's own, with its "
+                        "include paths and the GPU's architecture)")  # fmt: skip
     p.add_argument("--include", action="append", default=[], help="an include path (repeat)")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--limit", type=int, default=0, help="the first N units only")
+    p.add_argument("--thread-counts", default="",
+                   help="e.g. 1,4,16: only these thread counts (no serial / pch rows): how the "
+                        "compiles scale with the CPUs this machine really gives")  # fmt: skip
     a = p.parse_args(argv)
-    lib = ctypes.CDLL(a.nvrtc)
-    options = [f"--gpu-architecture={a.arch}", "--std=c++17"]
-    options += [f"--include-path={i}" for i in a.include]
-    todo = units()
-    print(f"{len(todo)} units, {a.arch}, {os.cpu_count()} CPUs")
-    res = {"units": len(todo), "arch": a.arch, "cpus": os.cpu_count()}
+    if a.nvrtc:
+        lib = ctypes.CDLL(a.nvrtc)
+        options = [f"--gpu-architecture={a.arch}", "--std=c++17"]
+        options += [f"--include-path={i}" for i in a.include]
+    else:
+        cuda_cache._setup(force=True)
+        lib, options = cuda_cache._state.get("nvrtc"), cuda_cache._state.get("options")
+        if lib is None:
+            p.error(f"cuda_cache found no NVRTC ({cuda_cache._state.get('why')}): pass --nvrtc")
+        a.arch = cuda_cache._state["arch"]
+    todo = units()[: a.limit or None]
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    print(f"{len(todo)} units, {a.arch}, {os.cpu_count()} CPUs ({usable} in this process's set)")
+    res = {"units": len(todo), "arch": a.arch, "cpus": os.cpu_count(), "affinity": usable}
+    variants = [("serial", options, 1), ("pch", options + ["--pch"], 1),
+                (f"threads {a.threads}", options, a.threads)]  # fmt: skip
+    if a.thread_counts:
+        variants = [(f"threads {n}", options, int(n)) for n in a.thread_counts.split(",")]
     # the same units in the same order each time; each variant's first compile is "first_s"
-    for label, opts, threads in (("serial", options, 1), ("pch", options + ["--pch"], 1),
-                                 (f"threads {a.threads}", options, a.threads)):  # fmt: skip
+    for label, opts, threads in variants:
         res[label] = r = run(lib, todo, opts, threads)
         print(f"  {label:12s} total {r['total_s']:6.2f} s  first {r['first_s']:.2f} s  "
               f"median {r['median_s'] * 1e3:.0f} ms  max {r['max_s']:.2f} s")  # fmt: skip

@@ -87,6 +87,7 @@ _told: list = []  # set once the notifier has been told (one message a process)
 _last_error: list[str] = []
 # seconds: finding NVRTC and the GPU, NVRTC compiles summed over threads, the slowest (name, s)
 _times: dict = {"setup_s": 0.0, "compile_s": 0.0, "slowest": None}
+_compile_times: dict[str, float] = {}  # name -> seconds of each compile this process made
 
 
 def _cuda_home() -> str | None:
@@ -300,6 +301,7 @@ def cubin(name: str, source: str, force: bool = False) -> bytes | None:
     with _lock:
         took = time.perf_counter() - t0
         _times["compile_s"] += took
+        _compile_times[name] = round(took, 3)
         if _times["slowest"] is None or took > _times["slowest"][1]:
             _times["slowest"] = (name, round(took, 3))
         _counts["compiled"] += 1
@@ -359,6 +361,7 @@ def status() -> dict:
         "setup_s": round(_times["setup_s"], 3),
         "compile_s": round(_times["compile_s"], 3),
         "slowest_compile": _times["slowest"],
+        "compiles": dict(sorted(_compile_times.items(), key=lambda kv: -kv[1])),
         # what each launch of these kernels hashes on the host (MLX 0.32.4, _render._Cubin)
         "cubin_kib_mean": round(sum(_sizes.values()) / len(_sizes) / 1024, 1) if _sizes else 0,
         "cubin_kib_max": round(max(_sizes.values()) / 1024, 1) if _sizes else 0,
