@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, device_constant, row_threads
+from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, device_constant
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.launch_recorder import GraphCaptureError, active, launch_into
 
@@ -214,12 +214,15 @@ def gather_affine_rows_reference(wq, scales, biases, ids, group_size: int, bits:
 
 
 _AFFINE_ROWS_BODY = """
-  // One thread per output element (r, d) of (rows, D): code d of row ids[r], times its group's
-  // scale, plus its bias, in T arithmetic (each operation rounded to T) as MLX's dequantize.
-  // TG divides D: the grid is exactly the elements, the row count no template value.
-  const uint e = gid_x * uint(TG) + tid;
-  const uint r = e / D;
-  const uint d = e % D;
+  // One thread per output element e = (r, d) of (rows, D): code d of row ids[r], times its
+  // group's scale, plus its bias, in T arithmetic (each operation rounded to T) as MLX's
+  // dequantize. The element count and D are data (dims), not template values: one build for
+  // every table width and row count (a model's prefill dequantizes several widths).
+  const uint64_t e = uint64_t(gid_x) * tg_size + tid;
+  const uint D = dims[1];
+  if (e >= uint64_t(dims[0])) return;
+  const uint64_t r = e / D;
+  const uint d = uint(e - r * D);
   const uint64_t row = uint64_t(uint(ids[r]));
   constexpr uint WPC = 32 / BITS;  // codes per 32-bit word
   const uint word = wq[row * (D / WPC) + d / WPC];
@@ -231,18 +234,19 @@ _AFFINE_ROWS_BODY = """
 
 _affine_rows_kernel = Kernel(
     "gather_affine_rows",
-    inputs=["wq", "sc", "bi", "ids"],
+    inputs=["wq", "sc", "bi", "ids", "dims"],
     outputs=["out"],
     body=_AFFINE_ROWS_BODY,
     examples=[
         Example(
-            {"wq": mx.uint32, "sc": t, "bi": t, "ids": mx.int32},
+            {"wq": mx.uint32, "sc": t, "bi": t, "ids": mx.int32, "dims": (mx.uint32, 2)},
             {"out": t},
-            {"T": t, "TG": 256, "D": 256, "GS": gs, "BITS": bits},
+            {"T": t, "GS": gs, "BITS": bits},
         )  # fmt: skip
         for t, gs, bits in ((mx.bfloat16, 64, 4), (mx.float16, 32, 8), (mx.float32, 128, 4))
     ],
 )
+_AFFINE_ROWS_GROUP = 256
 
 
 def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> mx.array:
@@ -253,10 +257,10 @@ def gather_affine_rows(wq, scales, biases, ids, group_size: int, bits: int) -> m
     values (every real model's)."""
     D = scales.shape[-1] * group_size
     dt = scales.dtype
-    tg = row_threads(D)
     ok = active() or (backend() == "cuda" and (ids.size <= 32 or avoid_mlx_jit()))
-    ok = ok and bits in (4, 8) and dt in _F and ids.dtype == mx.int32 and tg and ids.size
-    ok = ok and biases is not None and biases.dtype == dt and wq.shape[-1] * 32 == D * bits
+    ok = ok and bits in (4, 8) and dt in _F and ids.dtype == mx.int32 and D % 32 == 0
+    ok = ok and ids.size and biases is not None and biases.dtype == dt
+    ok = ok and wq.shape[-1] * 32 == D * bits and ids.size * D < 2**32
     if not ok:
         return gather_affine_rows_reference(wq, scales, biases, ids, group_size, bits)
     return affine_rows_kernel(wq, scales, biases, ids, group_size, bits)
@@ -267,14 +271,14 @@ def affine_rows_kernel(wq, scales, biases, ids, group_size: int, bits: int) -> m
     rows of a multiple of 32 values, biases of the scales' float dtype: the caller checks)."""
     D = scales.shape[-1] * group_size
     dt = scales.dtype
-    tg = row_threads(D)
-    R = ids.size
+    n = ids.size * D
     launch = _affine_rows_kernel.launcher(
-        [wq.dtype, dt, dt, mx.int32], grid=(R * D,), threadgroup=(tg,), output_shapes=[(R, D)],
-        output_dtypes=[dt], template={"T": dt, "TG": tg, "D": D, "GS": group_size, "BITS": bits},
+        [wq.dtype, dt, dt, mx.int32, mx.uint32], grid=(n,), threadgroup=(_AFFINE_ROWS_GROUP,),
+        output_shapes=[(ids.size, D)], output_dtypes=[dt],
+        template={"T": dt, "GS": group_size, "BITS": bits},
     )  # fmt: skip
-    rows = launch(inputs=[wq, scales, biases, ids.reshape(-1)])[0]
-    return rows.reshape(*ids.shape, D)
+    rows = launch(inputs=[wq, scales, biases, ids.reshape(-1), device_constant((n, D), mx.uint32)])
+    return rows[0].reshape(*ids.shape, D)
 
 
 # ---- small-table lookups ------------------------------------------------------------------------
