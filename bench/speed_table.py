@@ -87,8 +87,21 @@ def _cupti_stop(prof, out: dict, n: int) -> dict:
         gpu_ms = sum(us for _, us in kernels) / 1e3 / n  # busy: copies included
         copies = sum(dp._is_copy(name) for name, _ in kernels)
         out.update(kernels=(len(kernels) - copies) / n, copies=copies / n, kernel_ms=gpu_ms,
-                   gpu_busy=gpu_ms / out["wall_ms"])  # fmt: skip
+                   gpu_busy=gpu_ms / out["wall_ms"],
+                   top_kernels=_top_kernels(kernels, n))  # fmt: skip
     return out
+
+
+def _top_kernels(kernels: list, n: int, top: int = 12) -> list[dict]:
+    """The kernels taking the most GPU time: name (cut to 70 characters), calls and us per
+    token, us per call (where a step's kernel time goes, for the next kernel to work on)."""
+    by_name: dict = {}
+    for name, us in kernels:
+        calls, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (calls + 1, total + us)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name[:70], "calls": round(c / n, 2), "us": round(t / n, 1),
+             "us_per_call": round(t / c, 2)} for name, (c, t) in ranked]  # fmt: skip
 
 
 class Variant:
@@ -422,6 +435,14 @@ def report(res: dict, copy_gb_s: float | None) -> list[str]:
                       f"prefill {_fmt(r['prefill_ratio_llama'], '.2f')}")  # fmt: skip
     for k, s in res["first_prefill_s"].items():
         print(f"  first prefill (kernels compiled) {k}: {s:.2f} s")
+    for k, r in res["variants"].items():
+        top = r["profile"].get("top_kernels")
+        if k.startswith("ours") and top:
+            print(f"  {k}, GPU time per token by kernel (us; calls; us a call):")
+            for t in top[:8]:
+                print(
+                    f"    {t['us']:8.1f}  {t['calls']:6.1f}  {t['us_per_call']:7.2f}  {t['name']}"
+                )
     return missed
 
 
