@@ -353,6 +353,8 @@ step first-prefill-warm-ab 540 "for sh in ${FP_SHAPES:-gemma4:26b-a4b qwen3_5:35
 step nvrtc-scaling 120 "nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null; python3 bench/nvrtc_compile.py $OUT/nvrtc_scaling.json --limit 16 --thread-counts 1,4,8,16"
 # the affine rows kernel with its width as data (session 41): prompt rows and the graph step
 step affine-rows-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (mlx4 or prompt_rows or affine)' tests/kernels/test_affine_prefill.py tests/test_cuda_graph_step.py --tb=short"
+# the GPU tests that run Qwen 3.5 (its prefill's conv kernel, session 41), capped
+step qwen-gpu-tests 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (qwen or qwen3_5 or gated or delta)' tests --tb=short -x"
 # one-time costs of single MLX ops (library loads, cuDNN plans) in a fresh process, then warm
 step first-ops 120 "rm -rf /tmp/ptx-fo /tmp/cuda-fo; for run in fresh warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fo CUDA_CACHE_PATH=/tmp/cuda-fo python3 bench/first_ops.py $OUT/first_ops_\$run.json; done"
 step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"
