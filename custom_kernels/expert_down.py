@@ -195,21 +195,28 @@ _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 _SLOT_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, slots=True) for t in Q.MAT_VEC_TYPES}
 _MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
 
-# HF2Q_DOWN_SLOTS: slot teams the dispatcher gives the slot-parallel kernel; 0 or 1 (default):
-# today's kernel, each SIMD group looping over a token's k slots. S >= 2 is capped at k and at
-# 8 // W teams (the bits do not depend on S). SLOT_ROWS: its R (0: expert_run_config's). Both
-# are read when a call shape's launch is first built (the plan cache keys on them), so a
-# benchmark may flip them in one process.
-SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "0")
+# HF2Q_DOWN_SLOTS: slot teams the dispatcher gives the slot-parallel kernel; 0 or 1: the
+# per-pair kernel, each SIMD group looping over a token's k slots. S >= 2 is capped at k and at
+# 8 // W teams (the bits do not depend on S). Unset ("auto"): 8 with the CUDA back end (session
+# 41, H100, graph decode: 26B-A4B Q4_K 1.08x, 35B-A3B Q4_K 1.14x the per-pair kernel), 0
+# elsewhere (never run on Metal). SLOT_ROWS: its R (0: expert_run_config's). Both are read
+# when a call shape's launch is first built (the plan cache keys on them), so a benchmark may
+# flip them in one process.
+SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "auto")
 SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
+AUTO_SLOT_TEAMS = 8  # "auto" on CUDA
 
 
 def slot_config(ggml_type: int, K: int, k: int) -> dict[str, int] | None:
     """The dispatcher's slot-parallel launch for k slots per token: expert_run_config's R, U, W
     (R = SLOT_ROWS when set) and S = min(SLOT_TEAMS, k, 8 // W); None (today's kernel) while
-    SLOT_TEAMS < 2. Depends on (type, K, k) only, never on the tokens."""
+    SLOT_TEAMS < 2 ("auto": ``AUTO_SLOT_TEAMS`` with the CUDA back end, else 0). Depends on
+    (type, K, k) only, never on the tokens."""
+    teams = SLOT_TEAMS
+    if str(teams).strip().lower() in ("auto", ""):
+        teams = AUTO_SLOT_TEAMS if backend() == "cuda" else 0
     try:
-        teams, rows = int(SLOT_TEAMS), int(SLOT_ROWS)
+        teams, rows = int(teams), int(SLOT_ROWS)
     except ValueError:
         raise InvalidArgumentError(
             f"HF2Q_DOWN_SLOTS / HF2Q_DOWN_SLOT_ROWS must be integers, got {SLOT_TEAMS!r} / "

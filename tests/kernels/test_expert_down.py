@@ -125,6 +125,7 @@ def test_dispatcher_on_the_emulator(monkeypatch):
     monkeypatch.setitem(D._KERNELS, t, emu)
     monkeypatch.setattr(D, "backend", lambda: "cuda")
     monkeypatch.setattr(D, "_CALLS", {})
+    monkeypatch.setattr(D, "SLOT_TEAMS", "0")  # the per-pair kernel (the slot one's test below)
     ids, wts = _route(32, k, e, seed=1)
     h = _h((4, 8, k, kk), dt, seed=2)
     y = D.expert_down(h, mx.array(raw), ids.reshape(4, 8, k).astype(mx.int32),
@@ -144,11 +145,13 @@ def test_dispatcher_on_the_emulator(monkeypatch):
 
 
 @needs_gxx
+@pytest.mark.parametrize("slots", ["auto", "0"], ids=["slot_kernel", "per_pair"])
 @pytest.mark.parametrize("model", ["gemma4", "qwen3_5_moe"])
-def test_model_experts_use_the_kernels(model, monkeypatch):
+def test_model_experts_use_the_kernels(model, slots, monkeypatch):
     """A whole routed-expert block over GGML experts with kernels on (the CPU standing in for
     the GPU, the gate/up and down kernels emulated, every other dispatcher on its reference):
-    one launch each, the reference path's result to fp32 noise."""
+    one launch each (the down: the slot-parallel kernel by default on CUDA, the per-pair one
+    with HF2Q_DOWN_SLOTS=0), the reference path's result to fp32 noise."""
     # instantiations built for expert_glu's and this file's other tests; F = 32: the down
     # projection's rows are one Q5_0 block
     t, e, F, hidden, k = T.Q4_K, 6, 32, 768, 2
@@ -163,12 +166,14 @@ def test_model_experts_use_the_kernels(model, monkeypatch):
     experts.gate_up_proj, experts.down_proj = gate_up, down
     ids, wts = _route(2, k, e, seed=15)
     x = 0.02 * mx.random.normal((2, hidden), key=mx.random.key(16))
-    glu, dn = Emulated(G._KERNELS[t]), Emulated(D._KERNELS[T.Q5_0])
+    table = D._SLOT_KERNELS if slots == "auto" else D._KERNELS
+    glu, dn = Emulated(G._KERNELS[t]), Emulated(table[T.Q5_0])
+    monkeypatch.setattr(D, "SLOT_TEAMS", slots)
     with mx.stream(mx.cpu):
         want = experts(x, ids, wts)
         monkeypatch.setattr(ck, "_gpu", ("cuda", mx.default_device(), mx.default_device))
         monkeypatch.setitem(G._KERNELS, t, glu)
-        monkeypatch.setitem(D._KERNELS, T.Q5_0, dn)
+        monkeypatch.setitem(table, T.Q5_0, dn)
         monkeypatch.setattr(G, "_CALLS", {})
         monkeypatch.setattr(D, "_CALLS", {})
         got = experts(x, ids, wts)
@@ -284,11 +289,17 @@ def test_slot_kernel_bad_and_poisoned_ids_give_nan_rows_on_the_emulator(monkeypa
 
 @needs_gxx
 def test_dispatcher_slot_switch_on_the_emulator(monkeypatch):
-    """Off by default (today's kernel); SLOT_TEAMS (HF2Q_DOWN_SLOTS) >= 2: one launch of the
-    slot kernel, S capped at k and at 8 // W, the bits of expert_down_kernel at slot_config; a
-    flipped switch gets its own plan; malformed values and S x W > 8 raise."""
+    """Unset ("auto"): the slot kernel with 8 teams on CUDA, the per-pair kernel elsewhere;
+    SLOT_TEAMS (HF2Q_DOWN_SLOTS) 0: the per-pair kernel; >= 2: one launch of the slot kernel, S
+    capped at k and at 8 // W, the bits of expert_down_kernel at slot_config; a flipped switch
+    gets its own plan; malformed values and S x W > 8 raise."""
     if "HF2Q_DOWN_SLOTS" not in os.environ:
-        assert D.slot_config(T.Q5_0, 704, 8) is None and "S" not in G.expert_run_config(T.Q5_0, 704)
+        assert D.SLOT_TEAMS == "auto" and "S" not in G.expert_run_config(T.Q5_0, 704)
+        for gpu, want in ((None, None), ("metal", None), ("cuda", 8)):
+            with monkeypatch.context() as mp:
+                mp.setattr(D, "backend", lambda g=gpu: g)
+                got = D.slot_config(T.Q5_0, 704, 8)
+                assert (got and got["S"]) == want, (gpu, got)
     t, dt, k, e, n, kk, _ = _SLOT_CASES[0]
     h, w, ids, wts, raw = _slot_case(0)
     old, new = Emulated(D._KERNELS[t]), Emulated(D._SLOT_KERNELS[t])
