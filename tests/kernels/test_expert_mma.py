@@ -288,7 +288,8 @@ def test_covers(monkeypatch):
 @needs_gxx
 def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     """expert_glu / expert_down on CUDA with bf16 x: below their thresholds (8 tokens for the
-    gate/up, 16 for the down) -> the per-pair kernels (stubbed: only the choice is checked);
+    gate/up, 16 for the down) -> the per-pair kernels (the down's slot-parallel form by default;
+    stubbed: only the choice is checked);
     from them on -> the grouped kernels (emulated, within the bf16 bound, one plan per call
     shape)."""
     launched = []
@@ -313,7 +314,9 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     rawd, h, idsd, wts = _down_case(t, 5, seed=72)
     G.expert_glu(x, mx.array(raw), ids, t, kk)
     D.expert_down(h, mx.array(rawd), idsd, wts, t, kk)
-    assert launched == [G._KERNELS[t].name, D._KERNELS[t].name]
+    # the down's per-pair choice on CUDA: the slot-parallel kernel (HF2Q_DOWN_SLOTS unset)
+    down = D._SLOT_KERNELS[t] if D.slot_config(t, kk, ids.shape[-1]) else D._KERNELS[t]
+    assert launched == [G._KERNELS[t].name, down.name]
     launched.clear()
     for n in (7, 8, 15, 16):  # the "auto" thresholds: the gate/up from 8 tokens, the down 16
         _, x_n, ids_n = _glu_case(t, n, seed=73)

@@ -699,8 +699,8 @@ def _tiny_ggml_moe(name: str):
 @pytest.mark.parametrize("name", list(TINY_MOE))
 def test_tiny_moe_model_with_every_moe_kernel(name, monkeypatch):
     """Prefill then decode with the router, gate/up and down kernels on the emulator (every
-    other dispatcher on its reference): one launch of each per MoE layer and call, the
-    logits of the reference path to fp32 noise."""
+    other dispatcher on its reference; the down: its slot-parallel form, the CUDA default): one
+    launch of each per MoE layer and call, the logits of the reference path to fp32 noise."""
     from hf2q_mlx.custom_kernels import expert_down, expert_glu
 
     tokens = mx.array([[5, 7, 9, 11]])
@@ -718,10 +718,11 @@ def test_tiny_moe_model_with_every_moe_kernel(name, monkeypatch):
                 monkeypatch.setattr(mod, "backend", lambda: None)
         monkeypatch.setattr(ck, "_gpu", ("cuda", mx.default_device(), mx.default_device))
         emus = [Emulated(R._kernel), Emulated(expert_glu._KERNELS[GT.Q4_K]),
-                Emulated(expert_down._KERNELS[GT.Q5_0])]  # fmt: skip
+                Emulated(expert_down._SLOT_KERNELS[GT.Q5_0])]  # fmt: skip
         monkeypatch.setattr(R, "_kernel", emus[0])
         monkeypatch.setitem(expert_glu._KERNELS, GT.Q4_K, emus[1])
-        monkeypatch.setitem(expert_down._KERNELS, GT.Q5_0, emus[2])
+        monkeypatch.setitem(expert_down._SLOT_KERNELS, GT.Q5_0, emus[2])
+        monkeypatch.setattr(expert_down, "SLOT_TEAMS", "auto")
         for mod in (R, expert_glu, expert_down):
             monkeypatch.setattr(mod, "_PLANS" if mod is R else "_CALLS", {})
         got = run(model)
