@@ -358,6 +358,8 @@ step qwen-gpu-tests 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu an
 # the slot-parallel expert down (HF2Q_DOWN_SLOTS=8, off by default) through the graph step
 # against the default, Q4_K, after its GPU row parity at the two models' down shapes (session 41)
 step down-slots-graph-ab 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu_slot_kernel_row_parity tests/kernels/test_expert_down.py --tb=short; for sh in ${AB_SHAPES:-gemma4:26b-a4b qwen3_5:35b-a3b}; do python3 bench/mlx_env_ab.py $OUT/down_slots_ab_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 100 --env '' --env HF2Q_DOWN_SLOTS=8 2>&1 | tail -4; done"
+# the whole-model GPU tests under the slot-parallel expert down, the CUDA default since session 41
+step down-slots-gpu-tests 540 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/test_cuda_graph_step.py tests/test_decode_step.py tests/test_step_row_parity.py tests/test_kernel_wiring.py tests/kernels/test_expert_down.py tests/kernels/test_moe_router.py --tb=short"
 # one-time costs of single MLX ops (library loads, cuDNN plans) in a fresh process, then warm
 step first-ops 120 "rm -rf /tmp/ptx-fo /tmp/cuda-fo; for run in fresh warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fo CUDA_CACHE_PATH=/tmp/cuda-fo python3 bench/first_ops.py $OUT/first_ops_\$run.json; done"
 step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"
