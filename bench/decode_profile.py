@@ -79,6 +79,16 @@ def cupti_available() -> bool:
     return torch.cuda.is_available()
 
 
+def by_kernel(kernels: list) -> list[tuple[str, int, float]]:
+    """(name, calls, total us) of each kernel name in ``kernels`` ((name, us) records), the
+    most GPU time first."""
+    totals: dict = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in kernels:
+        totals[name][0] += 1
+        totals[name][1] += us
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
+
+
 def _is_copy(name: str) -> bool:
     """A CUPTI record of a memcpy or memset (a graph's copy nodes, uploads), not a kernel."""
     return name.startswith(("Memcpy", "Memset"))
@@ -175,12 +185,7 @@ def profile_decode(
         return out
     prof.__exit__(None, None, None)
     kernels = _cuda_kernels(prof)
-    by_name = collections.defaultdict(lambda: [0, 0.0])
-    for name, us in kernels:
-        by_name[name][0] += 1
-        by_name[name][1] += us
     gpu_ms = sum(us for _, us in kernels) / 1e3 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     copies = sum(_is_copy(name) for name, _ in kernels)
     out.update(
         kernels_per_token=(len(kernels) - copies) / steps,
@@ -194,7 +199,7 @@ def profile_decode(
                 "us_per_token": t / steps,
                 "avg_us": t / c,
             }  # fmt: skip
-            for n, (c, t) in top[:40]
+            for n, c, t in by_kernel(kernels)[:40]
         ],
     )
     return out

@@ -95,13 +95,9 @@ def _cupti_stop(prof, out: dict, n: int) -> dict:
 def _top_kernels(kernels: list, n: int, top: int = 12) -> list[dict]:
     """The kernels taking the most GPU time: name (cut to 70 characters), calls and us per
     token, us per call (where a step's kernel time goes, for the next kernel to work on)."""
-    by_name: dict = {}
-    for name, us in kernels:
-        calls, total = by_name.get(name, (0, 0.0))
-        by_name[name] = (calls + 1, total + us)
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    ranked = dp.by_kernel(kernels)[:top]
     return [{"name": name[:70], "calls": round(c / n, 2), "us": round(t / n, 1),
-             "us_per_call": round(t / c, 2)} for name, (c, t) in ranked]  # fmt: skip
+             "us_per_call": round(t / c, 2)} for name, c, t in ranked]  # fmt: skip
 
 
 class Variant:
