@@ -5,6 +5,7 @@ at the Gemma-4-26B-A4B and Qwen3.5-35B-A3B router shapes.
     python3 bench/router_split.py                      # both shapes, B = 1, 8, 32
     python3 bench/router_split.py --profile --json bench/results/router_split.json
     python3 bench/router_split.py --shapes gemma4 --batch 1 --splits 8,16x8,32x8,64 --formats bf16
+    python3 bench/router_split.py --profile --loop --batch 1   # the row's loads: one round / loop
 
 Per (shape, weight format, B) it checks that every mapping gives the G = 1 outputs bit for bit,
 then times them interleaved (ROUNDS rounds, each mapping once per round, so drift hits all
@@ -109,14 +110,19 @@ def summary(v: list[float]) -> dict:
     return {"median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
-def bench_case(shape: str, fmt: str, rows: int, splits: list[str], profile: bool) -> dict:
+def bench_case(
+    shape: str, fmt: str, rows: int, splits: list[str], profile: bool, loop: bool = False
+) -> dict:
     D, E, k = SHAPES[shape]
     a = router_args(shape, fmt)
     w = a.pop("w")
     x = (3 * mx.random.normal((rows, D), key=mx.random.key(rows))).astype(mx.bfloat16)
-    runs = {
-        n: R.plan_launcher(x, w, k, split=s, **a) for n, s in mappings(rows, E, D, splits).items()
-    }
+    runs = {}
+    for batched in (True, False) if loop else (R.BATCHED_PROLOGUE,):
+        R.BATCHED_PROLOGUE, keep = batched, R.BATCHED_PROLOGUE
+        for n, s in mappings(rows, E, D, splits).items():
+            runs[n if batched or not loop else f"{n} loop"] = R.plan_launcher(x, w, k, split=s, **a)
+        R.BATCHED_PROLOGUE = keep
     base = [o for o in runs["G=1"](x, w) if o is not None]
     mx.eval(base)
     same = {}
@@ -144,6 +150,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--splits", default="", help="extra mappings: G or GxW, e.g. 16,16x8,64")
     ap.add_argument("--profile", action="store_true", help="kernel times via torch.profiler")
+    ap.add_argument("--loop", action="store_true",
+                    help="each mapping also with the row's loads in the loop form "
+                         "(HF2Q_ROUTER_BATCHED=0), named '<mapping> loop'")  # fmt: skip
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     splits = [s for s in args.splits.split(",") if s]
@@ -151,12 +160,12 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
             for rows in args.batch:
-                case = bench_case(shape, fmt, rows, splits, args.profile)
+                case = bench_case(shape, fmt, rows, splits, args.profile, args.loop)
                 results.append({"shape": shape, "format": fmt, "rows": rows, "mappings": case})
                 for name, r in case.items():
                     c = r["chain_us"]
                     gpu = r.get("gpu_us")
-                    print(f"{shape:8s} {fmt:5s} B={rows:<3d} {name:18s} chain "
+                    print(f"{shape:8s} {fmt:5s} B={rows:<3d} {name:23s} chain "
                           f"{c['median']:7.2f} us [{c['min']:.2f}, {c['max']:.2f}]"
                           + ("" if gpu is None else f"  gpu {gpu:6.2f} us")
                           + ("" if r["bit_identical"] else "  OUTPUTS DIFFER FROM G=1"),

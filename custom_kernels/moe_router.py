@@ -80,7 +80,8 @@ def moe_router_reference(
 # Kernel. Template: T (x), TW (w), LT (the logits' matmul dtype: where they round), D, E, K,
 # QB (affine bits, 0 = float w), GS (affine group size), VEC (16-byte loads of float rows), WK
 # (0 fp32 / 1 fp16 / 2 bf16 float w), flags PRE (Gemma's pre-norm and scale),
-# PES (per-expert scale), NORM2 (write xn), RENORM. params (fp32): eps, pre_mult rounded to T.
+# PES (per-expert scale), NORM2 (write xn), RENORM, BATCHED (the row loaded in one round), W
+# (SIMD groups per threadgroup). params (fp32): eps, pre_mult rounded to T.
 
 _HEADER = """
 // 16 bytes of weights -> 4 fp32 (kind 0) or 8 fp16 / bf16 (kind 1 / 2) floats
@@ -120,25 +121,76 @@ _BODY = r"""
   SHARED float red[32];
   SHARED uint last[1];
   float inv = 1.0f;
+  // BATCHED: every thread loads its elements of the row (and of the norms' weights) once,
+  // all before the first use, in the statistics' layout: SIMD group s takes the virtual
+  // groups vw = s, s + W, ... (< NRW), its lane l the elements vw * 32 + l + 32 * NRW * j. One
+  // round of memory latency; the loop form below issues a round per element a thread owns.
+  constexpr uint NJ = (uint(D) + SIMD_SIZE * NRW - 1) / (SIMD_SIZE * NRW);
+  constexpr uint VPW = BATCHED ? (uint(NRW) + W - 1) / W : 1;
+  float xv[VPW][NJ], pv[VPW][NJ], qv[VPW][NJ];
+  if (BATCHED) {
+    UNROLL for (uint q = 0; q < VPW; ++q) {
+      UNROLL for (uint j = 0; j < NJ; ++j) {
+        const uint vw = simd_id + W * q;
+        const uint i = vw * SIMD_SIZE + lane + SIMD_SIZE * NRW * j;
+        const bool ok = vw < uint(NRW) && i < uint(D);
+        xv[q][j] = ok ? to_float(xr[i]) : 0.0f;
+        pv[q][j] = (PRE && ok) ? to_float(pre_scale[i]) : 0.0f;
+        qv[q][j] = (NORM2 && ok && grp == 0) ? to_float(post_norm[i]) : 0.0f;
+      }
+    }
+  }
   if (PRE || NORM2) {  // the row's RMS statistics, as mx.fast.rms_norm computes them
     // SIMD group vw of NRW sums the squares at vw * 32 + lane, + 32 * NRW, ...
-    for (uint vw = simd_id; vw < uint(NRW); vw += n_simd) {
-      float ss = 0.0f;
-      for (uint i = vw * SIMD_SIZE + lane; i < uint(D); i += SIMD_SIZE * NRW) {
-        const float v = to_float(xr[i]);
-        ss = fma_f(v, v, ss);
+    if (BATCHED) {
+      UNROLL for (uint q = 0; q < VPW; ++q) {
+        const uint vw = simd_id + W * q;
+        if (vw >= uint(NRW)) continue;  // the whole SIMD group alike
+        float ss = 0.0f;
+        UNROLL for (uint j = 0; j < NJ; ++j) {
+          if (vw * SIMD_SIZE + lane + SIMD_SIZE * NRW * j < uint(D))
+            ss = fma_f(xv[q][j], xv[q][j], ss);
+        }
+        ss = simd_sum(ss);
+        if (lane == 0) red[vw] = ss;
       }
-      ss = simd_sum(ss);
-      if (lane == 0) red[vw] = ss;
+    } else {
+      for (uint vw = simd_id; vw < uint(NRW); vw += n_simd) {
+        float ss = 0.0f;
+        for (uint i = vw * SIMD_SIZE + lane; i < uint(D); i += SIMD_SIZE * NRW) {
+          const float v = to_float(xr[i]);
+          ss = fma_f(v, v, ss);
+        }
+        ss = simd_sum(ss);
+        if (lane == 0) red[vw] = ss;
+      }
     }
     BARRIER();
     float tot = 0.0f;
     for (uint s = 0; s < uint(NRW); ++s) tot += red[s];
     inv = rsqrt_f(tot / float(D) + params[0]);
   }
-  for (uint i = tid; i < uint(D); i += tg_size) {
+  // the staged row: every step rounded to T, as the reference's ops in x's dtype round
+  if (BATCHED) {
+    UNROLL for (uint q = 0; q < VPW; ++q) {
+      UNROLL for (uint j = 0; j < NJ; ++j) {
+        const uint vw = simd_id + W * q;
+        const uint i = vw * SIMD_SIZE + lane + SIMD_SIZE * NRW * j;
+        if (vw >= uint(NRW) || i >= uint(D)) continue;
+        const float v = xv[q][j];
+        const float nv = to_float(from_float<T>(v * inv));
+        float h = v;
+        if (PRE) {
+          const float sr = to_float(from_float<T>(pv[q][j] * params[1]));
+          h = to_float(from_float<T>(nv * sr));
+        }
+        xs[i] = h;
+        if (NORM2 && grp == 0) xn[size_t(row) * D + i] = from_float<T>(nv * qv[q][j]);
+      }
+    }
+  }
+  for (uint i = tid; !BATCHED && i < uint(D); i += tg_size) {
     const float v = to_float(xr[i]);
-    // every step rounded to T, as the reference's ops in x's dtype round
     const float nv = to_float(from_float<T>(v * inv));
     float h = v;
     if (PRE) {
@@ -158,30 +210,34 @@ _BODY = r"""
   // QB > 0 (MLX affine rows of D * QB / 32 words): CPW codes of one group per chunk,
   // w = scale * code + bias, summed as scale * sum(code * x) + bias * sum(x). Otherwise
   // (float rows, odd D): one weight per lane.
+  // BATCHED, a row of up to 2 NU chunks a lane (26B-A4B's fp32 router: 22): all its loads in
+  // one round, chunk u still summed into acc[u % NU] in the loop form's order.
   constexpr uint NU = 16;
   constexpr uint VW = WK == 0 ? 4 : 8;
   constexpr uint NCH = VEC ? uint(D) / VW : 0;
+  constexpr uint NL = (NCH + SIMD_SIZE - 1) / SIMD_SIZE;  // chunks a lane
+  constexpr uint NB = (BATCHED && NL > NU && NL <= 2 * NU) ? NL : NU;  // loaded per round
   for (uint e = e_lo + simd_id; VEC && e < e_hi; e += n_simd) {
     DEVICE_PTR(const uint4) wr4 = DEVICE_CAST(const uint4, w + size_t(e) * D);
     float acc[NU];
     UNROLL for (uint u = 0; u < NU; ++u) acc[u] = 0.0f;
-    for (uint c0 = 0; c0 < NCH; c0 += NU * SIMD_SIZE) {
-      uint4 q[NU];
-      UNROLL for (uint u = 0; u < NU; ++u) {
+    for (uint c0 = 0; c0 < NCH; c0 += NB * SIMD_SIZE) {
+      uint4 q[NB];
+      UNROLL for (uint u = 0; u < NB; ++u) {
         const uint c = c0 + u * SIMD_SIZE + lane;
         if (c < NCH) q[u] = wr4[c];
       }
-      UNROLL for (uint u = 0; u < NU; ++u) {
+      UNROLL for (uint u = 0; u < NB; ++u) {
         const uint c = c0 + u * SIMD_SIZE + lane;
         if (c >= NCH) continue;
         float wv[8];
         unpack16(q[u], WK, wv);
         UNROLL for (uint p = 0; p < VW; p += 4) {
           const float4 xv = xs4[(c * VW + p) / 4];
-          acc[u] = fma_f(wv[p], xv.x, acc[u]);
-          acc[u] = fma_f(wv[p + 1], xv.y, acc[u]);
-          acc[u] = fma_f(wv[p + 2], xv.z, acc[u]);
-          acc[u] = fma_f(wv[p + 3], xv.w, acc[u]);
+          acc[u % NU] = fma_f(wv[p], xv.x, acc[u % NU]);
+          acc[u % NU] = fma_f(wv[p + 1], xv.y, acc[u % NU]);
+          acc[u % NU] = fma_f(wv[p + 2], xv.z, acc[u % NU]);
+          acc[u % NU] = fma_f(wv[p + 3], xv.w, acc[u % NU]);
         }
       }
     }
@@ -336,7 +392,8 @@ _kernel = Kernel(
             {"ids": mx.uint32, "wts": mx.float32, "xn": t, "lgo": mx.float32},
             {"T": t, "TW": tw, "LT": lt, "D": d, "E": e, "K": k, "QB": qb, "GS": gs, "VEC": vec,
              "WK": _WK.get(tw, 0), "PRE": pre, "PES": pre, "NORM2": pre, "RENORM": renorm,
-             "G": g, "NRW": min(16, e), "MAX_ROWS": 32},
+             "G": g, "NRW": min(16, e), "MAX_ROWS": 32, "BATCHED": 1,
+             "W": 16 if g == 1 else 8},
         )
         for t, tw, lt, d, e, k, qb, gs, vec, pre, renorm, g in (
             (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1, 1),
@@ -366,6 +423,9 @@ SPLIT_MIN_WEIGHTS = 1 << 16  # E * D below this: one threadgroup per row is as f
 # kernel time inside the compiled 26B-A4B step (829 -> 479 us a token, CUPTI, 2026-12-03); on
 # Metal its atomics are syntax-checked only, never run (docs/kernel_notes.md, session 17).
 SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("HF2Q_ROUTER_SPLIT", "").strip())
+# HF2Q_ROUTER_BATCHED=0 (read at import): the row's loads in the loop form of sessions 13-41
+# (a round of memory latency per element a thread owns), for A/B; same outputs bit for bit.
+BATCHED_PROLOGUE: bool = os.environ.get("HF2Q_ROUTER_BATCHED", "").strip() != "0"
 
 
 def split_enabled() -> bool:
@@ -485,7 +545,8 @@ def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None, split=N
                   "PRE": opts.get("pre_scale") is not None,
                   "PES": opts.get("expert_scale") is not None, "NORM2": post,
                   "RENORM": bool(opts.get("renormalize", True)),
-                  "G": g, "NRW": min(WARPS, E), "MAX_ROWS": MAX_ROWS},
+                  "G": g, "NRW": min(WARPS, E), "MAX_ROWS": MAX_ROWS,
+                  "BATCHED": BATCHED_PROLOGUE, "W": warps},
         init_value=init_value,
     )  # fmt: skip
     # pre_mult rounded to x's dtype, as ``array * python_float`` rounds it. Leaf arrays made
@@ -582,7 +643,7 @@ def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
     quant = opts.get("quant")
     scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
     return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], split_enabled(),
-            *(opts.get(n) is None for n in _OPTIONAL))  # fmt: skip
+            BATCHED_PROLOGUE, *(opts.get(n) is None for n in _OPTIONAL))  # fmt: skip
 
 
 def moe_router(

@@ -397,6 +397,7 @@ _SPLIT_CASES = [
     ("qwen_full", mx.bfloat16, mx.bfloat16, 17, 2064, 64, 1, [64]),
     ("qwen_q8", mx.bfloat16, mx.bfloat16, 8, 256, 40, 8, [8]),
     ("gemma_q4", mx.float32, mx.float32, 2, 96, 24, 3, [4, (2, 3)]),
+    ("gemma", mx.bfloat16, mx.float32, 2, 2304, 24, 4, [4]),  # 18 chunks a lane: one round
 ]
 _SPLIT_IDS = [f"{c[0]}-{c[1]}-w{c[2]}-B{c[3]}D{c[4]}E{c[5]}k{c[6]}" for c in _SPLIT_CASES]
 
@@ -458,6 +459,36 @@ def test_split_on_the_emulator(split_runs, i):
             assert (g_ is None) == (b_ is None)
             if b_ is not None:
                 assert np.array_equal(_bits(g_), _bits(b_)), sp
+
+
+@needs_gxx
+def test_batched_prologue_keeps_the_bits_on_the_emulator(monkeypatch):
+    """The row loaded once into registers (BATCHED_PROLOGUE, the default) gives the loop
+    form's ids, weights, experts' norm and split logits bit for bit: the same sums in the same
+    order. Gemma's pre-norm and norm output at one group per row and split (G, SIMD groups) =
+    (4, 2), so a SIMD group takes two of the statistics' virtual groups; Qwen's fp32 rows at
+    G = 4; an fp32 router row of 18 16-byte chunks a lane (26B-A4B's has 22), loaded in one
+    round (its logits, not its weights, show a change of summation order)."""
+    calls = []
+    for i, split in ((0, 1), (0, (4, 2)), (1, (2, 3)), (3, 4), (7, 4)):
+        x, a, k, _ = _split_case(i)
+        for batched in (False, True):
+            calls.append((i, split, batched, x, a, k))
+
+    def run(i, split, batched, x, a, k):
+        monkeypatch.setattr(R, "BATCHED_PROLOGUE", batched)
+        plan = R._plan(x, a["w"], k, a, None, split)
+        return plan.launch(inputs=[*R._arrays(x, a["w"], a), plan.params[0], plan.counter])
+
+    _build_all([lambda c=c: run(*c) for c in calls])
+    monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+    runs = {(c[0], str(c[1]), c[2]): run(*c) for c in calls}
+    for i, split, _, x, a, k in calls[::2]:
+        loop, batched = runs[(i, str(split), False)], runs[(i, str(split), True)]
+        ids, wts, xn, _ = batched
+        _check((ids, wts, xn if a.get("post_norm") is not None else None), x, a, k)
+        for got, want in zip(batched, loop):
+            assert np.array_equal(_bits(got), _bits(want)), (i, split)
 
 
 @needs_gxx
