@@ -363,10 +363,11 @@ step down-slots-gpu-tests 540 "python3 -m pytest -q -p no:cacheprovider -rf -k g
 # one-time costs of single MLX ops (library loads, cuDNN plans) in a fresh process, then warm
 step first-ops 120 "rm -rf /tmp/ptx-fo /tmp/cuda-fo; for run in fresh warm; do MLX_PTX_CACHE_DIR=/tmp/ptx-fo CUDA_CACHE_PATH=/tmp/cuda-fo python3 bench/first_ops.py $OUT/first_ops_\$run.json; done"
 step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"
-# the router's row loaded in one round (HF2Q_ROUTER_BATCHED, session 42): GPU parity, the kernel
-# alone against the loop form under CUPTI (with wider and narrower mappings), the whole step
+# the router's row loaded in one round (HF2Q_ROUTER_BATCHED) and Gemma 4's join made by the router
+# kernel (HF2Q_ROUTER_JOIN), session 42: GPU parity, the kernel alone against the loop form
+# under CUPTI (with wider and narrower mappings), the whole step with each off
 step router-batched 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_moe_router.py --tb=short && python3 bench/router_split.py --profile --loop --batch 1 8 --formats f32,bf16,q8 --splits 32x4,64x2,32x8 --json $OUT/router_batched.json"
-step router-batched-ab 420 "python3 bench/mlx_env_ab.py $OUT/router_batched_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_ROUTER_BATCHED=0"
+step router-batched-ab 420 "python3 bench/mlx_env_ab.py $OUT/router_batched_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_ROUTER_BATCHED=0 --env HF2Q_ROUTER_JOIN=0 ${AB_EXTRA:-}"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

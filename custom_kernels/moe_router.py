@@ -10,6 +10,7 @@ import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, launch_recorder
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels.post_norm_residual import post_norm_residual_reference, threads_for
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 
@@ -41,7 +42,8 @@ def moe_router_reference(
     renormalize: bool = True,
     post_norm: mx.array | None = None,
     quant: tuple | None = None,
-) -> tuple[mx.array, mx.array, mx.array | None]:
+    residual: tuple | None = None,
+) -> tuple:
     """x (..., D), router weight w (E, D) float -> expert ids (..., k) uint32 (largest logit
     first, ties to the lower index), gate weights (..., k) fp32, and ``post_norm`` given:
     ``rms_norm(x, post_norm, eps)`` (..., D) in x.dtype, else None.
@@ -51,7 +53,19 @@ def moe_router_reference(
     Logits ``h @ w.T`` in the matmul's dtype, h = x, or with ``pre_scale`` (Gemma 4):
     ``rms_norm(x) * (pre_scale * pre_mult)`` in x.dtype. Weights: softmax over the chosen k
     (``renormalize``) or the full softmax's values at them; times ``expert_scale[ids]`` if given.
+
+    ``residual`` = (res, res_w, res_next_w): a Gemma block join first, x its branch's output:
+    ``h, n = post_norm_residual_reference(res, x, res_w, res_next_w, eps)``, the routing on h,
+    and the result (ids, weights, xn, h, n).
     """
+    if residual is not None:
+        res, res_w, res_next_w = residual
+        hr, nr = post_norm_residual_reference(res, x, res_w, res_next_w, eps)
+        out = moe_router_reference(
+            hr, w, k, eps=eps, pre_scale=pre_scale, pre_mult=pre_mult,
+            expert_scale=expert_scale, renormalize=renormalize, post_norm=post_norm, quant=quant,
+        )  # fmt: skip
+        return (*out, hr, nr)
     h = x
     if pre_scale is not None:
         h = mx.fast.rms_norm(x, None, eps) * (pre_scale * pre_mult).astype(x.dtype)
@@ -81,7 +95,9 @@ def moe_router_reference(
 # QB (affine bits, 0 = float w), GS (affine group size), VEC (16-byte loads of float rows), WK
 # (0 fp32 / 1 fp16 / 2 bf16 float w), flags PRE (Gemma's pre-norm and scale),
 # PES (per-expert scale), NORM2 (write xn), RENORM, BATCHED (the row loaded in one round), W
-# (SIMD groups per threadgroup). params (fp32): eps, pre_mult rounded to T.
+# (SIMD groups per threadgroup), RES (the block join first: x the branch, res the residual
+# stream; h and n out) with TGP, NPTP (post_norm_residual's threads and elements a thread).
+# params (fp32): eps (every norm's), pre_mult rounded to T.
 
 _HEADER = """
 // 16 bytes of weights -> 4 fp32 (kind 0) or 8 fp16 / bf16 (kind 1 / 2) floats
@@ -120,6 +136,71 @@ _BODY = r"""
   SHARED float lg[E];
   SHARED float red[32];
   SHARED uint last[1];
+  if (RES) {
+    // The block join before the routing (post_norm_residual's, in its layout and order, so h
+    // and n are that kernel's bits): x is the branch's output y, res the residual stream;
+    // h = res + norm(y; res_w), n = norm(h; res_next_w). Virtual thread vt = (simd_id + W q)
+    // * 32 + lane of that kernel's TGP owns elements vt + TGP j; h goes to xs, the row the
+    // routing reads; group 0 writes h and n.
+    constexpr uint RVW = TGP / SIMD_SIZE;  // that kernel's SIMD groups
+    constexpr uint RQ = (RVW + W - 1) / W;  // of them per SIMD group here
+    float ya[RQ][NPTP], rx[RQ][NPTP], rw[RQ][NPTP], rn[RQ][NPTP];
+    DEVICE_PTR(const T) resr = res + size_t(row) * D;
+    UNROLL for (uint q = 0; q < RQ; ++q) {
+      UNROLL for (uint j = 0; j < NPTP; ++j) {
+        const uint i = (simd_id + W * q) * SIMD_SIZE + lane + TGP * j;
+        const bool ok = simd_id + W * q < RVW && i < uint(D);
+        ya[q][j] = ok ? to_float(xr[i]) : 0.0f;
+        rx[q][j] = ok ? to_float(resr[i]) : 0.0f;
+        rw[q][j] = ok ? to_float(res_w[i]) : 0.0f;
+        rn[q][j] = (ok && grp == 0) ? to_float(res_next_w[i]) : 0.0f;
+      }
+    }
+    UNROLL for (uint q = 0; q < RQ; ++q) {
+      if (simd_id + W * q >= RVW) continue;  // the whole SIMD group alike
+      float sa = 0.0f;
+      UNROLL for (uint j = 0; j < NPTP; ++j) sa = fma_f(ya[q][j], ya[q][j], sa);
+      sa = simd_sum(sa);
+      if (lane == 0) red[simd_id + W * q] = sa;
+    }
+    BARRIER();
+    float tb = 0.0f;
+    UNROLL for (uint s = 0; s < RVW; ++s) tb += red[s];
+    const float ib = rsqrt_f(tb / float(D) + params[0]);
+    BARRIER();  // every thread has read red before it is reused
+    UNROLL for (uint q = 0; q < RQ; ++q) {
+      UNROLL for (uint j = 0; j < NPTP; ++j) {
+        const uint i = (simd_id + W * q) * SIMD_SIZE + lane + TGP * j;
+        float hv = 0.0f;
+        if (simd_id + W * q < RVW && i < uint(D)) {
+          const float nb = to_float(from_float<T>(ya[q][j] * ib * rw[q][j]));
+          hv = to_float(from_float<T>(rx[q][j] + nb));
+          xs[i] = hv;
+          if (grp == 0) h[size_t(row) * D + i] = from_float<T>(hv);
+        }
+        ya[q][j] = hv;
+      }
+    }
+    UNROLL for (uint q = 0; q < RQ; ++q) {
+      if (simd_id + W * q >= RVW) continue;
+      float so = 0.0f;
+      UNROLL for (uint j = 0; j < NPTP; ++j) so = fma_f(ya[q][j], ya[q][j], so);
+      so = simd_sum(so);
+      if (lane == 0) red[simd_id + W * q] = so;
+    }
+    BARRIER();
+    float to = 0.0f;
+    UNROLL for (uint s = 0; s < RVW; ++s) to += red[s];
+    const float io = rsqrt_f(to / float(D) + params[0]);
+    UNROLL for (uint q = 0; q < RQ; ++q) {
+      UNROLL for (uint j = 0; j < NPTP; ++j) {
+        const uint i = (simd_id + W * q) * SIMD_SIZE + lane + TGP * j;
+        if (grp == 0 && simd_id + W * q < RVW && i < uint(D))
+          n[size_t(row) * D + i] = from_float<T>(ya[q][j] * io * rn[q][j]);
+      }
+    }
+    BARRIER();  // xs holds h; red is free again
+  }
   float inv = 1.0f;
   // BATCHED: every thread loads its elements of the row (and of the norms' weights) once,
   // all before the first use, in the statistics' layout: SIMD group s takes the virtual
@@ -134,7 +215,7 @@ _BODY = r"""
         const uint vw = simd_id + W * q;
         const uint i = vw * SIMD_SIZE + lane + SIMD_SIZE * NRW * j;
         const bool ok = vw < uint(NRW) && i < uint(D);
-        xv[q][j] = ok ? to_float(xr[i]) : 0.0f;
+        xv[q][j] = ok ? (RES ? xs[i] : to_float(xr[i])) : 0.0f;
         pv[q][j] = (PRE && ok) ? to_float(pre_scale[i]) : 0.0f;
         qv[q][j] = (NORM2 && ok && grp == 0) ? to_float(post_norm[i]) : 0.0f;
       }
@@ -158,7 +239,7 @@ _BODY = r"""
       for (uint vw = simd_id; vw < uint(NRW); vw += n_simd) {
         float ss = 0.0f;
         for (uint i = vw * SIMD_SIZE + lane; i < uint(D); i += SIMD_SIZE * NRW) {
-          const float v = to_float(xr[i]);
+          const float v = RES ? xs[i] : to_float(xr[i]);
           ss = fma_f(v, v, ss);
         }
         ss = simd_sum(ss);
@@ -190,7 +271,7 @@ _BODY = r"""
     }
   }
   for (uint i = tid; !BATCHED && i < uint(D); i += tg_size) {
-    const float v = to_float(xr[i]);
+    const float v = RES ? xs[i] : to_float(xr[i]);
     const float nv = to_float(from_float<T>(v * inv));
     float h = v;
     if (PRE) {
@@ -380,27 +461,29 @@ _WK = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 _kernel = Kernel(
     "moe_router",
-    inputs=["x", "w", "w_scales", "w_biases", "pre_scale", "expert_scale", "post_norm", "params",
-            "counter"],
-    outputs=["ids", "wts", "xn", "lgo"],
+    inputs=["x", "w", "w_scales", "w_biases", "pre_scale", "expert_scale", "post_norm", "res",
+            "res_w", "res_next_w", "params", "counter"],
+    outputs=["ids", "wts", "xn", "lgo", "h", "n"],
     body=_BODY,
     header=_HEADER,
     examples=[
         Example(
             {"x": t, "w": tw, "w_scales": t, "w_biases": t, "pre_scale": t, "expert_scale": t,
-             "post_norm": t, "params": (mx.float32, 3), "counter": (mx.uint32, 32 * 256)},
-            {"ids": mx.uint32, "wts": mx.float32, "xn": t, "lgo": mx.float32},
+             "post_norm": t, "res": t, "res_w": t, "res_next_w": t, "params": (mx.float32, 3),
+             "counter": (mx.uint32, 32 * 256)},
+            {"ids": mx.uint32, "wts": mx.float32, "xn": t, "lgo": mx.float32, "h": t, "n": t},
             {"T": t, "TW": tw, "LT": lt, "D": d, "E": e, "K": k, "QB": qb, "GS": gs, "VEC": vec,
              "WK": _WK.get(tw, 0), "PRE": pre, "PES": pre, "NORM2": pre, "RENORM": renorm,
              "G": g, "NRW": min(16, e), "MAX_ROWS": 32, "BATCHED": 1,
-             "W": 16 if g == 1 else 8},
+             "W": 16 if g == 1 else 8, "RES": res, "TGP": threads_for(d),
+             "NPTP": -(-d // threads_for(d))},
         )
-        for t, tw, lt, d, e, k, qb, gs, vec, pre, renorm, g in (
-            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1, 1),
-            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1, 32),
-            (mx.float16, mx.float32, mx.float32, 2048, 256, 8, 0, 1, 1, 0, 0, 64),
-            (mx.float32, mx.float16, mx.float32, 200, 40, 5, 0, 1, 0, 1, 1, 1),
-            (mx.bfloat16, mx.uint32, mx.bfloat16, 2048, 256, 8, 8, 64, 0, 0, 1, 16),
+        for t, tw, lt, d, e, k, qb, gs, vec, pre, renorm, g, res in (
+            (mx.bfloat16, mx.bfloat16, mx.bfloat16, 2816, 128, 8, 0, 1, 1, 1, 1, 1, 0),
+            (mx.bfloat16, mx.float32, mx.float32, 2816, 128, 8, 0, 1, 1, 1, 1, 16, 1),
+            (mx.float16, mx.float32, mx.float32, 2048, 256, 8, 0, 1, 1, 0, 0, 64, 0),
+            (mx.float32, mx.float16, mx.float32, 200, 40, 5, 0, 1, 0, 1, 1, 1, 1),
+            (mx.bfloat16, mx.uint32, mx.bfloat16, 2048, 256, 8, 8, 64, 0, 0, 1, 16, 0),
         )
     ],
 )  # fmt: skip
@@ -426,6 +509,9 @@ SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("HF2Q_ROUTER_SPL
 # HF2Q_ROUTER_BATCHED=0 (read at import): the row's loads in the loop form of sessions 13-41
 # (a round of memory latency per element a thread owns), for A/B; same outputs bit for bit.
 BATCHED_PROLOGUE: bool = os.environ.get("HF2Q_ROUTER_BATCHED", "").strip() != "0"
+# HF2Q_ROUTER_JOIN=0 (read at import): models keep the block join before a router its own
+# kernel (models/ops.moe_router_joined answers None), for A/B.
+JOIN: bool = os.environ.get("HF2Q_ROUTER_JOIN", "").strip() != "0"
 
 
 def split_enabled() -> bool:
@@ -478,6 +564,23 @@ def kernel_covers(x: mx.array, w: mx.array, k: int, **opts) -> bool:
         and 1 <= k <= min(E, MAX_K)
         and E <= MAX_E
         and 4 * (D + E + 32) <= _SHARED_BYTES
+        and _residual_covered(x, opts.get("residual"))
+    )
+
+
+def _residual_covered(x: mx.array, residual: tuple | None) -> bool:
+    """The block join runs in the kernel: the loads-in-one-round prologue, a residual stream
+    like x, float norm weights (D,), rows the join kernel takes (post_norm_residual)."""
+    if residual is None:
+        return True
+    res, res_w, res_next_w = residual
+    D = x.shape[-1]
+    return (
+        BATCHED_PROLOGUE
+        and res.shape == x.shape
+        and res.dtype == x.dtype
+        and all(v.shape == (D,) and v.dtype in _FLOATS for v in (res_w, res_next_w))
+        and D <= 8192
     )
 
 
@@ -495,6 +598,14 @@ def _check(x: mx.array, w: mx.array, k: int, opts: dict) -> None:
         a = opts.get(name)
         if a is not None and a.shape != (n,):
             raise WeightMismatchError(f"{name} has shape {tuple(a.shape)}, expected ({n},)")
+    residual = opts.get("residual")
+    if residual is not None:
+        res, res_w, res_next_w = residual
+        if res.shape != x.shape:
+            raise InvalidArgumentError(f"residual {res.shape} and branch {x.shape} differ")
+        for name, a in (("res_w", res_w), ("res_next_w", res_next_w)):
+            if a.shape != (D,):
+                raise WeightMismatchError(f"{name} has shape {tuple(a.shape)}, expected ({D},)")
 
 
 def split_config(rows: int, E: int, D: int) -> tuple[int, int]:
@@ -530,14 +641,17 @@ def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None, split=N
     arrays = _arrays(x, w, opts)
     lt = _matmul_dtype(x.dtype, w.dtype if quant is None else scales.dtype)
     post = opts.get("post_norm") is not None
+    res = opts.get("residual") is not None
     g, warps = split_config(rows, E, D) if split is None else _mapping(E, split)
+    tgp = threads_for(D)
     launch = _kernel.launcher(
         [a.dtype for a in arrays] + [mx.float32, mx.uint32],
         grid=(rows * g * 32 * warps,),
         threadgroup=(32 * warps,),
         output_shapes=[(*lead, k), (*lead, k), x.shape if post else (1,),
-                       (rows, E) if g > 1 else (1,)],
-        output_dtypes=[mx.uint32, mx.float32, x.dtype, mx.float32],
+                       (rows, E) if g > 1 else (1,), x.shape if res else (1,),
+                       x.shape if res else (1,)],
+        output_dtypes=[mx.uint32, mx.float32, x.dtype, mx.float32, x.dtype, x.dtype],
         template={"T": x.dtype, "TW": w.dtype, "LT": lt, "D": D, "E": E, "K": k,
                   "QB": 0 if quant is None else quant[3], "GS": 1 if quant is None else quant[2],
                   "VEC": quant is None and D % (16 // w.dtype.size) == 0,
@@ -546,13 +660,14 @@ def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None, split=N
                   "PES": opts.get("expert_scale") is not None, "NORM2": post,
                   "RENORM": bool(opts.get("renormalize", True)),
                   "G": g, "NRW": min(WARPS, E), "MAX_ROWS": MAX_ROWS,
-                  "BATCHED": BATCHED_PROLOGUE, "W": warps},
+                  "BATCHED": BATCHED_PROLOGUE, "W": warps, "RES": res, "TGP": tgp,
+                  "NPTP": -(-D // tgp)},
         init_value=init_value,
     )  # fmt: skip
     # pre_mult rounded to x's dtype, as ``array * python_float`` rounds it. Leaf arrays made
     # from Python numbers, so a plan first built inside mx.compile holds no traced op.
     mult = _round_to(opts.get("pre_mult", 1.0), x.dtype)
-    return _Plan(launch, [opts.get("eps", 1e-6), mult], post, g > 1)
+    return _Plan(launch, [opts.get("eps", 1e-6), mult], post, g > 1, res)
 
 
 class _Plan:
@@ -569,10 +684,12 @@ class _Plan:
     evaluation order, which follows the calls'. Metal: an input of fewer than 8 elements
     would be in the read-only constant address space."""
 
-    __slots__ = ("launch", "params", "counter", "post", "turn")
+    __slots__ = ("launch", "params", "counter", "post", "turn", "res")
 
-    def __init__(self, launch, scalars: list[float], post: bool, split: bool) -> None:
-        self.launch, self.post, self.turn = launch, post, 0
+    def __init__(
+        self, launch, scalars: list[float], post: bool, split: bool, res: bool = False
+    ) -> None:
+        self.launch, self.post, self.turn, self.res = launch, post, 0, res
         sets = COUNTER_SETS if split else 1
         self.params = [mx.array([*scalars, i], dtype=mx.float32) for i in range(sets)]
         self.counter = mx.array(np.zeros(sets * MAX_ROWS, dtype=np.uint32))
@@ -588,15 +705,17 @@ def _arrays(x: mx.array, w: mx.array, opts: dict) -> list[mx.array]:
     (never read)."""
     quant = opts.get("quant")
     sb = [x, x] if quant is None else [quant[0], quant[1]]
-    return [x, w, *sb, *(x if opts.get(n) is None else opts[n] for n in _OPTIONAL)]
+    res = opts.get("residual") or (x, x, x)
+    return [x, w, *sb, *(x if opts.get(n) is None else opts[n] for n in _OPTIONAL), *res]
 
 
 def _run(plan: _Plan, x: mx.array, w: mx.array, opts: dict):
     # a recorded CUDA graph runs its launches in stream order: one counter set serves them all
     params = plan.params[0] if launch_recorder.active() else plan.next_params()
     inputs = [*_arrays(x, w, opts), params, plan.counter]
-    ids, wts, xn, _ = plan.launch(inputs=inputs)
-    return ids, wts, xn if plan.post else None
+    ids, wts, xn, _, h, n = plan.launch(inputs=inputs)
+    out = (ids, wts, xn if plan.post else None)
+    return (*out, h, n) if plan.res else out
 
 
 def _round_to(v: float, dtype: mx.Dtype) -> float:
@@ -643,7 +762,7 @@ def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
     quant = opts.get("quant")
     scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
     return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], split_enabled(),
-            BATCHED_PROLOGUE, *(opts.get(n) is None for n in _OPTIONAL))  # fmt: skip
+            BATCHED_PROLOGUE, *(opts.get(n) is None for n in (*_OPTIONAL, "residual")))  # fmt: skip
 
 
 def moe_router(

@@ -247,14 +247,20 @@ class DecoderLayer(nn.Module):
         layer's input norm of x when the previous layer made it (one kernel with its end)."""
         n = self.input_layernorm(x) if n is None else n
         y, kv = self.self_attn(n, pos, cache, shared_kv, mask)
-        h, n = ops.post_norm_residual(
-            x, y, self.post_attention_layernorm, self.pre_feedforward_layernorm
+        norms = (self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        # with kernels the router kernel makes the join too (one launch fewer)
+        joined = (
+            self.router.join(x, y, *norms, self.pre_feedforward_layernorm_2) if self.moe else None
         )
+        if joined is None:
+            h, n = ops.post_norm_residual(x, y, *norms)
+        else:
+            h, n, ids, weights, xn = joined
         f = self.mlp(n)
         e = None
         if self.moe:
-            # routed on the residual stream, not the normed input; the experts' norm comes along
-            ids, weights, xn = self.router(h, self.pre_feedforward_layernorm_2)
+            if joined is None:  # routed on the residual stream; the experts' norm comes along
+                ids, weights, xn = self.router(h, self.pre_feedforward_layernorm_2)
             e = self.experts(xn, ids, weights)
         if not self.ple and next_norm is not None:
             # the scalar scales the whole residual stream; the next norm shares the kernel

@@ -30,6 +30,18 @@ class Router(nn.Module):
         )  # fmt: skip
         if routed is not None:
             return routed
+        return self._reference(x, post_norm)
+
+    def join(self, x: mx.array, y: mx.array, norm, next_norm, post_norm):
+        """The layer's join ``post_norm_residual(x, y, norm, next_norm)`` -> (h, n) and this
+        routing of h, in one kernel: (h, n, ids, weights, post_norm(h)); None where that kernel
+        does not apply (the layer then runs the two)."""
+        return ops.moe_router_joined(
+            x, y, norm, next_norm, self.proj, self.top_k, eps=self.eps, pre_scale=self.scale,
+            pre_mult=self._root, expert_scale=self.per_expert_scale, post_norm=post_norm,
+        )  # fmt: skip
+
+    def _reference(self, x: mx.array, post_norm):
         h = mx.fast.rms_norm(x, None, self.eps) * (self.scale * self._root).astype(x.dtype)
         logits = self.proj(h).astype(mx.float32)
         k = self.top_k

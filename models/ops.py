@@ -488,6 +488,17 @@ def pick(a: mx.array, ids: mx.array) -> mx.array:
     return mx.where(hit, a if a.ndim == 1 else a[..., None, :], 0).sum(axis=-1)
 
 
+def _router_weight(proj: nn.Module):
+    """(weight, quant) of a router projection the kernel reads; None for any other."""
+    if "bias" in proj:
+        return None
+    if isinstance(proj, nn.QuantizedLinear) and proj.mode == "affine":
+        return proj.weight, (proj.scales, proj.get("biases"), proj.group_size, proj.bits)
+    if isinstance(proj, nn.Linear):
+        return proj.weight, None
+    return None
+
+
 def moe_router(
     x: mx.array,
     proj: nn.Module,
@@ -504,21 +515,46 @@ def moe_router(
     launch) -> (ids (..., k) uint32, weights (..., k) fp32, post_norm(x) or None); None when it
     does not apply (no kernels, a biased or GGML router, prefill rows): the model then builds
     its own routing graph, the reference. ``proj``: nn.Linear or affine nn.QuantizedLinear."""
-    if not use_kernels() or "bias" in proj:
-        return None
-    if isinstance(proj, nn.QuantizedLinear) and proj.mode == "affine":
-        quant = (proj.scales, proj.get("biases"), proj.group_size, proj.bits)
-    elif isinstance(proj, nn.Linear):
-        quant = None
-    else:
+    wq = _router_weight(proj) if use_kernels() else None
+    if wq is None:
         return None
     norm_w = None if post_norm is None or post_norm.eps != eps else post_norm.weight
     opts = dict(eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
-                renormalize=renormalize, post_norm=norm_w, quant=quant)  # fmt: skip
-    if not moe_router_kernel.kernel_covers(x, proj.weight, k, **opts):
+                renormalize=renormalize, post_norm=norm_w, quant=wq[1])  # fmt: skip
+    if not moe_router_kernel.kernel_covers(x, wq[0], k, **opts):
         return None
-    ids, weights, xn = moe_router_kernel.moe_router(x, proj.weight, k, **opts)
+    ids, weights, xn = moe_router_kernel.moe_router(x, wq[0], k, **opts)
     return ids, weights, xn if norm_w is not None or post_norm is None else post_norm(x)
+
+
+def moe_router_joined(
+    x: mx.array,
+    y: mx.array,
+    norm: RMSNorm,
+    next_norm: RMSNorm,
+    proj: nn.Module,
+    k: int,
+    *,
+    eps: float,
+    pre_scale: mx.array | None = None,
+    pre_mult: float = 1.0,
+    expert_scale: mx.array | None = None,
+    post_norm: RMSNorm | None = None,
+) -> tuple[mx.array, ...] | None:
+    """``post_norm_residual(x, y, norm, next_norm)`` and :func:`moe_router` on its h in ONE
+    kernel launch (a Gemma 4 MoE layer's join after attention: one launch fewer) -> (h, n,
+    ids, weights, post_norm(h)), the separate kernels' bits; None where it does not apply (as
+    :func:`moe_router`, or norms of another eps, ``HF2Q_ROUTER_JOIN=0``)."""
+    wq = _router_weight(proj) if use_kernels() and moe_router_kernel.JOIN else None
+    if wq is None or post_norm is None or any(m.eps != eps for m in (norm, next_norm, post_norm)):
+        return None
+    opts = dict(eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
+                post_norm=post_norm.weight, quant=wq[1],
+                residual=(x, norm.weight, next_norm.weight))  # fmt: skip
+    if not moe_router_kernel.kernel_covers(y, wq[0], k, **opts):
+        return None
+    ids, weights, xn, h, n = moe_router_kernel.moe_router(y, wq[0], k, **opts)
+    return h, n, ids, weights, xn
 
 
 @partial(mx.compile, shapeless=True)

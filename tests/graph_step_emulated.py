@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "kernels"))
@@ -165,6 +167,8 @@ def main() -> None:
     ap.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4", "bf16"])
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    mx.random.seed(0)  # the same random model in every process
+    np.random.seed(0)
     fake_cuda()
     family, _, shape = a.model.partition(":")
     model, vocab = build(family, shape, a.layers, a.window, a.format)
@@ -233,7 +237,9 @@ def main() -> None:
     )  # fmt: skip
     kinds = sorted({launch.spec.kernel.name for launch in rec.launches})
     lanes = 1 + max((lane for lane, _ in schedule_lanes(deps or [], 4)), default=0)
+    logits_sha = hashlib.sha256(np.array(logits.astype(mx.float32)).tobytes()).hexdigest()
     print(json.dumps(dict(want=want, got=got, caches_equal=caches_equal, logits_equal=logits_equal,
+                          logits_sha=logits_sha,
                           copies=len(rec.copies), dependencies=deps is not None,
                           lanes=lanes, reordered=order is not None and order != sorted(order),
                           in_place=sorted({launch.spec.kernel.name for launch in rec.launches

@@ -86,6 +86,25 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
     assert out["dependencies"] and (out["reordered"] and out["lanes"] > 1) == ("moe" in model)
 
 
+@needs_gxx
+def test_router_join_keeps_the_step_bits_one_launch_fewer():
+    """A Gemma 4 MoE layer's join after attention made by its router kernel (the default) and
+    by post_norm_residual's own kernel (HF2Q_ROUTER_JOIN=0) give the step the same logits bit
+    for bit, the join one launch fewer per MoE layer (two here)."""
+    script = HERE / "graph_step_emulated.py"
+    outs = []
+    for join in ("1", "0"):
+        env = dict(os.environ, HF2Q_ROUTER_JOIN=join)
+        cmd = [sys.executable, str(script), "gemma4:tiny-moe", "--steps", "2"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    joined, separate = outs
+    assert joined["logits_equal"] and separate["logits_equal"]
+    assert joined["logits_sha"] == separate["logits_sha"] and joined["want"] == separate["want"]
+    assert separate["launches"] - joined["launches"] == 2
+
+
 # ---- the recorder -------------------------------------------------------------------------------
 
 _BODY = """

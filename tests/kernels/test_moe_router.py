@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import hf2q_mlx.custom_kernels as ck
 from hf2q_mlx.custom_kernels import moe_router as R
+from hf2q_mlx.custom_kernels import post_norm_residual as PNR
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import gemma4, gemma4_moe, ops, qwen3_5_moe
@@ -485,10 +486,83 @@ def test_batched_prologue_keeps_the_bits_on_the_emulator(monkeypatch):
     runs = {(c[0], str(c[1]), c[2]): run(*c) for c in calls}
     for i, split, _, x, a, k in calls[::2]:
         loop, batched = runs[(i, str(split), False)], runs[(i, str(split), True)]
-        ids, wts, xn, _ = batched
+        ids, wts, xn = batched[:3]
         _check((ids, wts, xn if a.get("post_norm") is not None else None), x, a, k)
         for got, want in zip(batched, loop):
             assert np.array_equal(_bits(got), _bits(want)), (i, split)
+
+
+# (x dtype, router weight dtype, rows, D, E, k, split): 26B-A4B's fp32 router under bf16 x
+# split over 4 groups of 6 SIMD groups (the join's 9 SIMD groups two to a group), one group of
+# 16 per row, and 3 SIMD groups a group taking the join's two one each
+_JOIN_CASES = [
+    (mx.bfloat16, mx.float32, 2, 2304, 24, 4, 4),
+    (mx.float32, mx.float32, 3, 1000, 40, 5, 1),
+    (mx.float16, mx.float16, 1, 264, 67, 8, (2, 3)),
+    (mx.bfloat16, mx.float32, 1, 256, 8, 2, 1),
+]
+
+
+def _join_inputs(i: int):
+    dt, wdt, rows, D, E, k, split = _JOIN_CASES[i]
+    keys = mx.random.split(mx.random.key(70 + i), 3)
+    res = (4 * mx.random.normal((rows, D), key=keys[0])).astype(dt)
+    y = mx.random.normal((rows, D), key=keys[1]).astype(dt)
+    res_w, res_next_w = (0.5 + mx.random.uniform(shape=(2, D), key=keys[2])).astype(dt)
+    return y, (res, res_w, res_next_w), _args("gemma", D, E, dt, wdt, seed=70 + i), k, split
+
+
+@needs_gxx
+def test_residual_join_is_the_two_kernels_on_the_emulator(monkeypatch):
+    """The router with the block join (``residual``) gives the post_norm_residual kernel's h
+    and n and the router kernel's ids, weights, experts' norm and split logits on that h, bit
+    for bit (the join in that kernel's layout and order, the routing reading h from shared
+    memory as it would from the row), within the reference's tolerance; group 0 alone writes
+    h and n, the other groups of a split row only read."""
+    cases = [_join_inputs(i) for i in range(len(_JOIN_CASES))]
+
+    def fused(y, residual, a, k, split):
+        opts = dict(a, residual=residual)
+        plan = R._plan(y, a["w"], k, opts, None, split)
+        return plan.launch(inputs=[*R._arrays(y, a["w"], opts), plan.params[0], plan.counter])
+
+    def routed(h, a, k, split):
+        plan = R._plan(h, a["w"], k, a, None, split)
+        return plan.launch(inputs=[*R._arrays(h, a["w"], a), plan.params[0], plan.counter])
+
+    _build_all([lambda c=c: fused(*c) for c in cases])
+    monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
+    monkeypatch.setattr(PNR, "backend", lambda: "cuda")
+    PNR._plan.cache_clear()
+    try:
+        for n_case, (y, residual, a, k, split) in enumerate(cases):
+            res, res_w, res_next_w = residual
+            h, n = PNR.post_norm_residual(res, y, res_w, res_next_w, a["eps"])
+            monkeypatch.setenv("HF2Q_EMU_SHUFFLE", str(200 + n_case))
+            want = [*routed(h, a, k, split)[:4], h, n]
+            got = fused(y, residual, a, k, split)
+            for g_, w_, name in zip(got, want, ("ids", "wts", "xn", "lgo", "h", "n")):
+                assert np.array_equal(_bits(g_), _bits(w_)), (n_case, name)
+            _check(tuple(got[:3]), h, a, k)
+    finally:
+        PNR._plan.cache_clear()
+
+
+def test_residual_join_reference_and_errors():
+    """The reference's join is post_norm_residual's reference then the routing on its h; a
+    residual of another shape or norm weights of another width are caller errors."""
+    y, residual, a, k, _ = _join_inputs(1)
+    with mx.stream(mx.cpu):
+        got = R.moe_router_reference(y, k=k, residual=residual, **a)
+        h, n = PNR.post_norm_residual_reference(*residual[:1], y, *residual[1:], a["eps"])
+        want = (*R.moe_router_reference(h, k=k, **a), h, n)
+    for g_, w_ in zip(got, want):
+        assert mx.array_equal(g_, w_)
+    res, res_w, res_next_w = residual
+    with pytest.raises(InvalidArgumentError):
+        R.moe_router(y, k=k, residual=(res[:1], res_w, res_next_w), **a)
+    with pytest.raises(WeightMismatchError):
+        R.moe_router(y, k=k, residual=(res, res_w[:-1], res_next_w), **a)
 
 
 @needs_gxx
@@ -760,3 +834,37 @@ def test_tiny_moe_model_with_every_moe_kernel(name, monkeypatch):
     assert [e.launches for e in emus] == [4, 4, 4]  # 2 MoE layers x 2 calls
     ref = np.array(want)
     assert np.abs(np.array(got) - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.parametrize("wdt", [mx.float32, mx.bfloat16], ids=["w_f32", "w_bf16"])
+def test_gpu_batched_prologue_and_join_keep_the_bits(rows, wdt, monkeypatch):
+    """On the GPU at 26B-A4B's router (2816 -> 128, top 8; the GGUF's fp32 rows or bf16):
+    the row loaded in one round gives the loop form's outputs bit for bit, and the router
+    with the block join gives post_norm_residual's kernel's h and n and the router kernel's
+    outputs on that h bit for bit; every output poisoned with NaN first."""
+    D, E, k = 2816, 128, 8
+    a = _args("gemma", D, E, mx.bfloat16, wdt, seed=rows + 90)
+    keys = mx.random.split(mx.random.key(rows + 91), 3)
+    res = (4 * mx.random.normal((rows, D), key=keys[0])).astype(mx.bfloat16)
+    y = mx.random.normal((rows, D), key=keys[1]).astype(mx.bfloat16)
+    res_w, res_next_w = (0.5 + mx.random.uniform(shape=(2, D), key=keys[2])).astype(mx.bfloat16)
+    h, n = PNR.post_norm_residual(res, y, res_w, res_next_w, a["eps"])
+    mx.eval(h, n)
+
+    def launch(x, opts, batched):
+        monkeypatch.setattr(R, "BATCHED_PROLOGUE", batched)
+        plan = R._plan(x, opts["w"], k, opts, float("nan"), None)
+        out = plan.launch(inputs=[*R._arrays(x, opts["w"], opts), plan.params[0], plan.counter])
+        mx.eval(out)
+        return out
+
+    loop = launch(h, a, False)
+    batched = launch(h, a, True)
+    joined = launch(y, dict(a, residual=(res, res_w, res_next_w)), True)
+    _check(tuple(batched[:3]), h, a, k)
+    for i in range(4):  # ids, weights, xn, split logits
+        assert np.array_equal(_bits(batched[i]), _bits(loop[i])), i
+        assert np.array_equal(_bits(joined[i]), _bits(batched[i])), i
+    assert np.array_equal(_bits(joined[4]), _bits(h)) and np.array_equal(_bits(joined[5]), _bits(n))
