@@ -11,6 +11,7 @@ import numpy as np
 from hf2q_mlx.custom_kernels import backend, launch_recorder
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.post_norm_residual import post_norm_residual_reference, threads_for
+from hf2q_mlx.custom_kernels.residual_rms_norm import residual_rms_norm_reference
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
 
@@ -56,14 +57,19 @@ def moe_router_reference(
 
     ``residual`` = (res, res_w, res_next_w): a Gemma block join first, x its branch's output:
     ``h, n = post_norm_residual_reference(res, x, res_w, res_next_w, eps)``, the routing on h,
-    and the result (ids, weights, xn, h, n).
+    and the result (ids, weights, xn, h, n). (res, res_w, None): a residual add and norm first
+    (Qwen 3.5), ``h, n = residual_rms_norm_reference(res, x, res_w, eps)``, the routing on n.
     """
     if residual is not None:
         res, res_w, res_next_w = residual
-        hr, nr = post_norm_residual_reference(res, x, res_w, res_next_w, eps)
+        if res_next_w is None:
+            hr, nr = residual_rms_norm_reference(res, x, res_w, eps)
+        else:
+            hr, nr = post_norm_residual_reference(res, x, res_w, res_next_w, eps)
         out = moe_router_reference(
-            hr, w, k, eps=eps, pre_scale=pre_scale, pre_mult=pre_mult,
-            expert_scale=expert_scale, renormalize=renormalize, post_norm=post_norm, quant=quant,
+            hr if res_next_w is not None else nr, w, k, eps=eps, pre_scale=pre_scale,
+            pre_mult=pre_mult, expert_scale=expert_scale, renormalize=renormalize,
+            post_norm=post_norm, quant=quant,
         )  # fmt: skip
         return (*out, hr, nr)
     h = x
@@ -137,11 +143,12 @@ _BODY = r"""
   SHARED float red[32];
   SHARED uint last[1];
   if (RES) {
-    // The block join before the routing (post_norm_residual's, in its layout and order, so h
-    // and n are that kernel's bits): x is the branch's output y, res the residual stream;
-    // h = res + norm(y; res_w), n = norm(h; res_next_w). Virtual thread vt = (simd_id + W q)
-    // * 32 + lane of that kernel's TGP owns elements vt + TGP j; h goes to xs, the row the
-    // routing reads; group 0 writes h and n.
+    // The block join before the routing, in the layout and order of the kernel it replaces
+    // (its bits): x is the branch's output y, res the residual stream. RES 1
+    // (post_norm_residual): h = res + norm(y; res_w), n = norm(h; res_next_w), h routed;
+    // RES 2 (residual_rms_norm): h = res + y, n = norm(h; res_w), n routed. Virtual thread
+    // vt = (simd_id + W q) * 32 + lane of that kernel's TGP owns elements vt + TGP j; the
+    // routed row goes to xs (read as the row would be); group 0 writes h and n.
     constexpr uint RVW = TGP / SIMD_SIZE;  // that kernel's SIMD groups
     constexpr uint RQ = (RVW + W - 1) / W;  // of them per SIMD group here
     float ya[RQ][NPTP], rx[RQ][NPTP], rw[RQ][NPTP], rn[RQ][NPTP];
@@ -153,29 +160,32 @@ _BODY = r"""
         ya[q][j] = ok ? to_float(xr[i]) : 0.0f;
         rx[q][j] = ok ? to_float(resr[i]) : 0.0f;
         rw[q][j] = ok ? to_float(res_w[i]) : 0.0f;
-        rn[q][j] = (ok && grp == 0) ? to_float(res_next_w[i]) : 0.0f;
+        rn[q][j] = (RES == 1 && ok && grp == 0) ? to_float(res_next_w[i]) : 0.0f;
       }
     }
-    UNROLL for (uint q = 0; q < RQ; ++q) {
-      if (simd_id + W * q >= RVW) continue;  // the whole SIMD group alike
-      float sa = 0.0f;
-      UNROLL for (uint j = 0; j < NPTP; ++j) sa = fma_f(ya[q][j], ya[q][j], sa);
-      sa = simd_sum(sa);
-      if (lane == 0) red[simd_id + W * q] = sa;
+    float ib = 1.0f;
+    if (RES == 1) {  // the branch's norm
+      UNROLL for (uint q = 0; q < RQ; ++q) {
+        if (simd_id + W * q >= RVW) continue;  // the whole SIMD group alike
+        float sa = 0.0f;
+        UNROLL for (uint j = 0; j < NPTP; ++j) sa = fma_f(ya[q][j], ya[q][j], sa);
+        sa = simd_sum(sa);
+        if (lane == 0) red[simd_id + W * q] = sa;
+      }
+      BARRIER();
+      float tb = 0.0f;
+      UNROLL for (uint s = 0; s < RVW; ++s) tb += red[s];
+      ib = rsqrt_f(tb / float(D) + params[0]);
+      BARRIER();  // every thread has read red before it is reused
     }
-    BARRIER();
-    float tb = 0.0f;
-    UNROLL for (uint s = 0; s < RVW; ++s) tb += red[s];
-    const float ib = rsqrt_f(tb / float(D) + params[0]);
-    BARRIER();  // every thread has read red before it is reused
     UNROLL for (uint q = 0; q < RQ; ++q) {
       UNROLL for (uint j = 0; j < NPTP; ++j) {
         const uint i = (simd_id + W * q) * SIMD_SIZE + lane + TGP * j;
         float hv = 0.0f;
         if (simd_id + W * q < RVW && i < uint(D)) {
-          const float nb = to_float(from_float<T>(ya[q][j] * ib * rw[q][j]));
-          hv = to_float(from_float<T>(rx[q][j] + nb));
-          xs[i] = hv;
+          const float b = RES == 1 ? to_float(from_float<T>(ya[q][j] * ib * rw[q][j])) : ya[q][j];
+          hv = to_float(from_float<T>(rx[q][j] + b));
+          if (RES == 1) xs[i] = hv;
           if (grp == 0) h[size_t(row) * D + i] = from_float<T>(hv);
         }
         ya[q][j] = hv;
@@ -195,11 +205,14 @@ _BODY = r"""
     UNROLL for (uint q = 0; q < RQ; ++q) {
       UNROLL for (uint j = 0; j < NPTP; ++j) {
         const uint i = (simd_id + W * q) * SIMD_SIZE + lane + TGP * j;
-        if (grp == 0 && simd_id + W * q < RVW && i < uint(D))
-          n[size_t(row) * D + i] = from_float<T>(ya[q][j] * io * rn[q][j]);
+        if (simd_id + W * q >= RVW || i >= uint(D)) continue;
+        // (h * io) * weight, as each kernel writes it (residual_rms_norm's offset 0 added)
+        const T nv = from_float<T>(ya[q][j] * io * (RES == 1 ? rn[q][j] : rw[q][j] + 0.0f));
+        if (RES == 2) xs[i] = to_float(nv);
+        if (grp == 0) n[size_t(row) * D + i] = nv;
       }
     }
-    BARRIER();  // xs holds h; red is free again
+    BARRIER();  // xs holds the routed row; red is free again
   }
   float inv = 1.0f;
   // BATCHED: every thread loads its elements of the row (and of the norms' weights) once,
@@ -573,13 +586,13 @@ def _residual_covered(x: mx.array, residual: tuple | None) -> bool:
     like x, float norm weights (D,), rows the join kernel takes (post_norm_residual)."""
     if residual is None:
         return True
-    res, res_w, res_next_w = residual
+    res, *norms = residual
     D = x.shape[-1]
     return (
         BATCHED_PROLOGUE
         and res.shape == x.shape
         and res.dtype == x.dtype
-        and all(v.shape == (D,) and v.dtype in _FLOATS for v in (res_w, res_next_w))
+        and all(v.shape == (D,) and v.dtype in _FLOATS for v in norms if v is not None)
         and D <= 8192
     )
 
@@ -604,7 +617,7 @@ def _check(x: mx.array, w: mx.array, k: int, opts: dict) -> None:
         if res.shape != x.shape:
             raise InvalidArgumentError(f"residual {res.shape} and branch {x.shape} differ")
         for name, a in (("res_w", res_w), ("res_next_w", res_next_w)):
-            if a.shape != (D,):
+            if a is not None and a.shape != (D,):
                 raise WeightMismatchError(f"{name} has shape {tuple(a.shape)}, expected ({D},)")
 
 
@@ -641,7 +654,8 @@ def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None, split=N
     arrays = _arrays(x, w, opts)
     lt = _matmul_dtype(x.dtype, w.dtype if quant is None else scales.dtype)
     post = opts.get("post_norm") is not None
-    res = opts.get("residual") is not None
+    residual = opts.get("residual")
+    res = 0 if residual is None else 2 if residual[2] is None else 1
     g, warps = split_config(rows, E, D) if split is None else _mapping(E, split)
     tgp = threads_for(D)
     launch = _kernel.launcher(
@@ -706,6 +720,7 @@ def _arrays(x: mx.array, w: mx.array, opts: dict) -> list[mx.array]:
     quant = opts.get("quant")
     sb = [x, x] if quant is None else [quant[0], quant[1]]
     res = opts.get("residual") or (x, x, x)
+    res = (res[0], res[1], res[1] if res[2] is None else res[2])
     return [x, w, *sb, *(x if opts.get(n) is None else opts[n] for n in _OPTIONAL), *res]
 
 
@@ -762,7 +777,8 @@ def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
     quant = opts.get("quant")
     scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
     return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], split_enabled(),
-            BATCHED_PROLOGUE, *(opts.get(n) is None for n in (*_OPTIONAL, "residual")))  # fmt: skip
+            BATCHED_PROLOGUE, *(opts.get(n) is None for n in _OPTIONAL),
+            None if opts.get("residual") is None else opts["residual"][2] is None)  # fmt: skip
 
 
 def moe_router(

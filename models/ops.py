@@ -557,6 +557,24 @@ def moe_router_joined(
     return h, n, ids, weights, xn
 
 
+def moe_router_after_residual(
+    x: mx.array, y: mx.array, norm: RMSNorm, proj: nn.Module, k: int, *, renormalize: bool = True
+) -> tuple[mx.array, ...] | None:
+    """``residual_norm(x, y, norm)`` and :func:`moe_router` on its n in ONE kernel launch (a
+    Qwen 3.5 MoE layer's add and norm after attention: one launch fewer) -> (h, n, ids,
+    weights), the separate kernels' bits; None where it does not apply (as
+    :func:`moe_router`, ``HF2Q_ROUTER_JOIN=0``)."""
+    wq = _router_weight(proj) if use_kernels() and moe_router_kernel.JOIN else None
+    if wq is None:
+        return None
+    opts = dict(eps=norm.eps, renormalize=renormalize, quant=wq[1],
+                residual=(x, norm.weight, None))  # fmt: skip
+    if not moe_router_kernel.kernel_covers(y, wq[0], k, **opts):
+        return None
+    ids, weights, _, h, n = moe_router_kernel.moe_router(y, wq[0], k, **opts)
+    return h, n, ids, weights
+
+
 @partial(mx.compile, shapeless=True)
 def _sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
     return x * mx.sigmoid(gate)

@@ -176,8 +176,14 @@ class DecoderLayer(nn.Module):
         it: the next layer's input norm or the final one). Each residual add shares one kernel
         with the norm that follows it."""
         y = self.linear_attn(n, cache) if self.is_linear else self.self_attn(n, cache, pos)
-        h, n = ops.residual_norm(x, y, self.post_attention_layernorm)
-        return ops.residual_norm(h, self.mlp(n), next_norm)
+        # a MoE block's router kernel makes the add and norm too (one launch fewer)
+        join = getattr(self.mlp, "join", None)
+        joined = None if join is None else join(x, y, self.post_attention_layernorm)
+        if joined is None:
+            h, n = ops.residual_norm(x, y, self.post_attention_layernorm)
+            return ops.residual_norm(h, self.mlp(n), next_norm)
+        h, n, routed = joined
+        return ops.residual_norm(h, self.mlp(n, routed), next_norm)
 
 
 class TextModel(nn.Module):

@@ -98,9 +98,18 @@ class SparseMoeBlock(nn.Module):
         one_row = x.ndim == 3 and x.shape[0] == 1
         return x @ cached[2 if one_row else 1]
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """x (..., D) -> (..., D). Every op takes any leading shape: no reshape nodes."""
-        indices, scores = self.route(x)
+    def join(self, x: mx.array, y: mx.array, norm: ops.RMSNorm):
+        """The layer's ``residual_norm(x, y, norm)`` -> (h, n) and this block's routing of n, in
+        one kernel: (h, n, (ids, weights)); None where that kernel does not apply."""
+        out = ops.moe_router_after_residual(
+            x, y, norm, self.gate, self.top_k, renormalize=self.norm_topk_prob
+        )
+        return None if out is None else (out[0], out[1], out[2:])
+
+    def __call__(self, x: mx.array, routed: tuple | None = None) -> mx.array:
+        """x (..., D) -> (..., D); ``routed``: (ids, weights) of x when made already (``join``).
+        Every op takes any leading shape: no reshape nodes."""
+        indices, scores = self.route(x) if routed is None else routed
         y = self.experts(x, indices, scores)
         shared, gate = self.shared_expert(x), self.shared_expert_gate
         w = ops.gate_weight(gate)

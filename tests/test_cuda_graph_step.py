@@ -87,15 +87,17 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
 
 
 @needs_gxx
-def test_router_join_keeps_the_step_bits_one_launch_fewer():
-    """A Gemma 4 MoE layer's join after attention made by its router kernel (the default) and
-    by post_norm_residual's own kernel (HF2Q_ROUTER_JOIN=0) give the step the same logits bit
-    for bit, the join one launch fewer per MoE layer (two here)."""
+@pytest.mark.parametrize("model", ["gemma4:tiny-moe", "qwen3_5:tiny-moe"])
+def test_router_join_keeps_the_step_bits_one_launch_fewer(model):
+    """A MoE layer's join after attention made by its router kernel (the default) and by the
+    joining kernel of its own (HF2Q_ROUTER_JOIN=0: Gemma 4's post_norm_residual, Qwen 3.5's
+    residual_rms_norm) give the step the same logits bit for bit, the join one launch fewer
+    per MoE layer (two here)."""
     script = HERE / "graph_step_emulated.py"
     outs = []
     for join in ("1", "0"):
         env = dict(os.environ, HF2Q_ROUTER_JOIN=join)
-        cmd = [sys.executable, str(script), "gemma4:tiny-moe", "--steps", "2"]
+        cmd = [sys.executable, str(script), model, "--steps", "2"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         assert res.returncode == 0, res.stderr[-3000:]
         outs.append(json.loads(res.stdout.strip().splitlines()[-1]))

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 import hf2q_mlx.custom_kernels as ck
 from hf2q_mlx.custom_kernels import moe_router as R
 from hf2q_mlx.custom_kernels import post_norm_residual as PNR
+from hf2q_mlx.custom_kernels import residual_rms_norm as RRN
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 from hf2q_mlx.io.random_weights import random_ggml_blocks
 from hf2q_mlx.models import gemma4, gemma4_moe, ops, qwen3_5_moe
@@ -503,49 +504,68 @@ _JOIN_CASES = [
 ]
 
 
-def _join_inputs(i: int):
+def _join_inputs(i: int, mode: int = 1):
+    """Mode 1: Gemma's join (res, res_w, res_next_w) and router; 2: Qwen's residual add and
+    norm (res, res_w, None) and router."""
     dt, wdt, rows, D, E, k, split = _JOIN_CASES[i]
     keys = mx.random.split(mx.random.key(70 + i), 3)
     res = (4 * mx.random.normal((rows, D), key=keys[0])).astype(dt)
     y = mx.random.normal((rows, D), key=keys[1]).astype(dt)
     res_w, res_next_w = (0.5 + mx.random.uniform(shape=(2, D), key=keys[2])).astype(dt)
-    return y, (res, res_w, res_next_w), _args("gemma", D, E, dt, wdt, seed=70 + i), k, split
+    if mode == 1:
+        return y, (res, res_w, res_next_w), _args("gemma", D, E, dt, wdt, seed=70 + i), k, split
+    return (
+        y,
+        (res, res_w, None),
+        dict(_args("qwen", D, E, dt, wdt, seed=70 + i), eps=1e-6),
+        k,
+        split,
+    )
 
 
 @needs_gxx
-def test_residual_join_is_the_two_kernels_on_the_emulator(monkeypatch):
-    """The router with the block join (``residual``) gives the post_norm_residual kernel's h
-    and n and the router kernel's ids, weights, experts' norm and split logits on that h, bit
-    for bit (the join in that kernel's layout and order, the routing reading h from shared
-    memory as it would from the row), within the reference's tolerance; group 0 alone writes
-    h and n, the other groups of a split row only read."""
-    cases = [_join_inputs(i) for i in range(len(_JOIN_CASES))]
+@pytest.mark.parametrize("mode", [1, 2], ids=["gemma", "qwen"])
+def test_residual_join_is_the_two_kernels_on_the_emulator(monkeypatch, mode):
+    """The router with the block join (``residual``) gives the joining kernel's h and n
+    (Gemma: post_norm_residual's, h routed; Qwen: residual_rms_norm's, n routed) and the router
+    kernel's ids, weights, experts' norm and split logits on the routed row, bit for bit (the
+    join in that kernel's layout and order, the routing reading the row from shared memory as
+    it would from memory), within the reference's tolerance; group 0 alone writes h and n, the
+    other groups of a split row only read."""
+    cases = [_join_inputs(i, mode) for i in range(len(_JOIN_CASES))]
 
     def fused(y, residual, a, k, split):
         opts = dict(a, residual=residual)
         plan = R._plan(y, a["w"], k, opts, None, split)
         return plan.launch(inputs=[*R._arrays(y, a["w"], opts), plan.params[0], plan.counter])
 
-    def routed(h, a, k, split):
-        plan = R._plan(h, a["w"], k, a, None, split)
-        return plan.launch(inputs=[*R._arrays(h, a["w"], a), plan.params[0], plan.counter])
+    def routed(x, a, k, split):
+        plan = R._plan(x, a["w"], k, a, None, split)
+        return plan.launch(inputs=[*R._arrays(x, a["w"], a), plan.params[0], plan.counter])
 
     _build_all([lambda c=c: fused(*c) for c in cases])
     monkeypatch.setattr(R._kernel.__class__, "launcher", kernel_emulator.kernel_launcher)
     monkeypatch.setattr(PNR, "backend", lambda: "cuda")
+    monkeypatch.setattr(RRN, "backend", lambda: "cuda")
     PNR._plan.cache_clear()
+    RRN._plan.cache_clear()
     try:
         for n_case, (y, residual, a, k, split) in enumerate(cases):
             res, res_w, res_next_w = residual
-            h, n = PNR.post_norm_residual(res, y, res_w, res_next_w, a["eps"])
+            if mode == 1:
+                h, n = PNR.post_norm_residual(res, y, res_w, res_next_w, a["eps"])
+            else:
+                h, n = RRN.residual_rms_norm(res, y, res_w, a["eps"])
             monkeypatch.setenv("HF2Q_EMU_SHUFFLE", str(200 + n_case))
-            want = [*routed(h, a, k, split)[:4], h, n]
+            row = h if mode == 1 else n
+            want = [*routed(row, a, k, split)[:4], h, n]
             got = fused(y, residual, a, k, split)
             for g_, w_, name in zip(got, want, ("ids", "wts", "xn", "lgo", "h", "n")):
                 assert np.array_equal(_bits(g_), _bits(w_)), (n_case, name)
-            _check(tuple(got[:3]), h, a, k)
+            _check(tuple(got[:3]) if mode == 1 else (*got[:2], None), row, a, k)
     finally:
         PNR._plan.cache_clear()
+        RRN._plan.cache_clear()
 
 
 def test_residual_join_reference_and_errors():
@@ -558,6 +578,13 @@ def test_residual_join_reference_and_errors():
         want = (*R.moe_router_reference(h, k=k, **a), h, n)
     for g_, w_ in zip(got, want):
         assert mx.array_equal(g_, w_)
+    y, residual2, a2, k, _ = _join_inputs(1, 2)
+    with mx.stream(mx.cpu):
+        got = R.moe_router_reference(y, k=k, residual=residual2, **a2)
+        h, n = RRN.residual_rms_norm_reference(residual2[0], y, residual2[1], a2["eps"])
+        want = (*R.moe_router_reference(n, k=k, **a2), h, n)
+    for g_, w_ in zip(got, want):
+        assert (g_ is None) == (w_ is None) and (w_ is None or mx.array_equal(g_, w_))
     res, res_w, res_next_w = residual
     with pytest.raises(InvalidArgumentError):
         R.moe_router(y, k=k, residual=(res[:1], res_w, res_next_w), **a)
@@ -867,4 +894,33 @@ def test_gpu_batched_prologue_and_join_keep_the_bits(rows, wdt, monkeypatch):
     for i in range(4):  # ids, weights, xn, split logits
         assert np.array_equal(_bits(batched[i]), _bits(loop[i])), i
         assert np.array_equal(_bits(joined[i]), _bits(batched[i])), i
+    assert np.array_equal(_bits(joined[4]), _bits(h)) and np.array_equal(_bits(joined[5]), _bits(n))
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_gpu_qwen_join_keeps_the_bits(rows, monkeypatch):
+    """On the GPU at 35B-A3B's router (2048 -> 256, top 8, bf16): the router with Qwen's
+    residual add and norm gives residual_rms_norm's kernel's h and n and the router kernel's
+    outputs on that n bit for bit; outputs poisoned with NaN first."""
+    D, E, k = 2048, 256, 8
+    a = dict(_args("qwen", D, E, mx.bfloat16, mx.bfloat16, seed=rows + 95), eps=1e-6)
+    keys = mx.random.split(mx.random.key(rows + 96), 3)
+    res = (4 * mx.random.normal((rows, D), key=keys[0])).astype(mx.bfloat16)
+    y = mx.random.normal((rows, D), key=keys[1]).astype(mx.bfloat16)
+    res_w = (0.5 + mx.random.uniform(shape=(D,), key=keys[2])).astype(mx.bfloat16)
+    h, n = RRN.residual_rms_norm(res, y, res_w, a["eps"])
+    mx.eval(h, n)
+
+    def launch(x, opts):
+        plan = R._plan(x, opts["w"], k, opts, float("nan"), None)
+        out = plan.launch(inputs=[*R._arrays(x, opts["w"], opts), plan.params[0], plan.counter])
+        mx.eval(out)
+        return out
+
+    separate = launch(n, a)
+    joined = launch(y, dict(a, residual=(res, res_w, None)))
+    _check((*separate[:2], None), n, a, k)
+    for i in (0, 1, 3):  # ids, weights, split logits
+        assert np.array_equal(_bits(joined[i]), _bits(separate[i])), i
     assert np.array_equal(_bits(joined[4]), _bits(h)) and np.array_equal(_bits(joined[5]), _bits(n))
