@@ -582,15 +582,14 @@ def kernel_covers(x: mx.array, w: mx.array, k: int, **opts) -> bool:
 
 
 def _residual_covered(x: mx.array, residual: tuple | None) -> bool:
-    """The block join runs in the kernel: the loads-in-one-round prologue, a residual stream
-    like x, float norm weights (D,), rows the join kernel takes (post_norm_residual)."""
+    """The block join runs in the kernel: a residual stream like x, float norm weights (D,),
+    rows the joining kernels take."""
     if residual is None:
         return True
     res, *norms = residual
     D = x.shape[-1]
     return (
-        BATCHED_PROLOGUE
-        and res.shape == x.shape
+        res.shape == x.shape
         and res.dtype == x.dtype
         and all(v.shape == (D,) and v.dtype in _FLOATS for v in norms if v is not None)
         and D <= 8192
