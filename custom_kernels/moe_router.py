@@ -522,9 +522,19 @@ SPLIT: bool | None = {"1": True, "0": False}.get(os.environ.get("HF2Q_ROUTER_SPL
 # HF2Q_ROUTER_BATCHED=0 (read at import): the row's loads in the loop form of sessions 13-41
 # (a round of memory latency per element a thread owns), for A/B; same outputs bit for bit.
 BATCHED_PROLOGUE: bool = os.environ.get("HF2Q_ROUTER_BATCHED", "").strip() != "0"
-# HF2Q_ROUTER_JOIN=0 (read at import): models keep the block join before a router its own
-# kernel (models/ops.moe_router_joined answers None), for A/B.
-JOIN: bool = os.environ.get("HF2Q_ROUTER_JOIN", "").strip() != "0"
+# HF2Q_ROUTER_JOIN (read at import): which MoE layers' join after attention the router kernel
+# makes (models/ops). Unset / "auto": Qwen 3.5's residual add and norm (35B-A3B Q4_K graph
+# decode 1.04x on an H100, session 42), not Gemma 4's post-norm join (26B-A4B 0.99x); "1":
+# both; "0": neither.
+JOIN: str = os.environ.get("HF2Q_ROUTER_JOIN", "").strip() or "auto"
+
+
+def join_enabled(kind: str) -> bool:
+    """Whether the router kernel makes the join of ``kind``: "post_norm" (Gemma 4) or
+    "residual" (Qwen 3.5), per ``JOIN``."""
+    if JOIN not in ("auto", "0", "1"):
+        raise InvalidArgumentError(f"HF2Q_ROUTER_JOIN must be auto, 0 or 1, not {JOIN!r}")
+    return JOIN == "1" or (JOIN == "auto" and kind == "residual")
 
 
 def split_enabled() -> bool:

@@ -544,8 +544,13 @@ def moe_router_joined(
     """``post_norm_residual(x, y, norm, next_norm)`` and :func:`moe_router` on its h in ONE
     kernel launch (a Gemma 4 MoE layer's join after attention: one launch fewer) -> (h, n,
     ids, weights, post_norm(h)), the separate kernels' bits; None where it does not apply (as
-    :func:`moe_router`, or norms of another eps, ``HF2Q_ROUTER_JOIN=0``)."""
-    wq = _router_weight(proj) if use_kernels() and moe_router_kernel.JOIN else None
+    :func:`moe_router`, norms of another eps, or ``HF2Q_ROUTER_JOIN`` not 1: on the H100 it
+    lost 1 % on 26B-A4B, moe_router.JOIN)."""
+    wq = (
+        _router_weight(proj)
+        if use_kernels() and moe_router_kernel.join_enabled("post_norm")
+        else None
+    )
     if wq is None or post_norm is None or any(m.eps != eps for m in (norm, next_norm, post_norm)):
         return None
     opts = dict(eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
@@ -564,7 +569,11 @@ def moe_router_after_residual(
     Qwen 3.5 MoE layer's add and norm after attention: one launch fewer) -> (h, n, ids,
     weights), the separate kernels' bits; None where it does not apply (as
     :func:`moe_router`, ``HF2Q_ROUTER_JOIN=0``)."""
-    wq = _router_weight(proj) if use_kernels() and moe_router_kernel.JOIN else None
+    wq = (
+        _router_weight(proj)
+        if use_kernels() and moe_router_kernel.join_enabled("residual")
+        else None
+    )
     if wq is None:
         return None
     opts = dict(eps=norm.eps, renormalize=renormalize, quant=wq[1],

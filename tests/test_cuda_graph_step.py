@@ -89,10 +89,10 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
 @needs_gxx
 @pytest.mark.parametrize("model", ["gemma4:tiny-moe", "qwen3_5:tiny-moe"])
 def test_router_join_keeps_the_step_bits_one_launch_fewer(model):
-    """A MoE layer's join after attention made by its router kernel (the default) and by the
-    joining kernel of its own (HF2Q_ROUTER_JOIN=0: Gemma 4's post_norm_residual, Qwen 3.5's
-    residual_rms_norm) give the step the same logits bit for bit, the join one launch fewer
-    per MoE layer (two here)."""
+    """A MoE layer's join after attention made by its router kernel (HF2Q_ROUTER_JOIN=1; the
+    default for Qwen 3.5) and by the joining kernel of its own (0: Gemma 4's
+    post_norm_residual, Qwen 3.5's residual_rms_norm) give the step the same logits bit for
+    bit, the join one launch fewer per MoE layer (two here)."""
     script = HERE / "graph_step_emulated.py"
     outs = []
     for join in ("1", "0"):
