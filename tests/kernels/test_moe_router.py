@@ -924,3 +924,14 @@ def test_gpu_qwen_join_keeps_the_bits(rows, monkeypatch):
     for i in (0, 1, 3):  # ids, weights, split logits
         assert np.array_equal(_bits(joined[i]), _bits(separate[i])), i
     assert np.array_equal(_bits(joined[4]), _bits(h)) and np.array_equal(_bits(joined[5]), _bits(n))
+
+
+def test_join_switch(monkeypatch):
+    """HF2Q_ROUTER_JOIN: auto joins Qwen 3.5's residual norm only, 1 both, 0 neither; another
+    value is a caller error."""
+    for value, want in (("auto", (False, True)), ("1", (True, True)), ("0", (False, False))):
+        monkeypatch.setattr(R, "JOIN", value)
+        assert (R.join_enabled("post_norm"), R.join_enabled("residual")) == want
+    monkeypatch.setattr(R, "JOIN", "yes")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_ROUTER_JOIN"):
+        R.join_enabled("residual")
