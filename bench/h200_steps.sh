@@ -365,9 +365,13 @@ step first-ops 120 "rm -rf /tmp/ptx-fo /tmp/cuda-fo; for run in fresh warm; do M
 step dense-glu-ab 420 "python3 bench/mlx_env_ab.py $OUT/dense_glu_ab.json --step graph --format mlx4 --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_AFFINE_DENSE_GLU=0"
 # the router's row loaded in one round (HF2Q_ROUTER_BATCHED) and Gemma 4's join made by the router
 # kernel (HF2Q_ROUTER_JOIN), session 42: GPU parity, the kernel alone against the loop form
-# under CUPTI (with wider and narrower mappings), the whole step with each off
+# under CUPTI (with wider and narrower mappings), the whole step with each switched (JOIN_AB=1 for
+# Gemma 4, whose join is off by default; 0 for Qwen 3.5)
 step router-batched 300 "python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_moe_router.py --tb=short && python3 bench/router_split.py --profile --loop --batch 1 8 --formats f32,bf16,q8 --splits 32x4,64x2,32x8 --json $OUT/router_batched.json"
-step router-batched-ab 420 "python3 bench/mlx_env_ab.py $OUT/router_batched_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_ROUTER_BATCHED=0 --env HF2Q_ROUTER_JOIN=0 ${AB_EXTRA:-}"
+step router-batched-ab 420 "python3 bench/mlx_env_ab.py $OUT/router_batched_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_ROUTER_BATCHED=0 --env HF2Q_ROUTER_JOIN=${JOIN_AB:-0} ${AB_EXTRA:-}"
+# Qwen 3.5's MoE end with the residual add and norm after it in one kernel (session 42, CPU-
+# verified, off): its GPU tests, then 35B-A3B's graph decode with it on and off
+step gate-norm-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and shared_gate' tests/kernels/test_sigmoid_gate.py --tb=short && python3 bench/mlx_env_ab.py $OUT/gate_norm_ab.json --step graph --format ${FORMAT:-q4_k} --shape qwen3_5:35b-a3b --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_SHARED_GATE_NORM=1"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
 
 if [ "${1:-list}" = list ]; then

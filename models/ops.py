@@ -638,6 +638,17 @@ def shared_gate_add(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.ar
     return None
 
 
+def shared_gate_residual_norm(
+    y: mx.array, s: mx.array, x: mx.array, w: mx.array, h: mx.array, norm: RMSNorm
+) -> tuple[mx.array, mx.array] | None:
+    """``residual_norm(h, y + s * sigmoid(x @ w.T), norm)`` as one kernel with the two kernels'
+    bits (shared_gate_add's, residual_rms_norm's); None unless kernels run and
+    ``HF2Q_SHARED_GATE_NORM=1`` (off until measured on a GPU)."""
+    if not (sigmoid_gate_kernel.GATE_NORM and _gate_kernels()):
+        return None
+    return sigmoid_gate_kernel.shared_gate_residual_norm(y, s, x, w, h, norm.weight, norm.eps)
+
+
 # ---- logits and attention ------------------------------------------------------------------------
 
 

@@ -183,7 +183,7 @@ class DecoderLayer(nn.Module):
             h, n = ops.residual_norm(x, y, self.post_attention_layernorm)
             return ops.residual_norm(h, self.mlp(n), next_norm)
         h, n, routed = joined
-        return ops.residual_norm(h, self.mlp(n, routed), next_norm)
+        return self.mlp.then_residual_norm(n, routed, h, next_norm)
 
 
 class TextModel(nn.Module):

@@ -109,15 +109,28 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: mx.array, routed: tuple | None = None) -> mx.array:
         """x (..., D) -> (..., D); ``routed``: (ids, weights) of x when made already (``join``).
         Every op takes any leading shape: no reshape nodes."""
+        return self._end(*self._branches(x, routed), x)
+
+    def then_residual_norm(
+        self, x: mx.array, routed: tuple, h: mx.array, norm: ops.RMSNorm
+    ) -> tuple[mx.array, mx.array]:
+        """``residual_norm(h, self(x, routed), norm)``; with ``HF2Q_SHARED_GATE_NORM=1`` and
+        kernels the block's last kernel makes the add and the norm too (one launch fewer)."""
+        y, shared = self._branches(x, routed)
+        w = ops.gate_weight(self.shared_expert_gate)
+        out = None if w is None else ops.shared_gate_residual_norm(y, shared, x, w, h, norm)
+        return out if out is not None else ops.residual_norm(h, self._end(y, shared, x), norm)
+
+    def _branches(self, x: mx.array, routed: tuple | None) -> tuple[mx.array, mx.array]:
+        """(routed experts' weighted sum, shared expert) of x."""
         indices, scores = self.route(x) if routed is None else routed
-        y = self.experts(x, indices, scores)
-        shared, gate = self.shared_expert(x), self.shared_expert_gate
-        w = ops.gate_weight(gate)
-        if w is not None:  # one kernel with the gate's dot
-            out = ops.shared_gate_add(y, shared, x, w)
-            if out is not None:
-                return out
-        return y + ops.sigmoid_gate(shared, self.shared_gate(x))
+        return self.experts(x, indices, scores), self.shared_expert(x)
+
+    def _end(self, y: mx.array, shared: mx.array, x: mx.array) -> mx.array:
+        """y + shared * sigmoid(gate(x)): one kernel with the gate's dot where it applies."""
+        w = ops.gate_weight(self.shared_expert_gate)
+        out = None if w is None else ops.shared_gate_add(y, shared, x, w)
+        return y + ops.sigmoid_gate(shared, self.shared_gate(x)) if out is None else out
 
 
 class Model(qwen3_5.Model):

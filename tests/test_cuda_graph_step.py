@@ -87,16 +87,21 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
 
 
 @needs_gxx
-@pytest.mark.parametrize("model", ["gemma4:tiny-moe", "qwen3_5:tiny-moe"])
-def test_router_join_keeps_the_step_bits_one_launch_fewer(model):
+@pytest.mark.parametrize(
+    "model, switch",
+    [("gemma4:tiny-moe", "HF2Q_ROUTER_JOIN"), ("qwen3_5:tiny-moe", "HF2Q_ROUTER_JOIN"),
+     ("qwen3_5:tiny-moe", "HF2Q_SHARED_GATE_NORM")],
+)  # fmt: skip
+def test_router_join_keeps_the_step_bits_one_launch_fewer(model, switch):
     """A MoE layer's join after attention made by its router kernel (HF2Q_ROUTER_JOIN=1; the
     default for Qwen 3.5) and by the joining kernel of its own (0: Gemma 4's
-    post_norm_residual, Qwen 3.5's residual_rms_norm) give the step the same logits bit for
-    bit, the join one launch fewer per MoE layer (two here)."""
+    post_norm_residual, Qwen 3.5's residual_rms_norm), and Qwen 3.5's MoE end with the residual
+    add and norm after it in one kernel (HF2Q_SHARED_GATE_NORM=1) or two (0), give the step the
+    same logits bit for bit, one launch fewer per MoE layer (two here)."""
     script = HERE / "graph_step_emulated.py"
     outs = []
     for join in ("1", "0"):
-        env = dict(os.environ, HF2Q_ROUTER_JOIN=join)
+        env = dict(os.environ, **{switch: join})
         cmd = [sys.executable, str(script), model, "--steps", "2"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         assert res.returncode == 0, res.stderr[-3000:]

@@ -7,8 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import requires_gpu
+from kernel_emulator import Emulated
 from test_norm_rope import assert_one_rounding, emulate, needs_gxx
 
+from hf2q_mlx.custom_kernels import residual_rms_norm as rrn
 from hf2q_mlx.custom_kernels import row_threads
 from hf2q_mlx.custom_kernels import sigmoid_gate as sg
 from hf2q_mlx.custom_kernels.rms_norm_rope import Heads
@@ -98,6 +100,34 @@ def test_shared_gate_add_body_emulated(monkeypatch, dtype):
     sg._shared_plan.cache_clear()
 
 
+@needs_gxx
+@pytest.mark.parametrize("D", [700, 2048, 5000], ids=lambda d: f"D{d}")
+def test_shared_gate_residual_norm_is_the_two_kernels_emulated(monkeypatch, D):
+    """The MoE block's end with the residual add and norm after it (one launch) gives
+    shared_gate_add's kernel then residual_rms_norm's kernel bit for bit (h and n), within
+    the reference's tolerance: residual_rms_norm's threads 96 (fewer than this kernel's 256),
+    256 (35B-A3B's 2048) and 640 (more: three virtual threads on some)."""
+    emu = emulate(monkeypatch, sg, "_shared_kernel")
+    monkeypatch.setattr(rrn, "backend", lambda: "cuda")
+    monkeypatch.setattr(rrn, "_kernel", Emulated(rrn._kernel))
+    sg._shared_plan.cache_clear()
+    rrn._plan.cache_clear()
+    try:
+        y, s, x, w = _shared(3, 1, D, D % 7, mx.bfloat16)
+        res = (4 * mx.random.normal(y.shape, key=mx.random.key(D))).astype(mx.bfloat16)
+        nw = (0.5 + mx.random.uniform(shape=(D,), key=mx.random.key(D + 1))).astype(mx.bfloat16)
+        h, n = sg.shared_gate_residual_norm(y, s, x, w, res, nw, 1e-6)
+        assert emu["_shared_kernel"].launches == 1
+        wh, wn = rrn.residual_rms_norm(res, sg.shared_gate_add(y, s, x, w), nw, 1e-6)
+        assert bool(mx.array_equal(h, wh)) and bool(mx.array_equal(n, wn))
+        rh, rn = sg.shared_gate_residual_norm_reference(y, s, x, w, res, nw, 1e-6)
+        assert_one_rounding(h, rh, mx.bfloat16, noise=0.05)
+        assert_one_rounding(n, rn, mx.bfloat16, noise=0.05)
+    finally:
+        sg._shared_plan.cache_clear()
+        rrn._plan.cache_clear()
+
+
 def test_dispatchers_fall_back_for_other_shapes(monkeypatch):
     """A weight wider than the rows (MLX would promote) or a wrong layout: the reference."""
     monkeypatch.setattr(sg, "backend", lambda: "cuda")
@@ -157,8 +187,9 @@ def test_shared_gate_add_gpu(dtype, shape):
     got = sg.shared_gate_add(y, s, x, w)
     rows, D = y.size // shape[2], shape[2]
     poisoned = sg._shared_kernel(
-        [y, s, x, w], grid=(rows * 256,), threadgroup=(256,), output_shapes=[y.shape],
-        output_dtypes=[dtype], template={"T": dtype, "D": D, "TG": 256}, init_value=float("nan"),
+        [y, s, x, w, y, w, mx.zeros((2,), mx.float32)], grid=(rows * 256,), threadgroup=(256,),
+        output_shapes=[y.shape, (1,), (1,)], output_dtypes=[dtype] * 3,
+        template=sg.shared_template(dtype, D, False), init_value=float("nan"),
     )[0]  # fmt: skip
     assert bool(mx.array_equal(poisoned, got))
     want = sg.shared_gate_add_reference(y, s, x, w)
@@ -167,3 +198,17 @@ def test_shared_gate_add_gpu(dtype, shape):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     else:
         assert_one_rounding(got, want, dtype, noise=0.02)
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_shared_gate_residual_norm_gpu(rows):
+    """On the GPU at 35B-A3B's width (2048, bf16): the MoE end with the residual add and norm
+    gives shared_gate_add's kernel then residual_rms_norm's kernel bit for bit."""
+    D = 2048
+    y, s, x, w = _shared(rows, 1, D, rows, mx.bfloat16)
+    res = (4 * mx.random.normal(y.shape, key=mx.random.key(rows))).astype(mx.bfloat16)
+    nw = (0.5 + mx.random.uniform(shape=(D,), key=mx.random.key(rows + 1))).astype(mx.bfloat16)
+    h, n = sg.shared_gate_residual_norm(y, s, x, w, res, nw, 1e-6)
+    wh, wn = rrn.residual_rms_norm(res, sg.shared_gate_add(y, s, x, w), nw, 1e-6)
+    assert bool(mx.array_equal(h, wh)) and bool(mx.array_equal(n, wn))
