@@ -98,13 +98,10 @@ def shared_gate_add_reference(y: mx.array, s: mx.array, x: mx.array, w: mx.array
     return y + s * mx.sigmoid(x @ w.T)
 
 
-_SHARED_BODY = """
-  // One threadgroup per row of D: the gate's dot product (fp32, SIMD sums then one shared slot
-  // per SIMD group), then thread t writes elements t, t + TG, ... RN: instead, that output goes
-  // on into residual_rms_norm(res, out, nw) -> (h, n) in that kernel's own layout and order:
-  // virtual thread vt = t + TG q of its TGR owns elements vt + TGR j.
+# The gate's dot product and sigmoid, both kernels' start: one threadgroup per row of D, fp32 SIMD
+# sums then one shared slot per SIMD group.
+_GATE_DOT = """
   SHARED float part[TG / 32];
-  SHARED float part2[RN ? 32 : 1];
   const uint64_t base = uint64_t(gid_x) * uint(D);
   float acc = 0.0f;
   for (uint i = tid; i < uint(D); i += TG) acc = fma_f(to_float(x[base + i]), to_float(w[i]), acc);
@@ -115,68 +112,100 @@ _SHARED_BODY = """
   UNROLL for (int k = 0; k < TG / 32; ++k) dot += part[k];
   const float g = to_float(from_float<T>(dot));
   const float sg = to_float(from_float<T>(1.0f / (1.0f + exp_f(-g))));
-  for (uint i = tid; !RN && i < uint(D); i += TG) {
+"""
+
+_SHARED_BODY = (
+    """
+  // One threadgroup per row of D: the gate's dot product (fp32, SIMD sums then one shared slot
+  // per SIMD group), then thread t writes elements t, t + TG, ..."""
+    + _GATE_DOT
+    + """  for (uint i = tid; i < uint(D); i += TG) {
     const float prod = to_float(from_float<T>(to_float(s[base + i]) * sg));
     out[base + i] = from_float<T>(to_float(y[base + i]) + prod);
   }
-  if (RN) {
-    constexpr uint RQ = (TGR + TG - 1) / TG;
-    float v[RQ][NPTR];
-    UNROLL for (uint q = 0; q < RQ; ++q) {
-      const uint vt = tid + TG * q;
-      float ss = 0.0f;
-      UNROLL for (uint j = 0; j < NPTR; ++j) {
-        const uint i = vt + TGR * j;
-        v[q][j] = 0.0f;
-        if (vt < TGR && i < uint(D)) {
-          const float prod = to_float(from_float<T>(to_float(s[base + i]) * sg));
-          const T o = from_float<T>(to_float(y[base + i]) + prod);
-          const T hv = from_float<T>(to_float(res[base + i]) + to_float(o));
-          h[base + i] = hv;
-          v[q][j] = to_float(hv);
-          ss = fma_f(v[q][j], v[q][j], ss);
-        }
-      }
-      if (vt - lane < TGR) {  // vt's virtual SIMD group exists: the whole SIMD group alike
-        ss = simd_sum(ss);
-        if (lane == 0) part2[vt / 32] = ss;
+"""
+)
+
+_SHARED_NORM_BODY = (
+    """
+  // One threadgroup per row of D: shared_gate_add's dot and output (its TG threads), which
+  // goes on into residual_rms_norm(res, out, nw) -> (h, n) in that kernel's own layout and
+  // order: virtual thread vt = t + TG q of its TGR owns elements vt + TGR j."""
+    + _GATE_DOT
+    + """  SHARED float part2[32];
+  constexpr uint RQ = (TGR + TG - 1) / TG;
+  float v[RQ][NPTR];
+  UNROLL for (uint q = 0; q < RQ; ++q) {
+    const uint vt = tid + TG * q;
+    float ss = 0.0f;
+    UNROLL for (uint j = 0; j < NPTR; ++j) {
+      const uint i = vt + TGR * j;
+      v[q][j] = 0.0f;
+      if (vt < TGR && i < uint(D)) {
+        const float prod = to_float(from_float<T>(to_float(s[base + i]) * sg));
+        const T o = from_float<T>(to_float(y[base + i]) + prod);
+        const T hv = from_float<T>(to_float(res[base + i]) + to_float(o));
+        h[base + i] = hv;
+        v[q][j] = to_float(hv);
+        ss = fma_f(v[q][j], v[q][j], ss);
       }
     }
-    BARRIER();
-    float total = 0.0f;
-    UNROLL for (uint k = 0; k < TGR / 32; ++k) total += part2[k];
-    const float inv = rsqrt_f(total / float(D) + fparams[0]);
-    UNROLL for (uint q = 0; q < RQ; ++q) {
-      UNROLL for (uint j = 0; j < NPTR; ++j) {
-        const uint vt = tid + TG * q;
-        const uint i = vt + TGR * j;
-        if (vt < TGR && i < uint(D)) {
-          float o = v[q][j] * inv;
-          o *= to_float(nw[i]) + fparams[1];
-          n[base + i] = from_float<T>(o);
-        }
+    if (vt - lane < TGR) {  // vt's virtual SIMD group exists: the whole SIMD group alike
+      ss = simd_sum(ss);
+      if (lane == 0) part2[vt / 32] = ss;
+    }
+  }
+  BARRIER();
+  float total = 0.0f;
+  UNROLL for (uint k = 0; k < TGR / 32; ++k) total += part2[k];
+  const float inv = rsqrt_f(total / float(D) + fparams[0]);
+  UNROLL for (uint q = 0; q < RQ; ++q) {
+    UNROLL for (uint j = 0; j < NPTR; ++j) {
+      const uint vt = tid + TG * q;
+      const uint i = vt + TGR * j;
+      if (vt < TGR && i < uint(D)) {
+        float o = v[q][j] * inv;
+        o *= to_float(nw[i]) + fparams[1];
+        n[base + i] = from_float<T>(o);
       }
     }
   }
 """
+)
 
 _shared_kernel = Kernel(
     "shared_gate_add",
-    inputs=["y", "s", "x", "w", "res", "nw", "fparams"],
-    outputs=["out", "h", "n"],
+    inputs=["y", "s", "x", "w"],
+    outputs=["out"],
     body=_SHARED_BODY,
     examples=[
-        Example({"y": t, "s": t, "x": t, "w": wt, "res": t, "nw": wt, "fparams": (mx.float32, 2)},
-                {"out": t, "h": t, "n": t},
-                {"T": t, "D": d, "TG": 256, "RN": rn, "TGR": residual_threads(d),
-                 "NPTR": -(-d // residual_threads(d))})
-        for t, wt, d, rn in (
-            (mx.bfloat16, mx.bfloat16, 640, 0),
-            (mx.float16, mx.float32, 640, 0),
-            (mx.float32, mx.float32, 640, 0),
-            (mx.bfloat16, mx.bfloat16, 2048, 1),
-            (mx.float32, mx.float32, 5000, 1),
+        Example({"y": t, "s": t, "x": t, "w": wt}, {"out": t}, {"T": t, "D": 640, "TG": 256})
+        for t, wt in (
+            (mx.bfloat16, mx.bfloat16),
+            (mx.float16, mx.float32),
+            (mx.float32, mx.float32),
         )
+    ],
+)
+
+
+def norm_template(dtype: mx.Dtype, D: int) -> dict:
+    """``shared_gate_residual_norm``'s template: shared_gate_add's 256 threads a row, and
+    residual_rms_norm's threads (threads_for(D)) and elements a thread for the norm."""
+    tgr = residual_threads(D)
+    return {"T": dtype, "D": D, "TG": 256, "TGR": tgr, "NPTR": -(-D // tgr)}
+
+
+_shared_norm_kernel = Kernel(
+    "shared_gate_residual_norm",
+    inputs=["y", "s", "x", "w", "res", "nw", "fparams"],
+    outputs=["h", "n"],
+    body=_SHARED_NORM_BODY,
+    examples=[
+        Example({"y": t, "s": t, "x": t, "w": t, "res": t, "nw": wt, "fparams": (mx.float32, 2)},
+                {"h": t, "n": t}, norm_template(t, d))
+        for t, wt, d in ((mx.bfloat16, mx.bfloat16, 2048), (mx.float32, mx.float32, 5000),
+                         (mx.float16, mx.float32, 700))
     ],
 )  # fmt: skip
 
@@ -198,8 +227,8 @@ def shared_gate_add(y: mx.array, s: mx.array, x: mx.array, w: mx.array) -> mx.ar
     (a wider weight promotes MLX's result); else the reference."""
     if _covered(y, s, x, w):
         D = y.shape[-1]
-        launch, unread = _shared_plan(backend(), y.size // D, D, y.shape, y.dtype, w.dtype, None)
-        return launch(inputs=[y, s, x, w, y, w, unread])[0]  # res, nw, fparams: never read
+        launch = _shared_plan(backend(), y.size // D, D, y.shape, y.dtype, w.dtype)
+        return launch(inputs=[y, s, x, w])[0]
     return shared_gate_add_reference(y, s, x, w)
 
 
@@ -227,30 +256,27 @@ def shared_gate_residual_norm(
         _covered(y, s, x, w) and res.shape == y.shape and res.dtype == y.dtype
         and nw.shape == (D,) and nw.dtype in _F and D <= 16384
     ):  # fmt: skip
-        launch, _ = _shared_plan(backend(), y.size // D, D, y.shape, y.dtype, w.dtype, nw.dtype)
-        return tuple(launch(inputs=[y, s, x, w, res, nw, _norm_params(eps, offset)])[1:])
+        launch = _norm_plan(backend(), y.size // D, D, y.shape, y.dtype, nw.dtype)
+        return tuple(launch(inputs=[y, s, x, w, res, nw, _norm_params(eps, offset)]))
     return shared_gate_residual_norm_reference(y, s, x, w, res, nw, eps, offset)
 
 
-def shared_template(dtype: mx.Dtype, D: int, rn: bool) -> dict:
-    """The shared-gate kernel's template: 256 threads a row; ``rn`` with the residual norm in
-    residual_rms_norm's layout (its threads_for(D) threads, elements a thread)."""
-    tgr = residual_threads(D)
-    return {"T": dtype, "D": D, "TG": 256, "RN": rn, "TGR": tgr, "NPTR": -(-D // tgr)}
+@lru_cache(maxsize=64)
+def _shared_plan(be, rows, D, shape, dtype, wdtype):
+    return _shared_kernel.launcher(
+        [dtype, dtype, dtype, wdtype], grid=(rows * 256,), threadgroup=(256,),
+        output_shapes=[shape], output_dtypes=[dtype], template={"T": dtype, "D": D, "TG": 256},
+        backend=be,
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=64)
-def _shared_plan(be, rows, D, shape, dtype, wdtype, nwdtype):
-    """(launcher, an fparams stand-in) for one call shape; nwdtype None: shared_gate_add alone,
-    else with the residual norm (its weight's dtype)."""
-    rn = nwdtype is not None
-    launch = _shared_kernel.launcher(
-        [dtype, dtype, dtype, wdtype, dtype, nwdtype or wdtype, mx.float32],
-        grid=(rows * 256,), threadgroup=(256,),
-        output_shapes=[(1,) if rn else shape, shape if rn else (1,), shape if rn else (1,)],
-        output_dtypes=[dtype] * 3, template=shared_template(dtype, D, rn), backend=be,
+def _norm_plan(be, rows, D, shape, dtype, nwdtype):
+    return _shared_norm_kernel.launcher(
+        [dtype] * 5 + [nwdtype, mx.float32], grid=(rows * 256,), threadgroup=(256,),
+        output_shapes=[shape, shape], output_dtypes=[dtype, dtype],
+        template=norm_template(dtype, D), backend=be,
     )  # fmt: skip
-    return launch, device_array([0.0, 0.0], mx.float32)
 
 
 @lru_cache(maxsize=16)

@@ -107,17 +107,18 @@ def test_shared_gate_residual_norm_is_the_two_kernels_emulated(monkeypatch, D):
     shared_gate_add's kernel then residual_rms_norm's kernel bit for bit (h and n), within
     the reference's tolerance: residual_rms_norm's threads 96 (fewer than this kernel's 256),
     256 (35B-A3B's 2048) and 640 (more: three virtual threads on some)."""
-    emu = emulate(monkeypatch, sg, "_shared_kernel")
+    emu = emulate(monkeypatch, sg, "_shared_kernel", "_shared_norm_kernel")
     monkeypatch.setattr(rrn, "backend", lambda: "cuda")
     monkeypatch.setattr(rrn, "_kernel", Emulated(rrn._kernel))
     sg._shared_plan.cache_clear()
+    sg._norm_plan.cache_clear()
     rrn._plan.cache_clear()
     try:
         y, s, x, w = _shared(3, 1, D, D % 7, mx.bfloat16)
         res = (4 * mx.random.normal(y.shape, key=mx.random.key(D))).astype(mx.bfloat16)
         nw = (0.5 + mx.random.uniform(shape=(D,), key=mx.random.key(D + 1))).astype(mx.bfloat16)
         h, n = sg.shared_gate_residual_norm(y, s, x, w, res, nw, 1e-6)
-        assert emu["_shared_kernel"].launches == 1
+        assert emu["_shared_norm_kernel"].launches == 1 and emu["_shared_kernel"].launches == 0
         wh, wn = rrn.residual_rms_norm(res, sg.shared_gate_add(y, s, x, w), nw, 1e-6)
         assert bool(mx.array_equal(h, wh)) and bool(mx.array_equal(n, wn))
         rh, rn = sg.shared_gate_residual_norm_reference(y, s, x, w, res, nw, 1e-6)
@@ -125,6 +126,7 @@ def test_shared_gate_residual_norm_is_the_two_kernels_emulated(monkeypatch, D):
         assert_one_rounding(n, rn, mx.bfloat16, noise=0.05)
     finally:
         sg._shared_plan.cache_clear()
+        sg._norm_plan.cache_clear()
         rrn._plan.cache_clear()
 
 
@@ -187,9 +189,8 @@ def test_shared_gate_add_gpu(dtype, shape):
     got = sg.shared_gate_add(y, s, x, w)
     rows, D = y.size // shape[2], shape[2]
     poisoned = sg._shared_kernel(
-        [y, s, x, w, y, w, mx.zeros((2,), mx.float32)], grid=(rows * 256,), threadgroup=(256,),
-        output_shapes=[y.shape, (1,), (1,)], output_dtypes=[dtype] * 3,
-        template=sg.shared_template(dtype, D, False), init_value=float("nan"),
+        [y, s, x, w], grid=(rows * 256,), threadgroup=(256,), output_shapes=[y.shape],
+        output_dtypes=[dtype], template={"T": dtype, "D": D, "TG": 256}, init_value=float("nan"),
     )[0]  # fmt: skip
     assert bool(mx.array_equal(poisoned, got))
     want = sg.shared_gate_add_reference(y, s, x, w)
