@@ -117,11 +117,14 @@ def bench_case(
     a = router_args(shape, fmt)
     w = a.pop("w")
     x = (3 * mx.random.normal((rows, D), key=mx.random.key(rows))).astype(mx.bfloat16)
-    runs = {}
-    for batched in (True, False) if loop else (R.BATCHED_PROLOGUE,):
-        R.BATCHED_PROLOGUE, keep = batched, R.BATCHED_PROLOGUE
-        for n, s in mappings(rows, E, D, splits).items():
-            runs[n if batched or not loop else f"{n} loop"] = R.plan_launcher(x, w, k, split=s, **a)
+    runs, keep = {}, R.BATCHED_PROLOGUE
+    try:
+        for batched in (True, False) if loop else (keep,):
+            R.BATCHED_PROLOGUE = batched  # read when each plan is built
+            for n, s in mappings(rows, E, D, splits).items():
+                name = n if batched or not loop else f"{n} loop"
+                runs[name] = R.plan_launcher(x, w, k, split=s, **a)
+    finally:
         R.BATCHED_PROLOGUE = keep
     base = [o for o in runs["G=1"](x, w) if o is not None]
     mx.eval(base)

@@ -663,8 +663,7 @@ def _plan(x: mx.array, w: mx.array, k: int, opts: dict, init_value=None, split=N
     arrays = _arrays(x, w, opts)
     lt = _matmul_dtype(x.dtype, w.dtype if quant is None else scales.dtype)
     post = opts.get("post_norm") is not None
-    residual = opts.get("residual")
-    res = 0 if residual is None else 2 if residual[2] is None else 1
+    res = _res_mode(opts)
     g, warps = split_config(rows, E, D) if split is None else _mapping(E, split)
     tgp = threads_for(D)
     launch = _kernel.launcher(
@@ -721,6 +720,13 @@ class _Plan:
         i = self.turn
         self.turn = i + 1 if i + 1 < len(self.params) else 0
         return self.params[i]
+
+
+def _res_mode(opts: dict) -> int:
+    """The kernel's RES: 0 no join, 1 Gemma's post-norm join (res, w, next_w), 2 Qwen's residual
+    add and norm (res, w, None)."""
+    residual = opts.get("residual")
+    return 0 if residual is None else 2 if residual[2] is None else 1
 
 
 def _arrays(x: mx.array, w: mx.array, opts: dict) -> list[mx.array]:
@@ -787,7 +793,7 @@ def _key(x: mx.array, w: mx.array, k: int, opts: dict) -> tuple:
     scalars = tuple(opts.get(n) for n in ("eps", "pre_mult", "renormalize"))
     return (_kernel, k, *sig, scalars, None if quant is None else quant[2:], split_enabled(),
             BATCHED_PROLOGUE, *(opts.get(n) is None for n in _OPTIONAL),
-            None if opts.get("residual") is None else opts["residual"][2] is None)  # fmt: skip
+            _res_mode(opts))  # fmt: skip
 
 
 def moe_router(

@@ -488,15 +488,19 @@ def pick(a: mx.array, ids: mx.array) -> mx.array:
     return mx.where(hit, a if a.ndim == 1 else a[..., None, :], 0).sum(axis=-1)
 
 
-def _router_weight(proj: nn.Module):
-    """(weight, quant) of a router projection the kernel reads; None for any other."""
+def _router_kernel(x: mx.array, proj: nn.Module, k: int, **opts) -> tuple | None:
+    """The router kernel's outputs (moe_router.moe_router) for a router projection it reads
+    (nn.Linear or affine nn.QuantizedLinear, unbiased) and a call it covers; None otherwise.
+    The caller has checked that kernels run."""
     if "bias" in proj:
         return None
     if isinstance(proj, nn.QuantizedLinear) and proj.mode == "affine":
-        return proj.weight, (proj.scales, proj.get("biases"), proj.group_size, proj.bits)
-    if isinstance(proj, nn.Linear):
-        return proj.weight, None
-    return None
+        opts["quant"] = (proj.scales, proj.get("biases"), proj.group_size, proj.bits)
+    elif not isinstance(proj, nn.Linear):
+        return None
+    if not moe_router_kernel.kernel_covers(x, proj.weight, k, **opts):
+        return None
+    return moe_router_kernel.moe_router(x, proj.weight, k, **opts)
 
 
 def moe_router(
@@ -515,15 +519,16 @@ def moe_router(
     launch) -> (ids (..., k) uint32, weights (..., k) fp32, post_norm(x) or None); None when it
     does not apply (no kernels, a biased or GGML router, prefill rows): the model then builds
     its own routing graph, the reference. ``proj``: nn.Linear or affine nn.QuantizedLinear."""
-    wq = _router_weight(proj) if use_kernels() else None
-    if wq is None:
+    if not use_kernels():
         return None
     norm_w = None if post_norm is None or post_norm.eps != eps else post_norm.weight
-    opts = dict(eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
-                renormalize=renormalize, post_norm=norm_w, quant=wq[1])  # fmt: skip
-    if not moe_router_kernel.kernel_covers(x, wq[0], k, **opts):
+    out = _router_kernel(
+        x, proj, k, eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
+        renormalize=renormalize, post_norm=norm_w,
+    )  # fmt: skip
+    if out is None:
         return None
-    ids, weights, xn = moe_router_kernel.moe_router(x, wq[0], k, **opts)
+    ids, weights, xn = out
     return ids, weights, xn if norm_w is not None or post_norm is None else post_norm(x)
 
 
@@ -546,19 +551,17 @@ def moe_router_joined(
     ids, weights, post_norm(h)), the separate kernels' bits; None where it does not apply (as
     :func:`moe_router`, norms of another eps, or ``HF2Q_ROUTER_JOIN`` not 1: on the H100 it
     lost 1 % on 26B-A4B, moe_router.JOIN)."""
-    wq = (
-        _router_weight(proj)
-        if use_kernels() and moe_router_kernel.join_enabled("post_norm")
-        else None
-    )
-    if wq is None or post_norm is None or any(m.eps != eps for m in (norm, next_norm, post_norm)):
+    if not (use_kernels() and moe_router_kernel.join_enabled("post_norm")):
         return None
-    opts = dict(eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
-                post_norm=post_norm.weight, quant=wq[1],
-                residual=(x, norm.weight, next_norm.weight))  # fmt: skip
-    if not moe_router_kernel.kernel_covers(y, wq[0], k, **opts):
+    if post_norm is None or any(m.eps != eps for m in (norm, next_norm, post_norm)):
         return None
-    ids, weights, xn, h, n = moe_router_kernel.moe_router(y, wq[0], k, **opts)
+    out = _router_kernel(
+        y, proj, k, eps=eps, pre_scale=pre_scale, pre_mult=pre_mult, expert_scale=expert_scale,
+        post_norm=post_norm.weight, residual=(x, norm.weight, next_norm.weight),
+    )  # fmt: skip
+    if out is None:
+        return None
+    ids, weights, xn, h, n = out
     return h, n, ids, weights, xn
 
 
@@ -569,18 +572,13 @@ def moe_router_after_residual(
     Qwen 3.5 MoE layer's add and norm after attention: one launch fewer) -> (h, n, ids,
     weights), the separate kernels' bits; None where it does not apply (as
     :func:`moe_router`, ``HF2Q_ROUTER_JOIN=0``)."""
-    wq = (
-        _router_weight(proj)
-        if use_kernels() and moe_router_kernel.join_enabled("residual")
-        else None
-    )
-    if wq is None:
+    if not (use_kernels() and moe_router_kernel.join_enabled("residual")):
         return None
-    opts = dict(eps=norm.eps, renormalize=renormalize, quant=wq[1],
-                residual=(x, norm.weight, None))  # fmt: skip
-    if not moe_router_kernel.kernel_covers(y, wq[0], k, **opts):
+    out = _router_kernel(y, proj, k, eps=norm.eps, renormalize=renormalize,
+                         residual=(x, norm.weight, None))  # fmt: skip
+    if out is None:
         return None
-    ids, weights, _, h, n = moe_router_kernel.moe_router(y, wq[0], k, **opts)
+    ids, weights, _, h, n = out
     return h, n, ids, weights
 
 

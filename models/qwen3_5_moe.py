@@ -109,7 +109,8 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: mx.array, routed: tuple | None = None) -> mx.array:
         """x (..., D) -> (..., D); ``routed``: (ids, weights) of x when made already (``join``).
         Every op takes any leading shape: no reshape nodes."""
-        return self._end(*self._branches(x, routed), x)
+        w = ops.gate_weight(self.shared_expert_gate)
+        return self._end(*self._branches(x, routed), x, w)
 
     def then_residual_norm(
         self, x: mx.array, routed: tuple, h: mx.array, norm: ops.RMSNorm
@@ -119,16 +120,16 @@ class SparseMoeBlock(nn.Module):
         y, shared = self._branches(x, routed)
         w = ops.gate_weight(self.shared_expert_gate)
         out = None if w is None else ops.shared_gate_residual_norm(y, shared, x, w, h, norm)
-        return out if out is not None else ops.residual_norm(h, self._end(y, shared, x), norm)
+        return out if out is not None else ops.residual_norm(h, self._end(y, shared, x, w), norm)
 
     def _branches(self, x: mx.array, routed: tuple | None) -> tuple[mx.array, mx.array]:
         """(routed experts' weighted sum, shared expert) of x."""
         indices, scores = self.route(x) if routed is None else routed
         return self.experts(x, indices, scores), self.shared_expert(x)
 
-    def _end(self, y: mx.array, shared: mx.array, x: mx.array) -> mx.array:
-        """y + shared * sigmoid(gate(x)): one kernel with the gate's dot where it applies."""
-        w = ops.gate_weight(self.shared_expert_gate)
+    def _end(self, y: mx.array, shared: mx.array, x: mx.array, w: mx.array | None) -> mx.array:
+        """y + shared * sigmoid(gate(x)): one kernel with the gate's dot where it applies (w,
+        ``ops.gate_weight`` of the gate)."""
         out = None if w is None else ops.shared_gate_add(y, shared, x, w)
         return y + ops.sigmoid_gate(shared, self.shared_gate(x)) if out is None else out
 
