@@ -23,6 +23,7 @@ import numpy as np
 from hf2q_mlx import compile_ahead
 from hf2q_mlx import speculative as spec
 from hf2q_mlx.custom_kernels import affine_prefill, cuda_cache
+from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.decode_step import shared_step
 from hf2q_mlx.errors import ContextLengthError, InvalidArgumentError, SamplingOptionsError
 from hf2q_mlx.models import kernel_linears
@@ -499,7 +500,7 @@ def _decode(
         logits = logits.astype(mx.float32)
         for proc in processors:
             logits = proc(state["history"], logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = sampling_kernels.log_softmax(logits)
         sub = None
         if state["key"] is not None:
             state["key"], sub = mx.random.split(state["key"])

@@ -123,7 +123,7 @@ def _accept(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array, mx.
     log-probabilities (plain greedy decoding's pick) (L,), their log-probabilities (L,), and the
     number of leading drafts equal to their argmax ()."""
     lg = logits.astype(mx.float32)
-    logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+    logprobs = sampling_kernels.log_softmax(lg)
     cand = sampling_kernels.argmax(logprobs).astype(mx.int32)
     lp = mx.take_along_axis(logprobs, cand[:, None], axis=-1)[:, 0]
     k = drafts.shape[0]

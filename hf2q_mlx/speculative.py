@@ -168,7 +168,7 @@ def accept_candidates(
     first failure is at i (i = K: all accepted); the log-probabilities of the drafts (K,) and of
     the candidates (K+1,)). The first False of ``ok`` decides."""
     K = drafts.shape[0]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = sampling_kernels.log_softmax(logits)
 
     def picked(tokens: mx.array, n: int) -> mx.array:
         return mx.take_along_axis(logprobs[:n], tokens[:, None], axis=-1)[:, 0]
@@ -393,7 +393,7 @@ def verify_tree(
                 )
             )
         logits = mx.concatenate(rows)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = sampling_kernels.log_softmax(logits)
     best = sampling_kernels.argmax(logprobs).astype(mx.int32)
     best_lp = mx.take_along_axis(logprobs, best[:, None], axis=-1)[:, 0]
     mx.eval(best, tokens, best_lp)
@@ -668,7 +668,7 @@ def plain_run(
         lg = step.decode(y).astype(mx.float32)  # (1, V)
         if process is not None:  # the first y is the host's last token, the others pending
             lg = process(lg, y if i > 0 else y[:0])
-        logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        logprobs = sampling_kernels.log_softmax(lg)
         if warp.greedy:
             tok = sampling_kernels.argmax(logprobs)
         else:
@@ -710,7 +710,7 @@ def _rounds(
     first = logits.astype(mx.float32)
     if processors:
         first = process(0, first, mx.array([tokens[-1]], dtype=mx.int32))
-    logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+    logprobs = sampling_kernels.log_softmax(first)
     if warp.greedy:
         token = sampling_kernels.argmax(logprobs)
     else:

@@ -143,11 +143,13 @@ def residual_norm(
             return post_norm_kernel.post_norm_residual(x, y, w, norm.weight, norm.eps)
         y = y if post_norm is None else post_norm(y)
         return residual_norm_kernel.residual_rms_norm(x, y, norm.weight, norm.eps)
+    ext = _cpu_ext(x, norm.weight) if y.dtype == mx.float32 else None
+    if post_norm is not None and (ext is None or _cpu_ext(y, post_norm.weight) is None):
+        ext = None
+    if ext is not None:  # the CPU: the extension's one-op norms and the add, 2-3 ops (MLX: 8)
+        h = x + (y if post_norm is None else ext.rms_norm_cpu(y, post_norm.weight, post_norm.eps))
+        return h, ext.rms_norm_cpu(h, norm.weight, norm.eps)
     if post_norm is None:
-        ext = _cpu_ext(x, norm.weight) if y.dtype == mx.float32 else None
-        if ext is not None:  # the CPU: the add, then the extension's one-op norm
-            h = x + y
-            return h, ext.rms_norm_cpu(h, norm.weight, norm.eps)
         return _add_rms_norm(x, y, norm.weight, norm.eps)
     return _norm_add_rms_norm(x, y, post_norm.weight, post_norm.eps, norm.weight, norm.eps)
 

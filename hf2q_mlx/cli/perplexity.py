@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from hf2q_mlx.custom_kernels import sampling as sampling_kernels
 from hf2q_mlx.errors import InvalidArgumentError, SamplingOptionsError
 from hf2q_mlx.generation import (
     check_token_ids,
@@ -55,7 +56,7 @@ def window_nll(model: Any, batch: mx.array, kv_bits=None) -> mx.array:
     logits = model(batch[:, :-1], cache=cache).astype(mx.float32)  # (B, L - 1, V)
     targets = batch[:, 1:, None]
     picked = mx.take_along_axis(logits, targets, axis=-1)[..., 0]
-    return (mx.logsumexp(logits, axis=-1) - picked).sum(axis=-1)
+    return (sampling_kernels.logsumexp(logits)[..., 0] - picked).sum(axis=-1)
 
 
 def check_perplexity_options(context: Any, batch_size: Any, bos: bool = False) -> None:

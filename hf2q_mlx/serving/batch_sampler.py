@@ -204,7 +204,7 @@ class BatchSampler:
                 self.counts = mx.zeros((self.B, self.V), mx.float32)
             c = self.counts
             logits = logits - c * r["frequency"][:, None] - (c > 0) * r["presence"][:, None]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, V)
+        logprobs = sampling_kernels.log_softmax(logits)  # (B, V)
         tokens = sampling_kernels.argmax(logprobs).astype(mx.int32)
         sampled = [a and p is not None and p.temperature > 0 for p, a in zip(self.params, active)]
         if any(sampled):

@@ -233,3 +233,57 @@ def test_sdpa_bits_equal_mlx(ext, monkeypatch, B, Hq, Hkv, L, K, D, mask):
     np.testing.assert_array_equal(_bits(got), _bits(want))
     monkeypatch.setenv("HF2Q_CPU_FUSED", "0")
     assert "SoftmaxCPU" not in _dot(sdpa(q, k, v, D**-0.5, m))
+
+
+def test_logsumexp_bits_equal_mlx(ext, monkeypatch):
+    """logsumexp over the last axis against mx.logsumexp (keepdims) bit for bit: a Gemma-sized
+    vocabulary row (262,144, the chunked exps' many chunks and a short last one), rows of several
+    lengths and scales, rows holding -inf / +inf / NaN and the exp's edges, an all -inf row, a
+    transposed (strided) input; the samplers' ``log_softmax`` and ``logsumexp`` take it on the
+    CPU (one LogSumExpCPU node) with MLX's values, HF2Q_CPU_FUSED=0 not."""
+    from hf2q_mlx.custom_kernels import sampling as S
+
+    x = mx.random.normal((4, 3, 257)) * 12
+    x = mx.where(mx.random.uniform(shape=x.shape) < 0.2, -float("inf"), x)
+    cases = (mx.random.normal((1, 262_144)) * 9, x, x * 0.01, mx.random.normal((5, 1)),
+             mx.array([EDGES]), mx.array([[1.0, float("inf"), 2.0]]),
+             mx.full((2, 9), -float("inf")), x.transpose(0, 2, 1))  # fmt: skip
+    for a in cases:
+        got = ext.logsumexp_cpu(a)
+        assert got.shape == (*a.shape[:-1], 1)
+        np.testing.assert_array_equal(_bits(got), _bits(mx.logsumexp(a, axis=-1, keepdims=True)))
+    logits = cases[0]
+    outs = {}
+    for v in ("1", "0"):
+        monkeypatch.setenv("HF2Q_CPU_FUSED", v)
+        outs[v] = (S.log_softmax(logits), S.logsumexp(logits))
+    assert "LogSumExpCPU" in _dot(*outs["1"]) and "LogSumExpCPU" not in _dot(*outs["0"])
+    for a, b in zip(outs["1"], outs["0"]):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    with pytest.raises(ValueError, match="float32"):
+        ext.logsumexp_cpu(logits.astype(mx.float16))
+    with pytest.raises(ValueError, match="non-empty"):
+        ext.logsumexp_cpu(mx.zeros((2, 0)))
+
+
+def test_residual_norm_with_a_branch_norm_takes_the_extension(ext, monkeypatch):
+    """``ops.residual_norm`` with a branch output norm (Gemma's post-attention / post-feedforward
+    joins) on the CPU: two RMSNormCPU nodes and an add, no MLX fallback (Square / Sum) left;
+    h is ``x + norm(y)`` and n ``norm(h)`` against the float64 oracle, and HF2Q_CPU_FUSED=0's
+    MLX graph within the same tolerance (the extension sums squares in double, MLX in float)."""
+    D = 96
+    x, y = mx.random.normal((2, 3, D)), mx.random.normal((2, 3, D)) * 5
+    norm, post = ops.RMSNorm(D, 1e-6), ops.RMSNorm(D, 1e-6)
+    norm.weight, post.weight = mx.random.normal((D,)), mx.random.normal((D,))
+    outs = {}
+    for v in ("1", "0"):
+        monkeypatch.setenv("HF2Q_CPU_FUSED", v)
+        outs[v] = ops.residual_norm(x, y, norm, post_norm=post)
+    dot = _dot(*outs["1"])
+    assert dot.count("RMSNormCPU") == 2 and "Square" not in dot and "Sum" not in dot
+    assert "RMSNormCPU" not in _dot(*outs["0"])
+    h = np.array(x, np.float64) + _norm_oracle(np.array(y), np.array(post.weight), 1e-6)
+    _check(outs["1"][0], h, "h")
+    _check(outs["1"][1], _norm_oracle(np.array(outs["1"][0]), np.array(norm.weight), 1e-6), "n")
+    for i, (a, b) in enumerate(zip(outs["1"], outs["0"])):
+        _check(a, np.array(b, dtype=np.float64), f"output {i} against MLX's graph")
