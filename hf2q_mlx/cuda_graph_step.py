@@ -79,14 +79,31 @@ def _enqueue(drv: Driver, entry: tuple, stream=None) -> None:
     drv.launch(function, blocks, threads, ptrs, stream=stream, pdl=pdl)
 
 
-def graph_pdl() -> int:
+def graph_pdl(driver=None) -> int:
     """HF2Q_GRAPH_PDL: the graph's kernels as programmatic dependent launches (sm_90 on), each
     kernel's blocks scheduled while the kernel ahead of it finishes and waiting for it in their
     first instruction (``_render.PDL_PROLOGUES``). 1: each kernel lets the next one in as soon
-    as its own wait ends; 2: it waits only (the next one comes in as its blocks exit). 0 (the
-    default): plain launches. Session 34 (H200, 26B-A4B Q4_K): mode 1 decodes 0.85x the plain
-    graph (parity tests pass); mode 2 not yet on a GPU."""
-    return env_int("HF2Q_GRAPH_PDL", 0, 2) or 0
+    as its own wait ends; 2: it waits only (the next one comes in as its blocks exit); 0: plain
+    launches. Unset: 2 on a GPU of compute capability 9.0 or later whose driver has
+    cuLaunchKernelEx (``driver``: the capture's), else 0. Mode 1 decodes 0.85x the plain graph
+    (session 34, H200, 26B-A4B Q4_K); mode 2 1.01-1.02x on 26B-A4B and 1.014x on 35B-A3B
+    (sessions 35 and 43), its graph parity tests passing (docs/kernel_notes.md)."""
+    mode = env_int("HF2Q_GRAPH_PDL", 0, 2)
+    if mode is not None:
+        return mode
+    if driver is not None and getattr(driver, "_launch_ex", None) is None:
+        return 0
+    cc = _compute_capability()
+    return 2 if cc is not None and cc[0] >= 9 else 0
+
+
+_CC: list = []  # the GPU's compute capability, looked up once
+
+
+def _compute_capability() -> tuple[int, int] | None:
+    if not _CC:
+        _CC.append(cuda_cache._compute_capability() if mx.cuda.is_available() else None)
+    return _CC[0]
 
 
 def graph_prefetch() -> bool:
@@ -452,7 +469,7 @@ class CudaGraphStep:
 
     def _capture(self, rec: Recording) -> None:
         drv = self.driver
-        pdl = graph_pdl()
+        pdl = graph_pdl(drv)
         functions, names, units = {}, [], {}
         for launch in rec.launches:
             name, unit = launch.spec.unit(pdl)

@@ -176,14 +176,19 @@ class DecoderLayer(nn.Module):
         it: the next layer's input norm or the final one). Each residual add shares one kernel
         with the norm that follows it."""
         y = self.linear_attn(n, cache) if self.is_linear else self.self_attn(n, cache, pos)
-        # a MoE block's router kernel makes the add and norm too (one launch fewer)
+        # a MoE block's router kernel makes the add and norm too (one launch fewer), and its
+        # last kernel the add and norm after it (another)
         join = getattr(self.mlp, "join", None)
         joined = None if join is None else join(x, y, self.post_attention_layernorm)
         if joined is None:
             h, n = ops.residual_norm(x, y, self.post_attention_layernorm)
+            routed = None
+        else:
+            h, n, routed = joined
+        then = getattr(self.mlp, "then_residual_norm", None)
+        if then is None:
             return ops.residual_norm(h, self.mlp(n), next_norm)
-        h, n, routed = joined
-        return self.mlp.then_residual_norm(n, routed, h, next_norm)
+        return then(n, routed, h, next_norm)
 
 
 class TextModel(nn.Module):

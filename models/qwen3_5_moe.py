@@ -113,10 +113,10 @@ class SparseMoeBlock(nn.Module):
         return self._end(*self._branches(x, routed), x, w)
 
     def then_residual_norm(
-        self, x: mx.array, routed: tuple, h: mx.array, norm: ops.RMSNorm
+        self, x: mx.array, routed: tuple | None, h: mx.array, norm: ops.RMSNorm
     ) -> tuple[mx.array, mx.array]:
-        """``residual_norm(h, self(x, routed), norm)``; with ``HF2Q_SHARED_GATE_NORM=1`` and
-        kernels the block's last kernel makes the add and the norm too (one launch fewer)."""
+        """``residual_norm(h, self(x, routed), norm)``; with kernels (and ``HF2Q_SHARED_GATE_NORM``
+        not 0) the block's last kernel makes the add and the norm too (one launch fewer)."""
         y, shared = self._branches(x, routed)
         w = ops.gate_weight(self.shared_expert_gate)
         out = None if w is None else ops.shared_gate_residual_norm(y, shared, x, w, h, norm)

@@ -39,15 +39,16 @@ def _bits(a: mx.array) -> np.ndarray:
 @pytest.mark.parametrize(
     "model, steps, kinds, fmt",
     [("gemma4:tiny-moe", 3, {"gather_rows", "scale_cast", "topk_select", "rms_norm_rope"}, "q4_k"),
-     ("qwen3_5:tiny-moe", 2, {"gated_delta_decode", "head_gate", "shared_gate_add",
+     # Qwen 3.5's MoE end with the residual add and next norm (HF2Q_SHARED_GATE_NORM's default)
+     ("qwen3_5:tiny-moe", 2, {"gated_delta_decode", "head_gate", "shared_gate_residual_norm",
                               "rms_norm_rope"}, "q4_k"),
      # MLX affine 4-bit (8-bit gates) and plain bf16 weights: models/kernel_linears.py's
      # mat-vecs and row gathers stand for MLX's quantized_matmul, matmul, gather and dequantize
      ("gemma4:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "scale_cast",
                              "affine_expert_glu"}, "mlx4"),
-     ("qwen3_5:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "shared_gate_add",
+     ("qwen3_5:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "shared_gate_residual_norm",
                               "gated_delta_decode"}, "mlx4"),
-     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec", "shared_gate_add"}, "bf16"),
+     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec", "shared_gate_residual_norm"}, "bf16"),
      # Qwen 2 (Llama's attention with q / k / v biases): RoPE without head norms and the GGML
      # linears' biases as kernels, the keys and values written by the RoPE kernel
      ("qwen2:tiny", 3, {"add_bias", "rms_norm_rope", "gather_rows"}, "q4_k")],
@@ -795,11 +796,22 @@ def test_capture_with_programmatic_dependent_launches(doubler, monkeypatch, pdl)
 
 
 def test_graph_pdl_switch(monkeypatch):
+    """Unset: wait-only launches (2) on compute capability 9.0 and later with a driver that has
+    cuLaunchKernelEx, else plain (0); set: its value; out of range: InvalidArgumentError."""
+    from types import SimpleNamespace
+
+    from hf2q_mlx import cuda_graph_step
     from hf2q_mlx.cuda_graph_step import graph_pdl
     from hf2q_mlx.errors import InvalidArgumentError
 
     monkeypatch.delenv("HF2Q_GRAPH_PDL", raising=False)
-    assert graph_pdl() == 0
+    for cc, want in ((None, 0), ((8, 0), 0), ((9, 0), 2), ((10, 0), 2)):
+        monkeypatch.setattr(cuda_graph_step, "_CC", [cc])
+        assert graph_pdl() == want, cc
+    assert graph_pdl(SimpleNamespace(_launch_ex=None)) == 0  # an old driver: plain launches
+    assert graph_pdl(SimpleNamespace(_launch_ex=print)) == 2
+    monkeypatch.setenv("HF2Q_GRAPH_PDL", "0")
+    assert graph_pdl(SimpleNamespace(_launch_ex=print)) == 0
     for v in ("0", "1", "2"):
         monkeypatch.setenv("HF2Q_GRAPH_PDL", v)
         assert graph_pdl() == int(v)

@@ -119,8 +119,9 @@ LAUNCHES = {
                   activations=3 * CALLS, softcap=0),
     "qwen3_5": dict(rms_norm_rope=1 * CALLS, residual_rms_norm=10 * CALLS, post_norm_residual=0,
                     activations=4 * CALLS, softcap=0),
-    # routed experts + shared expert: 2 SwiGLUs per layer
-    "qwen3_5_moe": dict(rms_norm_rope=2 * CALLS, residual_rms_norm=8 * CALLS + 5,
+    # routed experts + shared expert: 2 SwiGLUs per layer; each MoE end makes the residual add
+    # and next norm itself (shared_gate_residual_norm: 4 residual norms a call fewer)
+    "qwen3_5_moe": dict(rms_norm_rope=2 * CALLS, residual_rms_norm=4 * CALLS + 5,
                         post_norm_residual=0, activations=8 * CALLS, softcap=0),
 }  # fmt: skip
 

@@ -130,6 +130,20 @@ def test_shared_gate_residual_norm_is_the_two_kernels_emulated(monkeypatch, D):
         rrn._plan.cache_clear()
 
 
+def test_gate_norm_switch(monkeypatch):
+    """HF2Q_SHARED_GATE_NORM: unset or 1 on (the default since session 43), 0 off, anything else
+    an InvalidArgumentError naming the switch; ``ops.shared_gate_residual_norm`` follows it."""
+    from hf2q_mlx.errors import InvalidArgumentError
+
+    for text, want in (("", True), ("1", True), (" 1 ", True), ("0", False)):
+        monkeypatch.setattr(sg, "GATE_NORM", text)
+        assert sg.gate_norm_enabled() is want, text
+    for text in ("2", "on", "-1"):
+        monkeypatch.setattr(sg, "GATE_NORM", text)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_SHARED_GATE_NORM"):
+            sg.gate_norm_enabled()
+
+
 def test_dispatchers_fall_back_for_other_shapes(monkeypatch):
     """A weight wider than the rows (MLX would promote) or a wrong layout: the reference."""
     monkeypatch.setattr(sg, "backend", lambda: "cuda")
