@@ -46,9 +46,10 @@ def _bits(a: mx.array) -> np.ndarray:
      # mat-vecs and row gathers stand for MLX's quantized_matmul, matmul, gather and dequantize
      ("gemma4:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "scale_cast",
                              "affine_expert_glu"}, "mlx4"),
-     ("qwen3_5:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec", "shared_gate_residual_norm",
-                              "gated_delta_decode"}, "mlx4"),
-     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec", "shared_gate_residual_norm"}, "bf16"),
+     ("qwen3_5:tiny-moe", 2, {"gather_affine_rows", "dense_affine_matvec",
+                              "shared_gate_residual_norm", "gated_delta_decode"}, "mlx4"),
+     ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec",
+                              "shared_gate_residual_norm"}, "bf16"),
      # Qwen 2 (Llama's attention with q / k / v biases): RoPE without head norms and the GGML
      # linears' biases as kernels, the keys and values written by the RoPE kernel
      ("qwen2:tiny", 3, {"add_bias", "rms_norm_rope", "gather_rows"}, "q4_k")],
