@@ -32,6 +32,7 @@ import os
 import struct
 import sys
 from collections.abc import Sequence
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -97,13 +98,10 @@ def graph_pdl(driver=None) -> int:
     return 2 if cc is not None and cc[0] >= 9 else 0
 
 
-_CC: list = []  # the GPU's compute capability, looked up once
-
-
+@lru_cache(maxsize=1)
 def _compute_capability() -> tuple[int, int] | None:
-    if not _CC:
-        _CC.append(cuda_cache._compute_capability() if mx.cuda.is_available() else None)
-    return _CC[0]
+    """The GPU's compute capability, looked up once (None without CUDA)."""
+    return cuda_cache._compute_capability() if mx.cuda.is_available() else None
 
 
 def graph_prefetch() -> bool:

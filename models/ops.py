@@ -104,11 +104,9 @@ def _cpu_ext(x: mx.array, weight: mx.array | None = None):
     """The CPU extension (custom_kernels/cpu_ext: its one-op RMS norm and RoPE) where this call's
     ops run on the CPU in float32 with a (D,) weight or none, else None. MLX 0.32.4's CPU back
     end runs mx.fast.rms_norm and mx.fast.rope as their fallbacks: 4-5 and ~10 ops a call."""
-    if x.dtype != mx.float32 or x.ndim == 0 or mx.default_device().type != mx.DeviceType.cpu:
+    if weight is not None and (weight.dtype != mx.float32 or weight.shape != x.shape[-1:]):
         return None
-    if weight is not None and (weight.dtype != mx.float32 or weight.shape != (x.shape[-1],)):
-        return None
-    return cpu_ext.load() if cpu_ext.fused_ops() else None
+    return cpu_ext.fused_module(x)
 
 
 @lru_cache(maxsize=64)
@@ -144,9 +142,8 @@ def residual_norm(
         y = y if post_norm is None else post_norm(y)
         return residual_norm_kernel.residual_rms_norm(x, y, norm.weight, norm.eps)
     ext = _cpu_ext(x, norm.weight) if y.dtype == mx.float32 else None
-    if post_norm is not None and (ext is None or _cpu_ext(y, post_norm.weight) is None):
-        ext = None
-    if ext is not None:  # the CPU: the extension's one-op norms and the add, 2-3 ops (MLX: 8)
+    if ext is not None and (post_norm is None or _cpu_ext(y, post_norm.weight) is not None):
+        # the CPU: the extension's one-op norms and the add, 2-3 ops (MLX's fallbacks: 8)
         h = x + (y if post_norm is None else ext.rms_norm_cpu(y, post_norm.weight, post_norm.eps))
         return h, ext.rms_norm_cpu(h, norm.weight, norm.eps)
     if post_norm is None:

@@ -54,16 +54,14 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
 
 def _cpu_softmax(queries, keys, values, mask):
     """The CPU extension where ``sdpa`` takes its CPU graph, else None."""
-    if mx.default_device().type != mx.DeviceType.cpu or not cpu_ext.fused_ops():
-        return None
-    if any(a.dtype != mx.float32 or a.ndim != 4 for a in (queries, keys, values)):
+    if any(a.ndim != 4 for a in (queries, keys, values)):
         return None
     if isinstance(mask, str) and mask != "causal":
         return None
     q, k, v = queries.shape, keys.shape, values.shape
     if q[1] % k[1] or q[-1] != k[-1] or q[0] != k[0] or k[:3] != v[:3]:
         return None  # MLX's own checks and messages
-    return cpu_ext.load()
+    return cpu_ext.fused_module(queries, keys, values)
 
 
 def _note_warm_up(queries, keys, values, scale, mask) -> None:

@@ -807,7 +807,7 @@ def test_graph_pdl_switch(monkeypatch):
 
     monkeypatch.delenv("HF2Q_GRAPH_PDL", raising=False)
     for cc, want in ((None, 0), ((8, 0), 0), ((9, 0), 2), ((10, 0), 2)):
-        monkeypatch.setattr(cuda_graph_step, "_CC", [cc])
+        monkeypatch.setattr(cuda_graph_step, "_compute_capability", lambda cc=cc: cc)
         assert graph_pdl() == want, cc
     assert graph_pdl(SimpleNamespace(_launch_ex=None)) == 0  # an old driver: plain launches
     assert graph_pdl(SimpleNamespace(_launch_ex=print)) == 2

@@ -71,6 +71,17 @@ def fused_ops() -> bool:
     return env_int("HF2Q_CPU_FUSED", 0, 1) != 0
 
 
+def fused_module(*arrays: mx.array) -> ModuleType | None:
+    """The loaded module for a one-op CPU primitive (``fused_ops.cpp``) where the default device
+    is the CPU, ``HF2Q_CPU_FUSED`` is on and every array is float32 with at least one axis;
+    else None (the caller's MLX ops)."""
+    if mx.default_device().type != mx.DeviceType.cpu or not fused_ops():
+        return None
+    if any(a.dtype != mx.float32 or a.ndim == 0 for a in arrays):
+        return None
+    return load()
+
+
 def _nanobind() -> tuple[str, str]:
     """(version, cmake dir) of the installed nanobind, found without importing it (a build
     tool, not a dependency of this package's code); ImportError without it."""
