@@ -12,13 +12,7 @@ from hf2q_mlx.custom_kernels import backend, expert_mma
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
-from hf2q_mlx.custom_kernels.expert_glu import (
-    MAX_TOKENS,
-    expert_run_config,
-    grouped_slice_tokens,
-    h2bf_enabled,
-    per_pair_kernel,
-)
+from hf2q_mlx.custom_kernels.expert_glu import MAX_TOKENS, expert_run_config, grouped_slice_tokens
 from hf2q_mlx.custom_kernels.expert_matmul import (
     GROUPED_MODES,
     expert_matmul,
@@ -96,11 +90,10 @@ _EPILOGUE = r"""
 """
 
 
-def _loop(slots: bool = False, variant: int = 0) -> str:
-    """qmatmul's mat-vec loop (``variant`` 0: the fp32 decode; 2: the packed fp16 math on bf16
-    x) inside this kernel's slot loop, with its own epilogue; ``slots``: the slot-parallel
-    kernel's, a team's SIMD groups (not the threadgroup's) along K."""
-    body = Q._BODY if variant == 0 else Q._h2_body(variant)
+def _loop(slots: bool = False) -> str:
+    """qmatmul's fp32 mat-vec loop inside this kernel's slot loop, with its own epilogue;
+    ``slots``: the slot-parallel kernel's, a team's SIMD groups (not the threadgroup's) along K."""
+    body = Q._BODY
     if "@PROLOGUE@" not in body or "@EPILOGUE@" not in body:
         raise RuntimeError("expert_down: qmatmul's mat-vec loop no longer has its placeholders")
     if slots:
@@ -115,12 +108,9 @@ def _loop(slots: bool = False, variant: int = 0) -> str:
     return body.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", epilogue)
 
 
-def _make_kernel(ggml_type: int, slots: bool = False, variant: int = 0) -> Kernel:
-    """Today's kernel, or with ``slots`` the slot-parallel one (template S: slot teams), on
-    ``variant``'s loop (0: any x dtype; 2: bf16 x only)."""
+def _make_kernel(ggml_type: int, slots: bool = False) -> Kernel:
+    """Today's kernel, or with ``slots`` the slot-parallel one (template S: slot teams)."""
     configs = ((mx.float32, 4, 2, 2), (mx.bfloat16, 2, 1, 8))  # (T, R, U, S) to render
-    if variant:
-        configs = tuple((mx.bfloat16, *c[1:]) for c in configs)
     examples = [
         Example(
             {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "wts": mx.float32, "edims": (mx.int32, 5)},
@@ -130,12 +120,11 @@ def _make_kernel(ggml_type: int, slots: bool = False, variant: int = 0) -> Kerne
         for dt, r, u, s in configs
     ]
     prefix, kind = (_SLOTS_PREFIX, "slots_") if slots else (_PREFIX, "")
-    kind += "" if variant == 0 else Q.VARIANTS[variant] + "_"
     return Kernel(
         f"ggml_expert_down_{kind}{GGMLQuantizationType(ggml_type).name.lower()}",
         inputs=["xs", "wq", "ids", "wts", "edims"],
         outputs=["ys"],
-        body=fill_format(prefix + _loop(slots, variant), ggml_type),
+        body=fill_format(prefix + _loop(slots), ggml_type),
         header=kernel_header(ggml_type),
         examples=examples,
     )
@@ -204,11 +193,6 @@ _SLOTS_EPILOGUE = r"""
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
 _SLOT_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, slots=True) for t in Q.MAT_VEC_TYPES}
-# both on qmatmul's packed fp16 loop for bf16 x (V = 2): HF2Q_EXPERT_H2BF (expert_glu)
-_H2BF_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, variant=2) for t in Q.MAT_VEC_TYPES}
-_H2BF_SLOT_KERNELS: dict[int, Kernel] = {
-    t: _make_kernel(t, slots=True, variant=2) for t in Q.MAT_VEC_TYPES
-}
 _MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
 
 # HF2Q_DOWN_SLOTS: slot teams the dispatcher gives the slot-parallel kernel; 0 or 1: the
@@ -223,13 +207,11 @@ SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
 AUTO_SLOT_TEAMS = 8  # "auto" on CUDA
 
 
-def slot_config(
-    ggml_type: int, K: int, k: int, dtype: mx.Dtype | None = None
-) -> dict[str, int] | None:
-    """The dispatcher's slot-parallel launch for k slots per token: expert_run_config's R, U,
-    W, V (R = SLOT_ROWS when set) and S = min(SLOT_TEAMS, k, 8 // W); None (today's kernel)
-    while SLOT_TEAMS < 2 ("auto": ``AUTO_SLOT_TEAMS`` with the CUDA back end, else 0). Depends
-    on (type, K, k, dtype) only, never on the tokens."""
+def slot_config(ggml_type: int, K: int, k: int) -> dict[str, int] | None:
+    """The dispatcher's slot-parallel launch for k slots per token: expert_run_config's R, U, W
+    (R = SLOT_ROWS when set) and S = min(SLOT_TEAMS, k, 8 // W); None (today's kernel) while
+    SLOT_TEAMS < 2 ("auto": ``AUTO_SLOT_TEAMS`` with the CUDA back end, else 0). Depends on
+    (type, K, k) only, never on the tokens."""
     teams = SLOT_TEAMS
     if str(teams).strip().lower() in ("auto", ""):
         teams = AUTO_SLOT_TEAMS if backend() == "cuda" else 0
@@ -242,7 +224,7 @@ def slot_config(
         ) from None
     if teams < 2 or k < 2:
         return None
-    cfg = expert_run_config(ggml_type, K, dtype)
+    cfg = expert_run_config(ggml_type, K)
     if rows > 0:
         cfg["R"] = rows
     cfg["S"] = max(1, min(teams, k, _MAX_SIMD // cfg["W"]))
@@ -255,7 +237,7 @@ def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
     E, N, _ = w.shape
     k = expert_ids.shape[-1]
     tokens = expert_ids.size // k
-    cfg = dict(config or expert_run_config(ggml_type, K, h.dtype))
+    cfg = dict(config or expert_run_config(ggml_type, K))
     S = cfg.get("S", 1)
     if S < 1 or S * cfg["W"] > _MAX_SIMD:
         raise InvalidArgumentError(f"config {cfg}: S x W must be 1..{_MAX_SIMD} SIMD groups")
@@ -263,12 +245,7 @@ def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
     if S > 1:
         template["S"] = S
     return LaunchPlan(
-        per_pair_kernel(
-            *((_SLOT_KERNELS, _H2BF_SLOT_KERNELS) if S > 1 else (_KERNELS, _H2BF_KERNELS)),
-            ggml_type,
-            cfg,
-            h.dtype,
-        ),  # fmt: skip
+        (_SLOT_KERNELS if S > 1 else _KERNELS)[ggml_type],
         [1, N, K, k, E],
         grid=(-(-N // cfg["R"]) * 32 * cfg["W"] * S, tokens),
         threadgroup=(32 * cfg["W"] * S, 1),
@@ -290,9 +267,9 @@ def expert_down_kernel(
     init_value: float | None = None,
 ) -> mx.array:
     """The GPU kernel alone, the contract of :func:`expert_down_reference` for GGML weights;
-    a token with an id >= E gives a NaN row. ``config`` overrides R, U, W, V (V = 2: bf16 h
-    only) and S (slot teams: the slot-parallel kernel from 2 on); ``init_value`` pre-fills the
-    output (tests poison it with NaN)."""
+    a token with an id >= E gives a NaN row. ``config`` overrides R, U, W (and S: slot teams,
+    the slot-parallel kernel from 2 on); ``init_value`` pre-fills the output (tests poison it
+    with NaN)."""
     plan = _plan(h, w, expert_ids, ggml_type, in_features, config)
     return plan.call(h, w, *ids_and_weights(expert_ids, weights), init_value=init_value)
 
@@ -366,7 +343,7 @@ def expert_down(
         if y is not None:  # None: expert_mma.covers says no
             return y
     key = (_KERNELS.get(ggml_type), _SLOT_KERNELS.get(ggml_type), SLOT_TEAMS, SLOT_ROWS,
-           h2bf_enabled(), ggml_type, in_features, h.shape, h.dtype, w.shape, expert_ids.shape,
+           ggml_type, in_features, h.shape, h.dtype, w.shape, expert_ids.shape,
            expert_ids.dtype, weights.dtype)  # fmt: skip
     plan = _CALLS.get(key) if backend() is not None else None
     if plan is None and ggml_type is not None and kernel_covers(h, w, expert_ids, weights,
@@ -378,7 +355,7 @@ def expert_down(
             raise WeightMismatchError(
                 f"expected uint8 expert blocks (E, N, {rb}), got {w.dtype} {tuple(w.shape)}"
             )
-        slots = slot_config(ggml_type, in_features, expert_ids.shape[-1], h.dtype)
+        slots = slot_config(ggml_type, in_features, expert_ids.shape[-1])
         plan = _plan(h, w, expert_ids, ggml_type, in_features, slots)
         _CALLS[key] = plan.resolve(h.dtype, mx.uint8, mx.uint32, mx.float32)
     if plan is not None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import activations, backend, expert_mma, int_setting
+from hf2q_mlx.custom_kernels import activations, backend, expert_mma
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
@@ -118,16 +117,14 @@ _EPILOGUE = r"""
 """
 
 
-def _loop(epilogue: str = _EPILOGUE, columns: str | None = None, variant: int = 0) -> str:
-    """qmatmul's mat-vec loop (``variant`` 0: the fp32 decode; 2: the packed fp16 math on bf16
-    x, qmatmul.VARIANTS) with this kernel's row pointers and ``epilogue``; ``columns``: the
-    line that replaces the prologue's count of x columns."""
-    body = Q._BODY if variant == 0 else Q._h2_body(variant)
+def _loop(epilogue: str = _EPILOGUE, columns: str | None = None) -> str:
+    """qmatmul's fp32 mat-vec loop with this kernel's row pointers and ``epilogue``;
+    ``columns``: the line that replaces the prologue's count of x columns."""
     if (
         _ROWS_OLD not in Q._PROLOGUE
         or _COLS_OLD not in Q._PROLOGUE
-        or "@PROLOGUE@" not in body
-        or "@EPILOGUE@" not in body
+        or "@PROLOGUE@" not in Q._BODY
+        or "@EPILOGUE@" not in Q._BODY
     ):
         # qmatmul's loop changed shape: this kernel must follow it (a loud import error, not a
         # kernel that silently reads the wrong rows)
@@ -136,34 +133,29 @@ def _loop(epilogue: str = _EPILOGUE, columns: str | None = None, variant: int = 
     if columns is not None:
         prologue = prologue.replace(_COLS_OLD, columns)
     epilogue = epilogue.replace("@ACTIVATE@", _ACTIVATE).lstrip("\n")
-    return body.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", epilogue)
+    return Q._BODY.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", epilogue)
 
 
-def _make_kernel(ggml_type: int, variant: int = 0) -> Kernel:
-    """The per-pair kernel on ``variant``'s loop (0: any x dtype; 2: bf16 x only)."""
-    dts = (mx.float32, mx.bfloat16) if variant == 0 else (mx.bfloat16,) * 2
+def _make_kernel(ggml_type: int) -> Kernel:
     examples = [
         Example(
             {"xs": dt, "wg": mx.uint8, "wu": mx.uint8, "ids": mx.uint32, "edims": (mx.int32, 7)},
             {"ys": dt},
             {"T": dt, "MT": 1, "R": r, "U": u, "ACT": act},
         )
-        for dt, r, u, act in zip(dts, (4, 2), (2, 1), (0, 1))
+        for dt, r, u, act in ((mx.float32, 4, 2, 0), (mx.bfloat16, 2, 1, 1))
     ]
-    suffix = "" if variant == 0 else Q.VARIANTS[variant] + "_"
     return Kernel(
-        f"ggml_expert_glu_{suffix}{GGMLQuantizationType(ggml_type).name.lower()}",
+        f"ggml_expert_glu_{GGMLQuantizationType(ggml_type).name.lower()}",
         inputs=["xs", "wg", "wu", "ids", "edims"],
         outputs=["ys"],
-        body=fill_format(_PREFIX + _loop(variant=variant), ggml_type),
+        body=fill_format(_PREFIX + _loop(), ggml_type),
         header=kernel_header(ggml_type),
         examples=examples,
     )
 
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in Q.MAT_VEC_TYPES}
-# the same on qmatmul's packed fp16 loop for bf16 x (V = 2): HF2Q_EXPERT_H2BF
-_H2BF_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, 2) for t in Q.MAT_VEC_TYPES}
 # tokens per call the kernel takes: a compiled decode step's rows (up to 32); past that every
 # expert is read about once anyway, and the dequantizing paths of expert_matmul take over
 MAX_TOKENS = 32
@@ -176,36 +168,12 @@ ACTIVATIONS = activations.ACTIVATIONS  # "silu", "gelu_tanh": the epilogue's ACT
 # B = 1, 8 and 32: an expert's K (512..2816) is too short to split over SIMD groups. U and W
 # depend on (type, K) only, so a pair's bits do not depend on the tokens beside it.
 EXPERT_RUN = {"R": 4, "U": 1, "W": 1}
-# HF2Q_EXPERT_H2BF (read at import, parsed per plan: 1 on; 0 or unset off): on bf16 x the
-# per-pair expert kernels (gate/up here, both downs in expert_down) run qmatmul's packed fp16
-# loop (V = 2, the dense Q4_0 / Q4_K mat-vecs' bf16 default) instead of the fp32 decode.
-EXPERT_H2BF = os.environ.get("HF2Q_EXPERT_H2BF", "")
 
 
-def h2bf_enabled() -> bool:
-    """Whether bf16 x takes the packed fp16 loop (``EXPERT_H2BF``); InvalidArgumentError for a
-    value other than 0, 1 or empty."""
-    return bool(int_setting("HF2Q_EXPERT_H2BF", EXPERT_H2BF, 0, 1))
-
-
-def expert_run_config(ggml_type: int, K: int, dtype: mx.Dtype | None = None) -> dict[str, int]:
+def expert_run_config(ggml_type: int, K: int) -> dict[str, int]:
     """R (outputs per threadgroup: features of the GLU, rows of the down projection), U, W of
-    the per-pair expert kernels, and V (qmatmul's loop variant): 2 for bf16 x with
-    ``h2bf_enabled()``, else 0. V, U and W depend on (type, K, dtype) only: a pair's bits do
-    not depend on the tokens beside it."""
-    bf16 = dtype is not None and dtype == mx.bfloat16
-    cfg = dict(EXPERT_RUN, V=2 if bf16 and h2bf_enabled() else 0)
-    return Q.clamp_w(ggml_type, K, cfg)
-
-
-def per_pair_kernel(kernels: dict[int, Kernel], h2bf: dict[int, Kernel], ggml_type: int,
-                    cfg: dict[str, int], dtype: mx.Dtype) -> Kernel:  # fmt: skip
-    """The kernel a per-pair launch of ``cfg`` takes: ``h2bf``'s for V = 2 (bf16 x only)."""
-    if cfg.get("V", 0) == 0:
-        return kernels[ggml_type]
-    if cfg["V"] != 2 or dtype != mx.bfloat16:
-        raise InvalidArgumentError(f"config {cfg}: V must be 0, or 2 with bfloat16 x ({dtype})")
-    return h2bf[ggml_type]
+    the per-pair expert kernels."""
+    return Q.clamp_w(ggml_type, K, dict(EXPERT_RUN))
 
 
 def _plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config) -> LaunchPlan:
@@ -215,11 +183,11 @@ def _plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, confi
     F = rows if w_up is not None else rows // 2
     k = expert_ids.shape[-1]
     per_slot = x.ndim == expert_ids.ndim + 1
-    cfg = dict(config or expert_run_config(ggml_type, K, x.dtype))
+    cfg = dict(config or expert_run_config(ggml_type, K))
     rh = cfg["R"]  # features per threadgroup
     up0 = 0 if w_up is not None else F
     return LaunchPlan(
-        per_pair_kernel(_KERNELS, _H2BF_KERNELS, ggml_type, cfg, x.dtype),
+        _KERNELS[ggml_type],
         [1, F, K, 1 if per_slot else k, E, rows, up0],
         grid=(-(-F // rh) * 32 * cfg["W"], expert_ids.size),
         threadgroup=(32 * cfg["W"], 1),
@@ -245,8 +213,8 @@ def expert_glu_kernel(
     """The GPU kernel alone, with the contract of :func:`expert_glu_reference` for GGML weights;
     x's leading dims must equal the ids' (no broadcasting). An id >= E gives NaN rows.
 
-    ``config``: R (features per threadgroup), U, W, V (default: ``expert_run_config``; V = 2
-    takes bf16 x only); ``init_value`` pre-fills the output.
+    ``config``: R (features per threadgroup), U, W (default: ``expert_run_config``);
+    ``init_value`` pre-fills the output.
     """
     plan = _plan(x, w, w_up, expert_ids, ggml_type, in_features, activation, config)
     wu = w if w_up is None else w_up
@@ -575,9 +543,9 @@ def expert_glu(
         y = expert_mma.expert_glu(x, w, expert_ids, ggml_type, in_features, activation, w_up)
         if y is not None:  # None: expert_mma.covers says no
             return y
-    key = (_KERNELS.get(ggml_type), h2bf_enabled(), ggml_type, in_features, activation,
-           x.shape, x.dtype, w.shape, w.dtype, None if w_up is None else w_up.shape,
-           expert_ids.shape, expert_ids.dtype)  # fmt: skip
+    key = (_KERNELS.get(ggml_type), ggml_type, in_features, activation, x.shape, x.dtype,
+           w.shape, w.dtype, None if w_up is None else w_up.shape, expert_ids.shape,
+           expert_ids.dtype)  # fmt: skip
     be = backend()
     plan = _CALLS.get(key) if be is not None else None
     if (

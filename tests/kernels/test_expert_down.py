@@ -337,41 +337,6 @@ def test_dispatcher_slot_switch_on_the_emulator(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # GPU: every type x dtype, the bench models' down shapes, outputs and unselected experts poisoned
 
-# The packed fp16 loop on bf16 h (config V = 2, HF2Q_EXPERT_H2BF), per-pair and slot-parallel
-# (type, k, E, N, K, config): 11 blocks over U x W runs, rows past a threadgroup's, 33+ rows a
-# token (test_expert_glu's _H2BF_CASES: the bf16 bound needs more than a handful of outputs).
-_H2BF_DOWN = [
-    (T.Q5_0, 3, 6, 40, 352, {"R": 4, "U": 1, "W": 1, "V": 2}),
-    (T.Q4_K, 8, 9, 33, 768, {"R": 3, "U": 2, "W": 2, "V": 2, "S": 4}),
-]
-
-
-@needs_gxx
-@pytest.mark.parametrize("c", _H2BF_DOWN, ids=["per-pair", "slots"])
-def test_h2bf_kernels_on_the_emulator(c, monkeypatch):
-    """The bf16 bound; a token's bits alone are its bits among 5; the slot kernel's bits do not
-    depend on S; the switch gives the dispatcher's configs V = 2 for bf16 h only."""
-    t, k, e, n, kk, cfg = c
-    raw = _experts(t, e, n, kk, seed=n)
-    ids, wts = _route(5, k, e, seed=n + 1)
-    h, w = _h((5, k, kk), mx.bfloat16, seed=n + 2), _poisoned(raw, ids)
-    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
-    out = D.expert_down_kernel(h, w, ids, wts, t, kk, config=cfg)
-    _check(out, h, raw, ids, wts, t, kk)
-    alone = D.expert_down_kernel(h[2:3], w, ids[2:3], wts[2:3], t, kk, config=cfg)
-    assert mx.array_equal(alone, out[2:3])
-    if "S" in cfg:
-        assert mx.array_equal(D.expert_down_kernel(h, w, ids, wts, t, kk, config=dict(cfg, S=2)),
-                              out)  # fmt: skip
-    monkeypatch.setattr(G, "EXPERT_H2BF", "1")
-    monkeypatch.setattr(D, "SLOT_TEAMS", "8")
-    assert D.slot_config(t, kk, k, mx.bfloat16)["V"] == 2
-    assert D.slot_config(t, kk, k, mx.float32)["V"] == 0
-    plan = D._plan(h, w, ids, t, kk, D.slot_config(t, kk, k, mx.bfloat16))
-    assert plan.kernel is D._H2BF_SLOT_KERNELS[t]
-    assert D._plan(h, w, ids, t, kk, None).kernel is D._H2BF_KERNELS[t]
-
-
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 # (E, N, K): odd tiny; Gemma-4-26B-A4B's down (N 2816, K 704: 32-weight blocks only) and
 # Qwen3.5-35B-A3B's (N 2048, K 512), fewer experts (only the selected ones are read)
@@ -448,26 +413,3 @@ def test_gpu_slot_kernel_row_parity(t, e, n, kk, dtype):
     w_max = 8 // G.expert_run_config(t, kk)["W"]
     for s, r in ((2, 4), (4, 2), (4, 8)):
         assert np.array_equal(run(slice(None), S=min(s, w_max), R=r), batch), (s, r)
-
-
-@requires_gpu
-@pytest.mark.parametrize("t,e,n,kk", [(T.Q5_0, 16, 2816, 704), (T.Q4_K, 12, 2048, 512)],
-                         ids=["gemma4-26b-a4b", "qwen3.5-35b-a3b"])  # fmt: skip
-@pytest.mark.parametrize("slots", [1, 8], ids=["per-pair", "slots"])
-def test_gpu_h2bf_kernels(t, e, n, kk, slots):
-    """V = 2 (HF2Q_EXPERT_H2BF) at the models' down shapes, k 8, 32 tokens: the bf16 bound, each
-    token's bits alone and in a 5-token verify equal to its bits in the batch."""
-    k, nan = 8, float("nan")
-    raw = _experts(t, e, n, kk, seed=n + 4)
-    ids, wts = _route(_BATCH, k, e, seed=n + 5)
-    h, w = _h((_BATCH, k, kk), mx.bfloat16, seed=n + 6), _poisoned(raw, ids)
-    cfg = dict(_slot_cfg(t, kk, k), V=2) if slots > 1 else dict(G.expert_run_config(t, kk), V=2)
-
-    def run(s):
-        return D.expert_down_kernel(h[s], w, ids[s], wts[s], t, kk, config=cfg, init_value=nan)
-
-    batch = run(slice(None))
-    _check(batch, h, raw, ids, wts, t, kk)
-    assert mx.array_equal(run(_VERIFY), batch[_VERIFY])
-    for j in (0, 31):
-        assert mx.array_equal(run(slice(j, j + 1)), batch[j : j + 1]), j

@@ -404,65 +404,6 @@ def test_model_experts_use_the_kernel(model, monkeypatch):
     assert np.abs(np.array(got) - ref).max() <= FP32_TOL * np.abs(ref).max()
 
 
-# The packed fp16 loop on bf16 x (config V = 2, HF2Q_EXPERT_H2BF): (type, activation, fused,
-# tokens, k, per-slot x, E, F, K, config); F past a threadgroup's features, partial runs (11
-# blocks over U 2 x W 2), several SIMD groups. Checked at the bf16 bound, as qmatmul's V = 2,
-# over rows of 33+ features: the fp16 sums move an output's bf16 rounding by an ulp at times,
-# which a row of 7 outputs (whose reference error is small by chance) can read as 2.9x it.
-_H2BF_CASES = [
-    (T.Q4_K, "silu", True, 2, 3, False, 5, 40, 768, {"R": 4, "U": 1, "W": 1, "V": 2}),
-    (T.Q5_0, "gelu_tanh", False, 3, 2, True, 6, 41, 352, {"R": 3, "U": 2, "W": 2, "V": 2}),
-    (T.Q6_K, "silu", True, 1, 8, False, 9, 33, 2304, {"R": 2, "U": 2, "W": 3, "V": 2}),
-]
-
-
-def _h2bf_case(c):
-    t, act, fused, m, k, per_slot, e, f, kk, _ = c
-    raw = _experts(t, e, 2 * f, kk, seed=f + kk)
-    ids = _ids(m, k, e, seed=kk)
-    x = _x((m, k, kk) if per_slot else (m, kk), mx.bfloat16, f, raw, t)
-    if fused:
-        return x, _poisoned(raw, ids), None, ids, raw
-    g, u = np.ascontiguousarray(raw[:, :f]), raw[:, f:].copy()
-    return x, _poisoned(g, ids), _poisoned(u, ids), ids, raw
-
-
-@needs_gxx
-@pytest.mark.parametrize("c", _H2BF_CASES, ids=lambda c: f"{c[0].name}-{c[1]}")
-def test_h2bf_kernel_on_the_emulator(c, monkeypatch):
-    t, act, f, kk = c[0], c[1], c[7], c[8]
-    x, w, w_up, ids, raw = _h2bf_case(c)
-    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
-    out = G.expert_glu_kernel(x, w, ids, t, kk, act, w_up, config=c[9])
-    _check(out, x, raw[:, :f], raw[:, f:], ids, t, kk, act)
-
-
-def test_h2bf_switch_and_config(monkeypatch):
-    """HF2Q_EXPERT_H2BF: V = 2 for bf16 x only when on (0 / unset off; else an
-    InvalidArgumentError naming it); the launch takes the V = 2 kernel; V = 2 on other x
-    dtypes or another V: InvalidArgumentError."""
-    t, kk = T.Q4_K, 2816
-    for text, v in (("", 0), ("0", 0), ("1", 2), (" 1 ", 2)):
-        monkeypatch.setattr(G, "EXPERT_H2BF", text)
-        assert G.expert_run_config(t, kk, mx.bfloat16)["V"] == v, text
-        for dt in (mx.float32, mx.float16, None):
-            assert G.expert_run_config(t, kk, dt)["V"] == 0
-    for text in ("2", "on"):
-        monkeypatch.setattr(G, "EXPERT_H2BF", text)
-        with pytest.raises(InvalidArgumentError, match="HF2Q_EXPERT_H2BF"):
-            G.expert_run_config(t, kk, mx.bfloat16)
-    monkeypatch.setattr(G, "EXPERT_H2BF", "1")
-    x, w, _, ids, _ = _h2bf_case(_H2BF_CASES[0])
-    plan = G._plan(x, w, None, ids, t, 768, "silu", None)
-    assert plan.kernel is G._H2BF_KERNELS[t]
-    assert (
-        G._plan(x.astype(mx.float32), w, None, ids, t, 768, "silu", None).kernel is (G._KERNELS[t])
-    )
-    for dt, v in ((mx.float32, 2), (mx.bfloat16, 1)):
-        with pytest.raises(InvalidArgumentError, match="V must be"):
-            G._plan(x.astype(dt), w, None, ids, t, 768, "silu", {"R": 4, "U": 1, "W": 1, "V": v})
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: every type x dtype, the bench models' shapes, outputs and unselected experts poisoned
 
@@ -536,24 +477,3 @@ def test_gpu_dense_glu(dtype, t, f, kk, monkeypatch):
         cfg = G.dense_config(t, m, f, kk)
         poisoned = G.dense_glu_kernel(x[rows], w, t, kk, config=cfg, init_value=float("nan"))
         assert np.array_equal(_bits(poisoned), _bits(y))
-
-
-@requires_gpu
-@pytest.mark.parametrize("e,f,kk", SHAPES[1:], ids=["gemma4-26b-a4b", "qwen3.5-35b-a3b"])
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m,k,per_slot,fused", [ROUTES[0], ROUTES[2]])
-def test_gpu_h2bf_kernel(m, k, per_slot, fused, t, e, f, kk):
-    """V = 2 (HF2Q_EXPERT_H2BF) at the models' expert shapes, every type: the bf16 bound, and a
-    pair's bits alone equal to its bits among 32 tokens."""
-    if kk % (256 if "_K" in t.name else 32):
-        pytest.skip("K not a multiple of the block")
-    raw = _experts(t, e, 2 * f, kk, seed=f + 1)
-    ids = _ids(m, k, e, seed=m + f)
-    x = _x((m, kk), mx.bfloat16, m + f + 1, raw, t)
-    cfg = dict(G.expert_run_config(t, kk), V=2)
-    out = G.expert_glu_kernel(x, _poisoned(raw, ids), ids, t, kk, "silu", config=cfg,
-                              init_value=float("nan"))  # fmt: skip
-    _check(out, x, raw[:, :f], raw[:, f:], ids, t, kk, "silu")
-    alone = G.expert_glu_kernel(x[m // 2 :][:1], _poisoned(raw, ids), ids[m // 2 :][:1], t, kk,
-                                "silu", config=cfg, init_value=float("nan"))  # fmt: skip
-    assert mx.array_equal(alone, out[m // 2 :][:1])
