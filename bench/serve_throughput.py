@@ -178,12 +178,17 @@ def _wave(engine: Engine, prompts: list[list[int]], gen: int) -> tuple[dict, dic
     return starts, stamps
 
 
+MLX_LM_PROMPT_CONCURRENCY = 8  # mlx_lm.server --prompt-concurrency's default (mlx-lm 0.32.2)
+
+
 def run_mlx_lm(model, n: int, gen: int, vocab: int) -> dict:
     from mlx_lm.generate import BatchGenerator  # mlx_lm.server batches through this class
 
     def wave(prompts):
+        # mlx_lm.server's defaults: --prompt-concurrency 8 (prompts prefilled together; 32 at
+        # once failed inside MLX 0.32.4's CUDA graph on 26B-A4B, session 44), decode all n
         bg = BatchGenerator(model, max_tokens=gen, stop_tokens=set(), completion_batch_size=n,
-                            prefill_batch_size=n)  # fmt: skip
+                            prefill_batch_size=min(n, MLX_LM_PROMPT_CONCURRENCY))  # fmt: skip
         t0 = time.perf_counter()
         uids = bg.insert(prompts, [gen] * len(prompts))
         starts = {u: t0 for u in uids}
