@@ -372,6 +372,9 @@ step router-batched-ab 420 "python3 bench/mlx_env_ab.py $OUT/router_batched_ab.j
 # Qwen 3.5's MoE end with the residual add and norm after it in one kernel (session 42, CPU-
 # verified, off): its GPU tests, then 35B-A3B's graph decode with it on and off
 step gate-norm-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and shared_gate' tests/kernels/test_sigmoid_gate.py --tb=short && python3 bench/mlx_env_ab.py $OUT/gate_norm_ab.json --step graph --format ${FORMAT:-q4_k} --shape qwen3_5:35b-a3b --rounds 5 --tokens 64 --time-cap 300 --env '' --env HF2Q_SHARED_GATE_NORM=1 ${AB_EXTRA:-}"
+# the per-pair expert kernels' (R, U, W) in the graph decode (HF2Q_EXPERT_RUN, session 44): the
+# sweep that chose 4,1,1 timed whole calls with host cost inside; three 26B-A4B workers fit an H100
+step expert-run-ab 420 "python3 bench/mlx_env_ab.py $OUT/expert_run_ab.json --step graph --format q4_k --shape ${SHAPE:-gemma4:26b-a4b} --rounds ${ROUNDS:-5} --tokens 64 --time-cap 300 --env '' ${RUN_ENVS:---env HF2Q_EXPERT_RUN=2,1,1 --env HF2Q_EXPERT_RUN=4,1,2}"
 # wait-only programmatic launches in the graph (HF2Q_GRAPH_PDL=2: 1.02x in session 35, one run)
 step pdl2-ab 300 "python3 bench/mlx_env_ab.py $OUT/pdl2_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 7 --tokens 64 --time-cap 200 --env '' --env HF2Q_GRAPH_PDL=2"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType
@@ -166,14 +167,33 @@ ACTIVATIONS = activations.ACTIVATIONS  # "silu", "gelu_tanh": the epilogue's ACT
 # one block per run. On the H200 (bench/expert_sweep.py, 2026-12-02, Q4_K gate/up, Q5_0 / Q4_K
 # down at the 26B-A4B and 35B-A3B shapes) that beat qmatmul's mat-vec defaults by 1.05-1.5x at
 # B = 1, 8 and 32: an expert's K (512..2816) is too short to split over SIMD groups. U and W
-# depend on (type, K) only, so a pair's bits do not depend on the tokens beside it.
+# depend on (type, K) only, so a pair's bits do not depend on the tokens beside it. Those sweep
+# times were whole calls at B = 1 (47 us, host cost inside) where the graph decode spends 21 us
+# (session 43's profile): HF2Q_EXPERT_RUN="R,U,W" (read at import) replaces them for an A/B.
 EXPERT_RUN = {"R": 4, "U": 1, "W": 1}
+
+
+def _run_setting(text: str) -> dict[str, int] | None:
+    """HF2Q_EXPERT_RUN's "R,U,W" (R 1..16, U 1..8, W 1..8), None when empty."""
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
+    if not parts:
+        return None
+    ok = len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts)
+    vals = [int(p) for p in parts] if ok else []
+    if not ok or not (1 <= vals[0] <= 16 and 1 <= vals[1] <= 8 and 1 <= vals[2] <= 8):
+        raise InvalidArgumentError(
+            f"HF2Q_EXPERT_RUN={text!r}: expected R,U,W (R 1..16, U 1..8, W 1..8), e.g. 4,1,1"
+        )
+    return dict(zip("RUW", vals))
+
+
+RUN_SETTING = os.environ.get("HF2Q_EXPERT_RUN", "")  # parsed when a launch is first built
 
 
 def expert_run_config(ggml_type: int, K: int) -> dict[str, int]:
     """R (outputs per threadgroup: features of the GLU, rows of the down projection), U, W of
-    the per-pair expert kernels."""
-    return Q.clamp_w(ggml_type, K, dict(EXPERT_RUN))
+    the per-pair expert kernels (``HF2Q_EXPERT_RUN`` where set)."""
+    return Q.clamp_w(ggml_type, K, dict(_run_setting(RUN_SETTING) or EXPERT_RUN))
 
 
 def _plan(x, w, w_up, expert_ids, ggml_type: int, K: int, activation: str, config) -> LaunchPlan:

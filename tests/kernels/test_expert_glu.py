@@ -18,6 +18,7 @@ from kernel_emulator import Emulated
 import hf2q_mlx.custom_kernels as ck
 from hf2q_mlx.custom_kernels import activations
 from hf2q_mlx.custom_kernels import expert_glu as G
+from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
@@ -402,6 +403,22 @@ def test_model_experts_use_the_kernel(model, monkeypatch):
     _check(got, x, raw[:, :f], raw[:, f:], ids, t, kk, act)
     ref = np.array(want)
     assert np.abs(np.array(got) - ref).max() <= FP32_TOL * np.abs(ref).max()
+
+
+def test_expert_run_setting(monkeypatch):
+    """HF2Q_EXPERT_RUN "R,U,W" replaces EXPERT_RUN in expert_run_config (W still cut to the runs
+    a row has); empty keeps it; anything else is an InvalidArgumentError naming the switch."""
+    t, kk = T.Q4_K, 2816  # 11 super-blocks, 8 a step (4 lanes each): 2 steps a row
+    monkeypatch.setattr(G, "RUN_SETTING", "")
+    assert G.expert_run_config(t, kk) == Q.clamp_w(t, kk, G.EXPERT_RUN)
+    monkeypatch.setattr(G, "RUN_SETTING", " 2, 1,2 ")
+    assert G.expert_run_config(t, kk) == {"R": 2, "U": 1, "W": 2}
+    monkeypatch.setattr(G, "RUN_SETTING", "8,1,8")  # 2 runs of U 1: W 2
+    assert G.expert_run_config(t, kk) == {"R": 8, "U": 1, "W": 2}
+    for text in ("2,1", "4,1,1,1", "0,1,1", "4,9,1", "a,1,1", "4,1,-1"):
+        monkeypatch.setattr(G, "RUN_SETTING", text)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_EXPERT_RUN"):
+            G.expert_run_config(t, kk)
 
 
 # ---------------------------------------------------------------------------------------------
