@@ -251,8 +251,9 @@ def test_fewer_decode_ops():
     model = tiny_model("llama", {name: T.Q8_0 for name in PROJ})
     before = decode_step_ops(model, [1, 2, 3])
     model.fuse_projections()
-    # per layer: 3 q/k/v matmuls -> 1, 2 gate/up -> 1 (each reshape + transpose pair also goes)
-    assert decode_step_ops(model, [1, 2, 3]) < before - 3 * 3
+    # per layer (3): 3 q/k/v mat-vecs -> 1 and 2 gate/up -> 1, each fused output split once
+    # (+2), the head reshapes of q, k and v -> one (-2): at least 3 ops fewer a layer
+    assert decode_step_ops(model, [1, 2, 3]) <= before - 3 * 3
 
 
 def test_fusion_keys_and_errors():

@@ -264,8 +264,8 @@ def ggml_matvec(x: mx.array, w_raw: mx.array, ggml_type: int, in_features: int) 
     module = load()
     if module is None:
         return None
-    y = module.ggml_matvec(x.reshape(rows, in_features), w_raw, int(ggml_type), in_features)
-    return y.reshape(*x.shape[:-1], w_raw.shape[0])  # (M, N) -> (..., N)
+    # (..., K) -> (..., N) in one op: the extension reads x's rows at their strides
+    return module.ggml_matvec(x, w_raw, int(ggml_type), in_features)
 
 
 _X_DTYPES = (mx.float32, mx.float16, mx.bfloat16)

@@ -642,13 +642,21 @@ std::atomic<uint64_t> g_ns{0}, g_calls{0};
 
 // ---- the MLX primitive ----------------------------------------------------------------------
 
+// x (..., K) at any strides: row m (the leading dims flattened, row-major) starts at the sum of
+// its leading indices times their strides
 template <typename T>
 void load_x(const mx::array& x, int M, int K, float* xf, float* xs) {
   const T* p = x.data<T>();
-  const int64_t s0 = x.strides()[0], s1 = x.strides()[1];
+  const int nd = int(x.ndim());
+  const int64_t s1 = x.strides()[nd - 1];
   for (int m = 0; m < M; ++m) {
+    int64_t base = 0;
+    for (int d = nd - 2, rest = m; d >= 0; --d) {
+      base += int64_t(rest % x.shape(d)) * x.strides()[d];
+      rest /= x.shape(d);
+    }
     float* dst = xf + size_t(m) * K;
-    for (int k = 0; k < K; ++k) dst[k] = static_cast<float>(p[m * s0 + k * s1]);
+    for (int k = 0; k < K; ++k) dst[k] = static_cast<float>(p[base + k * s1]);
     for (int c = 0; c < K / 32; ++c) {
       float s = 0.0f;
       for (int i = 0; i < 32; ++i) s += dst[32 * c + i];
@@ -678,7 +686,7 @@ class GGMLMatVec : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     enc.dispatch([x, w, out, type = type_, K = k_]() mutable {
       const auto t0 = std::chrono::steady_clock::now();
-      const int M = int(x.shape(0)), N = int(w.shape(0));
+      const int M = int(x.size() / K), N = int(w.shape(0));
       if (w.strides()[1] != 1) throw std::invalid_argument("ggml_matvec: weight rows strided");
       std::vector<float> xf(size_t(M) * K), xs(size_t(M) * (K / 32));
       switch (x.dtype()) {
@@ -711,7 +719,9 @@ class GGMLMatVec : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
 
  private:
@@ -724,16 +734,17 @@ mx::array ggml_matvec(const mx::array& x, const mx::array& w, int type, int k) {
     throw std::invalid_argument("ggml_matvec: unsupported GGML type " + std::to_string(type));
   if (k <= 0 || k % f.block != 0)
     throw std::invalid_argument("ggml_matvec: K is not a multiple of the block");
-  if (x.ndim() != 2 || x.shape(1) != k)
-    throw std::invalid_argument("ggml_matvec: x must be (M, K)");
+  if (x.ndim() < 1 || x.shape(-1) != k || x.size() == 0)
+    throw std::invalid_argument("ggml_matvec: x must be (..., K) with at least one row");
   if (x.dtype() != mx::float32 && x.dtype() != mx::float16 && x.dtype() != mx::bfloat16)
     throw std::invalid_argument("ggml_matvec: x must be float32, float16 or bfloat16");
   const int64_t rb = int64_t(k / f.block) * f.bytes;
   if (w.ndim() != 2 || w.dtype() != mx::uint8 || w.shape(1) != rb)
     throw std::invalid_argument("ggml_matvec: w must be uint8 (N, " + std::to_string(rb) + ")");
   const mx::Stream s = mx::default_stream(mx::Device(mx::Device::cpu));
-  return mx::array({x.shape(0), w.shape(0)}, x.dtype(), std::make_shared<GGMLMatVec>(s, type, k),
-                   {x, w});
+  mx::Shape shape = x.shape();  // (..., K) -> (..., N): no reshape ops around the call
+  shape.back() = w.shape(0);
+  return mx::array(shape, x.dtype(), std::make_shared<GGMLMatVec>(s, type, k), {x, w});
 }
 
 }  // namespace
@@ -747,7 +758,7 @@ NB_MODULE(_hf2q_cpu_matvec, m) {
   m.doc() = "CPU mat-vec against GGML weight blocks (hf2q_mlx custom_kernels/cpu_ext)";
   m.def("ggml_matvec", &ggml_matvec, nb::arg("x"), nb::arg("w"), nb::arg("ggml_type"),
         nb::arg("k"),
-        "x (M, K) float @ dequant(w (N, row_bytes) uint8 GGML blocks).T -> (M, N) in x.dtype");
+        "x (..., K) float @ dequant(w (N, row_bytes) uint8 GGML blocks).T -> (..., N) in x.dtype");
   m.def("simd", []() -> const char* {
     return HF2Q_AVX512 ? "avx512f" : HF2Q_AVX2 ? "avx2+fma" : "scalar";
   });

@@ -98,6 +98,28 @@ def test_strided_and_batched_x(ext, seed):
     assert _err(got.reshape(6, n), _want(xb.reshape(6, k), w, T.Q8_0, k)) <= RTOL
 
 
+def test_nd_x_is_one_op_with_the_rows_bits(ext, seed):
+    """x (..., K) at any strides (a transposed 3-D view, a 4-D broadcast row) gives (..., N) in
+    one op, each row the bits of the same row as a contiguous (M, K) call (data movement only)."""
+    k, n = 512, 29
+    w = random_ggml_blocks(n, k, T.Q4_K, seed=seed)
+    base = mx.random.normal((3, 2, k), key=mx.random.key(seed)) + 0.25
+    x = base.transpose(1, 0, 2)  # (2, 3, K), rows not in memory order
+    got = ext.ggml_matvec(x, w, int(T.Q4_K), k)
+    assert got.shape == (2, 3, n)
+    flat = mx.array(np.ascontiguousarray(np.array(x)).reshape(6, k))
+    assert np.array_equal(
+        np.array(got).reshape(6, n), np.array(ext.ggml_matvec(flat, w, int(T.Q4_K), k))
+    )
+    row = mx.broadcast_to(base[1:2, :1], (2, 2, 1, k))  # 4-D, zero strides on the leading dims
+    got4 = np.array(ext.ggml_matvec(row, w, int(T.Q4_K), k))
+    assert got4.shape == (2, 2, 1, n)
+    one = np.array(ext.ggml_matvec(base[1, :1], w, int(T.Q4_K), k))
+    assert all(np.array_equal(got4[i, j], one) for i in range(2) for j in range(2))
+    with pytest.raises(ValueError):
+        ext.ggml_matvec(mx.zeros((0, k)), w, int(T.Q4_K), k)  # no rows
+
+
 def test_threads_give_the_same_bits(ext, seed):
     # each output row is computed by one thread, whatever the split: bit-identical results
     k, n = 512, 1001
