@@ -55,10 +55,24 @@ _env_forced = False
 _gpu: tuple[str | None, object, object] | None = None
 
 
+# env_int's parsed values, per (name, lo, hi): (the raw value they came from, the value)
+_env_ints: dict[tuple[str, int, int], tuple[object, int | None]] = {}
+
+
 def env_int(name: str, lo: int, hi: int) -> int | None:
     """Environment switch ``name`` as an integer in lo..hi; None when unset or blank.
-    ``InvalidArgumentError`` (one line, naming it) for anything else."""
-    return int_setting(name, os.environ.get(name, ""), lo, hi)
+    ``InvalidArgumentError`` (one line, naming it) for anything else. Parsed again only when
+    the raw value changes (by identity, as ``_env_says_reference``): decode steps read the CPU
+    switches ~180 times a token."""
+    if _ENV_DATA is None:
+        return int_setting(name, os.environ.get(name, ""), lo, hi)
+    raw = _ENV_DATA.get(os.environ.encodekey(name))
+    hit = _env_ints.get((name, lo, hi))
+    if hit is not None and hit[0] is raw:
+        return hit[1]
+    value = int_setting(name, os.environ.get(name, ""), lo, hi)  # raises before caching
+    _env_ints[(name, lo, hi)] = (raw, value)
+    return value
 
 
 def int_setting(name: str, text: str, lo: int, hi: int) -> int | None:

@@ -194,3 +194,23 @@ def test_environment_switches_take_ascii_digits_in_range(text, monkeypatch):
         env_int("HF2Q_TEST_SWITCH", 0, 2)
     monkeypatch.setenv("HF2Q_TEST_SWITCH", " 2 ")
     assert env_int("HF2Q_TEST_SWITCH", 0, 2) == 2
+
+
+def test_environment_switches_follow_every_change(monkeypatch):
+    """``env_int`` keeps its parsed value per raw value: each change (the same text set again
+    included), a bad value (raised every time, never kept) and unsetting are seen."""
+    from hf2q_mlx.custom_kernels import env_int
+
+    monkeypatch.delenv("HF2Q_TEST_SWITCH", raising=False)
+    assert env_int("HF2Q_TEST_SWITCH", 0, 9) is None
+    for text, want in (("3", 3), ("3", 3), ("7", 7), ("", None), ("0", 0)):
+        monkeypatch.setenv("HF2Q_TEST_SWITCH", text)
+        assert env_int("HF2Q_TEST_SWITCH", 0, 9) == want, text
+        assert env_int("HF2Q_TEST_SWITCH", 0, 9) == want, text  # the cached read
+    monkeypatch.setenv("HF2Q_TEST_SWITCH", "10")
+    for _ in range(2):
+        with pytest.raises(InvalidArgumentError, match="HF2Q_TEST_SWITCH"):
+            env_int("HF2Q_TEST_SWITCH", 0, 9)
+    assert env_int("HF2Q_TEST_SWITCH", 0, 10) == 10  # its own range: parsed on its own
+    monkeypatch.delenv("HF2Q_TEST_SWITCH")
+    assert env_int("HF2Q_TEST_SWITCH", 0, 9) is None
