@@ -85,15 +85,19 @@ def on_cpu(request):
 
 
 def tiny_model(name: str, seed: int = 0) -> nn.Module:
-    """Our model of the tiny config with every float parameter random (norms included)."""
+    """Our model of the tiny config with every float parameter random (norms included). Norm
+    weights and Gemma 4's layer / expert scalars go around their 1 (as test_gemma4's and
+    test_kernel_wiring's models): as plain noise (|s| ~ 0.1) the scalars shrank the residual
+    stream layer by layer and made tiny Gemma 4 amplify fp32 roundings 6-60x more (session 44,
+    bench/conditioning_probe.py)."""
     module, cfg = CONFIGS[name]
     model = module.Model(module.ModelArgs.from_dict(dict(cfg)))
     keys = mx.random.split(mx.random.key(seed), len(tree_flatten(model.parameters())))
     params = []
     for i, (k, p) in enumerate(tree_flatten(model.parameters())):
-        scale = 0.1 if "norm" not in k else 0.3
-        noise = mx.random.normal(p.shape, key=keys[i]) * scale
-        params.append((k, (p + noise) if "norm" in k else noise))
+        near_one = "norm" in k or k.endswith(("layer_scalar", "per_expert_scale"))
+        noise = mx.random.normal(p.shape, key=keys[i]) * (0.3 if near_one else 0.1)
+        params.append((k, (p + noise) if near_one else noise))
     model.update(tree_unflatten(params))
     mx.eval(model.parameters())
     return model
@@ -367,16 +371,17 @@ def test_caller_errors():
         DecodeStep(model, max_batch=1, max_len=8, like=other)
 
 
-# Gemma 4's fp32 kernel path already differs from its references by 7e-5 (dense) to 2.2e-4 (MoE)
-# of the largest logit at B = 1 (H200, 2026-12-01), and by up to 4.9e-4 at B = 2. Session 44
-# (CPU): these tiny Gemma 4 models are ill-conditioned, not a kernel imprecise: one-ulp random
-# noise on every weight moves the reference's logits by 6.2e-5 (dense) / 3.9e-5 (MoE) of the
-# largest, against 6.4e-7 for tiny Llama; on the kernel emulator the kernel path is 8.5e-6 /
-# 5.4e-5 off the reference and no single kernel module swapped for its reference closes it.
-# A bound scaled to that sensitivity does not hold up: over this test's 12 steps one-ulp noise
-# moves the MoE's logits by 1.5e-3 (a near-tie in the router flips), the dense's by 1.6e-4.
+# Gemma 4's fp32 kernel path differed from its references by 7e-5 (dense) to 2.2e-4 (MoE) of the
+# largest logit at B = 1 (H200, 2026-12-01), and by up to 4.9e-4 at B = 2. Session 44 (CPU):
+# the tiny Gemma 4 models were ill-conditioned, no kernel below fp32: one-ulp random noise on
+# every weight moved their logits 6.2e-5 (dense) / 3.9e-5 (MoE) of the largest, tiny Llama's
+# 6.4e-7, and on the kernel emulator no single kernel module explained the kernel path's
+# distance from the reference (bench/conditioning_probe.py). Most of it came from tiny_model
+# drawing the layer and expert scalars as noise; around 1 now: 2.4e-5 / 3.0e-6. Marked an
+# expected failure (not strict) until this test has run on a GPU with that init.
 _GEMMA4_FP32 = pytest.mark.xfail(
-    reason="tiny Gemma 4 is ill-conditioned: fp32 roundings reach ~5e-4 of the logits", strict=False
+    reason="tiny Gemma 4's fp32 roundings reached 5e-4 of the logits; new init not run on a GPU",
+    strict=False,
 )
 
 
