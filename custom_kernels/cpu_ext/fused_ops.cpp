@@ -28,9 +28,8 @@
 namespace mx = mlx::core;
 namespace nb = nanobind;
 
-namespace {
-
-// Offset (in elements) of the first element of row r of x, a row being the last axis.
+// Offset (in elements) of the first element of row r of x, a row being the last axis (the
+// leading dims flattened, row-major). Also ggml_matvec.cpp's, which declares it.
 int64_t row_offset(const mx::array& x, int64_t r) {
   int64_t off = 0;
   for (int d = int(x.ndim()) - 2; d >= 0; --d) {
@@ -40,6 +39,8 @@ int64_t row_offset(const mx::array& x, int64_t r) {
   }
   return off;
 }
+
+namespace {
 
 // What every primitive here shares: eval_cpu only, one output of the first input's shape in a
 // fresh contiguous buffer, parameterless ones equivalent to each other (the others override).

@@ -58,6 +58,9 @@
 namespace mx = mlx::core;
 namespace nb = nanobind;
 
+// fused_ops.cpp: the element offset of row r of x (its last axis a row, any strides)
+int64_t row_offset(const mx::array& x, int64_t r);
+
 namespace {
 
 // GGML type ids (ggml.h)
@@ -642,19 +645,13 @@ std::atomic<uint64_t> g_ns{0}, g_calls{0};
 
 // ---- the MLX primitive ----------------------------------------------------------------------
 
-// x (..., K) at any strides: row m (the leading dims flattened, row-major) starts at the sum of
-// its leading indices times their strides
+// x (..., K) at any strides: each row read from where row_offset puts it
 template <typename T>
 void load_x(const mx::array& x, int M, int K, float* xf, float* xs) {
   const T* p = x.data<T>();
-  const int nd = int(x.ndim());
-  const int64_t s1 = x.strides()[nd - 1];
+  const int64_t s1 = x.strides().back();
   for (int m = 0; m < M; ++m) {
-    int64_t base = 0;
-    for (int d = nd - 2, rest = m; d >= 0; --d) {
-      base += int64_t(rest % x.shape(d)) * x.strides()[d];
-      rest /= x.shape(d);
-    }
+    const int64_t base = row_offset(x, m);
     float* dst = xf + size_t(m) * K;
     for (int k = 0; k < K; ++k) dst[k] = static_cast<float>(p[base + k * s1]);
     for (int c = 0; c < K / 32; ++c) {
