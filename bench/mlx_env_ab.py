@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 import time
@@ -33,9 +34,11 @@ BENCH = Path(__file__).resolve().parent
 
 
 def parse_env(text: str) -> dict[str, str]:
-    """ "A=1,B=2" -> {"A": "1", "B": "2"}; "" -> {} (MLX's defaults)."""
+    """ "A=1,B=2" -> {"A": "1", "B": "2"}; "" -> {} (MLX's defaults). A comma starts a new
+    setting only before NAME=, so a value may hold commas ("HF2Q_EXPERT_RUN=2,1,1")."""
     out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    parts = re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*=)", text)
+    for part in filter(None, (p.strip() for p in parts)):
         name, eq, value = part.partition("=")
         if not eq or not name:
             raise ValueError(f"--env {text!r}: expected NAME=VALUE[,NAME=VALUE]")

@@ -371,26 +371,18 @@ def test_caller_errors():
         DecodeStep(model, max_batch=1, max_len=8, like=other)
 
 
-# Gemma 4's fp32 kernel path differed from its references by 7e-5 (dense) to 2.2e-4 (MoE) of the
-# largest logit at B = 1 (H200, 2026-12-01), and by up to 4.9e-4 at B = 2. Session 44 (CPU):
-# the tiny Gemma 4 models were ill-conditioned, no kernel below fp32: one-ulp random noise on
-# every weight moved their logits 6.2e-5 (dense) / 3.9e-5 (MoE) of the largest, tiny Llama's
-# 6.4e-7, and on the kernel emulator no single kernel module explained the kernel path's
-# distance from the reference (bench/conditioning_probe.py). Most of it came from tiny_model
-# drawing the layer and expert scalars as noise; around 1 now: 2.4e-5 / 3.0e-6 (over this
-# test's 12 steps 1.3e-4 / 1.1e-5: the dense is still at the bound). Marked an expected
-# failure (not strict) until this test has run on a GPU with that init.
-_GEMMA4_FP32 = pytest.mark.xfail(
-    reason="tiny Gemma 4's fp32 roundings reached 5e-4 of the logits; new init not run on a GPU",
-    strict=False,
-)
+# Gemma 4's fp32 kernel path differed from its references by up to 4.9e-4 of the largest logit
+# (H200, 2026-12-01): the tiny Gemma 4 models were ill-conditioned, no kernel below fp32
+# (session 44, bench/conditioning_probe.py: tiny_model drew the layer and expert scalars as
+# noise). With them around 1 both Gemma 4 rows pass on the H200 (session 45); the dense one's
+# one-ulp sensitivity over these 12 steps is 1.3e-4 on the CPU, so a failure of that row alone
+# near the bound is the model's conditioning before it is a kernel's.
 
 
 @requires_gpu
 @pytest.mark.parametrize(
     "name",
-    ["gemma3", "llama", "qwen3_5-dense", "qwen3_5-moe"]
-    + [pytest.param(n, marks=_GEMMA4_FP32) for n in ("gemma4-dense", "gemma4-moe")],
+    ["gemma3", "llama", "qwen3_5-dense", "qwen3_5-moe", "gemma4-dense", "gemma4-moe"],
 )
 def test_gpu_compiled_matches_eager(name):
     """On the GPU, kernels in both paths: the compiled step (one graph with the kernels inside)

@@ -142,6 +142,18 @@ def test_env_ab_gives_each_setting_its_own_worker(tmp_path):
     assert bad.returncode == 2 and "expected NAME=VALUE" in bad.stderr
 
 
+def test_env_setting_values_may_hold_commas():
+    """A comma starts a new setting only before NAME=: HF2Q_EXPERT_RUN's "R,U,W" stays one
+    value (session 45: the step that A/Bs it stopped at the parser)."""
+    from mlx_env_ab import parse_env
+
+    assert parse_env("HF2Q_EXPERT_RUN=2,1,1") == {"HF2Q_EXPERT_RUN": "2,1,1"}
+    assert parse_env("A=1, B_2=x,y") == {"A": "1", "B_2": "x,y"}
+    assert parse_env("") == {}
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        parse_env("2,1,1")
+
+
 def test_profile_counts_kernels_apart_from_copies(monkeypatch):
     """CUPTI's records of a graph step include its copy nodes and the uploads (Memcpy / Memset):
     kernels per token count kernels only; GPU busy counts every record's time."""
