@@ -44,6 +44,10 @@ import qwen3_5 as q35bench  # noqa: E402
 
 from hf2q_mlx.custom_kernels import cuda_cache  # noqa: E402
 from hf2q_mlx.models import gemma4  # noqa: E402
+from hf2q_mlx.models.experts import (  # noqa: E402
+    affine_experts_to_q4_1,
+    apply_affine_expert_format,
+)
 from hf2q_mlx.serving.batch_sampler import SamplingParams  # noqa: E402
 from hf2q_mlx.serving.engine import Engine  # noqa: E402
 
@@ -245,6 +249,11 @@ def main(argv=None) -> None:
         action="store_true",
         help="also ours with batch_prefill (the rows' chunks in one pass): 'ours-bp'",
     )
+    p.add_argument(
+        "--affine-experts-ab",
+        action="store_true",
+        help="with mlx4: also ours on a second build with its experts as Q4_1: 'ours-q4_1'",
+    )
     p.add_argument("--step", choices=["auto", "compiled", "sequential"], default="auto",
                    help="decode step: auto = DecodeStep on a GPU")  # fmt: skip
     p.add_argument("--time-cap", type=float, default=None,
@@ -285,6 +294,16 @@ def main(argv=None) -> None:
                     print(f"mlx-lm column skipped: {type(err).__name__}: {err}")
             # after the twin took the separate q/k/v and gate/up: ours as the loader makes it
             model.fuse_projections()
+            if fmt == "mlx4":  # HF2Q_AFFINE_EXPERTS=q4_1: ours on Q4_1 copies (mlx-lm keeps these)
+                swapped = apply_affine_expert_format(model)
+                if any(swapped):
+                    print(f"ours: MLX 4-bit experts as Q4_1 (modules replaced, kept): {swapped}")
+            if fmt == "mlx4" and impls and a.affine_experts_ab:  # a second build, its own arrays
+                other = build(shape, fmt, dtype)[0]
+                other.fuse_projections()
+                swapped = affine_experts_to_q4_1(other)
+                print(f"ours-q4_1: MLX 4-bit experts as Q4_1 (modules replaced, kept): {swapped}")
+                impls.insert(1, ("ours-q4_1", other))
             single: dict = {}  # per implementation, its 1-stream row
             for n in counts:  # both implementations at each stream count before the next
                 for kind, m in impls:
@@ -292,7 +311,7 @@ def main(argv=None) -> None:
                         print(f"time cap: {shape} {fmt} {kind} n={n} not run")
                         continue
                     try:
-                        if kind in ("ours", "ours-bp"):
+                        if kind.startswith("ours"):
                             compiled = {"auto": None, "compiled": True}.get(a.step, False)
                             r = run_ours(m, n, a.gen, vocab, max_len, compiled, a.prefill_chunk,
                                          kind == "ours-bp")  # fmt: skip
@@ -302,6 +321,8 @@ def main(argv=None) -> None:
                         print(f"{shape} {fmt} {kind} n={n}: {type(err).__name__}: {err}")
                         continue
                     r.update(shape=shape, format=fmt)
+                    if kind == "ours-q4_1":
+                        r["impl"] += " Q4_1 exp"
                     if n == 1:
                         single[kind] = r
                     one = single.get(kind)

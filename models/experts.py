@@ -3,11 +3,15 @@ raw GGML blocks or MLX-quantized, multiplied for the selected experts only."""
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 
+from hf2q_mlx.custom_kernels import affine_q4_1
 from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES, row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import expert_matmul, gathered_matmul
+from hf2q_mlx.errors import InvalidArgumentError
 
 
 class ExpertLinear(nn.Module):
@@ -72,3 +76,69 @@ class QuantizedExpertLinear(nn.Module):
             )  # fmt: skip
 
         return gathered_matmul(x, expert_ids, matmul)
+
+
+# HF2Q_AFFINE_EXPERTS (read at load): "q4_1" keeps MLX 4-bit routed experts as GGML Q4_1 blocks.
+AFFINE_EXPERT_FORMATS = ("affine", "q4_1")
+
+
+def affine_expert_format() -> str:
+    """``HF2Q_AFFINE_EXPERTS``: ``affine`` (unset: MLX's arrays and the affine kernels) or
+    ``q4_1`` (:func:`affine_experts_to_q4_1` at load)."""
+    text = os.environ.get("HF2Q_AFFINE_EXPERTS", "").strip().lower() or "affine"
+    if text not in AFFINE_EXPERT_FORMATS:
+        raise InvalidArgumentError(
+            f"HF2Q_AFFINE_EXPERTS={text!r}: expected one of {', '.join(AFFINE_EXPERT_FORMATS)}"
+        )
+    return text
+
+
+def _q4_1_exact(scales: mx.array, biases: mx.array) -> bool:
+    """Whether fp16 holds every scale and bias unchanged (bf16 and fp16 checkpoints' do, but for
+    magnitudes past 65504 or below fp16's subnormals): Q4_1 keeps them as fp16."""
+    return all(
+        bool(mx.all(a.astype(mx.float16).astype(a.dtype) == a).item()) for a in (scales, biases)
+    )
+
+
+def to_q4_1_experts(m: QuantizedExpertLinear) -> ExpertLinear | None:
+    """The same experts as GGML Q4_1 blocks, weight for weight (an affine group of 32 / 64 / 128
+    codes is 1 / 2 / 4 blocks of the group's scale and bias), or None where that would round:
+    not 4-bit affine, or a scale or bias that fp16 does not hold."""
+    arrays = (m.weight, m.scales, m.get("biases"))
+    if m.mode != "affine" or not affine_q4_1.transcodes(arrays, m.group_size, m.bits):
+        return None
+    if not _q4_1_exact(m.scales, m.biases):
+        return None
+    E, N, words = m.weight.shape
+    out = ExpertLinear(E, words * 8, N, affine_q4_1.Q4_1)
+    out.weight = affine_q4_1.to_q4_1(*arrays, m.group_size)  # (E, N, K / 32 * 20)
+    return out
+
+
+def affine_experts_to_q4_1(model: nn.Module) -> tuple[int, int]:
+    """Every MLX 4-bit routed-expert module of ``model`` replaced by its GGML Q4_1 copy (one at a
+    time, each evaluated before the next: the old arrays go as the new arrive, ~11 % more bytes:
+    5 bits a weight against 4.5 at group 64), so its experts run the GGML kernels, whose grouped
+    ones serve many rows (the affine experts have per-pair kernels only). -> (replaced, kept)."""
+    done = kept = 0
+    for path, m in list(model.named_modules()):
+        if not isinstance(m, QuantizedExpertLinear):
+            continue
+        q = to_q4_1_experts(m)
+        if q is None:
+            kept += 1
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = model
+        for part in filter(None, parent_path.split(".")):
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        setattr(parent, name, q)
+        mx.eval(q.weight)
+        done += 1
+    return done, kept
+
+
+def apply_affine_expert_format(model: nn.Module) -> tuple[int, int]:
+    """:func:`affine_experts_to_q4_1` when ``HF2Q_AFFINE_EXPERTS=q4_1``; else (0, 0)."""
+    return affine_experts_to_q4_1(model) if affine_expert_format() == "q4_1" else (0, 0)

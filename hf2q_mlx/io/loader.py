@@ -36,6 +36,7 @@ from hf2q_mlx.io.malformed_input import (
     read_tokenizer,
 )
 from hf2q_mlx.models.contract import Architecture, architectures, find_architecture
+from hf2q_mlx.models.experts import apply_affine_expert_format
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -331,6 +332,7 @@ def load_model(
         model.sentence_transformers = read_sentence_transformers(p)
     if hasattr(model, "fuse_projections"):  # q/k/v and gate/up as one matmul each, lossless
         model.fuse_projections()
+    apply_affine_expert_format(model)  # HF2Q_AFFINE_EXPERTS=q4_1: MLX 4-bit experts as Q4_1
     model.eval()
     mx.eval(model.parameters())
     return model, info
