@@ -66,8 +66,8 @@ step serve-35b 480 "python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b -
 step serve-26b-mlx 540 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4b --formats mlx4 --streams ${STREAMS:-1,8,32} ${MLX_ONLY:+--mlx-lm-only} --gen 128 --prefill-chunk 4096 --time-cap 480 --json $OUT/serve_26b_mlx4.json"
 # MLX 4-bit experts kept as GGML Q4_1 (HF2Q_AFFINE_EXPERTS=q4_1) against the affine kernels, one
 # process, the two builds alternating per stream count (session 45: ours MLX 4-bit 35B-A3B 772
-# steady tok/s at 32 streams against Q4_K's 2,089); then the GPU accuracy test
-step serve-q4_1-ab 540 "python3 bench/serve_throughput.py --shapes ${SERVE_SHAPE:-qwen3.5-35b-a3b} --formats mlx4 --no-mlx-lm --affine-experts-ab --streams ${STREAMS:-1,8,32} --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_q4_1_ab.json && python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_affine_experts_q4_1.py"
+# steady tok/s at 32 streams against Q4_K's 2,089); then the GPU accuracy and graph tests
+step serve-q4_1-ab 540 "python3 bench/serve_throughput.py --shapes ${SERVE_SHAPE:-qwen3.5-35b-a3b} --formats mlx4 --no-mlx-lm --affine-experts-ab --streams ${STREAMS:-1,8,32} --gen 128 --prefill-chunk 2048 --time-cap 420 --json $OUT/serve_q4_1_ab.json && python3 -m pytest -q -p no:cacheprovider -k 'gpu and q4_1' tests/test_affine_experts_q4_1.py tests/test_cuda_graph_step.py"
 # speculative decoding (issue 12); `real` needs the pair in $HF2Q_MLX_CACHE (bench/README.md)
 step replay-9b 300 "python3 bench/speculative.py replay --shapes 9b --acceptance 0.5 0.9 --rounds ${ROUNDS:-5} --tokens 128 --json $OUT/replay_9b.json"
 step replay-35b 300 "python3 bench/speculative.py replay --shapes 35b-a3b --acceptance 0.5 0.9 --rounds 3 --tokens 128 --json $OUT/replay_35b.json"

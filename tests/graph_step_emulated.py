@@ -4,7 +4,7 @@ own by tests/test_cuda_graph_step.py: the fake CUDA back end it installs stays i
 dispatchers' plan caches.
 
     python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
-        [--batch 1] [--prefill 0] [--kv-bits 8] [--format q4_k|mlx4|bf16]
+        [--batch 1] [--prefill 0] [--kv-bits 8] [--format q4_k|mlx4|mlx4-q4_1|bf16]
 """
 
 from __future__ import annotations
@@ -120,7 +120,15 @@ def build_llama(family: str, layers: int):
 
 
 def build(family: str, shape: str, layers: int, window: int, fmt: str = "q4_k"):
-    """GGML Q4_K, MLX affine 4-bit or plain bf16 weights (``fmt``)."""
+    """GGML Q4_K, MLX affine 4-bit or plain bf16 weights (``fmt``); ``mlx4-q4_1``: MLX 4-bit
+    with the routed experts kept as GGML Q4_1 blocks (HF2Q_AFFINE_EXPERTS=q4_1)."""
+    if fmt == "mlx4-q4_1":
+        from hf2q_mlx.models.experts import affine_experts_to_q4_1
+
+        model, vocab = build(family, shape, layers, window, "mlx4")
+        replaced, kept = affine_experts_to_q4_1(model)
+        assert replaced and not kept, (replaced, kept)
+        return model, vocab
     if family in ("llama", "qwen2"):
         return build_llama(family, layers)
     if family == "qwen3_5":  # layers: delta-net, then full attention
@@ -164,7 +172,7 @@ def main() -> None:
                     help="prompt tokens per row before decoding; the graph is made and recorded "
                          "before them, as the serving engine does")  # fmt: skip
     ap.add_argument("--kv-bits", type=int, default=None, help="TurboQuant caches of these bits")
-    ap.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4", "bf16"])
+    ap.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4", "mlx4-q4_1", "bf16"])
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     mx.random.seed(0)  # the same random model in every process

@@ -50,10 +50,16 @@ def _bits(a: mx.array) -> np.ndarray:
                               "shared_gate_residual_norm", "gated_delta_decode"}, "mlx4"),
      ("qwen3_5:tiny-moe", 2, {"gather_rows", "dense_float_matvec",
                               "shared_gate_residual_norm"}, "bf16"),
+     # MLX 4-bit with the routed experts as Q4_1 blocks (HF2Q_AFFINE_EXPERTS=q4_1)
+     ("gemma4:tiny-moe", 2, {"ggml_expert_glu_q4_1", "ggml_expert_down_slots_q4_1",
+                             "dense_affine_matvec"}, "mlx4-q4_1"),
+     ("qwen3_5:tiny-moe", 2, {"ggml_expert_glu_q4_1", "ggml_expert_down_slots_q4_1",
+                              "gated_delta_decode"}, "mlx4-q4_1"),
      # Qwen 2 (Llama's attention with q / k / v biases): RoPE without head norms and the GGML
      # linears' biases as kernels, the keys and values written by the RoPE kernel
      ("qwen2:tiny", 3, {"add_bias", "rms_norm_rope", "gather_rows"}, "q4_k")],
-    ids=["gemma4-q4_k", "qwen3_5-q4_k", "gemma4-mlx4", "qwen3_5-mlx4", "qwen3_5-bf16", "qwen2"],
+    ids=["gemma4-q4_k", "qwen3_5-q4_k", "gemma4-mlx4", "qwen3_5-mlx4", "qwen3_5-bf16",
+         "gemma4-mlx4-q4_1", "qwen3_5-mlx4-q4_1", "qwen2"],
 )  # fmt: skip
 def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt):
     """Tiny Gemma 4 MoE (a 2-token window crossed) and Qwen 3.5 MoE (delta-net, then gated
@@ -353,8 +359,10 @@ def test_recorded_turboquant_step_replays_the_mlx_step_bit_for_bit(fold):
 @pytest.mark.parametrize(
     "family, fmt, kv_bits",
     [(f, fmt, kv) for f in ("gemma4", "qwen3_5")
-     for fmt, kv in (("q4_k", None), ("q4_k", 8), ("mlx4", None))] + [("qwen2", "q4_k", None)],
-    ids=[f"{f}-{v}" for f in ("gemma4", "qwen3_5") for v in ("bf16", "tq8", "mlx4")] + ["qwen2"],
+     for fmt, kv in (("q4_k", None), ("q4_k", 8), ("mlx4", None), ("mlx4-q4_1", None))]
+    + [("qwen2", "q4_k", None)],
+    ids=[f"{f}-{v}" for f in ("gemma4", "qwen3_5") for v in ("bf16", "tq8", "mlx4", "mlx4-q4_1")]
+    + ["qwen2"],
 )  # fmt: skip
 def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, fmt, kv_bits, monkeypatch):
     """Tiny Gemma 4 MoE (split attention rows merged by their last part, the 16-token window
@@ -379,7 +387,11 @@ def test_gpu_graph_step_gives_the_compiled_steps_tokens(family, fmt, kv_bits, mo
 
         model, vocab = build_llama("qwen2", 2)
     else:
-        model, vocab = build(family, "tiny-moe", fmt, mx.bfloat16)
+        model, vocab = build(family, "tiny-moe", fmt.removesuffix("-q4_1"), mx.bfloat16)
+        if fmt.endswith("-q4_1"):  # HF2Q_AFFINE_EXPERTS=q4_1: the experts as Q4_1 blocks
+            from hf2q_mlx.models.experts import affine_experts_to_q4_1
+
+            assert affine_experts_to_q4_1(model)[0] > 0
     prompt = np.random.default_rng(3).integers(0, vocab, 12).tolist()
     compiled = DecodeStep(model, 1, 64, kv_bits=kv_bits)
     replayed = DecodeStep(model, 1, 64, kv_bits=kv_bits)
