@@ -93,22 +93,28 @@ def affine_expert_format() -> str:
     return text
 
 
-def _q4_1_exact(scales: mx.array, biases: mx.array) -> bool:
-    """Whether fp16 holds every scale and bias unchanged (bf16 and fp16 checkpoints' do, but for
-    magnitudes past 65504 or below fp16's subnormals): Q4_1 keeps them as fp16."""
-    return all(
-        bool(mx.all(a.astype(mx.float16).astype(a.dtype) == a).item()) for a in (scales, biases)
-    )
+def _q4_1_holds(scales: mx.array, biases: mx.array) -> bool:
+    """Whether fp16 (Q4_1's d and m) holds every scale and bias: unchanged from fp16's normal
+    range (2^-14) to 65504, which bf16 and fp16 checkpoints' values are but for the epsilon
+    scale of an all-zero group (~1e-7); below 2^-14 rounded by at most 2^-25, so each weight
+    of such a group moves by less than 15 * 2^-25 (5e-7); past 65504 never (inf)."""
+    for a in (scales, biases):
+        f = a.astype(mx.float32)
+        back = a.astype(mx.float16).astype(mx.float32)
+        ok = (back == f) | (mx.abs(f) < 2.0**-14)
+        if not bool(mx.all(ok & (mx.abs(f) <= 65504)).item()):
+            return False
+    return True
 
 
 def to_q4_1_experts(m: QuantizedExpertLinear) -> ExpertLinear | None:
     """The same experts as GGML Q4_1 blocks, weight for weight (an affine group of 32 / 64 / 128
     codes is 1 / 2 / 4 blocks of the group's scale and bias), or None where that would round:
-    not 4-bit affine, or a scale or bias that fp16 does not hold."""
+    not 4-bit affine, or a scale or bias that fp16 does not hold (:func:`_q4_1_holds`)."""
     arrays = (m.weight, m.scales, m.get("biases"))
     if m.mode != "affine" or not affine_q4_1.transcodes(arrays, m.group_size, m.bits):
         return None
-    if not _q4_1_exact(m.scales, m.biases):
+    if not _q4_1_holds(m.scales, m.biases):
         return None
     E, N, words = m.weight.shape
     out = ExpertLinear(E, words * 8, N, affine_q4_1.Q4_1)

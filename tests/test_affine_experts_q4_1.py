@@ -70,6 +70,25 @@ def test_what_would_round_stays_affine():
     assert isinstance(model.a, QuantizedExpertLinear) and isinstance(model.b, ExpertLinear)
 
 
+def test_an_all_zero_group_rounds_below_5e_7():
+    """An all-zero group's scale is MLX's epsilon (~1e-7, below fp16's normal range): rounded to
+    fp16 it moves that group's weights by less than 15 * 2^-25; every other group stays exact."""
+    w = mx.random.normal((2, 8, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    w[0, 3, :64] = 0
+    m = QuantizedExpertLinear.from_weight(w, 64, 4)
+    assert abs(m.scales[0, 3, 0].item()) < 2.0**-14  # the case this test is about
+    q = to_q4_1_experts(m)
+    assert q is not None
+    f32 = mx.float32
+    want = np.array(mx.dequantize(m.weight, m.scales.astype(f32), m.biases.astype(f32), 64, 4))
+    got = np.array(dequantize_reference(q.weight.reshape(16, -1), affine_q4_1.Q4_1, 128))
+    got = got.reshape(2, 8, 128)
+    assert np.abs(got - want).max() < 15 * 2.0**-25
+    rest = np.ones(want.shape, bool)
+    rest[0, 3, :64] = False
+    np.testing.assert_array_equal(got[rest], want[rest])
+
+
 @pytest.fixture(scope="module")
 def mlx_moe_dir(tmp_path_factory):
     """A tiny Gemma 4 MoE checkpoint with MLX 4-bit experts (bf16-valued scales, as a bf16
