@@ -4,6 +4,7 @@ raw GGML blocks or MLX-quantized, multiplied for the selected experts only."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -146,5 +147,15 @@ def affine_experts_to_q4_1(model: nn.Module) -> tuple[int, int]:
 
 
 def apply_affine_expert_format(model: nn.Module) -> tuple[int, int]:
-    """:func:`affine_experts_to_q4_1` when ``HF2Q_AFFINE_EXPERTS=q4_1``; else (0, 0)."""
-    return affine_experts_to_q4_1(model) if affine_expert_format() == "q4_1" else (0, 0)
+    """:func:`affine_experts_to_q4_1` when ``HF2Q_AFFINE_EXPERTS=q4_1`` (a warning names the
+    modules that stay affine); else (0, 0)."""
+    if affine_expert_format() != "q4_1":
+        return 0, 0
+    done, kept = affine_experts_to_q4_1(model)
+    if kept:
+        warnings.warn(
+            f"HF2Q_AFFINE_EXPERTS=q4_1: {kept} of {done + kept} MLX expert modules stay affine "
+            "(not 4-bit affine, or scales / biases that fp16 would round)",
+            stacklevel=2,
+        )
+    return done, kept

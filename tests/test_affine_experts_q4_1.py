@@ -22,6 +22,7 @@ from hf2q_mlx.models.experts import (
     ExpertLinear,
     QuantizedExpertLinear,
     affine_experts_to_q4_1,
+    apply_affine_expert_format,
     to_q4_1_experts,
 )
 
@@ -68,6 +69,17 @@ def test_what_would_round_stays_affine():
     model.a, model.b = big, experts(32, mx.bfloat16)
     assert affine_experts_to_q4_1(model) == (1, 1)
     assert isinstance(model.a, QuantizedExpertLinear) and isinstance(model.b, ExpertLinear)
+
+
+def test_the_switch_says_what_stays_affine(monkeypatch):
+    model = nn.Module()
+    model.a, model.b = experts(64, mx.float32), experts(32, mx.bfloat16)
+    monkeypatch.delenv("HF2Q_AFFINE_EXPERTS", raising=False)
+    assert apply_affine_expert_format(model) == (0, 0)
+    monkeypatch.setenv("HF2Q_AFFINE_EXPERTS", " Q4_1 ")
+    with pytest.warns(UserWarning, match="1 of 2 MLX expert modules stay affine"):
+        assert apply_affine_expert_format(model) == (1, 1)
+    assert isinstance(model.b, ExpertLinear) and isinstance(model.a, QuantizedExpertLinear)
 
 
 def test_an_all_zero_group_rounds_below_5e_7():
