@@ -131,6 +131,21 @@ def transcodes(w, group_size: int, bits: int) -> bool:
     )
 
 
+def fp16_holds(scales: mx.array, biases: mx.array) -> bool:
+    """Whether the blocks' fp16 d and m hold every scale and bias: unchanged from fp16's normal
+    range (2^-14) to 65504, which bf16 and fp16 checkpoints' values are but for the epsilon
+    scale of an all-zero group (~1e-7); below 2^-14 rounded by at most 2^-25, so each weight
+    of such a group moves by less than 15 * 2^-25 (5e-7); past 65504 never (inf). A prompt's
+    per-call transcode (``covers``) does not ask: its bf16 x rounds more than that."""
+    for a in (scales, biases):
+        f = a.astype(mx.float32)
+        back = a.astype(mx.float16).astype(mx.float32)
+        ok = (back == f) | (mx.abs(f) < 2.0**-14)
+        if not bool(mx.all(ok & (mx.abs(f) <= 65504)).item()):
+            return False
+    return True
+
+
 def covers(x: mx.array, expert_ids: mx.array, arrays, group_size: int, bits: int) -> bool:
     """Whether a prompt's affine experts take this path: the switch on, MLX's CUDA back end, bf16
     x (the grouped kernels' input), more tokens than the affine expert kernels take, arrays

@@ -8,6 +8,7 @@ import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from hf2q_mlx.custom_kernels import affine_q4_1
 from hf2q_mlx.custom_kernels.dequant import DENSE_TYPES, row_bytes
@@ -94,28 +95,14 @@ def affine_expert_format() -> str:
     return text
 
 
-def _q4_1_holds(scales: mx.array, biases: mx.array) -> bool:
-    """Whether fp16 (Q4_1's d and m) holds every scale and bias: unchanged from fp16's normal
-    range (2^-14) to 65504, which bf16 and fp16 checkpoints' values are but for the epsilon
-    scale of an all-zero group (~1e-7); below 2^-14 rounded by at most 2^-25, so each weight
-    of such a group moves by less than 15 * 2^-25 (5e-7); past 65504 never (inf)."""
-    for a in (scales, biases):
-        f = a.astype(mx.float32)
-        back = a.astype(mx.float16).astype(mx.float32)
-        ok = (back == f) | (mx.abs(f) < 2.0**-14)
-        if not bool(mx.all(ok & (mx.abs(f) <= 65504)).item()):
-            return False
-    return True
-
-
 def to_q4_1_experts(m: QuantizedExpertLinear) -> ExpertLinear | None:
     """The same experts as GGML Q4_1 blocks, weight for weight (an affine group of 32 / 64 / 128
     codes is 1 / 2 / 4 blocks of the group's scale and bias), or None where that would round:
-    not 4-bit affine, or a scale or bias that fp16 does not hold (:func:`_q4_1_holds`)."""
+    not 4-bit affine, or a scale or bias that fp16 does not hold (``affine_q4_1.fp16_holds``)."""
     arrays = (m.weight, m.scales, m.get("biases"))
     if m.mode != "affine" or not affine_q4_1.transcodes(arrays, m.group_size, m.bits):
         return None
-    if not _q4_1_holds(m.scales, m.biases):
+    if not affine_q4_1.fp16_holds(m.scales, m.biases):
         return None
     E, N, words = m.weight.shape
     out = ExpertLinear(E, words * 8, N, affine_q4_1.Q4_1)
@@ -136,11 +123,7 @@ def affine_experts_to_q4_1(model: nn.Module) -> tuple[int, int]:
         if q is None:
             kept += 1
             continue
-        parent_path, _, name = path.rpartition(".")
-        parent = model
-        for part in filter(None, parent_path.split(".")):
-            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
-        setattr(parent, name, q)
+        model.update_modules(tree_unflatten([(path, q)]))
         mx.eval(q.weight)
         done += 1
     return done, kept
