@@ -122,8 +122,12 @@ def compiled_step(model, vocab: int, prompt: int, steps: int, batch: int = 1):
     from hf2q_mlx.decode_step import DecodeStep
 
     st = DecodeStep(model, batch, prompt + steps + 16)
-    ids = mx.random.randint(0, vocab, (prompt,), key=mx.random.key(0)).tolist()
-    y = mx.stack([mx.argmax(st.prefill(r, ids)).astype(mx.int32) for r in range(batch)])
+    # a different prompt per row: rows that route to the same experts (a MoE) would make the
+    # batched step look cheaper than serving's mixed streams
+    ids = [
+        mx.random.randint(0, vocab, (prompt,), key=mx.random.key(r)).tolist() for r in range(batch)
+    ]
+    y = mx.stack([mx.argmax(st.prefill(r, ids[r])).astype(mx.int32) for r in range(batch)])
     return y, lambda y: st.decode(y, greedy=True)
 
 

@@ -11,7 +11,9 @@ compiled GGML variants with the tensor-core kernels off (``qmatmul_mma.ENABLED``
 they trace and run: the scalar mat-vec and dense GLU), the A/B of those kernels in one process;
 ``--router-split-ab`` the compiled B = 1 variants with the MoE router split off and on
 (``moe_router.SPLIT``), ``--down-slots-ab`` with the experts' slot-parallel down kernel off and
-on (``expert_down.SLOT_TEAMS`` 0 and 8).
+on (``expert_down.SLOT_TEAMS`` 0 and 8). ``--patch module.ATTR=VALUE`` (repeatable) adds the
+batched compiled variant with ``hf2q_mlx.custom_kernels.<module>.ATTR`` set while it traces and
+runs (e.g. ``expert_down.SLOT_ROWS=8``): kernel switches A/B'd at B rows in one process.
 
     python3 bench/decode_step.py OUT.json --shapes gemma4:26b-a4b,qwen3_5:35b-a3b
     python3 bench/decode_step.py OUT.json --tiny          # CPU smoke run
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -101,19 +104,22 @@ MMA_OFF = {(qmatmul_mma, "ENABLED"): False}  # the scalar mat-vec and dense GLU 
 
 
 class Compiled:
-    """``DecodeStep`` with ``rows`` rows, each adopting the same prefilled prompt; ``patch``
+    """``DecodeStep`` with ``rows`` rows, row r prefilled with the prompt rolled by r tokens (rows
+    of one prompt would all route to the same experts, a MoE step cheaper than serving's); ``patch``
     {(module, attribute): value} set whenever this variant traces or runs (a switch such as
     ``qmatmul_mma.ENABLED`` False: the tensor-core kernels off)."""
 
     def __init__(self, model, prompt: mx.array, rows: int, max_len: int, patch=None):
         self.patch = patch or {}
-        cache = model.make_cache()
-        y = mx.argmax(model(prompt, cache)[:, -1, :], axis=-1)
-        mx.eval(y, cache_arrays(cache))
         self.step = DecodeStep(model, max_batch=rows, max_len=max_len)
+        first = []
         for r in range(rows):
+            cache = model.make_cache()
+            y = mx.argmax(model(mx.roll(prompt, r, axis=-1), cache)[:, -1, :], axis=-1)
+            mx.eval(y, cache_arrays(cache))
             self.step.adopt(r, cache)
-        self.y = mx.broadcast_to(y, (rows,)).astype(mx.int32)
+            first.append(y)
+        self.y = mx.concatenate(first).astype(mx.int32)  # (rows,)
         self.rows = rows
 
     def run(self, n: int) -> list[int]:
@@ -133,6 +139,25 @@ class Compiled:
                 setattr(m, k, v)
         self.y = y
         return [int(t[0].item()) for t in out]
+
+
+def parse_patch(text: str) -> dict:
+    """ "module.ATTR=VALUE" -> {(hf2q_mlx.custom_kernels.module, ATTR): VALUE} (an int where
+    VALUE is one, else the string); the attribute must exist."""
+    target, sep, value = text.partition("=")
+    mod_name, dot, attr = target.strip().rpartition(".")
+    if not sep or not dot:
+        raise ValueError(f"--patch {text!r}: expected module.ATTR=VALUE")
+    try:
+        module = importlib.import_module(f"hf2q_mlx.custom_kernels.{mod_name}")
+    except ImportError:
+        raise ValueError(
+            f"--patch {text!r}: no module hf2q_mlx.custom_kernels.{mod_name}"
+        ) from None
+    if not hasattr(module, attr):
+        raise ValueError(f"--patch {text!r}: {mod_name} has no attribute {attr}")
+    v = value.strip()
+    return {(module, attr): int(v) if v.lstrip("-").isdigit() else v}
 
 
 def run_shape(name: str, config: dict, a) -> dict:
@@ -155,6 +180,11 @@ def run_shape(name: str, config: dict, a) -> dict:
             made[f"{fmt} compiled B={a.batch}"] = lambda m=model: Compiled(
                 m, prompt, a.batch, max_len
             )
+        if a.batch > 1 and fmt == a.formats[0]:
+            for text, patch in a.patch:
+                made[f"{fmt} compiled B={a.batch} {text}"] = lambda m=model, p=patch: Compiled(
+                    m, prompt, a.batch, max_len, patch=p
+                )
         if a.mma_ab and fmt == "q4_k":
             made[f"{fmt} compiled B=1 scalar"] = lambda m=model: Compiled(
                 m, prompt, 1, max_len, patch=MMA_OFF
@@ -242,7 +272,13 @@ def main(argv=None) -> None:
                    "variants with expert_down.SLOT_TEAMS 0 and 8")  # fmt: skip
     p.add_argument("--variants", default=None, help='only variants containing one of these '
                    'comma-separated strings, e.g. "compiled B=1"')  # fmt: skip
+    p.add_argument("--patch", action="append", default=[], help="module.ATTR=VALUE of "
+                   "hf2q_mlx.custom_kernels: one more batched variant with it set")  # fmt: skip
     a = p.parse_args(argv)
+    try:
+        a.patch = [(t, parse_patch(t)) for t in a.patch]
+    except ValueError as err:
+        p.error(str(err))
     a.variants = a.variants.split(",") if a.variants else None
     a.formats = a.formats.split(",")
     table = configs(a.tiny)

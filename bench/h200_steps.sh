@@ -53,6 +53,8 @@ step profile-26b-var 240 "HF2Q_DOWN_SLOTS=8 HF2Q_ATTN_SPLIT=${ATTN_SPLIT:-4,8} H
 # the same for Qwen3.5-35B-A3B at B rows of the compiled step (issue 14: its 8-stream step is
 # ~8.5 ms against 3.6 ms for one; BATCH=1 beside it)
 step profile-35b 240 "python3 bench/decode_profile.py qwen3_5:35b-a3b ${FORMAT:-q4_k} --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_35b_b${BATCH:-8}.json"
+# kernel switches at B = 8 distinct rows of the compiled step, one process (decode_step --patch)
+step b8-ab 300 "python3 bench/decode_step.py $OUT/b8_ab.json --shapes ${SHAPES:-qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --variants B=8 --batch 8 --rounds 5 --tokens 32 ${B8_PATCHES:---patch expert_down.SLOT_ROWS=8 --patch expert_mma.MIN_TOKENS=8 --patch expert_mma.MIN_TOKENS_GLU=9}"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
 # issue 15's table (ours Q4_K / MLX 4-bit against mlx-lm: decode, prefill, kernels, busy), one
 # shape per call: SHAPES one of gemma4:26b-a4b, gemma4:31b, qwen3_5:35b-a3b, qwen3_5:9b
