@@ -75,6 +75,22 @@ def env_int(name: str, lo: int, hi: int) -> int | None:
     return value
 
 
+def int_tuple_setting(
+    name: str, text: str, bounds: tuple[tuple[int, int], ...], example: str
+) -> tuple[int, ...] | None:
+    """``text`` (switch ``name``'s value) as comma-separated integers, the i-th in
+    ``bounds[i]``; None when blank. ``InvalidArgumentError`` (one line, naming the switch and
+    ``example``) for anything else."""
+    text = text.strip()
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    ok = len(parts) == len(bounds) and all(p.isascii() and p.isdigit() for p in parts)
+    if not ok or not all(lo <= int(p) <= hi for p, (lo, hi) in zip(parts, bounds)):
+        raise InvalidArgumentError(f"{name}={text!r}: expected {example}")
+    return tuple(int(p) for p in parts)
+
+
 def int_setting(name: str, text: str, lo: int, hi: int) -> int | None:
     """``text`` (switch ``name``'s value, e.g. read at import) as ``env_int`` reads it."""
     text = text.strip()

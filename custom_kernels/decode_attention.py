@@ -15,9 +15,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.custom_kernels import backend, device_array, launch_recorder
+from hf2q_mlx.custom_kernels import backend, device_array, int_tuple_setting, launch_recorder
 from hf2q_mlx.custom_kernels._render import Example, Kernel
-from hf2q_mlx.errors import InvalidArgumentError
 
 
 def ring_slot_positions(offset, capacity: int, span: int | None = None) -> mx.array:
@@ -306,16 +305,8 @@ SPLIT_OVERRIDE = os.environ.get("HF2Q_ATTN_SPLIT", "")
 
 
 def _override() -> tuple[int, int] | None:
-    text = SPLIT_OVERRIDE.strip()
-    if not text:
-        return None
-    try:
-        parts, warps = (int(v) for v in text.split(","))
-    except ValueError:
-        parts = warps = 0
-    if parts < 1 or warps < 1:
-        raise InvalidArgumentError(f"HF2Q_ATTN_SPLIT={text!r}: expected two positive ints 'P,W'")
-    return parts, warps
+    bounds = ((1, 1 << 30), (1, 1 << 30))
+    return int_tuple_setting("HF2Q_ATTN_SPLIT", SPLIT_OVERRIDE, bounds, "two positive ints 'P,W'")
 
 
 def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:

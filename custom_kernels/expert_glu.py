@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import activations, backend, expert_mma
+from hf2q_mlx.custom_kernels import activations, backend, expert_mma, int_tuple_setting
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
@@ -175,16 +175,9 @@ EXPERT_RUN = {"R": 4, "U": 1, "W": 1}
 
 def _run_setting(text: str) -> dict[str, int] | None:
     """HF2Q_EXPERT_RUN's "R,U,W" (R 1..16, U 1..8, W 1..8), None when empty."""
-    parts = [p.strip() for p in text.split(",")] if text.strip() else []
-    if not parts:
-        return None
-    ok = len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts)
-    vals = [int(p) for p in parts] if ok else []
-    if not ok or not (1 <= vals[0] <= 16 and 1 <= vals[1] <= 8 and 1 <= vals[2] <= 8):
-        raise InvalidArgumentError(
-            f"HF2Q_EXPERT_RUN={text!r}: expected R,U,W (R 1..16, U 1..8, W 1..8), e.g. 4,1,1"
-        )
-    return dict(zip("RUW", vals))
+    example = "R,U,W (R 1..16, U 1..8, W 1..8), e.g. 4,1,1"
+    vals = int_tuple_setting("HF2Q_EXPERT_RUN", text, ((1, 16), (1, 8), (1, 8)), example)
+    return None if vals is None else dict(zip("RUW", vals))
 
 
 RUN_SETTING = os.environ.get("HF2Q_EXPERT_RUN", "")  # parsed when a launch is first built
