@@ -33,7 +33,12 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # same kernels (a row's tokens do not depend on the other rows' activity).
 MODE = os.environ.get("HF2Q_GROUPED_EXPERTS", "auto")
 ENABLED = MODE != "0"
-MIN_TOKENS = 1 if MODE == "1" else 16
+# HF2Q_GROUPED_MIN (auto only) moves the down's threshold (16), as HF2Q_GROUPED_GLU_MIN the
+# gate/up's. Session 46 (H200, 35B-A3B Q4_K, 8 rows of distinct prompts): the per-pair
+# slot-parallel down took 97.8 us of an 8.7 ms step, 40 calls (its K = 512 rows are 2 Q4_K
+# blocks: 8 of a SIMD group's 32 lanes hold one), the grouped down 58.5 us at 32 rows.
+_min_env = env_int("HF2Q_GROUPED_MIN", 1, 32)
+MIN_TOKENS = 1 if MODE == "1" else 16 if _min_env is None else _min_env
 # The gate/up kernel's own threshold (auto only): 8 tokens. On the H200 an 8-row serving step
 # gained with it on both MoE shapes, one process each (session 24, `grouped-glu-serve`): 8
 # streams 1,089 against 840 tok/s on 26B-A4B, 981 against 877 on 35B-A3B; the down stays
