@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import backend, expert_mma
+from hf2q_mlx.custom_kernels import backend, expert_mma, int_setting
 from hf2q_mlx.custom_kernels import qmatmul as Q
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
@@ -21,7 +21,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     prefill_mode,
     run_slices,
 )
-from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
+from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
@@ -90,6 +90,24 @@ _EPILOGUE = r"""
 """
 
 
+# The slot kernel's prologue with PK (row packing): lane block slot ex_lb = lane / LPB takes
+# block ex_lb % nb of row group ex_lb / nb; row r of a SIMD group is row0 + r ex_pk + group.
+_PACK_EDITS = [
+    ("  const uint row0 = gid_x * R;\n", "  const uint row0 = out_row0;\n"),
+    (
+        "  const uint bsub = lane / LPB;\n",
+        "  const uint ex_lb = lane / LPB;\n"
+        "  const uint bsub = PK ? ex_lb % nb : ex_lb;\n"
+        "  const uint ex_rsub = PK ? ex_lb / nb : 0u;  // the lane's row group\n",
+    ),
+    (
+        "    wrow[r] = w + size_t(row0 + r < N ? row0 + r : N - 1) * row_bytes;\n",
+        "    wrow[r] = w + size_t(row0 + r * ex_pk + ex_rsub < N ? row0 + r * ex_pk + ex_rsub\n"
+        "                                                     : N - 1) * row_bytes;\n",
+    ),
+]
+
+
 def _loop(slots: bool = False) -> str:
     """qmatmul's fp32 mat-vec loop inside this kernel's slot loop, with its own epilogue;
     ``slots``: the slot-parallel kernel's, a team's SIMD groups (not the threadgroup's) along K."""
@@ -104,20 +122,26 @@ def _loop(slots: bool = False) -> str:
                 )
         body = body.replace("simd_id * U", "ex_sg * U").replace("n_simd * U", "ex_nsg * U")
     prologue = Q._PROLOGUE.lstrip("\n")
+    if slots:
+        for old, new in _PACK_EDITS:
+            if prologue.count(old) != 1:
+                raise RuntimeError(f"expert_down: qmatmul's prologue no longer has {old!r} once")
+            prologue = prologue.replace(old, new)
     epilogue = (_SLOTS_EPILOGUE if slots else _EPILOGUE).lstrip("\n")
     return body.replace("@PROLOGUE@", prologue).replace("@EPILOGUE@", epilogue)
 
 
 def _make_kernel(ggml_type: int, slots: bool = False) -> Kernel:
     """Today's kernel, or with ``slots`` the slot-parallel one (template S: slot teams)."""
-    configs = ((mx.float32, 4, 2, 2), (mx.bfloat16, 2, 1, 8))  # (T, R, U, S) to render
+    # (T, R, U, S, PK) to render
+    configs = ((mx.float32, 4, 2, 2, 0), (mx.bfloat16, 2, 1, 8, 0), (mx.bfloat16, 4, 1, 8, 1))
     examples = [
         Example(
             {"xs": dt, "wq": mx.uint8, "ids": mx.uint32, "wts": mx.float32, "edims": (mx.int32, 5)},
             {"ys": dt},
-            {"T": dt, "MT": 1, "R": r, "U": u, **({"S": s} if slots else {})},
+            {"T": dt, "MT": 1, "R": r, "U": u, **({"S": s, "PK": pk} if slots else {})},
         )  # fmt: skip
-        for dt, r, u, s in configs
+        for dt, r, u, s, pk in (configs if slots else configs[:2])
     ]
     prefix, kind = (_SLOTS_PREFIX, "slots_") if slots else (_PREFIX, "")
     return Kernel(
@@ -146,12 +170,15 @@ _SLOTS_PREFIX = r"""
   const uint ex_slots = uint(edims[3]);
   const uint ex_k = uint(edims[2]);
   const uint out_n = uint(edims[1]);
-  const uint out_row0 = gid_x * R;
+  // PK = 1 (rows of nb < BPS blocks, BPS a multiple of nb): a step's BPS block slots hold
+  // ex_pk = BPS / nb rows' blocks, so each SIMD group sums R x ex_pk rows with every lane busy
+  const uint ex_pk = PK ? (32u / uint(@LPB@)) / (ex_k / uint(@QK@)) : 1u;
+  const uint out_row0 = gid_x * R * ex_pk;
   const uint ex_nsg = n_simd / uint(S);  // SIMD groups per team
   const uint ex_team = simd_id / ex_nsg;
   const uint ex_sg = simd_id % ex_nsg;  // the SIMD group's place in its team: its runs along K
-  SHARED float ex_red[8 * R];  // [simd_id][row]: a round's slot sums, team by team
-  float tot = 0.0f;  // thread tid < R: row out_row0 + tid, slots 0..b * S + S - 1 so far
+  SHARED float ex_red[8 * R * (PK ? 32 / @LPB@ : 1)];  // [simd_id][row]: a round's slot sums
+  float tot = 0.0f;  // thread tid < R ex_pk: row out_row0 + tid, slots 0..b * S + S - 1 so far
   bool ex_bad = false;  // an id past the last expert: NaN rows (nothing of it is read)
   for (uint ex_base = 0; ex_base < ex_slots; ex_base += uint(S)) {
     const uint slot = ex_base + ex_team;
@@ -165,12 +192,18 @@ _SLOTS_PREFIX = r"""
 
 _SLOTS_EPILOGUE = r"""
     UNROLL for (int r = 0; r < R; ++r) {
-      const float v = simd_sum(acc[r][0]);
-      if (lane == 0) ex_red[simd_id * R + r] = v;
+      float v;
+      if (PK) {  // a row group's lanes: nb * LPB consecutive ones (a power of 2)
+        v = acc[r][0];
+        for (uint o = 1; o < nb * uint(LPB); o <<= 1) v += simd_shuffle_xor(v, o);
+      } else {
+        v = simd_sum(acc[r][0]);
+      }
+      if (lane % (PK ? nb * uint(LPB) : 32u) == 0) ex_red[(simd_id * R + r) * ex_pk + ex_rsub] = v;
     }
     }
     BARRIER();
-    if (tid < uint(R)) {
+    if (tid < uint(R) * ex_pk) {
       for (uint j = 0; j < uint(S) && ex_base + j < ex_slots; ++j) {
         const uint pair = ex_tok * ex_slots + ex_base + j;
         if (uint(ids[pair]) >= uint(edims[4])) {
@@ -178,13 +211,13 @@ _SLOTS_EPILOGUE = r"""
           continue;
         }
         float v = 0.0f;  // the slot's sum over its team's SIMD groups, in their order
-        for (uint s = 0; s < ex_nsg; ++s) v += ex_red[(j * ex_nsg + s) * R + tid];
+        for (uint s = 0; s < ex_nsg; ++s) v += ex_red[(j * ex_nsg + s) * R * ex_pk + tid];
         tot = fma_f(wts[pair], v, tot);
       }
     }
     BARRIER();  // ex_red is rewritten by the next round
   }
-  if (tid < uint(R) && out_row0 + tid < out_n) {
+  if (tid < uint(R) * ex_pk && out_row0 + tid < out_n) {
     if (ex_bad) tot = bitcast<float>(0x7FC00000u);
     ys[size_t(ex_tok) * out_n + out_row0 + tid] = from_float<T>(tot);
   }
@@ -202,6 +235,10 @@ _MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
 # elsewhere (never run on Metal). SLOT_ROWS: its R (0: expert_run_config's). Both are read
 # when a call shape's launch is first built (the plan cache keys on them), so a benchmark may
 # flip them in one process.
+# HF2Q_DOWN_PACK=1: the slot kernel packs rows of fewer blocks than a step's block slots
+# (``pack_rows``: Qwen3.5-35B-A3B's Q4_K down rows, K 512 = 2 blocks, leave 24 of 32 lanes idle
+# otherwise). Another order of a row's sums (its lanes' butterfly), so off until measured.
+PACK: str = os.environ.get("HF2Q_DOWN_PACK", "0")
 SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "auto")
 SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
 AUTO_SLOT_TEAMS = 8  # "auto" on CUDA
@@ -228,7 +265,20 @@ def slot_config(ggml_type: int, K: int, k: int) -> dict[str, int] | None:
     if rows > 0:
         cfg["R"] = rows
     cfg["S"] = max(1, min(teams, k, _MAX_SIMD // cfg["W"]))
+    if int_setting("HF2Q_DOWN_PACK", PACK, 0, 1) and pack_rows(ggml_type, K) > 1:
+        cfg["PK"] = 1
     return cfg if cfg["S"] > 1 else None
+
+
+def pack_rows(ggml_type: int, K: int) -> int:
+    """Rows a SIMD group's step holds with PK = 1: BPS / nb when a row's nb blocks are fewer
+    than a step's BPS block slots and nb * LPB is a power of 2 dividing 32 (a row group's
+    lanes, summed by a butterfly); else 1 (no packing)."""
+    f = BLOCK_FORMATS[ggml_type]
+    nb, bps = K // f.block_size, 32 // f.lanes
+    if nb < 1 or nb >= bps or bps % nb or (nb * f.lanes) & (nb * f.lanes - 1):
+        return 1
+    return bps // nb
 
 
 def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
@@ -242,12 +292,16 @@ def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
     if S < 1 or S * cfg["W"] > _MAX_SIMD:
         raise InvalidArgumentError(f"config {cfg}: S x W must be 1..{_MAX_SIMD} SIMD groups")
     template = {"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]}
+    pk = 1
     if S > 1:
-        template["S"] = S
+        pk = pack_rows(ggml_type, K) if cfg.get("PK") else 1
+        if cfg.get("PK") and (pk < 2 or cfg["R"] * pk > 32 * cfg["W"] * S):
+            raise InvalidArgumentError(f"config {cfg}: no row packing for K {K} of this type")
+        template.update(S=S, PK=int(pk > 1))
     return LaunchPlan(
         (_SLOT_KERNELS if S > 1 else _KERNELS)[ggml_type],
         [1, N, K, k, E],
-        grid=(-(-N // cfg["R"]) * 32 * cfg["W"] * S, tokens),
+        grid=(-(-N // (cfg["R"] * pk)) * 32 * cfg["W"] * S, tokens),
         threadgroup=(32 * cfg["W"] * S, 1),
         output_shapes=[(*expert_ids.shape[:-1], N)],  # written flat: no reshape node after
         output_dtypes=[h.dtype],
@@ -342,7 +396,7 @@ def expert_down(
         y = expert_mma.expert_down(h, w, expert_ids, weights, ggml_type, in_features)
         if y is not None:  # None: expert_mma.covers says no
             return y
-    key = (_KERNELS.get(ggml_type), _SLOT_KERNELS.get(ggml_type), SLOT_TEAMS, SLOT_ROWS,
+    key = (_KERNELS.get(ggml_type), _SLOT_KERNELS.get(ggml_type), SLOT_TEAMS, SLOT_ROWS, PACK,
            ggml_type, in_features, h.shape, h.dtype, w.shape, expert_ids.shape,
            expert_ids.dtype, weights.dtype)  # fmt: skip
     plan = _CALLS.get(key) if backend() is not None else None

@@ -195,8 +195,18 @@ _SLOT_CASES = [
     (T.Q8_0, mx.bfloat16, 8, 9, 5, 256, {"R": 3, "U": 2, "W": 2, "S": 3}),
     (T.Q4_K, mx.float32, 8, 9, 6, 256, {"R": 4, "U": 1, "W": 1, "S": 4}),
     (T.Q8_0, mx.float32, 2, 4, 10, 128, {"R": 8, "U": 1, "W": 1, "S": 2}),
+    # PK 1 (HF2Q_DOWN_PACK): rows of nb < BPS blocks packed into a step's block slots; N past
+    # a threadgroup's R x pack rows: Q4_K K 512 (4 rows a step), K 256 (8), K 1024 with U 2 (2);
+    # Q6_K (16 lanes a block) K 256 with W 2 (its second SIMD group has no run)
+    (T.Q4_K, mx.float32, 8, 9, 21, 512, {"R": 4, "U": 1, "W": 1, "S": 8, "PK": 1}),
+    (T.Q4_K, mx.bfloat16, 8, 9, 19, 256, {"R": 2, "U": 1, "W": 1, "S": 4, "PK": 1}),
+    (T.Q4_K, mx.float32, 2, 5, 9, 1024, {"R": 4, "U": 2, "W": 1, "S": 2, "PK": 1}),
+    (T.Q6_K, mx.float32, 4, 6, 5, 256, {"R": 2, "U": 1, "W": 2, "S": 2, "PK": 1}),
 ]
-_SLOT_IDS = [f"{c[0].name}-{c[1]}-k{c[2]}-S{c[6]['S']}" for c in _SLOT_CASES]
+_SLOT_IDS = [
+    f"{c[0].name}-{c[1]}-k{c[2]}-S{c[6]['S']}" + ("-PK" if c[6].get("PK") else "")
+    for c in _SLOT_CASES
+]
 _BATCH, _VERIFY = 32, slice(11, 16)  # a decode batch and a 5-token speculative verify inside it
 _SLICES = {1: slice(7, 8), 5: _VERIFY, 32: slice(None)}  # tokens per call: which of the batch
 
@@ -262,6 +272,46 @@ def test_slot_kernel_bits_do_not_depend_on_s_or_r(emulated_slots, monkeypatch):
                                  config={a: b for a, b in cfg.items() if a != "S"})  # fmt: skip
     assert np.array_equal(old, np.array(plain))  # S 1 is today's kernel and launch
     _check(mx.array(old), h[_VERIFY], raw, ids[_VERIFY], wts[_VERIFY], t, kk)
+
+
+@needs_gxx
+def test_packed_slot_kernel_bits_do_not_depend_on_s_or_r(emulated_slots, monkeypatch):
+    """The first PK case (Q4_K K 512: 4 rows a step) at other S and R: the same bits; without
+    PK the same sums in another order (the lanes' butterfly against simd_sum), so only close."""
+    i = next(j for j, c in enumerate(_SLOT_CASES) if c[6].get("PK"))
+    t, _, _, _, _, kk, cfg = _SLOT_CASES[i]
+    h, w, ids, wts, raw = _slot_case(i)
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    want = np.array(emulated_slots[i][5])
+    for s, r in ((2, 4), (3, 2), (4, 8)):
+        got = D.expert_down_kernel(h[_VERIFY], w, ids[_VERIFY], wts[_VERIFY], t, kk,
+                                   config=dict(cfg, S=s, R=r))  # fmt: skip
+        assert np.array_equal(np.array(got), want), (s, r)
+    plain = D.expert_down_kernel(h[_VERIFY], w, ids[_VERIFY], wts[_VERIFY], t, kk,
+                                 config=dict(cfg, PK=0))  # fmt: skip
+    assert not np.array_equal(np.array(plain), want)  # the unpacked kernel ran
+    _check(plain, h[_VERIFY], raw, ids[_VERIFY], wts[_VERIFY], t, kk)
+
+
+def test_row_packing_switch(monkeypatch):
+    """pack_rows: BPS / nb where a row's nb blocks divide a step's BPS slots (Q4_K: 8), else 1;
+    HF2Q_DOWN_PACK (PACK) 1 puts PK in slot_config only where it packs; bad values raise; a PK
+    config that cannot pack raises instead of launching."""
+    assert [D.pack_rows(T.Q4_K, kk) for kk in (256, 512, 768, 1024, 2048)] == [8, 4, 1, 2, 1]
+    assert D.pack_rows(T.Q6_K, 256) == 2 and D.pack_rows(T.Q5_0, 704) == 1
+    monkeypatch.setattr(D, "SLOT_TEAMS", "8")
+    assert "PK" not in D.slot_config(T.Q4_K, 512, 8)  # off by default
+    monkeypatch.setattr(D, "PACK", "1")
+    assert D.slot_config(T.Q4_K, 512, 8)["PK"] == 1
+    assert "PK" not in D.slot_config(T.Q5_0, 704, 8)
+    monkeypatch.setattr(D, "PACK", "yes")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_DOWN_PACK"):
+        D.slot_config(T.Q4_K, 512, 8)
+    raw = _experts(T.Q5_0, 3, 4, 704, seed=5)
+    ids, wts = _route(2, 2, 3, seed=6)
+    with pytest.raises(InvalidArgumentError, match="row packing"):
+        D._plan(_h((2, 2, 704), mx.float32, 7), mx.array(raw), ids, T.Q5_0, 704,
+                {"R": 4, "U": 1, "W": 1, "S": 2, "PK": 1})  # fmt: skip
 
 
 @needs_gxx
@@ -385,6 +435,35 @@ def test_gpu_slot_kernel_matches_reference(m, k, dtype, t, e, n, kk):
                                config=_slot_cfg(t, kk, k), init_value=float("nan"))  # fmt: skip
     mx.eval(out)
     _check(out, h, raw, ids, wts, t, kk)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kk", [512, 256, 1024], ids=lambda v: f"K{v}")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_gpu_packed_slot_kernel(kk, dtype):
+    """PK 1 (HF2Q_DOWN_PACK) at Qwen3.5-35B-A3B's down (Q4_K, N 2048, k 8; K 512 packs 4 rows a
+    step, 256 8, 1024 2): within tolerance of the reference with unselected experts poisoned
+    and NaN-filled output; each token's bits alone and in a 5-token verify are its bits in the
+    batch of 32, and do not move with R or S (a row's lanes and their butterfly stay put)."""
+    t, e, n, k, nan = T.Q4_K, 12, 2048, 8, float("nan")
+    assert D.pack_rows(t, kk) == 8 * 256 // kk
+    raw = _experts(t, e, n, kk, seed=kk + 1)
+    ids, wts = _route(_BATCH, k, e, seed=kk + 2)
+    h = _h((_BATCH, k, kk), dtype, seed=kk + 3)
+    w = _poisoned(raw, ids)
+
+    def run(s, **kw):
+        cfg = _slot_cfg(t, kk, k, PK=1, **kw)
+        return np.array(D.expert_down_kernel(h[s], w, ids[s], wts[s], t, kk, config=cfg,
+                                             init_value=nan).astype(mx.float32))  # fmt: skip
+
+    batch = run(slice(None), R=4)
+    _check(mx.array(batch).astype(dtype), h, raw, ids, wts, t, kk)
+    assert np.array_equal(run(_VERIFY), batch[_VERIFY])
+    for j in (0, 31):
+        assert np.array_equal(run(slice(j, j + 1)), batch[j : j + 1]), j
+    for s, r in ((4, 4), (8, 2), (2, 8)):
+        assert np.array_equal(run(slice(None), S=s, R=r), batch), (s, r)
 
 
 @requires_gpu
