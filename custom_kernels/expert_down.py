@@ -21,7 +21,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     prefill_mode,
     run_slices,
 )
-from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
+from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header, rows_per_step
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 
@@ -235,10 +235,21 @@ _MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
 # elsewhere (never run on Metal). SLOT_ROWS: its R (0: expert_run_config's). Both are read
 # when a call shape's launch is first built (the plan cache keys on them), so a benchmark may
 # flip them in one process.
-# HF2Q_DOWN_PACK=1: the slot kernel packs rows of fewer blocks than a step's block slots
-# (``pack_rows``: Qwen3.5-35B-A3B's Q4_K down rows, K 512 = 2 blocks, leave 24 of 32 lanes idle
-# otherwise). Another order of a row's sums (its lanes' butterfly), so off until measured.
-PACK: str = os.environ.get("HF2Q_DOWN_PACK", "0")
+# HF2Q_DOWN_PACK: the slot kernel packs rows of fewer blocks than a step's block slots
+# (``ggml_formats.rows_per_step``: Qwen3.5-35B-A3B's Q4_K down rows, K 512 = 2 blocks, leave 24
+# of 32 lanes idle otherwise). "auto" (unset): on with the CUDA back end (session 46, H200,
+# 35B-A3B Q4_K: the down 97.8 -> 35.5 us a call at 8 rows; one stream 303 against 281 tok/s), 0
+# elsewhere (never run on Metal); 0 / 1 force it. Read when a call shape's launch is built.
+PACK: str = os.environ.get("HF2Q_DOWN_PACK", "auto")
+
+
+def pack_on() -> bool:
+    """Whether HF2Q_DOWN_PACK (PACK) asks for row packing here."""
+    if PACK.strip().lower() in ("auto", ""):
+        return backend() == "cuda"
+    return bool(int_setting("HF2Q_DOWN_PACK", PACK, 0, 1))
+
+
 SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "auto")
 SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
 AUTO_SLOT_TEAMS = 8  # "auto" on CUDA
@@ -265,20 +276,9 @@ def slot_config(ggml_type: int, K: int, k: int) -> dict[str, int] | None:
     if rows > 0:
         cfg["R"] = rows
     cfg["S"] = max(1, min(teams, k, _MAX_SIMD // cfg["W"]))
-    if int_setting("HF2Q_DOWN_PACK", PACK, 0, 1) and pack_rows(ggml_type, K) > 1:
+    if pack_on() and rows_per_step(ggml_type, K) > 1:
         cfg["PK"] = 1
     return cfg if cfg["S"] > 1 else None
-
-
-def pack_rows(ggml_type: int, K: int) -> int:
-    """Rows a SIMD group's step holds with PK = 1: BPS / nb when a row's nb blocks are fewer
-    than a step's BPS block slots and nb * LPB is a power of 2 dividing 32 (a row group's
-    lanes, summed by a butterfly); else 1 (no packing)."""
-    f = BLOCK_FORMATS[ggml_type]
-    nb, bps = K // f.block_size, 32 // f.lanes
-    if nb < 1 or nb >= bps or bps % nb or (nb * f.lanes) & (nb * f.lanes - 1):
-        return 1
-    return bps // nb
 
 
 def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
@@ -294,7 +294,7 @@ def _plan(h, w, expert_ids, ggml_type: int, K: int, config) -> LaunchPlan:
     template = {"T": h.dtype, "MT": 1, "R": cfg["R"], "U": cfg["U"]}
     pk = 1
     if S > 1:
-        pk = pack_rows(ggml_type, K) if cfg.get("PK") else 1
+        pk = rows_per_step(ggml_type, K) if cfg.get("PK") else 1
         if cfg.get("PK") and (pk < 2 or cfg["R"] * pk > 32 * cfg["W"] * S):
             raise InvalidArgumentError(f"config {cfg}: no row packing for K {K} of this type")
         template.update(S=S, PK=int(pk > 1))

@@ -20,7 +20,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     owned_rows,
     uint32_ids,
 )
-from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
+from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header, rows_per_step
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.custom_kernels.qmatmul import ROW_SLICE_MAX
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
@@ -33,12 +33,15 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # same kernels (a row's tokens do not depend on the other rows' activity).
 MODE = os.environ.get("HF2Q_GROUPED_EXPERTS", "auto")
 ENABLED = MODE != "0"
-# HF2Q_GROUPED_MIN (auto only) moves the down's threshold (16), as HF2Q_GROUPED_GLU_MIN the
-# gate/up's. Session 46 (H200, 35B-A3B Q4_K, 8 rows of distinct prompts): the per-pair
-# slot-parallel down took 97.8 us of an 8.7 ms step, 40 calls (its K = 512 rows are 2 Q4_K
-# blocks: 8 of a SIMD group's 32 lanes hold one), the grouped down 58.5 us at 32 rows.
+# The down's threshold (auto): 16 tokens, 8 where a row has fewer blocks than a mat-vec step's
+# block slots (``ggml_formats.rows_per_step``). Session 46 (H200, 35B-A3B Q4_K, K 512 = two
+# blocks, 8 rows of distinct prompts): the slot-parallel down 97.8 us a call (35.5 packed),
+# the grouped one 24.3; serving 8 streams steady 1,419 against 942 tok/s, ITL p99 5.69
+# against 8.53 ms. Gemma-4-26B-A4B's down (Q5_0, K 704) is unmeasured there: it keeps 16.
+# HF2Q_GROUPED_MIN (1..32) sets one threshold for every down; MIN_TOKENS None: the rule above.
 _min_env = env_int("HF2Q_GROUPED_MIN", 1, 32)
-MIN_TOKENS = 1 if MODE == "1" else 16 if _min_env is None else _min_env
+MIN_TOKENS: int | None = 1 if MODE == "1" else _min_env
+DOWN_MIN, DOWN_MIN_SHORT_ROWS = 16, 8
 # The gate/up kernel's own threshold (auto only): 8 tokens. On the H200 an 8-row serving step
 # gained with it on both MoE shapes, one process each (session 24, `grouped-glu-serve`): 8
 # streams 1,089 against 840 tok/s on 26B-A4B, 981 against 877 on 35B-A3B; the down stays
@@ -506,7 +509,16 @@ def _pair_lists(
 
 def _glu_min() -> int:
     """Tokens per call from which the grouped gate/up kernel is taken."""
-    return MIN_TOKENS if MIN_TOKENS_GLU is None else MIN_TOKENS_GLU
+    if MIN_TOKENS_GLU is not None:
+        return MIN_TOKENS_GLU
+    return DOWN_MIN if MIN_TOKENS is None else MIN_TOKENS
+
+
+def down_min(ggml_type: int, K: int) -> int:
+    """Tokens per call from which the grouped down kernel is taken (rows of K columns)."""
+    if MIN_TOKENS is not None:
+        return MIN_TOKENS
+    return DOWN_MIN_SHORT_ROWS if rows_per_step(ggml_type, K) > 1 else DOWN_MIN
 
 
 def covers(
@@ -529,7 +541,7 @@ def covers(
     if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= cap:
         return False
     tokens = math.prod(expert_ids.shape[:-1])
-    if tokens < (1 if wide else _glu_min() if glu else MIN_TOKENS):
+    if tokens < (1 if wide else _glu_min() if glu else down_min(ggml_type, x.shape[-1])):
         return False
     per_pair = x.ndim == expert_ids.ndim + 1 and tuple(x.shape[:-1]) == tuple(expert_ids.shape)
     per_token = x.ndim == expert_ids.ndim and tuple(x.shape[:-1]) == tuple(expert_ids.shape[:-1])
@@ -602,9 +614,9 @@ def expert_down(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
-           in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
-           weights.shape)  # fmt: skip
+    key = (be, MM.ALL_TYPES, down_min(ggml_type, in_features),
+           wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type, in_features, h.shape, h.dtype,
+           w.shape, w.dtype, expert_ids.shape, expert_ids.dtype, weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:
         plans = _DOWN_CALLS[key]
     else:

@@ -429,6 +429,21 @@ BLOCK_FORMATS: dict[int, BlockFormat] = {
 }
 BLOCK_TYPES = tuple(BLOCK_FORMATS)
 
+
+def rows_per_step(ggml_type: int, K: int) -> int:
+    """Rows of K columns whose blocks fill one step of the mat-vec loop (32 / LPB block slots)
+    when a row has fewer blocks than that (``nb`` dividing the slots, ``nb * LPB`` a power of
+    2, so a row's lanes are a butterfly's); else 1. Qwen3.5-35B-A3B's Q4_K expert down (K 512,
+    2 blocks, 8 slots): 4."""
+    f = BLOCK_FORMATS.get(ggml_type)
+    if f is None:
+        return 1
+    nb, slots = K // f.block_size, 32 // f.lanes
+    if nb < 1 or nb >= slots or slots % nb or (nb * f.lanes) & (nb * f.lanes - 1):
+        return 1
+    return slots // nb
+
+
 # ggml_type -> (elements per block, bytes per block), dense types first.
 GGML_BLOCK_INFO: dict[int, tuple[int, int]] = {t: (1, n) for t, n in DENSE_BYTES.items()} | {
     t: (f.block_size, f.block_bytes) for t, f in BLOCK_FORMATS.items()

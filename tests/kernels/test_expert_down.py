@@ -20,6 +20,7 @@ from hf2q_mlx.custom_kernels import expert_down as D
 from hf2q_mlx.custom_kernels import expert_glu as G
 from hf2q_mlx.custom_kernels._render import Kernel
 from hf2q_mlx.custom_kernels.dequant import dequantize_reference
+from hf2q_mlx.custom_kernels.ggml_formats import rows_per_step
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 from hf2q_mlx.models import gemma4_moe, qwen3_5_moe
 from hf2q_mlx.models.experts import ExpertLinear
@@ -294,13 +295,22 @@ def test_packed_slot_kernel_bits_do_not_depend_on_s_or_r(emulated_slots, monkeyp
 
 
 def test_row_packing_switch(monkeypatch):
-    """pack_rows: BPS / nb where a row's nb blocks divide a step's BPS slots (Q4_K: 8), else 1;
-    HF2Q_DOWN_PACK (PACK) 1 puts PK in slot_config only where it packs; bad values raise; a PK
-    config that cannot pack raises instead of launching."""
-    assert [D.pack_rows(T.Q4_K, kk) for kk in (256, 512, 768, 1024, 2048)] == [8, 4, 1, 2, 1]
-    assert D.pack_rows(T.Q6_K, 256) == 2 and D.pack_rows(T.Q5_0, 704) == 1
+    """rows_per_step: BPS / nb where a row's nb blocks divide a step's BPS slots (Q4_K: 8), else
+    1; HF2Q_DOWN_PACK (PACK) unset: PK in slot_config with the CUDA back end only, 0 never, 1
+    always, each only where it packs; bad values raise; a PK config that cannot pack raises
+    instead of launching."""
+    assert [rows_per_step(T.Q4_K, kk) for kk in (256, 512, 768, 1024, 2048)] == [8, 4, 1, 2, 1]
+    assert rows_per_step(T.Q6_K, 256) == 2 and rows_per_step(T.Q5_0, 704) == 1
+    assert rows_per_step(T.F16, 256) == 1
     monkeypatch.setattr(D, "SLOT_TEAMS", "8")
-    assert "PK" not in D.slot_config(T.Q4_K, 512, 8)  # off by default
+    if "HF2Q_DOWN_PACK" not in os.environ:
+        assert D.PACK == "auto"
+    monkeypatch.setattr(D, "PACK", "auto")
+    for gpu, want in ((None, False), ("metal", False), ("cuda", True)):
+        monkeypatch.setattr(D, "backend", lambda g=gpu: g)
+        assert ("PK" in D.slot_config(T.Q4_K, 512, 8)) == want, gpu
+    monkeypatch.setattr(D, "PACK", "0")
+    assert "PK" not in D.slot_config(T.Q4_K, 512, 8)
     monkeypatch.setattr(D, "PACK", "1")
     assert D.slot_config(T.Q4_K, 512, 8)["PK"] == 1
     assert "PK" not in D.slot_config(T.Q5_0, 704, 8)
@@ -446,7 +456,7 @@ def test_gpu_packed_slot_kernel(kk, dtype):
     and NaN-filled output; each token's bits alone and in a 5-token verify are its bits in the
     batch of 32, and do not move with R or S (a row's lanes and their butterfly stay put)."""
     t, e, n, k, nan = T.Q4_K, 12, 2048, 8, float("nan")
-    assert D.pack_rows(t, kk) == 8 * 256 // kk
+    assert rows_per_step(t, kk) == 8 * 256 // kk
     raw = _experts(t, e, n, kk, seed=kk + 1)
     ids, wts = _route(_BATCH, k, e, seed=kk + 2)
     h = _h((_BATCH, k, kk), dtype, seed=kk + 3)

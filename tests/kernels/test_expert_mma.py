@@ -307,8 +307,10 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     for mod, name in ((G, "_CALLS"), (D, "_CALLS"), (EM, "_GLU_CALLS"), (EM, "_DOWN_CALLS")):
         monkeypatch.setattr(mod, name, {})
     # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped gate/up from 8 tokens on, the grouped down
-    # from 16: 5 are per-pair
-    assert EM.ENABLED and EM.MIN_TOKENS == 16 and EM.MIN_TOKENS_GLU == EM.GLU_MIN_DEFAULT == 8
+    # from 16, from 8 where its rows are shorter than a mat-vec step: 5 are per-pair
+    assert EM.ENABLED and EM.MIN_TOKENS is None and EM.MIN_TOKENS_GLU == EM.GLU_MIN_DEFAULT == 8
+    assert EM.down_min(T.Q4_K, 512) == 8 and EM.down_min(T.Q4_K, 2048) == 16
+    assert EM.down_min(T.Q5_0, 704) == 16
     t, kk = T.Q4_K, _k(T.Q4_K)
     raw, x, ids = _glu_case(t, 5, seed=71)
     rawd, h, idsd, wts = _down_case(t, 5, seed=72)
@@ -318,11 +320,12 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     down = D._SLOT_KERNELS[t] if D.slot_config(t, kk, ids.shape[-1]) else D._KERNELS[t]
     assert launched == [G._KERNELS[t].name, down.name]
     launched.clear()
-    for n in (7, 8, 15, 16):  # the "auto" thresholds: the gate/up from 8 tokens, the down 16
+    for n in (7, 8, 15, 16):  # the "auto" thresholds: the gate/up from 8 tokens, the down 16 or 8
         _, x_n, ids_n = _glu_case(t, n, seed=73)
         assert EM.covers(x_n, mx.array(raw), ids_n, t) == (n >= 8)
         _, h_n, ids_n, _ = _down_case(t, n, seed=74)
-        assert EM.covers(h_n, mx.array(rawd), ids_n, t, glu=False) == (n >= 16)
+        down_from = EM.down_min(t, h_n.shape[-1])
+        assert EM.covers(h_n, mx.array(rawd), ids_n, t, glu=False) == (n >= down_from)
     monkeypatch.setattr(EM, "MIN_TOKENS", 1)  # HF2Q_GROUPED_EXPERTS=1: every covered call
     monkeypatch.setattr(EM, "MIN_TOKENS_GLU", None)
     y = G.expert_glu(x, _poisoned(raw, ids), ids, t, kk)
