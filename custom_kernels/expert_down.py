@@ -165,7 +165,9 @@ _SLOTS_PREFIX = r"""
   // Thread mapping: threadgroup (gid_x, gid_y) = (block of R output rows, token t) of S teams of
   // n_simd / S SIMD groups; in round b team j runs the mat-vec loop below for slot b * S + j of t
   // (its SIMD groups on interleaved runs along K), and threads tid < R (one per row) then add
-  // the round's S slot sums, times their weights, in slot order. edims = (1, N, K, slots, E).
+  // the round's S slot sums, times their weights, in slot order. With PK, each SIMD group's
+  // step holds ex_pk short rows (block slot j: block j % nb of row group j / nb), so the
+  // threadgroup owns R ex_pk rows. edims = (1, N, K, slots, E).
   const uint ex_tok = gid_y;
   const uint ex_slots = uint(edims[3]);
   const uint ex_k = uint(edims[2]);
@@ -235,6 +237,10 @@ _MAX_SIMD = 8  # both kernels' shared buffers hold 8 SIMD groups' sums
 # elsewhere (never run on Metal). SLOT_ROWS: its R (0: expert_run_config's). Both are read
 # when a call shape's launch is first built (the plan cache keys on them), so a benchmark may
 # flip them in one process.
+SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "auto")
+SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
+AUTO_SLOT_TEAMS = 8  # "auto" on CUDA
+
 # HF2Q_DOWN_PACK: the slot kernel packs rows of fewer blocks than a step's block slots
 # (``ggml_formats.rows_per_step``: Qwen3.5-35B-A3B's Q4_K down rows, K 512 = 2 blocks, leave 24
 # of 32 lanes idle otherwise). "auto" (unset): on with the CUDA back end (session 46, H200,
@@ -248,11 +254,6 @@ def pack_on() -> bool:
     if PACK.strip().lower() in ("auto", ""):
         return backend() == "cuda"
     return bool(int_setting("HF2Q_DOWN_PACK", PACK, 0, 1))
-
-
-SLOT_TEAMS: int | str = os.environ.get("HF2Q_DOWN_SLOTS", "auto")
-SLOT_ROWS: int | str = os.environ.get("HF2Q_DOWN_SLOT_ROWS", "0")
-AUTO_SLOT_TEAMS = 8  # "auto" on CUDA
 
 
 def slot_config(ggml_type: int, K: int, k: int) -> dict[str, int] | None:
