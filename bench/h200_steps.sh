@@ -73,7 +73,7 @@ step serve-26b-mlx 540 "python3 bench/serve_throughput.py --shapes gemma4-26b-a4
 step pack-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf --tb=short -k 'gpu_packed_slot or gpu_slot_kernel_row_parity' tests/kernels/test_expert_down.py"
 # 35B-A3B Q4_K serving at 1 and 8 streams, today's defaults and each NAME=VALUE of SERVE_ENVS
 # (one process each; issue 14: the 8-stream ITL p99 <= 2x one stream's)
-step serve-env-ab 420 "for e in default ${SERVE_ENVS:-HF2Q_DOWN_PACK=1 HF2Q_GROUPED_MIN=8}; do echo == \$e; env \$( [ \$e = default ] || echo \$e ) python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --no-mlx-lm --streams ${STREAMS:-1,8} --gen 128 --prefill-chunk 2048 --time-cap 150 --json $OUT/serve_\${e%%=*}.json | grep -a 'DecodeStep'; done"
+step serve-env-ab 420 "for e in default ${SERVE_ENVS:-HF2Q_ATTN_SHARED_KV=1}; do echo == \$e; env \$( [ \$e = default ] || echo \$e ) python3 bench/serve_throughput.py --shapes qwen3.5-35b-a3b --formats q4_k --no-mlx-lm --streams ${STREAMS:-1,8} --gen 128 --prefill-chunk 2048 --time-cap 150 --json $OUT/serve_\${e%%=*}.json | grep -a 'DecodeStep'; done"
 # MLX 4-bit experts kept as GGML Q4_1 (HF2Q_AFFINE_EXPERTS=q4_1) against the affine kernels, one
 # process, the two builds alternating per stream count (session 45: ours MLX 4-bit 35B-A3B 772
 # steady tok/s at 32 streams against Q4_K's 2,089); then the GPU accuracy and graph tests
