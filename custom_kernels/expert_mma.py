@@ -614,9 +614,10 @@ def expert_down(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    key = (be, MM.ALL_TYPES, down_min(ggml_type, in_features),
-           wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type, in_features, h.shape, h.dtype,
-           w.shape, w.dtype, expert_ids.shape, expert_ids.dtype, weights.shape)  # fmt: skip
+    # MIN_TOKENS with the type and K fix down_min's threshold: nothing to derive per call
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
+           in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
+           weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:
         plans = _DOWN_CALLS[key]
     else:
