@@ -24,13 +24,14 @@ in_proj and out_proj.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.custom_kernels import backend, device_array
+from hf2q_mlx.custom_kernels import backend, device_array, int_setting
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update_reference
 from hf2q_mlx.errors import InvalidArgumentError
@@ -39,6 +40,15 @@ SIMD_WIDTH = 32
 MAX_WARPS = 16  # SIMD groups per threadgroup (512 threads): value rows are spread over them
 MAX_STATE_REGS = 64  # floats of state a lane holds (rows per SIMD group x Dk / 32)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+# HF2Q_GDN_PRELOAD: the new conv state's inputs loaded with the state at the start (template
+# PRELOAD) rather than after the state's stores (the same values and bits either way). "1"
+# (unset) on, "0" off; read at import, parsed at the first call, in the plan key.
+PRELOAD: str = os.environ.get("HF2Q_GDN_PRELOAD", "1")
+
+
+def preload_on() -> bool:
+    """Whether HF2Q_GDN_PRELOAD (PRELOAD) asks for the preloaded conv state."""
+    return int_setting("HF2Q_GDN_PRELOAD", PRELOAD, 0, 1) != 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,6 +186,17 @@ _BODY = """
     wr[r] = to_float(norm_w[dv]);
   }
 
+  // PRE (no history, a channel a thread): the new conv state's inputs of thread tid's channel
+  // (q, k of the key head, then the head's v), loaded with the state: the stores at the end then
+  // wait on no load (each load after a store to a buffer that may alias is one more round trip)
+  constexpr bool PRE = PRELOAD && !HIST && 2 * Dk + Dv <= NW * SIMD_SIZE;
+  const uint pc = tid < uint(2 * Dk) ? (tid < uint(Dk) ? hk * Dk + tid : KD + hk * Dk + tid - Dk)
+                                     : 2 * KD + h * Dv + (tid - 2 * Dk);
+  float pre[KC - 1];
+  if (PRE && tid < uint(2 * Dk + Dv)) {
+    UNROLL for (int i = 0; i < KC - 1; ++i) pre[i] = GDD_SEQ((act ? NT : 0) + i, pc);
+  }
+
   for (int t = 0; t < NT; ++t) {
     const uint tok = bi * NT + t;
     if (HIST) {  // the state before token t: entry t of the history
@@ -284,8 +305,13 @@ _BODY = """
     BARRIER();
     qk_writer = qk_last[0] != 0u;
   }
+  if (PRE) {
+    if (tid < uint(2 * Dk + Dv) && (qk_writer || tid >= uint(2 * Dk))) {
+      UNROLL for (int i = 0; i < KC - 1; ++i) conv_out[crow + i * C + pc] = from_float<OutT>(pre[i]);
+    }
+  }
   const uint nqk = qk_writer ? uint(2 * Dk) : 0u;
-  for (int j = HIST ? 0 : NT; j <= NT; ++j) {
+  for (int j = HIST ? 0 : NT; j <= (PRE ? -1 : NT); ++j) {
     const int shift = act ? j : 0;
     for (int i = 0; i < KC - 1; ++i) {
       for (uint e = tid; e < nqk + uint(Dv); e += tg_size) {
@@ -350,6 +376,7 @@ def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -
         "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
         "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
         "CONV_INPLACE": False,  # set by a recorded graph writing the conv state in place
+        "PRELOAD": True,
         **dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout)),
     }  # fmt: skip
 
@@ -392,7 +419,24 @@ def _covered(dtype: mx.Dtype, hk: int, dk: int, hv: int, dv: int, K: int, L: int
 
 @lru_cache(maxsize=64)
 def _plan(
-    kernel, be, B, L, C, K, hk, dk, hv, dv, tiled, masked, hist, eps, dtypes, layout, init_value
+    kernel,
+    be,
+    B,
+    L,
+    C,
+    K,
+    hk,
+    dk,
+    hv,
+    dv,
+    tiled,
+    masked,
+    hist,
+    eps,
+    dtypes,
+    layout,
+    init_value,
+    preload,
 ):
     """(launcher, eps array, placeholder mask, counters) for one call shape."""
     nw = _warps(dv, L)
@@ -405,7 +449,10 @@ def _plan(
         threadgroup=(SIMD_WIDTH * nw,),
         output_shapes=[(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes],
         output_dtypes=[dtype, mx.float32, dtype, mx.float32, dtype],
-        template=_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
+        template={
+            **_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
+            "PRELOAD": preload,
+        },
         init_value=init_value,
         backend=be,
     )  # fmt: skip
@@ -481,7 +528,7 @@ def gated_delta_decode(
     dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_, mx.uint32)
     launch, eps, unmasked, counter = _plan(
         _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
-        bool(history), float(norm_eps), dtypes, layout, init_value,
+        bool(history), float(norm_eps), dtypes, layout, init_value, preload_on(),
     )  # fmt: skip
     inputs += [eps, active if masked else unmasked, counter]
     out, state, conv, state_hist, conv_hist = launch(inputs=inputs)

@@ -158,6 +158,56 @@ def test_conv_in_place_variant_writes_what_the_plain_launch_writes_emulated(
 
 
 @needs_gxx
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("in_place", [False, True], ids=["plain", "conv_in_place"])
+def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, monkeypatch):
+    """PRELOAD (the new conv state's inputs loaded with the recurrent state, then stored at the
+    end) writes what the load-after-store loop writes, bit for bit, from poisoned outputs; its
+    conv state equals the oracle's exactly (data movement)."""
+    from hf2q_mlx.custom_kernels import launch_recorder
+
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
+    gdd._plan.cache_clear()
+    inp = make_inputs(*shape, seed=11 * sum(shape) + in_place, masked=shape[0] > 1)
+    rec = launch_recorder.Recorder(1)
+    try:
+        with launch_recorder.recording(rec):
+            gdd.gated_delta_decode(**inp)
+    finally:
+        gdd._plan.cache_clear()
+    (launch,) = rec.launches
+    s = launch.spec
+    assert dict(s.template)["PRELOAD"]  # the default
+
+    def run(preload: bool):
+        poison = [mx.full(sh, float("nan"), dt) for sh, dt in zip(s.output_shapes, s.output_dtypes)]
+        return kernel_emulator.emulate(
+            s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
+            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes, initial=poison,
+            template={**dict(s.template), "CONV_INPLACE": in_place, "PRELOAD": preload},
+        )  # fmt: skip
+
+    loop, pre = run(False), run(True)
+    for i in range(3):  # out, state, conv state
+        a, b = (np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32)) for x in
+                (loop[i], pre[i]))  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    want_conv = oracle(inp, False)[1].astype(np.float32)
+    np.testing.assert_array_equal(np.array(pre[2].astype(mx.float32)), want_conv)
+
+
+def test_preload_switch_is_checked(monkeypatch):
+    """HF2Q_GDN_PRELOAD takes 0 or 1 (blank: on); anything else is a one-line caller error."""
+    for text, on in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setattr(gdd, "PRELOAD", text)
+        assert gdd.preload_on() is on
+    monkeypatch.setattr(gdd, "PRELOAD", "yes")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_GDN_PRELOAD"):
+        gdd.preload_on()
+
+
+@needs_gxx
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
 def test_kernel_body_emulated_half(dtype, monkeypatch):
     """Half inputs: the kernel keeps y in fp32 through the norm where the reference rounds; its
