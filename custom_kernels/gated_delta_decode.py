@@ -307,7 +307,8 @@ _BODY = """
   }
   if (PRE) {
     if (tid < uint(2 * Dk + Dv) && (qk_writer || tid >= uint(2 * Dk))) {
-      UNROLL for (int i = 0; i < KC - 1; ++i) conv_out[crow + i * C + pc] = from_float<OutT>(pre[i]);
+      UNROLL for (int i = 0; i < KC - 1; ++i)
+        conv_out[crow + i * C + pc] = from_float<OutT>(pre[i]);
     }
   }
   const uint nqk = qk_writer ? uint(2 * Dk) : 0u;
