@@ -392,10 +392,11 @@ step expert-run-ab 420 "python3 bench/mlx_env_ab.py $OUT/expert_run_ab.json --st
 # wait-only programmatic launches in the graph (HF2Q_GRAPH_PDL=2: 1.02x in session 35, one run)
 step pdl2-ab 300 "python3 bench/mlx_env_ab.py $OUT/pdl2_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 7 --tokens 64 --time-cap 200 --env '' --env HF2Q_GRAPH_PDL=2"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
-# session 47: the delta-net decode kernel's new conv state loaded with the state (HF2Q_GDN_PRELOAD,
-# on by default since CPU-verified; same bits): the kernel alone at 1 / 8 / 32 rows, its GPU
-# tests, then 35B-A3B and 9B graph decode with it on and off
-step gdn-ab 420 "python3 bench/gdn_decode.py --json $OUT/gdn_decode.json && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_decode.py --tb=short && for sh in ${AB_SHAPES:-qwen3_5:35b-a3b qwen3_5:9b}; do python3 bench/mlx_env_ab.py $OUT/gdn_ab_\${sh/:/_}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_GDN_PRELOAD=0; done"
+# session 47: loads moved ahead of stores and barriers (same bits, CPU-verified, on by default):
+# the delta-net decode kernel's new conv state (HF2Q_GDN_PRELOAD) alone at 1 / 8 / 32 rows, the
+# MoE end's gate + residual + norm (HF2Q_GATE_NORM_EARLY); their GPU tests, then 35B-A3B's graph
+# decode with each off, 9B's with the first off
+step gdn-ab 420 "python3 bench/gdn_decode.py --json $OUT/gdn_decode.json && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_decode.py --tb=short && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and residual_norm' tests/kernels/test_sigmoid_gate.py --tb=short && python3 bench/mlx_env_ab.py $OUT/early_ab_35b.json --step graph --format q4_k --shape qwen3_5:35b-a3b --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_GDN_PRELOAD=0 --env HF2Q_GATE_NORM_EARLY=0 && python3 bench/mlx_env_ab.py $OUT/early_ab_9b.json --step graph --format q4_k --shape qwen3_5:9b --rounds 5 --tokens 64 --time-cap 90 --env '' --env HF2Q_GDN_PRELOAD=0"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

@@ -130,10 +130,27 @@ _SHARED_NORM_BODY = (
     """
   // One threadgroup per row of D: shared_gate_add's dot and output (its TG threads), which
   // goes on into residual_rms_norm(res, out, nw) -> (h, n) in that kernel's own layout and
-  // order: virtual thread vt = t + TG q of its TGR owns elements vt + TGR j."""
+  // order: virtual thread vt = t + TG q of its TGR owns elements vt + TGR j. EARLY: every
+  // element a thread reads after a barrier is loaded before the first one (one round of memory
+  // latency, not three; the same values)."""
+    + """
+  constexpr uint RQ = (TGR + TG - 1) / TG;
+  constexpr uint NE = EARLY ? RQ * NPTR : 1;
+  float se[NE], ye[NE], re[NE], we[NE];
+  UNROLL for (uint q = 0; EARLY && q < RQ; ++q) {
+    UNROLL for (uint j = 0; j < NPTR; ++j) {
+      const uint vt = tid + TG * q;
+      const uint i = vt + TGR * j;
+      const bool ok = vt < TGR && i < uint(D);
+      se[q * NPTR + j] = ok ? to_float(s[uint64_t(gid_x) * uint(D) + i]) : 0.0f;
+      ye[q * NPTR + j] = ok ? to_float(y[uint64_t(gid_x) * uint(D) + i]) : 0.0f;
+      re[q * NPTR + j] = ok ? to_float(res[uint64_t(gid_x) * uint(D) + i]) : 0.0f;
+      we[q * NPTR + j] = ok ? to_float(nw[i]) : 0.0f;
+    }
+  }
+"""
     + _GATE_DOT
     + """  SHARED float part2[32];
-  constexpr uint RQ = (TGR + TG - 1) / TG;
   float v[RQ][NPTR];
   UNROLL for (uint q = 0; q < RQ; ++q) {
     const uint vt = tid + TG * q;
@@ -142,9 +159,12 @@ _SHARED_NORM_BODY = (
       const uint i = vt + TGR * j;
       v[q][j] = 0.0f;
       if (vt < TGR && i < uint(D)) {
-        const float prod = to_float(from_float<T>(to_float(s[base + i]) * sg));
-        const T o = from_float<T>(to_float(y[base + i]) + prod);
-        const T hv = from_float<T>(to_float(res[base + i]) + to_float(o));
+        const float sv = EARLY ? se[q * NPTR + j] : to_float(s[base + i]);
+        const float yv = EARLY ? ye[q * NPTR + j] : to_float(y[base + i]);
+        const float rv = EARLY ? re[q * NPTR + j] : to_float(res[base + i]);
+        const float prod = to_float(from_float<T>(sv * sg));
+        const T o = from_float<T>(yv + prod);
+        const T hv = from_float<T>(rv + to_float(o));
         h[base + i] = hv;
         v[q][j] = to_float(hv);
         ss = fma_f(v[q][j], v[q][j], ss);
@@ -165,7 +185,7 @@ _SHARED_NORM_BODY = (
       const uint i = vt + TGR * j;
       if (vt < TGR && i < uint(D)) {
         float o = v[q][j] * inv;
-        o *= to_float(nw[i]) + fparams[1];
+        o *= (EARLY ? we[q * NPTR + j] : to_float(nw[i])) + fparams[1];
         n[base + i] = from_float<T>(o);
       }
     }
@@ -193,7 +213,7 @@ def norm_template(dtype: mx.Dtype, D: int) -> dict:
     """``shared_gate_residual_norm``'s template: shared_gate_add's 256 threads a row, and
     residual_rms_norm's threads (threads_for(D)) and elements a thread for the norm."""
     tgr = residual_threads(D)
-    return {"T": dtype, "D": D, "TG": 256, "TGR": tgr, "NPTR": -(-D // tgr)}
+    return {"T": dtype, "D": D, "TG": 256, "TGR": tgr, "NPTR": -(-D // tgr), "EARLY": True}
 
 
 _shared_norm_kernel = Kernel(
@@ -213,6 +233,16 @@ _shared_norm_kernel = Kernel(
 # the residual add and the next norm (``shared_gate_residual_norm``). On since session 43: the
 # same bits as the two kernels on an H100, Qwen3.5-35B-A3B's graph decode 1.03x.
 GATE_NORM: str = os.environ.get("HF2Q_SHARED_GATE_NORM", "")
+
+
+# HF2Q_GATE_NORM_EARLY (read at import; unset or 1 on, 0 off): shared_gate_residual_norm loads
+# every element before its first barrier (template EARLY; the same bits). In the plan key.
+EARLY: str = os.environ.get("HF2Q_GATE_NORM_EARLY", "")
+
+
+def early_on() -> bool:
+    """``HF2Q_GATE_NORM_EARLY`` as read at import (benches and tests may set ``EARLY``)."""
+    return int_setting("HF2Q_GATE_NORM_EARLY", EARLY, 0, 1) != 0
 
 
 def gate_norm_enabled() -> bool:
@@ -262,7 +292,7 @@ def shared_gate_residual_norm(
         _covered(y, s, x, w) and res.shape == y.shape and res.dtype == y.dtype
         and nw.shape == (D,) and nw.dtype in _F and D <= 16384
     ):  # fmt: skip
-        launch = _norm_plan(backend(), y.size // D, D, y.shape, y.dtype, nw.dtype)
+        launch = _norm_plan(backend(), y.size // D, D, y.shape, y.dtype, nw.dtype, early_on())
         return tuple(launch(inputs=[y, s, x, w, res, nw, _norm_params(eps, offset)]))
     return shared_gate_residual_norm_reference(y, s, x, w, res, nw, eps, offset)
 
@@ -277,11 +307,11 @@ def _shared_plan(be, rows, D, shape, dtype, wdtype):
 
 
 @lru_cache(maxsize=64)
-def _norm_plan(be, rows, D, shape, dtype, nwdtype):
+def _norm_plan(be, rows, D, shape, dtype, nwdtype, early):
     return _shared_norm_kernel.launcher(
         [dtype] * 5 + [nwdtype, mx.float32], grid=(rows * 256,), threadgroup=(256,),
         output_shapes=[shape, shape], output_dtypes=[dtype, dtype],
-        template=norm_template(dtype, D), backend=be,
+        template={**norm_template(dtype, D), "EARLY": early}, backend=be,
     )  # fmt: skip
 
 
