@@ -11,6 +11,7 @@ that take the most time. Busy well under 100 % means host time, not kernels, set
     python3 bench/decode_profile.py gemma4:26b-a4b q4_k [--prompt 512] [--steps 16] [--json F]
     python3 bench/decode_profile.py qwen3_5:9b mlx4
     python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled [--batch 8]
+    python3 bench/decode_profile.py qwen3_5:35b-a3b q4_k --step prefill --prompt 512 --steps 3
     python3 bench/decode_profile.py gemma4:tiny-moe q4_k        # CPU smoke run (no CUPTI)
 
 Needs torch with CUDA for the kernel columns; without it only wall times are printed.
@@ -140,6 +141,53 @@ def count_nodes(y: mx.array, path: str) -> dict[str, int]:
     return dict(collections.Counter(names).most_common())
 
 
+def profile_prefill(model, vocab: int, prompt: int, runs: int, use_cuda: bool) -> dict:
+    """``runs`` prefills of a fresh ``prompt``-token prompt into a new cache each (one forward,
+    evaluated to the last position's logits, as a 512-token prompt's first chunk is) under
+    CUPTI, after two unprofiled ones (kernel builds): per prefill the wall time and, with
+    CUPTI, the kernels by GPU time. The same keys as ``profile_decode``, per prefill."""
+    prompts = [
+        mx.random.randint(0, vocab, (1, prompt), key=mx.random.key(100 + i))
+        for i in range(runs + 2)
+    ]
+    mx.eval(prompts)
+
+    def one(ids):
+        mx.eval(model(ids, model.make_cache())[:, -1, :])
+
+    for ids in prompts[:2]:
+        one(ids)
+    mx.synchronize()
+    prof = None
+    if use_cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    tic = time.perf_counter()
+    for ids in prompts[2:]:
+        one(ids)
+    mx.synchronize()
+    wall_ms = (time.perf_counter() - tic) * 1e3 / runs
+    out = {"prompt": prompt, "steps": runs, "wall_ms_per_token": wall_ms,
+           "graph_build_ms_per_token": 0.0, "eval_submit_ms_per_token": 0.0}  # fmt: skip
+    if prof is None:
+        return out
+    prof.__exit__(None, None, None)
+    kernels = _cuda_kernels(prof)
+    gpu_ms = sum(us for _, us in kernels) / 1e3 / runs
+    copies = sum(_is_copy(name) for name, _ in kernels)
+    out.update(
+        kernels_per_token=(len(kernels) - copies) / runs,
+        copies_per_token=copies / runs,
+        kernel_ms_per_token=gpu_ms,
+        gpu_busy=gpu_ms / wall_ms,
+        top=[{"kernel": n[:120], "per_token": c / runs, "us_per_token": t / runs,
+              "avg_us": t / c} for n, c, t in by_kernel(kernels)[:40]],
+    )  # fmt: skip
+    return out
+
+
 def profile_decode(
     model,
     vocab: int,
@@ -215,7 +263,10 @@ def main() -> None:
     ap.add_argument("format", choices=["q4_k", "mlx4"])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--step", choices=["eager", "compiled"], default="eager")
+    ap.add_argument(
+        "--step", choices=["eager", "compiled", "prefill"], default="eager",
+        help="prefill: --steps prefills of --prompt tokens, figures per prefill, not per token",
+    )  # fmt: skip
     ap.add_argument("--batch", type=int, default=1, help="rows of the compiled step")
     ap.add_argument("--layers", type=int, default=None, help="first N layers only")
     ap.add_argument("--no-cupti", action="store_true", help="wall times only (no profiler)")
@@ -231,7 +282,11 @@ def main() -> None:
         use_cuda = torch.cuda.is_available()
     dtype = mx.bfloat16 if gpu else mx.float32
     model, vocab = build(family, shape, a.format, dtype, a.layers)
-    r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch, a.nodes)
+    if a.step == "prefill":
+        r = profile_prefill(model, vocab, a.prompt, a.steps, use_cuda)
+    else:
+        r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch, a.nodes)
+    unit = "prefill" if a.step == "prefill" else "token"
     r["layers"] = len(model.layers)
     r.update(model=a.model, format=a.format, step=a.step, batch=a.batch)
     r["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
@@ -242,14 +297,17 @@ def main() -> None:
         r["cuda_cache"] = cuda_cache.status()
         print(f"cuda_cache: {r['cuda_cache']}")
     b_ms, s_ms = r["graph_build_ms_per_token"], r["eval_submit_ms_per_token"]
-    print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/token wall (Python graph build "
-          f"{b_ms:.2f}, MLX eval submit {s_ms:.2f})", end="")  # fmt: skip
+    print(f"{a.model} {a.format}: {r['wall_ms_per_token']:.2f} ms/{unit} wall", end="")
+    if unit == "token":
+        print(f" (Python graph build {b_ms:.2f}, MLX eval submit {s_ms:.2f})", end="")
+    else:
+        print(f" ({a.prompt} tokens: {a.prompt / r['wall_ms_per_token'] * 1e3:,.0f} tok/s)", end="")
     if "kernel_ms_per_token" in r:
         per_layer = r["kernels_per_token"] / r["layers"]
-        print(f", {r['kernels_per_token']:.0f} kernels/token ({per_layer:.1f} per layer), "
+        print(f", {r['kernels_per_token']:.0f} kernels/{unit} ({per_layer:.1f} per layer), "
               f"{r['kernel_ms_per_token']:.2f} ms "
-              f"kernel time/token, GPU busy {100 * r['gpu_busy']:.0f} %")  # fmt: skip
-        print(f"{'kernel':<80} {'/token':>7} {'us/token':>9} {'avg us':>8}")
+              f"kernel time/{unit}, GPU busy {100 * r['gpu_busy']:.0f} %")  # fmt: skip
+        print(f"{'kernel':<80} {'/' + unit:>7} {'us/' + unit:>9} {'avg us':>8}")
         for t in r["top"]:
             print(f"{t['kernel'][:80]:<80} {t['per_token']:>7.1f} {t['us_per_token']:>9.1f} "
                   f"{t['avg_us']:>8.2f}")  # fmt: skip
