@@ -396,7 +396,7 @@ step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3
 # the delta-net decode kernel's new conv state (HF2Q_GDN_PRELOAD) alone at 1 / 8 / 32 rows, the
 # MoE end's gate + residual + norm (HF2Q_GATE_NORM_EARLY); their GPU tests (gdn-decode-tests), then
 # 35B-A3B's graph decode with each off, 9B's with the first off (early-ab)
-step gdn-decode-tests 240 "python3 bench/gdn_decode.py --json $OUT/gdn_decode.json && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_decode.py --tb=short && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and residual_norm' tests/kernels/test_sigmoid_gate.py --tb=short"
+step gdn-decode-tests 240 "python3 bench/gdn_decode.py --json $OUT/gdn_decode.json && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_decode.py --tb=short && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and residual_norm' tests/kernels/test_sigmoid_gate.py --tb=short && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives and qwen3_5' tests/test_cuda_graph_step.py --tb=short"
 step early-ab 300 "python3 bench/mlx_env_ab.py $OUT/early_ab_35b.json --step graph --format q4_k --shape qwen3_5:35b-a3b --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_GDN_PRELOAD=0 --env HF2Q_GATE_NORM_EARLY=0 && python3 bench/mlx_env_ab.py $OUT/early_ab_9b.json --step graph --format q4_k --shape qwen3_5:9b --rounds 5 --tokens 64 --time-cap 90 --env '' --env HF2Q_GDN_PRELOAD=0"
 # where a 512-token prefill's GPU time goes (CUPTI by kernel; session 46: 35B-A3B prefills at
 # 0.57x llama.cpp CUDA, 9B 0.71x, 26B-A4B 0.83x on the same random-weight GGUFs)
