@@ -41,14 +41,16 @@ MAX_WARPS = 16  # SIMD groups per threadgroup (512 threads): value rows are spre
 MAX_STATE_REGS = 64  # floats of state a lane holds (rows per SIMD group x Dk / 32)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 # HF2Q_GDN_PRELOAD: the new conv state's inputs loaded with the state at the start (template
-# PRELOAD) rather than after the state's stores (the same values and bits either way). "1"
-# (unset) on, "0" off; read at import, parsed at the first call, in the plan key.
-PRELOAD: str = os.environ.get("HF2Q_GDN_PRELOAD", "1")
+# PRELOAD) rather than after the state's stores (the same values and bits either way; each
+# load after a store to a buffer that may alias waits a round trip). "1" on, "0" or unset off
+# until a GPU times it (session 47: CPU emulator only; `setup gdn-decode-tests early-ab`);
+# read at import, parsed at the first call, in the plan key.
+PRELOAD: str = os.environ.get("HF2Q_GDN_PRELOAD", "")
 
 
 def preload_on() -> bool:
     """Whether HF2Q_GDN_PRELOAD (PRELOAD) asks for the preloaded conv state."""
-    return int_setting("HF2Q_GDN_PRELOAD", PRELOAD, 0, 1) != 0
+    return bool(int_setting("HF2Q_GDN_PRELOAD", PRELOAD, 0, 1))
 
 
 @dataclass(frozen=True, eq=False)

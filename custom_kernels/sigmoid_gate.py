@@ -235,14 +235,15 @@ _shared_norm_kernel = Kernel(
 GATE_NORM: str = os.environ.get("HF2Q_SHARED_GATE_NORM", "")
 
 
-# HF2Q_GATE_NORM_EARLY (read at import; unset or 1 on, 0 off): shared_gate_residual_norm loads
-# every element before its first barrier (template EARLY; the same bits). In the plan key.
+# HF2Q_GATE_NORM_EARLY (read at import; 1 on, unset or 0 off until a GPU times it: session 47,
+# CPU emulator only): shared_gate_residual_norm loads every element before its first barrier
+# (template EARLY; the same bits). In the plan key.
 EARLY: str = os.environ.get("HF2Q_GATE_NORM_EARLY", "")
 
 
 def early_on() -> bool:
     """``HF2Q_GATE_NORM_EARLY`` as read at import (benches and tests may set ``EARLY``)."""
-    return int_setting("HF2Q_GATE_NORM_EARLY", EARLY, 0, 1) != 0
+    return bool(int_setting("HF2Q_GATE_NORM_EARLY", EARLY, 0, 1))
 
 
 def gate_norm_enabled() -> bool:

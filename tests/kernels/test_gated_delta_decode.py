@@ -168,6 +168,7 @@ def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, mon
 
     monkeypatch.setattr(gdd, "backend", lambda: "cuda")
     monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
+    monkeypatch.setattr(gdd, "PRELOAD", "1")
     gdd._plan.cache_clear()
     inp = make_inputs(*shape, seed=11 * sum(shape) + in_place, masked=shape[0] > 1)
     rec = launch_recorder.Recorder(1)
@@ -178,7 +179,7 @@ def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, mon
         gdd._plan.cache_clear()
     (launch,) = rec.launches
     s = launch.spec
-    assert dict(s.template)["PRELOAD"]  # the default
+    assert dict(s.template)["PRELOAD"]  # the switch reaches the plan
 
     def run(preload: bool):
         poison = [mx.full(sh, float("nan"), dt) for sh, dt in zip(s.output_shapes, s.output_dtypes)]
@@ -198,8 +199,8 @@ def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, mon
 
 
 def test_preload_switch_is_checked(monkeypatch):
-    """HF2Q_GDN_PRELOAD takes 0 or 1 (blank: on); anything else is a one-line caller error."""
-    for text, on in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+    """HF2Q_GDN_PRELOAD takes 0 or 1 (blank: off); anything else is a one-line caller error."""
+    for text, on in (("", False), ("1", True), ("0", False), (" 1 ", True)):
         monkeypatch.setattr(gdd, "PRELOAD", text)
         assert gdd.preload_on() is on
     monkeypatch.setattr(gdd, "PRELOAD", "yes")
