@@ -392,13 +392,13 @@ step expert-run-ab 420 "python3 bench/mlx_env_ab.py $OUT/expert_run_ab.json --st
 # wait-only programmatic launches in the graph (HF2Q_GRAPH_PDL=2: 1.02x in session 35, one run)
 step pdl2-ab 300 "python3 bench/mlx_env_ab.py $OUT/pdl2_ab.json --step graph --format ${FORMAT:-q4_k} --shape ${SHAPE:-gemma4:26b-a4b} --rounds 7 --tokens 64 --time-cap 200 --env '' --env HF2Q_GRAPH_PDL=2"
 step real-pair 300 "python3 bench/speculative.py real --k 2 4 --fixed --rounds 3 --json $OUT/spec_real.json"
-# session 47: loads moved ahead of stores and barriers (same bits, CPU emulator; off until a GPU
-# times them): the delta-net decode kernel's new conv state (HF2Q_GDN_PRELOAD=1) alone at 1 / 8 /
-# 32 rows; the GPU tests of it and of the MoE end's gate + residual + norm (HF2Q_GATE_NORM_EARLY=1)
-# with both on, and the tiny Qwen 3.5 graph steps' tokens (gdn-decode-tests); then 35B-A3B's graph
-# decode with each on against the default, 9B's with the first (early-ab)
+# session 47: loads moved ahead of stores and barriers (same bits): the delta-net decode
+# kernel's new conv state (HF2Q_GDN_PRELOAD=1; no faster on the H100, off) alone at 1 / 8 / 32
+# rows; the GPU tests of it and of the MoE end's gate + residual + norm (HF2Q_GATE_NORM_EARLY; on
+# with CUDA since: 1.03x on 35B-A3B, H100) with both on, and the tiny Qwen 3.5 graph steps'
+# tokens (gdn-decode-tests); then 35B-A3B's graph decode against each flipped, 9B's (early-ab)
 step gdn-decode-tests 240 "python3 bench/gdn_decode.py --json $OUT/gdn_decode.json && export HF2Q_GDN_PRELOAD=1 HF2Q_GATE_NORM_EARLY=1 && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_decode.py --tb=short && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and residual_norm' tests/kernels/test_sigmoid_gate.py --tb=short && python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives and qwen3_5' tests/test_cuda_graph_step.py --tb=short"
-step early-ab 300 "python3 bench/mlx_env_ab.py $OUT/early_ab_35b.json --step graph --format q4_k --shape qwen3_5:35b-a3b --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_GDN_PRELOAD=1 --env HF2Q_GATE_NORM_EARLY=1 && python3 bench/mlx_env_ab.py $OUT/early_ab_9b.json --step graph --format q4_k --shape qwen3_5:9b --rounds 5 --tokens 64 --time-cap 90 --env '' --env HF2Q_GDN_PRELOAD=1"
+step early-ab 300 "python3 bench/mlx_env_ab.py $OUT/early_ab_35b.json --step graph --format q4_k --shape qwen3_5:35b-a3b --rounds 5 --tokens 64 --time-cap 120 --env '' --env HF2Q_GDN_PRELOAD=1 --env HF2Q_GATE_NORM_EARLY=0 && python3 bench/mlx_env_ab.py $OUT/early_ab_9b.json --step graph --format q4_k --shape qwen3_5:9b --rounds 5 --tokens 64 --time-cap 90 --env '' --env HF2Q_GDN_PRELOAD=1"
 # where a 512-token prefill's GPU time goes (CUPTI by kernel; session 46: 35B-A3B prefills at
 # 0.57x llama.cpp CUDA, 9B 0.71x, 26B-A4B 0.83x on the same random-weight GGUFs)
 step prefill-profile 300 "for sh in ${PREFILL_SHAPES:-qwen3_5:35b-a3b qwen3_5:9b gemma4:26b-a4b}; do python3 bench/decode_profile.py \$sh q4_k --step prefill --prompt ${PROMPT:-512} --steps 3 --json $OUT/prefill_profile_\${sh/:/_}.json | grep -v cuda_cache | head -24; done"

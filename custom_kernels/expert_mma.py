@@ -20,7 +20,7 @@ from hf2q_mlx.custom_kernels.expert_matmul import (
     owned_rows,
     uint32_ids,
 )
-from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header, rows_per_step
+from hf2q_mlx.custom_kernels.ggml_formats import fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.custom_kernels.qmatmul import ROW_SLICE_MAX
 from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
@@ -33,15 +33,14 @@ from hf2q_mlx.errors import InvalidArgumentError, WeightMismatchError
 # same kernels (a row's tokens do not depend on the other rows' activity).
 MODE = os.environ.get("HF2Q_GROUPED_EXPERTS", "auto")
 ENABLED = MODE != "0"
-# The down's threshold (auto): 16 tokens, 8 where a row has fewer blocks than a mat-vec step's
-# block slots (``ggml_formats.rows_per_step``). Session 46 (H200, 35B-A3B Q4_K, K 512 = two
-# blocks, 8 rows of distinct prompts): the slot-parallel down 97.8 us a call (35.5 packed),
-# the grouped one 24.3; serving 8 streams steady 1,419 against 942 tok/s, ITL p99 5.69
-# against 8.53 ms. Gemma-4-26B-A4B's down (Q5_0, K 704) is unmeasured there: it keeps 16.
-# HF2Q_GROUPED_MIN (1..32) sets one threshold for every down; MIN_TOKENS None: the rule above.
+# The down's threshold (auto): 8 tokens. 8 rows of distinct prompts, CUPTI, the slot-parallel
+# down against the grouped one: session 46 (H200), 35B-A3B Q4_K (K 512 = two blocks) 97.8 us a
+# call (35.5 packed) against 24.3, serving 8 streams steady 1,419 against 942 tok/s; session 47
+# (H100), 26B-A4B Q5_0 (K 704) 63.6 against 24.9 us, the step's kernels 7.90 -> 6.71 ms a token.
+# HF2Q_GROUPED_MIN (1..32) sets it; MIN_TOKENS None: DOWN_MIN.
 _min_env = env_int("HF2Q_GROUPED_MIN", 1, 32)
 MIN_TOKENS: int | None = 1 if MODE == "1" else _min_env
-DOWN_MIN, DOWN_MIN_SHORT_ROWS = 16, 8
+DOWN_MIN = 8
 # The gate/up kernel's own threshold (auto only): 8 tokens. On the H200 an 8-row serving step
 # gained with it on both MoE shapes, one process each (session 24, `grouped-glu-serve`): 8
 # streams 1,089 against 840 tok/s on 26B-A4B, 981 against 877 on 35B-A3B; the down stays
@@ -515,10 +514,9 @@ def _glu_min() -> int:
 
 
 def down_min(ggml_type: int, K: int) -> int:
-    """Tokens per call from which the grouped down kernel is taken (rows of K columns)."""
-    if MIN_TOKENS is not None:
-        return MIN_TOKENS
-    return DOWN_MIN_SHORT_ROWS if rows_per_step(ggml_type, K) > 1 else DOWN_MIN
+    """Tokens per call from which the grouped down kernel is taken (rows of K columns; the
+    same for every type and K since session 47)."""
+    return DOWN_MIN if MIN_TOKENS is None else MIN_TOKENS
 
 
 def covers(

@@ -306,11 +306,11 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     monkeypatch.setattr(Kernel, "launcher", launcher)
     for mod, name in ((G, "_CALLS"), (D, "_CALLS"), (EM, "_GLU_CALLS"), (EM, "_DOWN_CALLS")):
         monkeypatch.setattr(mod, name, {})
-    # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped gate/up from 8 tokens on, the grouped down
-    # from 16, from 8 where its rows are shorter than a mat-vec step: 5 are per-pair
+    # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped gate/up and down from 8 tokens on (every
+    # type and row length): 5 are per-pair
     assert EM.ENABLED and EM.MIN_TOKENS is None and EM.MIN_TOKENS_GLU == EM.GLU_MIN_DEFAULT == 8
-    assert EM.down_min(T.Q4_K, 512) == 8 and EM.down_min(T.Q4_K, 2048) == 16
-    assert EM.down_min(T.Q5_0, 704) == 16
+    assert EM.down_min(T.Q4_K, 512) == EM.down_min(T.Q4_K, 2048) == 8
+    assert EM.down_min(T.Q5_0, 704) == EM.DOWN_MIN == 8
     t, kk = T.Q4_K, _k(T.Q4_K)
     raw, x, ids = _glu_case(t, 5, seed=71)
     rawd, h, idsd, wts = _down_case(t, 5, seed=72)
@@ -320,7 +320,7 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     down = D._SLOT_KERNELS[t] if D.slot_config(t, kk, ids.shape[-1]) else D._KERNELS[t]
     assert launched == [G._KERNELS[t].name, down.name]
     launched.clear()
-    for n in (7, 8, 15, 16):  # the "auto" thresholds: the gate/up from 8 tokens, the down 16 or 8
+    for n in (7, 8, 15, 16):  # the "auto" thresholds: the gate/up and the down from 8 tokens
         _, x_n, ids_n = _glu_case(t, n, seed=73)
         assert EM.covers(x_n, mx.array(raw), ids_n, t) == (n >= 8)
         _, h_n, ids_n, _ = _down_case(t, n, seed=74)

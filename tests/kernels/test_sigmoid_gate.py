@@ -101,14 +101,14 @@ def test_shared_gate_add_body_emulated(monkeypatch, dtype):
 
 
 @needs_gxx
-@pytest.mark.parametrize("early", ["1", ""], ids=["early", "late"])
+@pytest.mark.parametrize("early", ["", "0"], ids=["early", "late"])
 @pytest.mark.parametrize("D", [700, 2048, 5000], ids=lambda d: f"D{d}")
 def test_shared_gate_residual_norm_is_the_two_kernels_emulated(monkeypatch, D, early):
     """The MoE block's end with the residual add and norm after it (one launch) gives
     shared_gate_add's kernel then residual_rms_norm's kernel bit for bit (h and n), within
     the reference's tolerance: residual_rms_norm's threads 96 (fewer than this kernel's 256),
     256 (35B-A3B's 2048) and 640 (more: three virtual threads on some); its loads all before
-    the first barrier (EARLY) or where they are used (the default)."""
+    the first barrier (EARLY, the CUDA default: the test's backend) or where they are used."""
     monkeypatch.setattr(sg, "EARLY", early)
     emu = emulate(monkeypatch, sg, "_shared_kernel", "_shared_norm_kernel")
     monkeypatch.setattr(rrn, "backend", lambda: "cuda")
@@ -145,9 +145,11 @@ def test_gate_norm_switch(monkeypatch):
         monkeypatch.setattr(sg, "GATE_NORM", text)
         with pytest.raises(InvalidArgumentError, match="HF2Q_SHARED_GATE_NORM"):
             sg.gate_norm_enabled()
-    for text, want in (("", False), ("1", True), ("0", False)):
+    for text, be, want in (("", "cuda", True), ("", "metal", False), ("", None, False),
+                           ("1", "metal", True), ("0", "cuda", False)):  # fmt: skip
         monkeypatch.setattr(sg, "EARLY", text)
-        assert sg.early_on() is want, text
+        monkeypatch.setattr(sg, "backend", lambda b=be: b)
+        assert sg.early_on() is want, (text, be)
     monkeypatch.setattr(sg, "EARLY", "early")
     with pytest.raises(InvalidArgumentError, match="HF2Q_GATE_NORM_EARLY"):
         sg.early_on()
