@@ -141,6 +141,34 @@ def count_nodes(y: mx.array, path: str) -> dict[str, int]:
     return dict(collections.Counter(names).most_common())
 
 
+def _profiler(use_cuda: bool):
+    """A started torch.profiler recording CUDA activity, or None without CUPTI."""
+    if not use_cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+def _kernel_summary(prof, n: int, wall_ms: float) -> dict:
+    """Stop ``prof`` -> kernels, copies and kernel ms per unit (``n`` units: tokens or prefills),
+    GPU busy against ``wall_ms`` a unit, and the kernels by GPU time."""
+    prof.__exit__(None, None, None)
+    kernels = _cuda_kernels(prof)
+    gpu_ms = sum(us for _, us in kernels) / 1e3 / n
+    copies = sum(_is_copy(name) for name, _ in kernels)
+    return {
+        "kernels_per_token": (len(kernels) - copies) / n,
+        "copies_per_token": copies / n,
+        "kernel_ms_per_token": gpu_ms,
+        "gpu_busy": gpu_ms / wall_ms,
+        "top": [{"kernel": k[:120], "per_token": c / n, "us_per_token": t / n, "avg_us": t / c}
+                for k, c, t in by_kernel(kernels)[:40]],
+    }  # fmt: skip
+
+
 def profile_prefill(model, vocab: int, prompt: int, runs: int, use_cuda: bool) -> dict:
     """``runs`` prefills of a fresh ``prompt``-token prompt into a new cache each (one forward,
     evaluated to the last position's logits, as a 512-token prompt's first chunk is) under
@@ -158,12 +186,7 @@ def profile_prefill(model, vocab: int, prompt: int, runs: int, use_cuda: bool) -
     for ids in prompts[:2]:
         one(ids)
     mx.synchronize()
-    prof = None
-    if use_cuda:
-        from torch.profiler import ProfilerActivity, profile
-
-        prof = profile(activities=[ProfilerActivity.CUDA])
-        prof.__enter__()
+    prof = _profiler(use_cuda)
     tic = time.perf_counter()
     for ids in prompts[2:]:
         one(ids)
@@ -171,20 +194,8 @@ def profile_prefill(model, vocab: int, prompt: int, runs: int, use_cuda: bool) -
     wall_ms = (time.perf_counter() - tic) * 1e3 / runs
     out = {"prompt": prompt, "steps": runs, "wall_ms_per_token": wall_ms,
            "graph_build_ms_per_token": 0.0, "eval_submit_ms_per_token": 0.0}  # fmt: skip
-    if prof is None:
-        return out
-    prof.__exit__(None, None, None)
-    kernels = _cuda_kernels(prof)
-    gpu_ms = sum(us for _, us in kernels) / 1e3 / runs
-    copies = sum(_is_copy(name) for name, _ in kernels)
-    out.update(
-        kernels_per_token=(len(kernels) - copies) / runs,
-        copies_per_token=copies / runs,
-        kernel_ms_per_token=gpu_ms,
-        gpu_busy=gpu_ms / wall_ms,
-        top=[{"kernel": n[:120], "per_token": c / runs, "us_per_token": t / runs,
-              "avg_us": t / c} for n, c, t in by_kernel(kernels)[:40]],
-    )  # fmt: skip
+    if prof is not None:
+        out.update(_kernel_summary(prof, runs, wall_ms))
     return out
 
 
@@ -207,12 +218,7 @@ def profile_decode(
     for _ in range(4):  # warm-up: kernel builds, graph caches
         y = step(y)
         mx.eval(y)
-    prof = None
-    if use_cuda:
-        from torch.profiler import ProfilerActivity, profile
-
-        prof = profile(activities=[ProfilerActivity.CUDA])
-        prof.__enter__()
+    prof = _profiler(use_cuda)
     build = submit = 0.0
     tic = time.perf_counter()
     for _ in range(steps):
@@ -233,27 +239,8 @@ def profile_decode(
     }
     if nodes:
         out["graph_nodes"] = count_nodes(step(y), nodes)
-    if prof is None:
-        return out
-    prof.__exit__(None, None, None)
-    kernels = _cuda_kernels(prof)
-    gpu_ms = sum(us for _, us in kernels) / 1e3 / steps
-    copies = sum(_is_copy(name) for name, _ in kernels)
-    out.update(
-        kernels_per_token=(len(kernels) - copies) / steps,
-        copies_per_token=copies / steps,
-        kernel_ms_per_token=gpu_ms,
-        gpu_busy=gpu_ms / wall_ms,
-        top=[
-            {
-                "kernel": n[:120],
-                "per_token": c / steps,
-                "us_per_token": t / steps,
-                "avg_us": t / c,
-            }  # fmt: skip
-            for n, c, t in by_kernel(kernels)[:40]
-        ],
-    )
+    if prof is not None:
+        out.update(_kernel_summary(prof, steps, wall_ms))
     return out
 
 
