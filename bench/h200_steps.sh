@@ -402,6 +402,11 @@ step early-ab 300 "python3 bench/mlx_env_ab.py $OUT/early_ab_35b.json --step gra
 # where a 512-token prefill's GPU time goes (CUPTI by kernel; session 46: 35B-A3B prefills at
 # 0.57x llama.cpp CUDA, 9B 0.71x, 26B-A4B 0.83x on the same random-weight GGUFs)
 step prefill-profile 300 "for sh in ${PREFILL_SHAPES:-qwen3_5:35b-a3b qwen3_5:9b gemma4:26b-a4b}; do python3 bench/decode_profile.py \$sh q4_k --step prefill --prompt ${PROMPT:-512} --steps 3 --json $OUT/prefill_profile_\${sh/:/_}.json | grep -v cuda_cache | head -24; done"
+# the prefill's wide grouped kernels with launch bounds (HF2Q_GROUPED_WIDE_MIN_BLOCKS, session 47,
+# unset: 172 registers, 10 SIMD groups an SM at the Q4_K gate/up): their GPU tests with it, then
+# 512 / 2,048-token Q4_K prefills of both MoE shapes against the default (read per call: one
+# process, interleaved rounds)
+step wide-mb-ab 480 "HF2Q_GROUPED_WIDE_MIN_BLOCKS=${WIDE_MB:-8} python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and wide' tests/kernels/test_expert_prefill.py --tb=short; python3 bench/prefill.py $OUT/prefill_wide_mb.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_WIDE_MIN_BLOCKS=${WIDE_MB:-8} --env HF2Q_GROUPED_WIDE_MIN_BLOCKS=6"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

@@ -10,7 +10,7 @@ import os
 import mlx.core as mx
 from gguf import GGMLQuantizationType
 
-from hf2q_mlx.custom_kernels import activations, backend, env_int
+from hf2q_mlx.custom_kernels import activations, backend, env_int, int_setting
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.dequant import row_bytes
@@ -68,6 +68,22 @@ def wide_nt() -> str:
     """HF2Q_GROUPED_WIDE_NT as set at this call (bench/prefill.py's ``--env`` variants in one
     process), else WIDE_NT."""
     return os.environ.get("HF2Q_GROUPED_WIDE_NT", WIDE_NT)
+
+
+# HF2Q_GROUPED_WIDE_MIN_BLOCKS (1..16; unset: none; read per call as HF2Q_GROUPED_WIDE_NT is):
+# launch bounds on the wide kernels' cubins (our units: the prefill's; not MLX's builds) asking
+# nvcc for that many threadgroups an SM. Same math, same bits. nvcc 13.0 (sm_90), the sorted
+# Q4_K gate/up at its wide config (NT 2, U 1, W 2): 172 registers, 5 threadgroups (10 SIMD
+# groups) an SM; 8 gives 128 registers with 72 bytes spilled. Session 47's prefill profile put
+# that kernel at half of 26B-A4B's 512-token prefill (0.22 TB/s). Not yet on a GPU: unset.
+WIDE_MIN_BLOCKS = os.environ.get("HF2Q_GROUPED_WIDE_MIN_BLOCKS", "")
+
+
+def wide_min_blocks() -> int | None:
+    """HF2Q_GROUPED_WIDE_MIN_BLOCKS as set at this call, else WIDE_MIN_BLOCKS: 1..16, None when
+    unset; ``InvalidArgumentError`` (one line) else."""
+    raw = os.environ.get("HF2Q_GROUPED_WIDE_MIN_BLOCKS", WIDE_MIN_BLOCKS)
+    return int_setting("HF2Q_GROUPED_WIDE_MIN_BLOCKS", raw, 1, 16)
 
 
 def sorted_lists() -> bool:
@@ -346,6 +362,9 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
     cap = WIDE_LIST if wide else MAX_PAIRS
     if not 1 <= P <= cap or not 1 <= cfg["NT"] <= 4 or not 1 <= cfg["W"] <= MM.MAX_SIMD:
         raise ValueError(f"config {cfg} or {P} pairs: not a grouped launch")
+    mb = wide_min_blocks() if wide else None
+    if mb is not None:  # launch bounds on our cubins (_render: LB_THREADS / LB_MIN_BLOCKS)
+        template = {**template, "LB_THREADS": 32 * cfg["W"], "LB_MIN_BLOCKS": mb}
     per_row = k if x.ndim == expert_ids.ndim else 1  # pairs per row of x
     if w_up is None:  # fused [gate | up] (E, 2N, ...) or down (E, N, ...)
         dims = [P, N, K, E, per_row, halves * N, N]
@@ -577,10 +596,10 @@ def expert_glu(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    key = (be, MM.ALL_TYPES, _glu_min(), wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
-           in_features, activation, x.shape, x.dtype, w.shape, w.dtype,
-           None if w_up is None else (w_up.shape, w_up.dtype), expert_ids.shape,
-           expert_ids.dtype)  # fmt: skip
+    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks())
+    key = (be, MM.ALL_TYPES, _glu_min(), wkey, ggml_type, in_features, activation, x.shape,
+           x.dtype, w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype),
+           expert_ids.shape, expert_ids.dtype)  # fmt: skip
     if key in _GLU_CALLS:
         plan = _GLU_CALLS[key]
     else:
@@ -613,7 +632,8 @@ def expert_down(
     be = backend()
     srt = wide and sorted_lists()
     # MIN_TOKENS with the type and K fix down_min's threshold: nothing to derive per call
-    key = (be, MM.ALL_TYPES, MIN_TOKENS, wide and (WIDE_PAIRS, wide_nt(), srt), ggml_type,
+    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks())
+    key = (be, MM.ALL_TYPES, MIN_TOKENS, wkey, ggml_type,
            in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
            weights.shape)  # fmt: skip
     if key in _DOWN_CALLS:

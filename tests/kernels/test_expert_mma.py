@@ -448,3 +448,37 @@ def test_gpu_dispatchers_switch(monkeypatch):
     _check(y0, x, raw[:, :f], raw[:, f:], ids, T.Q4_K, kk, "silu")
     TD._check(D.expert_down(h, mx.array(rawd), idsd, wts, T.Q5_0, f), h, rawd, idsd, wts, T.Q5_0,
               f)  # fmt: skip
+
+
+def test_wide_min_blocks_bound_the_wide_kernels_only(monkeypatch):
+    """HF2Q_GROUPED_WIDE_MIN_BLOCKS (read per call): launch bounds in the wide (prefill) plans'
+    templates, which reach our cubin's source as __launch_bounds__; none on the 32-token plans;
+    1..16, anything else a one-line InvalidArgumentError naming the switch."""
+    from hf2q_mlx.errors import InvalidArgumentError
+
+    t = T.Q4_K
+    raw, x, ids = _glu_case(t, 5, seed=91)
+    w, kk = mx.array(raw), _k(t)
+
+    def plan(wide: bool):
+        cfg = (EM.wide_config if wide else EM.grouped_config)(t, kk)
+        kernel = EM._kernels(True, wide, False)[t]
+        return EM._grouped_plan(kernel, x, w, None, ids, kk, F_EMU, 2, x.dtype, cfg,
+                                {"ACT": 0}, wide)  # fmt: skip
+
+    monkeypatch.setattr(EM, "WIDE_MIN_BLOCKS", "")
+    monkeypatch.delenv("HF2Q_GROUPED_WIDE_MIN_BLOCKS", raising=False)
+    assert EM.wide_min_blocks() is None and "LB_MIN_BLOCKS" not in plan(True).template
+    monkeypatch.setenv("HF2Q_GROUPED_WIDE_MIN_BLOCKS", "8")
+    assert EM.wide_min_blocks() == 8
+    wide = plan(True)
+    cfg = EM.wide_config(t, kk)
+    assert wide.template["LB_MIN_BLOCKS"] == 8 and wide.template["LB_THREADS"] == 32 * cfg["W"]
+    assert "LB_MIN_BLOCKS" not in plan(False).template
+    ins = [x.dtype, mx.uint8, mx.uint8, mx.uint32, mx.int32]
+    _, unit = wide.kernel.precompiled_unit(ins, (), [x.dtype], wide.template, "sig")
+    assert f"__launch_bounds__({32 * cfg['W']}, 8)" in unit
+    for bad in ("0", "17", "eight"):
+        monkeypatch.setenv("HF2Q_GROUPED_WIDE_MIN_BLOCKS", bad)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_GROUPED_WIDE_MIN_BLOCKS"):
+            EM.wide_min_blocks()
