@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_gated_delta_decode import make_inputs  # noqa: E402
+from test_gated_delta_decode import bits, make_inputs  # noqa: E402
 from turboquant_speed import cupti_profiler, kernel_time  # noqa: E402
 
 from hf2q_mlx.custom_kernels import gated_delta_decode as gdd  # noqa: E402
@@ -79,11 +79,7 @@ def run_rows(B: int, a, heads) -> dict:
     rows = []
     for name in VARIANTS:
         med = statistics.median(times[name])
-        same = all(
-            np.array_equal(np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32)),
-                           np.array(y.view(mx.uint16 if y.dtype.size == 2 else mx.uint32)))
-            for x, y in zip(first[name], ref)
-        )  # fmt: skip
+        same = all(np.array_equal(bits(x), bits(y)) for x, y in zip(first[name], ref))
         base_med = statistics.median(times[next(iter(VARIANTS))])
         row = {"variant": name, "us": med, "min": min(times[name]), "max": max(times[name]),
                "vs_first": base_med / med, "GB_s": state_bytes / med / 1e3,

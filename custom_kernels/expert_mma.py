@@ -525,17 +525,15 @@ def _pair_lists(
 # below when ENABLED)
 
 
+def down_min() -> int:
+    """Tokens per call from which the grouped down kernel is taken (every type and row length
+    since session 47)."""
+    return DOWN_MIN if MIN_TOKENS is None else MIN_TOKENS
+
+
 def _glu_min() -> int:
     """Tokens per call from which the grouped gate/up kernel is taken."""
-    if MIN_TOKENS_GLU is not None:
-        return MIN_TOKENS_GLU
-    return DOWN_MIN if MIN_TOKENS is None else MIN_TOKENS
-
-
-def down_min(ggml_type: int, K: int) -> int:
-    """Tokens per call from which the grouped down kernel is taken (rows of K columns; the
-    same for every type and K since session 47)."""
-    return DOWN_MIN if MIN_TOKENS is None else MIN_TOKENS
+    return down_min() if MIN_TOKENS_GLU is None else MIN_TOKENS_GLU
 
 
 def covers(
@@ -558,7 +556,7 @@ def covers(
     if expert_ids.ndim < 2 or not 1 <= expert_ids.size <= cap:
         return False
     tokens = math.prod(expert_ids.shape[:-1])
-    if tokens < (1 if wide else _glu_min() if glu else down_min(ggml_type, x.shape[-1])):
+    if tokens < (1 if wide else _glu_min() if glu else down_min()):
         return False
     per_pair = x.ndim == expert_ids.ndim + 1 and tuple(x.shape[:-1]) == tuple(expert_ids.shape)
     per_token = x.ndim == expert_ids.ndim and tuple(x.shape[:-1]) == tuple(expert_ids.shape[:-1])
@@ -631,7 +629,6 @@ def expert_down(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    # MIN_TOKENS with the type and K fix down_min's threshold: nothing to derive per call
     wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks())
     key = (be, MM.ALL_TYPES, MIN_TOKENS, wkey, ggml_type,
            in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,

@@ -41,10 +41,10 @@ MAX_WARPS = 16  # SIMD groups per threadgroup (512 threads): value rows are spre
 MAX_STATE_REGS = 64  # floats of state a lane holds (rows per SIMD group x Dk / 32)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 # HF2Q_GDN_PRELOAD: the new conv state's inputs loaded with the state at the start (template
-# PRELOAD) rather than after the state's stores (the same values and bits either way; each
-# load after a store to a buffer that may alias waits a round trip). "1" on, "0" or unset off
-# until a GPU times it (session 47: CPU emulator only; `setup gdn-decode-tests early-ab`);
-# read at import, parsed at the first call, in the plan key.
+# PRELOAD) rather than after the state's stores (the same values and bits either way). "1" on,
+# "0" or unset off: no faster (session 47, H100, bench/gdn_decode.py: 13.8 / 14.2 us a call at
+# one row, 35.1 / 34.8 at 8; 35B-A3B graph decode 1.01x). Read at import, parsed at the first
+# call, in the plan key.
 PRELOAD: str = os.environ.get("HF2Q_GDN_PRELOAD", "")
 
 
@@ -379,7 +379,7 @@ def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -
         "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
         "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
         "CONV_INPLACE": False,  # set by a recorded graph writing the conv state in place
-        "PRELOAD": True,
+        "PRELOAD": True,  # the examples render the preloaded path too; _plan sets the switch
         **dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout)),
     }  # fmt: skip
 

@@ -136,15 +136,16 @@ _SHARED_NORM_BODY = (
     + """
   constexpr uint RQ = (TGR + TG - 1) / TG;
   constexpr uint NE = EARLY ? RQ * NPTR : 1;
+  const uint64_t row = uint64_t(gid_x) * uint(D);  // _GATE_DOT's base, needed before it
   float se[NE], ye[NE], re[NE], we[NE];
   UNROLL for (uint q = 0; EARLY && q < RQ; ++q) {
     UNROLL for (uint j = 0; j < NPTR; ++j) {
       const uint vt = tid + TG * q;
       const uint i = vt + TGR * j;
       const bool ok = vt < TGR && i < uint(D);
-      se[q * NPTR + j] = ok ? to_float(s[uint64_t(gid_x) * uint(D) + i]) : 0.0f;
-      ye[q * NPTR + j] = ok ? to_float(y[uint64_t(gid_x) * uint(D) + i]) : 0.0f;
-      re[q * NPTR + j] = ok ? to_float(res[uint64_t(gid_x) * uint(D) + i]) : 0.0f;
+      se[q * NPTR + j] = ok ? to_float(s[row + i]) : 0.0f;
+      ye[q * NPTR + j] = ok ? to_float(y[row + i]) : 0.0f;
+      re[q * NPTR + j] = ok ? to_float(res[row + i]) : 0.0f;
       we[q * NPTR + j] = ok ? to_float(nw[i]) : 0.0f;
     }
   }

@@ -309,8 +309,7 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
     # HF2Q_GROUPED_EXPERTS unset: "auto", the grouped gate/up and down from 8 tokens on (every
     # type and row length): 5 are per-pair
     assert EM.ENABLED and EM.MIN_TOKENS is None and EM.MIN_TOKENS_GLU == EM.GLU_MIN_DEFAULT == 8
-    assert EM.down_min(T.Q4_K, 512) == EM.down_min(T.Q4_K, 2048) == 8
-    assert EM.down_min(T.Q5_0, 704) == EM.DOWN_MIN == 8
+    assert EM.down_min() == EM.DOWN_MIN == 8
     t, kk = T.Q4_K, _k(T.Q4_K)
     raw, x, ids = _glu_case(t, 5, seed=71)
     rawd, h, idsd, wts = _down_case(t, 5, seed=72)
@@ -324,7 +323,7 @@ def test_dispatchers_take_the_grouped_kernels_only_when_enabled(monkeypatch):
         _, x_n, ids_n = _glu_case(t, n, seed=73)
         assert EM.covers(x_n, mx.array(raw), ids_n, t) == (n >= 8)
         _, h_n, ids_n, _ = _down_case(t, n, seed=74)
-        down_from = EM.down_min(t, h_n.shape[-1])
+        down_from = EM.down_min()
         assert EM.covers(h_n, mx.array(rawd), ids_n, t, glu=False) == (n >= down_from)
     monkeypatch.setattr(EM, "MIN_TOKENS", 1)  # HF2Q_GROUPED_EXPERTS=1: every covered call
     monkeypatch.setattr(EM, "MIN_TOKENS_GLU", None)

@@ -115,6 +115,42 @@ def test_kernel_body_emulated(shape, tiled, monkeypatch):
     exact_states(got, inp, want[1].astype(np.float32))
 
 
+def bits(x: mx.array) -> np.ndarray:
+    """x's raw bits (uint16 for 2-byte dtypes, else uint32): bit-for-bit comparisons."""
+    return np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32))
+
+
+def recorded_launch(monkeypatch, inp: dict, **kw):
+    """The dispatcher's one launch for ``inp`` recorded (nothing built), as a function running
+    it on the emulator with template values changed (``run(changes, poison=True)``: outputs
+    NaN-poisoned first); ``run.template`` is the recorded template."""
+    from hf2q_mlx.custom_kernels import launch_recorder
+
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
+    gdd._plan.cache_clear()
+    rec = launch_recorder.Recorder(1)
+    try:
+        with launch_recorder.recording(rec):
+            gdd.gated_delta_decode(**inp, **kw)
+    finally:
+        gdd._plan.cache_clear()
+    (launch,) = rec.launches
+    s = launch.spec
+
+    def run(changes: dict, poison: bool = True):
+        initial = [mx.full(sh, float("nan"), dt) for sh, dt in
+                   zip(s.output_shapes, s.output_dtypes)] if poison else None  # fmt: skip
+        return kernel_emulator.emulate(
+            s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
+            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
+            template={**dict(s.template), **changes}, initial=initial,
+        )  # fmt: skip
+
+    run.template = dict(s.template)
+    return run
+
+
 @needs_gxx
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
@@ -127,34 +163,11 @@ def test_conv_in_place_variant_writes_what_the_plain_launch_writes_emulated(
     outputs equal the plain launch's bit for bit: every conv channel is written, once per key
     head. (The emulator runs threadgroups one after another: the ordering it relies on on a GPU
     is checked by the graph's GPU tests.)"""
-    from hf2q_mlx.custom_kernels import launch_recorder
-
-    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
-    monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
-    gdd._plan.cache_clear()
     inp = make_inputs(*shape, seed=7 * sum(shape) + tiled, masked=shape[0] > 1)
-    rec = launch_recorder.Recorder(1)
-    try:
-        with launch_recorder.recording(rec):
-            gdd.gated_delta_decode(**inp, tiled=tiled)
-    finally:
-        gdd._plan.cache_clear()
-    (launch,) = rec.launches
-    s = launch.spec
-
-    def run(flag: bool, initial):
-        return kernel_emulator.emulate(
-            s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
-            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes,
-            template={**dict(s.template), "CONV_INPLACE": flag}, initial=initial,
-        )  # fmt: skip
-
-    poison = [mx.full(sh, float("nan"), dt) for sh, dt in zip(s.output_shapes, s.output_dtypes)]
-    plain, in_place = run(False, None), run(True, poison)
+    run = recorded_launch(monkeypatch, inp, tiled=tiled)
+    plain, in_place = run({"CONV_INPLACE": False}, poison=False), run({"CONV_INPLACE": True})
     for i in range(3):  # out, state, conv state
-        a, b = (np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32)) for x in
-                (plain[i], in_place[i]))  # fmt: skip
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(bits(plain[i]), bits(in_place[i]))
 
 
 @needs_gxx
@@ -164,36 +177,14 @@ def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, mon
     """PRELOAD (the new conv state's inputs loaded with the recurrent state, then stored at the
     end) writes what the load-after-store loop writes, bit for bit, from poisoned outputs; its
     conv state equals the oracle's exactly (data movement)."""
-    from hf2q_mlx.custom_kernels import launch_recorder
-
-    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
-    monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
     monkeypatch.setattr(gdd, "PRELOAD", "1")
-    gdd._plan.cache_clear()
     inp = make_inputs(*shape, seed=11 * sum(shape) + in_place, masked=shape[0] > 1)
-    rec = launch_recorder.Recorder(1)
-    try:
-        with launch_recorder.recording(rec):
-            gdd.gated_delta_decode(**inp)
-    finally:
-        gdd._plan.cache_clear()
-    (launch,) = rec.launches
-    s = launch.spec
-    assert dict(s.template)["PRELOAD"]  # the switch reaches the plan
-
-    def run(preload: bool):
-        poison = [mx.full(sh, float("nan"), dt) for sh, dt in zip(s.output_shapes, s.output_dtypes)]
-        return kernel_emulator.emulate(
-            s.kernel, list(launch.inputs), grid=s.grid, threadgroup=s.threadgroup,
-            output_shapes=s.output_shapes, output_dtypes=s.output_dtypes, initial=poison,
-            template={**dict(s.template), "CONV_INPLACE": in_place, "PRELOAD": preload},
-        )  # fmt: skip
-
-    loop, pre = run(False), run(True)
+    run = recorded_launch(monkeypatch, inp)
+    assert run.template["PRELOAD"]  # the switch reaches the plan
+    loop = run({"CONV_INPLACE": in_place, "PRELOAD": False})
+    pre = run({"CONV_INPLACE": in_place, "PRELOAD": True})
     for i in range(3):  # out, state, conv state
-        a, b = (np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32)) for x in
-                (loop[i], pre[i]))  # fmt: skip
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(bits(loop[i]), bits(pre[i]))
     want_conv = oracle(inp, False)[1].astype(np.float32)
     np.testing.assert_array_equal(np.array(pre[2].astype(mx.float32)), want_conv)
 
