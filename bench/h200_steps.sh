@@ -408,6 +408,12 @@ step prefill-profile 300 "for sh in ${PREFILL_SHAPES:-qwen3_5:35b-a3b qwen3_5:9b
 # process, interleaved rounds)
 step wide-mb-ab 480 "HF2Q_GROUPED_WIDE_MIN_BLOCKS=${WIDE_MB:-8} python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and wide' tests/kernels/test_expert_prefill.py --tb=short; python3 bench/prefill.py $OUT/prefill_wide_mb.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GROUPED_WIDE_MIN_BLOCKS=${WIDE_MB:-8} --env HF2Q_GROUPED_WIDE_MIN_BLOCKS=6"
 
+# Nsight Compute on one launch of the prefill's wide sorted grouped gate/up (512 tokens, one
+# layer's routed experts, NCU_SHAPE) and of the delta-net decode kernel at one row (session 47:
+# 0.22 TB/s and 25 TFLOPS; ~14 us a threadgroup wave): issue slots, stalls, memory traffic
+step wide-ncu 200 "$NCU_RUN --kernel-name regex:${NCU_KERNEL:-grouped_glu_wide_sorted} --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 bench/moe_prefill.py --shapes ${NCU_SHAPE:-gemma4:26b-a4b} --paths grouped-wide --tokens 512 --rounds 1"
+step gdn-ncu 150 "$NCU_RUN --kernel-name regex:gated_delta_decode --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 bench/gdn_decode.py --batch 1 --rounds 1 --chain 2 --no-cupti"
+
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0
