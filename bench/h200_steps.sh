@@ -414,6 +414,15 @@ step wide-mb-ab 480 "HF2Q_GROUPED_WIDE_MIN_BLOCKS=${WIDE_MB:-8} python3 -m pytes
 step wide-ncu 200 "$NCU_RUN --kernel-name regex:${NCU_KERNEL:-grouped_glu_wide_sorted} --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 bench/moe_prefill.py --shapes ${NCU_SHAPE:-gemma4:26b-a4b} --paths grouped-wide --tokens 512 --rounds 1"
 step gdn-ncu 150 "$NCU_RUN --kernel-name regex:gated_delta_decode --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 bench/gdn_decode.py --batch 1 --rounds 1 --chain 2 --no-cupti"
 
+# HF2Q_MMA_XG (session 48): a block's x fragments for XG scale groups loaded before their mmas
+# (the loop waited on each group's x loads in turn: 16 a Q4_K block at two n-tiles). Its GPU
+# bits (wide / sorted prefill kernels at 16; every mat-vec and dense GLU type's load variants),
+# then the 512 / 2,048-token prefills (read per call: one process, interleaved) and the graph
+# decode (worker processes, interleaved rounds)
+step xg-tests 300 "HF2Q_MMA_XG=16 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (wide or sorted)' tests/kernels/test_expert_prefill.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k gpu_load_variants tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short || r=1; exit \$r"
+step xg-prefill-ab 420 "python3 bench/prefill.py $OUT/prefill_xg.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_MMA_XG=4 --env HF2Q_MMA_XG=16"
+step xg-graph-ab 480 "for sh in ${XG_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/xg_graph_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 150 --env '' --env HF2Q_MMA_XG=4 --env HF2Q_MMA_XG=16 2>&1 | tail -8; done"
+
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0

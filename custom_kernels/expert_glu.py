@@ -331,7 +331,13 @@ def _dense_launch(
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
         # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles
         grid, tg = (-(-F // 16) * 32 * cfg["W"],), (32 * cfg["W"],)
-        template = {"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)}
+        template = {
+            "T": x.dtype,
+            "NT": cfg["NT"],
+            "U": cfg["U"],
+            "PF": cfg.get("PF", 0),
+            "XG": cfg.get("XG", 1),
+        }
         kernel = (_DENSE_MMA_STREAM_KERNELS if cfg.get("S") else _DENSE_MMA_KERNELS)[ggml_type]
     else:
         cfg = config or dense_config(ggml_type, M, F, K)
@@ -385,9 +391,9 @@ def _make_dense_mma_kernel(ggml_type: int, stream: bool = False) -> Kernel:
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
             {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act, "PF": pf},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act, "PF": pf, "XG": xg},
         )
-        for nt, u, act, pf in ((1, 1, 0, 0), (4, 1, 1, 1))
+        for nt, u, act, pf, xg in ((1, 1, 0, 0, 1), (4, 1, 1, 1, MM.X_ALL))
     ]
     type_name = GGMLQuantizationType(ggml_type).name.lower()
     return MM.make_kernel(

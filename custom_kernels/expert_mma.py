@@ -86,6 +86,13 @@ def wide_min_blocks() -> int | None:
     return int_setting("HF2Q_GROUPED_WIDE_MIN_BLOCKS", raw, 1, 16)
 
 
+def x_groups(wide: bool) -> int:
+    """The grouped kernels' XG (qmatmul_mma.x_groups, HF2Q_MMA_XG): read at each call for the
+    prefill's wide kernels (bench/prefill.py --env A/Bs in one process), at import for the
+    rest."""
+    return MM.x_groups() if wide else MM.LOADS["XG"]
+
+
 def sorted_lists() -> bool:
     """``HF2Q_GROUPED_SORTED`` (read per call; 1 or unset on, 0 off): the wide kernels take
     each expert's pairs from the call's pairs sorted by expert (``expert_order``: MLX's argsort
@@ -266,9 +273,9 @@ def _make_kernel(ggml_type: int, glu: bool, wide: bool = False, sorted_: bool = 
         Example(
             {"xs": mx.bfloat16, "w0": mx.uint8, "w1": mx.uint8, **lists, "dims": (mx.int32, 7)},
             {"out": mx.bfloat16 if glu else mx.float32},
-            {"T": mx.bfloat16, "NT": nt, "U": u, **a, **({"SW": 2} if sorted_ else {})},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "XG": xg, **a, **({"SW": 2} if sorted_ else {})},
         )
-        for (nt, u), a in zip(((1, 1), (4, 2)), act)
+        for (nt, u, xg), a in zip(((1, 1, 1), (4, 2, MM.X_ALL)), act)
     ]
     kind = ("glu" if glu else "down") + ("_wide" if wide else "") + ("_sorted" if sorted_ else "")
     cap = WIDE_LIST if wide else MAX_PAIRS
@@ -377,7 +384,7 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(*expert_ids.shape, N)],
         output_dtypes=[out_dtype],
-        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], **template},
+        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], "XG": x_groups(wide), **template},
     )
 
 
@@ -594,7 +601,7 @@ def expert_glu(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks())
+    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks(), x_groups(True))
     key = (be, MM.ALL_TYPES, _glu_min(), wkey, ggml_type, in_features, activation, x.shape,
            x.dtype, w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype),
            expert_ids.shape, expert_ids.dtype)  # fmt: skip
@@ -629,7 +636,7 @@ def expert_down(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks())
+    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks(), x_groups(True))
     key = (be, MM.ALL_TYPES, MIN_TOKENS, wkey, ggml_type,
            in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
            weights.shape)  # fmt: skip

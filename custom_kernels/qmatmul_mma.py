@@ -416,19 +416,31 @@ _BODY = r"""
       const uint blk = b0 + uint(u);
       if (blk >= nb) continue;  // uniform over the SIMD group: its shuffles stay together
       DEVICE_PTR(const T) xb = x + size_t(blk) * QK;
-      UNROLL for (int gi = 0; gi < NGR; ++gi) {
-        uint a[H][4 * MMG];
-        float sc[H][2], mn[H][2];
-        UNROLL for (int h = 0; h < H; ++h)
-          dq_m_@suf@(raw[u][2 * h], raw[u][2 * h + 1], t, gi, a[h], sc[h], mn[h]);
+      // XG scale groups at a time (XG from HF2Q_MMA_XG, a power of 2): their x fragments are
+      // all loaded before the first of their mmas, so those loads are in flight together
+      constexpr int XGN = XG < NGR ? XG : NGR;
+      UNROLL for (int gi0 = 0; gi0 < NGR; gi0 += XGN) {
+        uint bxs[XGN][NT][2 * MMG];
         UNROLL for (int n = 0; n < NT; ++n) {
           const uint col = 8 * uint(n) + g;
           // x of column col at the lane's k; padding columns are zeros. Branch-free (column
           // 0 re-read, then selected away), so the warp stays converged for the mma.sync.
           const bool live = col < M;
-          uint bx[2 * MMG];
-          load_xb(xb + size_t(live ? col : 0u) * K + xoff_m_@suf@(t, gi), MMG, bx);
-          UNROLL for (int i = 0; i < 2 * MMG; ++i) bx[i] = live ? bx[i] : 0u;
+          UNROLL for (int gj = 0; gj < XGN; ++gj) {
+            THREAD_PTR(uint) bx = bxs[gj][n];
+            load_xb(xb + size_t(live ? col : 0u) * K + xoff_m_@suf@(t, gi0 + gj), MMG, bx);
+            UNROLL for (int i = 0; i < 2 * MMG; ++i) bx[i] = live ? bx[i] : 0u;
+          }
+        }
+        UNROLL for (int gj = 0; gj < XGN; ++gj) {
+        const int gi = gi0 + gj;
+        uint a[H][4 * MMG];
+        float sc[H][2], mn[H][2];
+        UNROLL for (int h = 0; h < H; ++h)
+          dq_m_@suf@(raw[u][2 * h], raw[u][2 * h + 1], t, gi, a[h], sc[h], mn[h]);
+        UNROLL for (int n = 0; n < NT; ++n) {
+          if (8 * uint(n) >= M) continue;  // an n-tile of padding only: uniform skip
+          THREAD_PTR(const uint) bx = bxs[gj][n];
           UNROLL for (int h = 0; h < H; ++h) {
             float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             UNROLL for (int mm = 0; mm < MMG; ++mm)
@@ -452,6 +464,7 @@ _BODY = r"""
               acc[h][n][3] = fma_f(-mn[h][1], cs[3], acc[h][n][3]);
             }
           }
+        }
         }
       }
     }
@@ -550,6 +563,7 @@ def stream_decoder(text: str) -> str:
 
 
 MAX_SIMD = 8  # the `red` buffer holds 8 SIMD groups
+X_ALL = 16  # XG that loads every scale group's x fragments of a block at once (NGR <= 16)
 # (U, W max) per block size, not yet measured on the GPU: enough blocks in flight per SM for
 # the small projection shapes (docs/kernel_notes.md, "tensor-core mat-vec")
 _DEFAULTS = {256: (2, 8), 32: (8, 8)}
@@ -596,9 +610,9 @@ def _make_kernel(ggml_type: int, stream: bool = False) -> Kernel:
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
             {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u, "PF": pf},
+            {"T": mx.bfloat16, "NT": nt, "U": u, "PF": pf, "XG": xg},
         )
-        for nt, u, pf in ((1, 2, 0), (2, 1, 1), (4, 2, 0))
+        for nt, u, pf, xg in ((1, 2, 0, 1), (2, 1, 1, X_ALL), (4, 2, 0, 1))
     ]
     name = f"ggml_qmv_mma_{'s_' if stream else ''}{T(ggml_type).name.lower()}"
     return make_kernel(name, ggml_type, examples, stream=stream)
@@ -633,9 +647,22 @@ def load_flags(value: str) -> dict[str, int]:
     return {k: 1 for k, letter in (("S", "s"), ("PF", "p")) if letter in flags}
 
 
+def x_groups(raw: str | None = None) -> int:
+    """XG: how many scale groups of a block load their x fragments together, before the first
+    of their mmas (HF2Q_MMA_XG, 1..X_ALL, unset 1; ``raw`` in its place). The loop issued each
+    group's loads just before its mmas, so a Q4_K block waited on 8 x loads in turn (16 with
+    two n-tiles). Same math, same bits at every value; more registers (nvcc sm_90, the wide
+    Q4_K gate/up: 166 at 1, 172 at 4, 248 at 16)."""
+    raw = os.environ.get("HF2Q_MMA_XG", "") if raw is None else raw
+    xg = int_setting("HF2Q_MMA_XG", raw, 1, X_ALL) or 1
+    if xg & (xg - 1):  # the body steps through a block's 1, 8 or 16 groups XG at a time
+        raise InvalidArgumentError(f"HF2Q_MMA_XG={raw!r}: expected 1, 2, 4, 8 or 16")
+    return xg
+
+
 # Read at import (A/B runs in worker processes: bench/mlx_env_ab.py --env HF2Q_MMA_LOADS=s):
 # merged into every launch_config / glu_launch_config of the process.
-LOADS = load_flags(os.environ.get("HF2Q_MMA_LOADS", ""))
+LOADS = {**load_flags(os.environ.get("HF2Q_MMA_LOADS", "")), "XG": x_groups()}
 # HF2Q_MMA_MIN_BLOCKS (1..8; unset: none; read at import, checked at the first plan): launch
 # bounds on the mat-vec's cubins asking nvcc for that many threadgroups an SM. At 31B's N =
 # 5,376 shapes the grid is 336 threadgroups of 8 SIMD groups, two an SM at 86 registers (1.27
@@ -728,7 +755,7 @@ class _Plan(LaunchPlan):
             output_shapes=[(M, N)],
             output_dtypes=[mx.bfloat16],
             template=_bounded({"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"],
-                               "PF": cfg.get("PF", 0)}, cfg["W"]),
+                               "PF": cfg.get("PF", 0), "XG": cfg.get("XG", 1)}, cfg["W"]),
         )  # fmt: skip
 
 

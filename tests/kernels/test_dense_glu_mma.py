@@ -85,6 +85,7 @@ def _example(t: int, m: int, k: int, act: str, cfg: dict | None) -> tuple[Kernel
             "NT": cfg["NT"],
             "U": cfg["U"],
             "PF": cfg.get("PF", 0),
+            "XG": cfg.get("XG", 1),
             "ACT": G.ACTIVATIONS.index(act),
         },  # fmt: skip
     )

@@ -547,6 +547,38 @@ def test_grouped_sorted_down_gives_the_scans_bits(monkeypatch, m):
     assert np.array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.usefixtures("fake_gpu")
+def test_grouped_wide_x_groups_give_the_same_bits(monkeypatch):
+    """HF2Q_MMA_XG (read at each wide call): the sorted wide GLU and down with a block's x
+    fragments loaded 4 and 16 scale groups at a time give XG = 1's bits (Q4_K: 8 groups a
+    block), bad ids' NaN rows included; the launches' templates carry the value."""
+    t, m = T.Q4_K, 40
+    raw, x, ids, K = _grouped_case(t, m, seed=260)
+    ids, w = _with_bad_ids(ids), mx.array(raw)
+    down_raw = mx.array(_experts(t, E_EMU, F_EMU, K, seed=261))
+    h = TD._h((m, K_SLOTS, K), mx.bfloat16, 262)
+    wts = mx.softmax(mx.array(np.random.default_rng(263).normal(size=ids.shape), mx.float32), -1)
+    monkeypatch.setattr(EXM, "PREFILL", "grouped-wide")
+    monkeypatch.setattr(EM, "WIDE_PAIRS", 40 * K_SLOTS)
+    monkeypatch.setenv("HF2Q_GROUPED_SORTED", "1")
+    outs = {}
+    for xg in ("1", "4", "16"):
+        monkeypatch.setenv("HF2Q_MMA_XG", xg)
+        launched = _recording(monkeypatch)
+        outs[xg] = (
+            G.expert_glu(x, w, ids, t, K, "silu"),
+            D.expert_down(h, down_raw, ids, wts, t, K),
+        )
+        assert EM._GLU_SORTED[t].name in [n for n, _ in launched]
+        assert EM.x_groups(True) == int(xg)
+    for xg in ("4", "16"):
+        assert np.array_equal(_bits(outs[xg][0]), _bits(outs["1"][0])), xg
+        assert np.array_equal(_bits(outs[xg][1]), _bits(outs["1"][1])), xg
+    assert np.isnan(np.array(outs["16"][0][1, 0].astype(mx.float32))).all()
+    wide = [p for k, p in EM._GLU_CALLS.items() if p is not None and k[3]]
+    assert {dict(p.template)["XG"] for p in wide} >= {1, 4, 16}
+
+
 def test_wide_nt_must_be_1_2_or_4(monkeypatch):
     """HF2Q_GROUPED_WIDE_NT: 2 unset; 1, 2, 4 taken (spaces ignored); anything else an
     InvalidArgumentError naming the variable at the first wide launch, never at import."""

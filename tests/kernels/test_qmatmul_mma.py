@@ -59,8 +59,9 @@ def _example(t: int, m: int, k: int, cfg: dict | None) -> tuple[Kernel, Example]
     ex = Example(
         {"x": (mx.bfloat16, m * k), "w": (mx.uint8, N_EMU * rb), "dims": (mx.int32, 3)},
         {"out": mx.bfloat16},
-        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0)},
-    )
+        {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
+         "XG": cfg.get("XG", 1)},
+    )  # fmt: skip
     return MM._KERNELS[t], ex
 
 
@@ -147,8 +148,9 @@ def test_streaming_variant_has_no_plain_weight_load():
         assert MM._STREAM_KERNELS[t].name != MM._KERNELS[t].name
 
 
-# load variants that must not change a bit: streaming weight loads (S), loads a run ahead (PF)
-LOAD_VARIANTS = ({"S": 1}, {"PF": 1}, {"S": 1, "PF": 1})
+# load variants that must not change a bit: streaming weight loads (S), loads a run ahead (PF),
+# a block's x fragments loaded for all its scale groups at once (XG)
+LOAD_VARIANTS = ({"S": 1}, {"PF": 1}, {"S": 1, "PF": 1}, {"XG": MM.X_ALL, "PF": 1})
 
 
 @needs_gxx
@@ -185,6 +187,37 @@ def test_emulator_loads_a_run_ahead_give_the_same_bits(ggml_type, monkeypatch):
                 nan = float("nan")
                 y = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, **var}, init_value=nan)
                 assert _same_bits(y, plain), f"M = {m} {cfg} {var}"
+
+
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_emulator_x_loads_together_give_the_same_bits(ggml_type, monkeypatch):
+    """XG (HF2Q_MMA_XG: a block's x fragments for XG scale groups loaded before their mmas)
+    gives XG = 1's bits, every output written: 8, 16 and 1 groups a block (Q4_K, Q6_K, Q5_0),
+    XG 2 and 16 (16 past Q4_K's 8 and Q5_0's 1: clamped), M = 1 and 13 (a padding n-tile)."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, 2 * QK[ggml_type] if QK[ggml_type] == 256 else 8 * QK[ggml_type]
+    w, _ = _weight(t, N_EMU, k)
+    for m in (1, 13):
+        x = _x(m, k, mx.bfloat16, seed=int(t) + 70 + m)
+        cfg = MM.launch_config(t, m, N_EMU, k)
+        plain = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "XG": 1})
+        for xg in (2, 16):
+            nan = float("nan")
+            y = MM.mma_matmul_kernel(x, w, t, k, config={**cfg, "XG": xg}, init_value=nan)
+            assert _same_bits(y, plain), f"M = {m} XG = {xg}"
+
+
+def test_x_groups_setting(monkeypatch):
+    """HF2Q_MMA_XG: unset 1; a power of 2 up to X_ALL; else an InvalidArgumentError naming it."""
+    monkeypatch.delenv("HF2Q_MMA_XG", raising=False)
+    assert MM.x_groups() == 1
+    assert [MM.x_groups(v) for v in ("1", " 4 ", "16")] == [1, 4, 16]
+    for bad in ("3", "0", "32", "x"):
+        with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_XG"):
+            MM.x_groups(bad)
+    monkeypatch.setenv("HF2Q_MMA_XG", "8")
+    assert MM.x_groups() == 8
 
 
 @pytest.fixture
@@ -272,6 +305,8 @@ def test_load_flags_from_the_environment_value(monkeypatch):
     # the process's flags go into every launch (mat-vec and GLU); none by default
     monkeypatch.setattr(MM, "LOADS", {})
     assert set(MM.launch_config(T.Q4_K, 1, 4096, 4096)) == {"NT", "U", "W"}
+    monkeypatch.setattr(MM, "LOADS", {"XG": 4})
+    assert MM.launch_config(T.Q4_K, 1, 4096, 4096)["XG"] == 4
     monkeypatch.setattr(MM, "LOADS", {"PF": 1})
     assert MM.launch_config(T.Q4_K, 1, 4096, 4096)["PF"] == 1
     assert MM.glu_launch_config(T.Q4_K, 8, 4096, 4096)["PF"] == 1
