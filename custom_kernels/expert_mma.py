@@ -90,7 +90,7 @@ def x_groups(wide: bool) -> int:
     """The grouped kernels' XG (qmatmul_mma.x_groups, HF2Q_MMA_XG): read at each call for the
     prefill's wide kernels (bench/prefill.py --env A/Bs in one process), at import for the
     rest."""
-    return MM.x_groups() if wide else MM.LOADS["XG"]
+    return MM.x_groups() if wide else MM.LOADS.get("XG", 1)
 
 
 def sorted_lists() -> bool:

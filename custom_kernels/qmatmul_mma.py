@@ -661,8 +661,9 @@ def x_groups(raw: str | None = None) -> int:
 
 
 # Read at import (A/B runs in worker processes: bench/mlx_env_ab.py --env HF2Q_MMA_LOADS=s):
-# merged into every launch_config / glu_launch_config of the process.
-LOADS = {**load_flags(os.environ.get("HF2Q_MMA_LOADS", "")), "XG": x_groups()}
+# merged into every launch_config / glu_launch_config of the process, with HF2Q_MMA_XG (XG).
+_XG = x_groups()
+LOADS = {**load_flags(os.environ.get("HF2Q_MMA_LOADS", "")), **({"XG": _XG} if _XG > 1 else {})}
 # HF2Q_MMA_MIN_BLOCKS (1..8; unset: none; read at import, checked at the first plan): launch
 # bounds on the mat-vec's cubins asking nvcc for that many threadgroups an SM. At 31B's N =
 # 5,376 shapes the grid is 336 threadgroups of 8 SIMD groups, two an SM at 86 registers (1.27

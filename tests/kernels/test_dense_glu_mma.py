@@ -158,8 +158,8 @@ def _same(a: mx.array, b: mx.array) -> bool:
 @needs_gxx
 @pytest.mark.parametrize("ggml_type", [T.Q4_K], ids=["Q4_K"])
 def test_emulator_load_variants_give_the_same_bits(ggml_type, monkeypatch):
-    """Configs S = 1 (streaming weight loads) and PF = 1 (loads a run ahead) give the default
-    GLU kernel's bits, every output written (NaN-poisoned first), also at U = 1 over two SIMD
+    """Configs S = 1 (streaming weight loads), PF = 1 (loads a run ahead) and XG (x loads of
+    all scale groups first) give the default GLU kernel's bits, every output written (NaN-poisoned first), also at U = 1 over two SIMD
     groups (8 blocks a row: several runs each)."""
     monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
     t, k = ggml_type, 8 * QK[ggml_type]  # several runs per SIMD group: PF's hand-over
@@ -331,8 +331,9 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type, f, k):
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
 def test_gpu_load_variants_give_the_same_bits(ggml_type):
-    """On CUDA: the GLU's configs S = 1 (ld.global.cs weight loads) and PF = 1 (loads a run
-    ahead) give the default's bits at M = 1 and 8 on both shapes."""
+    """On CUDA: the GLU's configs S = 1 (ld.global.cs weight loads), PF = 1 (loads a run
+    ahead) and XG (x loads of all scale groups first) give the default's bits at M = 1 and 8
+    on both shapes."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     t = ggml_type

@@ -502,9 +502,9 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type):
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
 def test_gpu_load_variants_give_the_same_bits(ggml_type):
-    """On CUDA: configs S = 1 (ld.global.cs weight loads) and PF = 1 (loads a run ahead), at
-    the default U and at U = 1, give the default's bits at M = 1, 8 and 32 on both shapes,
-    every output written."""
+    """On CUDA: configs S = 1 (ld.global.cs weight loads), PF = 1 (loads a run ahead) and XG
+    (x loads of all scale groups first), at the default U and at U = 1, give the default's bits
+    at M = 1, 8 and 32 on both shapes, every output written."""
     if backend() != "cuda":
         pytest.skip("the mma kernel runs on CUDA only")
     t = ggml_type
