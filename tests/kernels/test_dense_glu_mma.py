@@ -159,8 +159,9 @@ def _same(a: mx.array, b: mx.array) -> bool:
 @pytest.mark.parametrize("ggml_type", [T.Q4_K], ids=["Q4_K"])
 def test_emulator_load_variants_give_the_same_bits(ggml_type, monkeypatch):
     """Configs S = 1 (streaming weight loads), PF = 1 (loads a run ahead) and XG (x loads of
-    all scale groups first) give the default GLU kernel's bits, every output written (NaN-poisoned first), also at U = 1 over two SIMD
-    groups (8 blocks a row: several runs each)."""
+    all scale groups first) give the default GLU kernel's bits, every output written
+    (NaN-poisoned first), also at U = 1 over two SIMD groups (8 blocks a row: several runs
+    each)."""
     monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
     t, k = ggml_type, 8 * QK[ggml_type]  # several runs per SIMD group: PF's hand-over
     raw, w, x = _case(t, 5, k, seed=int(t) + 80)
