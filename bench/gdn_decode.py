@@ -4,8 +4,9 @@ real shape (16 key heads, 32 value heads, 128 x 128 state, conv 4; Qwen3.5-35B-A
 
 Session 46's profile had it at 13.5 us a call at one row, 28 at 8 and 113 at 32: about 14 us
 for each wave of threadgroups (one 512-thread threadgroup an SM), whatever the bytes. Variants:
-``preload`` (the new conv state's inputs loaded with the state, ``PRELOAD``) against the loop
-that loads them after the state's stores. Each evaluation chains ``--chain`` calls (the state
+``preload`` (the new conv state's inputs loaded with the state, ``PRELOAD``) and ``mb2``
+(launch bounds for two threadgroups an SM, ``MIN_BLOCKS``: 64 registers, some spilled) against
+the loop that loads them after the state's stores. Each evaluation chains ``--chain`` calls (the state
 and conv state of one call feed the next); with torch and CUDA present every evaluation is
 under CUPTI and the kernel's GPU time per call is reported, else the wall time. Every variant's
 outputs are checked bit for bit against the first's. Session 47 (H100): preload no faster
@@ -38,7 +39,11 @@ from hf2q_mlx.custom_kernels import gated_delta_decode as gdd  # noqa: E402
 
 HEADS = (16, 32, 128, 128)  # key heads, value heads, Dk, Dv
 TINY = (2, 4, 32, 16)
-VARIANTS = {"loop": {"PRELOAD": "0"}, "preload": {"PRELOAD": "1"}}
+VARIANTS = {
+    "loop": {"PRELOAD": "0", "MIN_BLOCKS": ""},
+    "preload": {"PRELOAD": "1", "MIN_BLOCKS": ""},
+    "mb2": {"PRELOAD": "0", "MIN_BLOCKS": "2"},
+}
 
 
 def use(settings: dict) -> None:

@@ -421,7 +421,11 @@ step gdn-ncu 150 "$NCU_RUN --kernel-name regex:gated_delta_decode --launch-skip 
 # decode (worker processes, interleaved rounds)
 step xg-tests 300 "HF2Q_MMA_XG=16 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (wide or sorted)' tests/kernels/test_expert_prefill.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k gpu_load_variants tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short || r=1; exit \$r"
 step xg-prefill-ab 420 "python3 bench/prefill.py $OUT/prefill_xg.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_MMA_XG=4 --env HF2Q_MMA_XG=16"
-step xg-graph-ab 480 "for sh in ${XG_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/xg_graph_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 150 --env '' --env HF2Q_MMA_XG=4 --env HF2Q_MMA_XG=16 2>&1 | tail -8; done"
+step xg-graph-ab 480 "for sh in ${XG_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/xg_graph_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 150 --env '' ${XG_ENVS:---env HF2Q_MMA_XG=4} --env HF2Q_MMA_XG=16 2>&1 | tail -8; done"
+# HF2Q_GDN_MIN_BLOCKS=2 (session 48): the delta-net decode kernel at 64 registers, two
+# threadgroups an SM; the kernel alone at 1 / 8 / 32 rows (CUPTI, interleaved, bits checked)
+step gdn-mb-ab 150 "python3 bench/gdn_decode.py --json $OUT/gdn_mb.json --rounds 5"
+step gdn-mb-tests 240 "HF2Q_GDN_MIN_BLOCKS=2 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_gated_delta_decode.py --tb=short"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

@@ -53,6 +53,20 @@ def preload_on() -> bool:
     return bool(int_setting("HF2Q_GDN_PRELOAD", PRELOAD, 0, 1))
 
 
+# HF2Q_GDN_MIN_BLOCKS (1..4; unset: none): launch bounds on the kernel's own cubins (the graph's
+# and the cubin cache's, not MLX's builds) asking nvcc for that many threadgroups an SM. At one
+# token a threadgroup is 512 threads at 96 registers (nvcc sm_90), so one an SM: 8 rows of
+# Qwen 3.5 MoE are 256 threadgroups in two waves of ~14 us, 32 rows eight. 2 gives 64 registers
+# (132 bytes spilled). Same math, same bits. Read at import, parsed at the first call, in the
+# plan key.
+MIN_BLOCKS: str = os.environ.get("HF2Q_GDN_MIN_BLOCKS", "")
+
+
+def min_blocks() -> int | None:
+    """HF2Q_GDN_MIN_BLOCKS (MIN_BLOCKS) as an integer 1..4, None when unset."""
+    return int_setting("HF2Q_GDN_MIN_BLOCKS", MIN_BLOCKS, 1, 4)
+
+
 @dataclass(frozen=True, eq=False)
 class Channels:
     """Channels ``first .. first + count`` of a fused projection's output ``data`` (B, L, N),
@@ -440,9 +454,12 @@ def _plan(
     layout,
     init_value,
     preload,
+    blocks,
 ):
-    """(launcher, eps array, placeholder mask, counters) for one call shape."""
+    """(launcher, eps array, placeholder mask, counters) for one call shape; ``blocks``:
+    HF2Q_GDN_MIN_BLOCKS's launch bounds, or None."""
     nw = _warps(dv, L)
+    bounds = {} if blocks is None else {"LB_THREADS": SIMD_WIDTH * nw, "LB_MIN_BLOCKS": blocks}
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
     hist_shapes = [(B, L, hv, dv, dk), (B, L, K - 1, C)] if hist else [(1,), (1,)]
@@ -455,6 +472,7 @@ def _plan(
         template={
             **_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
             "PRELOAD": preload,
+            **bounds,
         },
         init_value=init_value,
         backend=be,
@@ -532,6 +550,7 @@ def gated_delta_decode(
     launch, eps, unmasked, counter = _plan(
         _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
         bool(history), float(norm_eps), dtypes, layout, init_value, preload_on(),
+        min_blocks(),
     )  # fmt: skip
     inputs += [eps, active if masked else unmasked, counter]
     out, state, conv, state_hist, conv_hist = launch(inputs=inputs)

@@ -189,6 +189,28 @@ def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, mon
     np.testing.assert_array_equal(np.array(pre[2].astype(mx.float32)), want_conv)
 
 
+def test_min_blocks_puts_launch_bounds_on_the_cubin(monkeypatch):
+    """HF2Q_GDN_MIN_BLOCKS: unset, no bounds; 2, the launch's template asks nvcc for two
+    threadgroups of its own size an SM (512 threads at one token, 256 in a verify), which our
+    CUDA unit turns into ``__launch_bounds__``; a bad value is a one-line caller error."""
+    inp = make_inputs(2, 2, 4, 32, 16, seed=5, masked=True)
+    monkeypatch.setattr(gdd, "MIN_BLOCKS", "")
+    assert "LB_MIN_BLOCKS" not in recorded_launch(monkeypatch, inp).template
+    monkeypatch.setattr(gdd, "MIN_BLOCKS", " 2 ")
+    tmpl = recorded_launch(monkeypatch, inp).template
+    threads = gdd.SIMD_WIDTH * gdd._warps(16, 1)
+    assert tmpl["LB_MIN_BLOCKS"] == 2 and tmpl["LB_THREADS"] == threads
+    ex = gdd._kernel.examples[0]
+    dts = [v if isinstance(v, mx.Dtype) else v[0] for v in ex.inputs.values()]
+    bounded = {**ex.template, "LB_THREADS": 512, "LB_MIN_BLOCKS": 2}
+    _, unit = gdd._kernel.precompiled_unit(dts, (), list(ex.outputs.values()), bounded, "s", 0)
+    assert "__launch_bounds__(512, 2)" in unit
+    for bad in ("0", "5", "two"):
+        monkeypatch.setattr(gdd, "MIN_BLOCKS", bad)
+        with pytest.raises(InvalidArgumentError, match="HF2Q_GDN_MIN_BLOCKS"):
+            gdd.min_blocks()
+
+
 def test_preload_switch_is_checked(monkeypatch):
     """HF2Q_GDN_PRELOAD takes 0 or 1 (blank: off); anything else is a one-line caller error."""
     for text, on in (("", False), ("1", True), ("0", False), (" 1 ", True)):
