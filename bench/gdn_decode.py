@@ -6,11 +6,11 @@ Session 46's profile had it at 13.5 us a call at one row, 28 at 8 and 113 at 32:
 for each wave of threadgroups (one 512-thread threadgroup an SM), whatever the bytes. Variants:
 ``preload`` (the new conv state's inputs loaded with the state, ``PRELOAD``) and ``mb2``
 (launch bounds for two threadgroups an SM, ``MIN_BLOCKS``: 64 registers, some spilled) against
-the loop that loads them after the state's stores. Each evaluation chains ``--chain`` calls (the state
-and conv state of one call feed the next); with torch and CUDA present every evaluation is
-under CUPTI and the kernel's GPU time per call is reported, else the wall time. Every variant's
-outputs are checked bit for bit against the first's. Session 47 (H100): preload no faster
-(13.8 / 14.2 us at 1 row, 35.1 / 34.8 at 8, 119.1 / 118.3 at 32), bits equal.
+the loop that loads them after the state's stores. Each evaluation chains ``--chain`` calls
+(the state and conv state of one call feed the next); with torch and CUDA present every
+evaluation is under CUPTI and the kernel's GPU time per call is reported, else the wall time.
+Every variant's outputs are checked bit for bit against the first's. Session 47 (H100):
+preload no faster (13.8 / 14.2 us at 1 row, 35.1 / 34.8 at 8, 119.1 / 118.3 at 32), bits equal.
 
     python3 bench/gdn_decode.py --json bench/results/gdn_decode_h200.json
     python3 bench/gdn_decode.py --tiny --rounds 1 --chain 2      # CPU smoke run (reference)
