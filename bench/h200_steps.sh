@@ -426,6 +426,11 @@ step xg-graph-ab 480 "for sh in ${XG_SHAPES:-gemma4:31b gemma4:26b-a4b}; do pyth
 # threadgroups an SM; the kernel alone at 1 / 8 / 32 rows (CUPTI, interleaved, bits checked)
 step gdn-mb-ab 150 "python3 bench/gdn_decode.py --json $OUT/gdn_mb.json --rounds 5"
 step gdn-mb-tests 240 "HF2Q_GDN_MIN_BLOCKS=2 python3 -m pytest -q -p no:cacheprovider -rf -k gpu tests/kernels/test_gated_delta_decode.py --tb=short"
+# HF2Q_GDN_SCAN=1 (session 48): the chunked delta-net prefill's walk over chunks in one launch
+# (gated_delta_scan; the MLX loop's four fp32 GEMMs a chunk otherwise). Its GPU tests and the
+# chunked prefill's (with it on), then the Qwen 3.5 prefills A/B (read per call: one process)
+step scan-tests 200 "HF2Q_GDN_SCAN=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_scan.py tests/kernels/test_gated_delta.py --tb=short"
+step scan-ab 360 "python3 bench/prefill.py $OUT/prefill_scan.json --shapes ${PREFILL_SHAPES:-qwen3_5:35b-a3b,qwen3_5:9b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GDN_SCAN=1"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

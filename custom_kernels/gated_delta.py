@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from hf2q_mlx.custom_kernels import avoid_mlx_jit, backend, device_array, on_cuda_device
 from hf2q_mlx.custom_kernels._render import Example, Kernel, is_collecting, note_warm_up
+from hf2q_mlx.custom_kernels.gated_delta_scan import gated_delta_scan
 from hf2q_mlx.errors import InvalidArgumentError
 
 L2_EPS = 1e-6
@@ -259,15 +260,11 @@ def gated_delta_chunked(
     attn = (qc @ kc.swapaxes(-1, -2)) * pair
     q_dec = qc * mx.exp(g)[..., None]
     k_dec = kc * mx.exp(g[..., -1:] - g)[..., None]
-    chunk_decay = mx.exp(g[..., -1])[..., None, None]  # (B, Hv, n, 1, 1)
-
+    chunk_decay = mx.exp(g[..., -1])  # (B, Hv, n)
+    # the walk over the chunks: MLX ops, or one launch (gated_delta_scan, HF2Q_GDN_SCAN)
     s = state.astype(mx.float32)  # (B, Hv, Dv, Dk)
-    ys = []
-    for i in range(n):
-        u = u_all[:, :, i] - w_all[:, :, i] @ s.swapaxes(-1, -2)  # (B, Hv, C, Dv)
-        ys.append(q_dec[:, :, i] @ s.swapaxes(-1, -2) + attn[:, :, i] @ u)
-        s = s * chunk_decay[:, :, i] + u.swapaxes(-1, -2) @ k_dec[:, :, i]
-    y = mx.stack(ys, axis=2).reshape(B, hv, n * C, dv)[:, :, :T]
+    ys, s = gated_delta_scan(u_all, w_all, q_dec, attn, k_dec, chunk_decay, s)
+    y = ys.reshape(B, hv, n * C, dv)[:, :, :T]
     return y.transpose(0, 2, 1, 3).astype(v.dtype), s
 
 
