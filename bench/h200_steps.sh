@@ -420,7 +420,7 @@ step gdn-ncu 150 "$NCU_RUN --kernel-name regex:gated_delta_decode --launch-skip 
 # then the 512 / 2,048-token prefills (read per call: one process, interleaved) and the graph
 # decode (worker processes, interleaved rounds)
 step xg-tests 300 "HF2Q_MMA_XG=16 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu and (wide or sorted)' tests/kernels/test_expert_prefill.py --tb=short; r=\$?; python3 -m pytest -q -p no:cacheprovider -rf -k gpu_load_variants tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short || r=1; exit \$r"
-step xg-prefill-ab 420 "python3 bench/prefill.py $OUT/prefill_xg.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_MMA_XG=4 --env HF2Q_MMA_XG=16"
+step xg-prefill-ab 420 "python3 bench/prefill.py $OUT/prefill_xg.json --shapes ${PREFILL_SHAPES:-gemma4:26b-a4b,qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_MMA_XG=4 --env HF2Q_MMA_XG=16 ${XG_PREFILL_ENVS:-}"
 step xg-graph-ab 480 "for sh in ${XG_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/xg_graph_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 150 --env '' ${XG_ENVS:---env HF2Q_MMA_XG=4} --env HF2Q_MMA_XG=16 2>&1 | tail -8; done"
 # HF2Q_GDN_MIN_BLOCKS=2 (session 48): the delta-net decode kernel at 64 registers, two
 # threadgroups an SM; the kernel alone at 1 / 8 / 32 rows (CUPTI, interleaved, bits checked)
