@@ -68,20 +68,27 @@ _BODY = """
   for (uint e = tid; e < uint(DB * Dk); e += THREADS)
     sv[(e / Dk) * TP + e % Dk] = s_in[(size_t(bh) * Dv + j0 + e / Dk) * Dk + e % Dk];
   const uint c = tid / 4, jq = tid % 4;
+  // chunk ch's C x Dk block of `src` into `tile`, then a barrier
+#define GDS_STAGE(src)                                          \
+  for (uint e = tid; e < uint(C * Dk); e += THREADS)            \
+    tile[(e / Dk) * TP + e % Dk] = src[ch * C * Dk + e];        \
+  BARRIER()
+  // acc[m] = tile row c . S row jq + 4 m
+#define GDS_ROW_DOTS(acc)                                                     \
+  UNROLL for (int m = 0; m < JQ; ++m) acc[m] = 0.0f;                          \
+  for (int k = 0; k < Dk; ++k) {                                              \
+    const float tv = tile[c * TP + k];                                        \
+    UNROLL for (int m = 0; m < JQ; ++m)                                       \
+      acc[m] = fma_f(tv, sv[(jq + 4 * m) * TP + k], acc[m]);                  \
+  }
   const uint ks = tid % Dk, kr = tid / Dk;
   for (int i = 0; i < NCH; ++i) {
     const size_t ch = size_t(bh) * NCH + i;  // chunk i of row-head bh
     // u = U - W S^T: W staged
-    for (uint e = tid; e < uint(C * Dk); e += THREADS)
-      tile[(e / Dk) * TP + e % Dk] = w_all[ch * C * Dk + e];
-    BARRIER();
+    GDS_STAGE(w_all);
     if (c < uint(C)) {
       float acc[JQ];
-      UNROLL for (int m = 0; m < JQ; ++m) acc[m] = 0.0f;
-      for (int k = 0; k < Dk; ++k) {
-        const float wv = tile[c * TP + k];
-        UNROLL for (int m = 0; m < JQ; ++m) acc[m] = fma_f(wv, sv[(jq + 4 * m) * TP + k], acc[m]);
-      }
+      GDS_ROW_DOTS(acc);
       UNROLL for (int m = 0; m < JQ; ++m) {
         const uint j = jq + 4 * uint(m);
         uv[c * (DB + 1) + j] = u_all[(ch * C + c) * Dv + j0 + j] - acc[m];
@@ -89,16 +96,10 @@ _BODY = """
     }
     BARRIER();
     // y = q_dec S^T + attn u (attn is zero above the diagonal): q_dec staged
-    for (uint e = tid; e < uint(C * Dk); e += THREADS)
-      tile[(e / Dk) * TP + e % Dk] = q_dec[ch * C * Dk + e];
-    BARRIER();
+    GDS_STAGE(q_dec);
     if (c < uint(C)) {
       float acc[JQ];
-      UNROLL for (int m = 0; m < JQ; ++m) acc[m] = 0.0f;
-      for (int k = 0; k < Dk; ++k) {
-        const float qv = tile[c * TP + k];
-        UNROLL for (int m = 0; m < JQ; ++m) acc[m] = fma_f(qv, sv[(jq + 4 * m) * TP + k], acc[m]);
-      }
+      GDS_ROW_DOTS(acc);
       for (uint c2 = 0; c2 <= c; ++c2) {
         const float av = attn[(ch * C + c) * C + c2];
         UNROLL for (int m = 0; m < JQ; ++m)
@@ -109,9 +110,7 @@ _BODY = """
     }
     BARRIER();
     // S = decay S + u^T k_dec: k_dec staged
-    for (uint e = tid; e < uint(C * Dk); e += THREADS)
-      tile[(e / Dk) * TP + e % Dk] = k_dec[ch * C * Dk + e];
-    BARRIER();
+    GDS_STAGE(k_dec);
     const float dcy = decay[ch];
     float acc[JS];
     UNROLL for (int m = 0; m < JS; ++m) acc[m] = 0.0f;
@@ -126,6 +125,8 @@ _BODY = """
     }
     BARRIER();  // the next chunk's W overwrites `tile`; its u step reads every S row
   }
+#undef GDS_STAGE
+#undef GDS_ROW_DOTS
   for (uint e = tid; e < uint(DB * Dk); e += THREADS)
     s_out[(size_t(bh) * Dv + j0 + e / Dk) * Dk + e % Dk] = sv[(e / Dk) * TP + e % Dk];
 """
