@@ -67,17 +67,6 @@ TARGETS = {"moe_ratio": 2.5, "dense_ratio": 1.5, "spread": 0.15, "kernels_per_la
            "gpu_busy": 0.85, "copy_share": 0.5}  # fmt: skip
 
 
-def _cupti_start(use_cuda: bool):
-    """A started CUPTI kernel profile (torch.profiler), or None without CUDA."""
-    if not use_cuda:
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CUDA])
-    prof.__enter__()
-    return prof
-
-
 def _cupti_stop(prof, out: dict, n: int) -> dict:
     """``out`` with kernels per token, their ms per token and the GPU-busy share of
     ``out["wall_ms"]`` from ``prof`` (``n`` tokens profiled)."""
@@ -144,7 +133,7 @@ class Variant:
         """``n`` more tokens: host ms per token in the step's call and in async_eval; under CUPTI
         the kernels per token, their ms per token and the GPU-busy share."""
         self.decode(2)  # anything traced or compiled for this length runs before the window
-        prof = _cupti_start(use_cuda)
+        prof = dp._profiler(use_cuda)
         y, build, submit = self.y, 0.0, 0.0
         tic = time.perf_counter()
         for _ in range(n):
@@ -194,7 +183,7 @@ class GraphVariant(Variant):
 
     def profile(self, n: int, use_cuda: bool) -> dict:
         self.decode(2)
-        prof = _cupti_start(use_cuda)
+        prof = dp._profiler(use_cuda)
         wall = self.decode(n) * 1e3 / n
         out = {"wall_ms": wall, "python_ms": wall, "submit_ms": 0.0}
         return _cupti_stop(prof, out, n)

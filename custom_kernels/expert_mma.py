@@ -86,13 +86,6 @@ def wide_min_blocks() -> int | None:
     return int_setting("HF2Q_GROUPED_WIDE_MIN_BLOCKS", raw, 1, 16)
 
 
-def x_groups(wide: bool) -> int:
-    """The grouped kernels' XG (qmatmul_mma.x_groups, HF2Q_MMA_XG): read at each call for the
-    prefill's wide kernels (bench/prefill.py --env A/Bs in one process), at import for the
-    rest."""
-    return MM.x_groups() if wide else MM.LOADS.get("XG", 1)
-
-
 def sorted_lists() -> bool:
     """``HF2Q_GROUPED_SORTED`` (read per call; 1 or unset on, 0 off): the wide kernels take
     each expert's pairs from the call's pairs sorted by expert (``expert_order``: MLX's argsort
@@ -353,12 +346,14 @@ def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
 
 
 def wide_config(ggml_type: int, K: int) -> dict[str, int]:
-    """NT, U, W of the wide kernels: the 32-token kernels' U and W, WIDE_NT n-tiles."""
+    """NT, U, W, XG of the wide kernels: the 32-token kernels' U and W, WIDE_NT n-tiles, and
+    HF2Q_MMA_XG read at this call (bench/prefill.py --env A/Bs in one process; the 32-token
+    kernels take it from qmatmul_mma.LOADS, read at import, through grouped_config)."""
     raw = wide_nt()
     nt = str(raw).strip()
     if nt not in ("1", "2", "4"):
         raise InvalidArgumentError(f"HF2Q_GROUPED_WIDE_NT={raw!r}: expected 1, 2 or 4")
-    return {**grouped_config(ggml_type, K), "NT": int(nt)}
+    return {**grouped_config(ggml_type, K), "NT": int(nt), "XG": MM.x_groups()}
 
 
 def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves: int,
@@ -384,7 +379,7 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
         threadgroup=(32 * cfg["W"], 1),
         output_shapes=[(*expert_ids.shape, N)],
         output_dtypes=[out_dtype],
-        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], "XG": x_groups(wide), **template},
+        template={"T": x.dtype, "NT": cfg["NT"], "U": cfg["U"], "XG": cfg.get("XG", 1), **template},
     )
 
 
@@ -601,7 +596,7 @@ def expert_glu(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks(), x_groups(True))
+    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks(), MM.x_groups())
     key = (be, MM.ALL_TYPES, _glu_min(), wkey, ggml_type, in_features, activation, x.shape,
            x.dtype, w.shape, w.dtype, None if w_up is None else (w_up.shape, w_up.dtype),
            expert_ids.shape, expert_ids.dtype)  # fmt: skip
@@ -636,7 +631,7 @@ def expert_down(
     prefill's kernel, for one slice of a grouped prefill (``pairs_of``: ``_pair_lists``')."""
     be = backend()
     srt = wide and sorted_lists()
-    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks(), x_groups(True))
+    wkey = wide and (WIDE_PAIRS, wide_nt(), srt, wide_min_blocks(), MM.x_groups())
     key = (be, MM.ALL_TYPES, MIN_TOKENS, wkey, ggml_type,
            in_features, h.shape, h.dtype, w.shape, w.dtype, expert_ids.shape, expert_ids.dtype,
            weights.shape)  # fmt: skip

@@ -570,7 +570,7 @@ def test_grouped_wide_x_groups_give_the_same_bits(monkeypatch):
             D.expert_down(h, down_raw, ids, wts, t, K),
         )
         assert EM._GLU_SORTED[t].name in [n for n, _ in launched]
-        assert EM.x_groups(True) == int(xg)
+        assert EM.wide_config(t, K)["XG"] == int(xg)
     for xg in ("4", "16"):
         assert np.array_equal(_bits(outs[xg][0]), _bits(outs["1"][0])), xg
         assert np.array_equal(_bits(outs[xg][1]), _bits(outs["1"][1])), xg
