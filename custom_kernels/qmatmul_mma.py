@@ -433,38 +433,38 @@ _BODY = r"""
           }
         }
         UNROLL for (int gj = 0; gj < XGN; ++gj) {
-        const int gi = gi0 + gj;
-        uint a[H][4 * MMG];
-        float sc[H][2], mn[H][2];
-        UNROLL for (int h = 0; h < H; ++h)
-          dq_m_@suf@(raw[u][2 * h], raw[u][2 * h + 1], t, gi, a[h], sc[h], mn[h]);
-        UNROLL for (int n = 0; n < NT; ++n) {
-          if (8 * uint(n) >= M) continue;  // an n-tile of padding only: uniform skip
-          THREAD_PTR(const uint) bx = bxs[gj][n];
-          UNROLL for (int h = 0; h < H; ++h) {
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            UNROLL for (int mm = 0; mm < MMG; ++mm)
-              mma_bf16_m16n8k16(c, a[h] + 4 * mm, bx + 2 * mm);
-            acc[h][n][0] = fma_f(sc[h][0], c[0], acc[h][n][0]);  // C[g][2t], C[g][2t + 1]
-            acc[h][n][1] = fma_f(sc[h][0], c[1], acc[h][n][1]);
-            acc[h][n][2] = fma_f(sc[h][1], c[2], acc[h][n][2]);  // C[g + 8][2t], [2t + 1]
-            acc[h][n][3] = fma_f(sc[h][1], c[3], acc[h][n][3]);
-          }
-          if (@BIAS@) {
-            // the group's x sum per column, by the tensor core (once for all sets): A = all
-            // ones puts the sum of column 2t (2t + 1) in cs[0] and cs[2] (cs[1], cs[3]),
-            // already in the C layout; each column's sum depends on that column only
-            const uint ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
-            float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            UNROLL for (int mm = 0; mm < MMG; ++mm) mma_bf16_m16n8k16(cs, ones, bx + 2 * mm);
+          const int gi = gi0 + gj;
+          uint a[H][4 * MMG];
+          float sc[H][2], mn[H][2];
+          UNROLL for (int h = 0; h < H; ++h)
+            dq_m_@suf@(raw[u][2 * h], raw[u][2 * h + 1], t, gi, a[h], sc[h], mn[h]);
+          UNROLL for (int n = 0; n < NT; ++n) {
+            if (8 * uint(n) >= M) continue;  // an n-tile of padding only: uniform skip
+            THREAD_PTR(const uint) bx = bxs[gj][n];
             UNROLL for (int h = 0; h < H; ++h) {
-              acc[h][n][0] = fma_f(-mn[h][0], cs[0], acc[h][n][0]);
-              acc[h][n][1] = fma_f(-mn[h][0], cs[1], acc[h][n][1]);
-              acc[h][n][2] = fma_f(-mn[h][1], cs[2], acc[h][n][2]);
-              acc[h][n][3] = fma_f(-mn[h][1], cs[3], acc[h][n][3]);
+              float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              UNROLL for (int mm = 0; mm < MMG; ++mm)
+                mma_bf16_m16n8k16(c, a[h] + 4 * mm, bx + 2 * mm);
+              acc[h][n][0] = fma_f(sc[h][0], c[0], acc[h][n][0]);  // C[g][2t], C[g][2t + 1]
+              acc[h][n][1] = fma_f(sc[h][0], c[1], acc[h][n][1]);
+              acc[h][n][2] = fma_f(sc[h][1], c[2], acc[h][n][2]);  // C[g + 8][2t], [2t + 1]
+              acc[h][n][3] = fma_f(sc[h][1], c[3], acc[h][n][3]);
+            }
+            if (@BIAS@) {
+              // the group's x sum per column, by the tensor core (once for all sets): A = all
+              // ones puts the sum of column 2t (2t + 1) in cs[0] and cs[2] (cs[1], cs[3]),
+              // already in the C layout; each column's sum depends on that column only
+              const uint ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+              float cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              UNROLL for (int mm = 0; mm < MMG; ++mm) mma_bf16_m16n8k16(cs, ones, bx + 2 * mm);
+              UNROLL for (int h = 0; h < H; ++h) {
+                acc[h][n][0] = fma_f(-mn[h][0], cs[0], acc[h][n][0]);
+                acc[h][n][1] = fma_f(-mn[h][0], cs[1], acc[h][n][1]);
+                acc[h][n][2] = fma_f(-mn[h][1], cs[2], acc[h][n][2]);
+                acc[h][n][3] = fma_f(-mn[h][1], cs[3], acc[h][n][3]);
+              }
             }
           }
-        }
         }
       }
     }
