@@ -431,6 +431,13 @@ step gdn-mb-tests 240 "HF2Q_GDN_MIN_BLOCKS=2 python3 -m pytest -q -p no:cachepro
 # chunked prefill's (with it on), then the Qwen 3.5 prefills A/B (read per call: one process)
 step scan-tests 200 "HF2Q_GDN_SCAN=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu' tests/kernels/test_gated_delta_scan.py tests/kernels/test_gated_delta.py --tb=short"
 step scan-ab 360 "python3 bench/prefill.py $OUT/prefill_scan.json --shapes ${PREFILL_SHAPES:-qwen3_5:35b-a3b,qwen3_5:9b} --formats q4_k --no-mlx-lm --rounds 3 --env HF2Q_GDN_SCAN=1"
+# HF2Q_TQ_TC=1 (session 49): TurboQuant flash-decode's partial kernel on tf32 mma, all of a KV
+# head's query rows (up to 8) a threadgroup, 16 tokens a SIMD group step. Its GPU tests, the
+# kernel against the scalar one at 26B-A4B's attention shapes (CUPTI, interleaved, outputs
+# checked), then the whole 26B-A4B decode at 4K / 16K with it (TQ8e / TQ4e columns)
+step tc-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'tensor_cores and gpu' tests/kernels/test_tq_kernels.py --tb=short"
+step tc-sweep 200 "python3 bench/tq_sweep.py --tc --bits ${TQ_BITS:-8,4} --rounds 3 --json $OUT/tq_sweep_tc.json"
+step tc-step 420 "$(tq_speed tq_tc_step 4096,16384 '--tq-env HF2Q_TQ_TC=1')"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

@@ -14,12 +14,14 @@ in another order: bf16 outputs within two ulps of the largest output).
 
     python3 bench/tq_sweep.py --json bench/results/tq_sweep_h200.json
     python3 bench/tq_sweep.py --tiny --rounds 1 --chain 2     # CPU smoke run (reference only)
+    python3 bench/tq_sweep.py --tc --bits 8,4                   # the tensor-core partial (HF2Q_TQ_TC)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -59,10 +61,19 @@ TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
 VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 3), (1, 1, None, 64, 1, 1, 0),
             (1, 1, None, 64, 1, 1, 3), (1, 1, None, 64, 1, 1, 4), (2, 1, None, 64, 1, 1, 4),
             (1, 1, None, None, 1, 16, 0), (1, 1, None, None, 0, 1, 0)]  # fmt: skip
+# --tc: the tensor-core partial (HF2Q_TQ_TC=1, an eighth field) against the default, at its own
+# partitions, half their keys (twice the partitions) and twice their keys
+TC_VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 0, 1),
+               (2, 1, None, None, 1, 1, 0, 1), (0.5, 1, None, None, 1, 1, 0, 1)]  # fmt: skip
+
+
+_TC_STEPS = TF._TC_STEPS
 
 
 def use(variant, base_min_keys, base_target, base_w, base_r) -> None:
-    d, g, w, r, c, k, b = variant
+    d, g, w, r, c, k, b = variant[:7]
+    os.environ["HF2Q_TQ_TC"] = str(variant[7] if len(variant) > 7 else 0)  # in the plan key
+    TF._TC_STEPS = max(1, round(_TC_STEPS / d))  # the tensor-core partitions' fewest steps
     TF._COALESCE = bool(c)
     TF._CB_COPIES = k
     TF._MIN_BLOCKS = b
@@ -116,6 +127,8 @@ def run_shape(shape, a, bits: int) -> dict:
         TF.min_keys, TF._TARGET_GROUPS, TF._W = base_mk, base_tg, base_w
         TF._MAX_REGS = base_r
         TF._COALESCE, TF._CB_COPIES, TF._MIN_BLOCKS = base_c, base_k, base_b
+        TF._TC_STEPS = _TC_STEPS
+        os.environ.pop("HF2Q_TQ_TC", None)
         TF._PLANS.clear()
     ref = outs[VARIANTS[0]].astype(mx.float32)
     tol = 2 * 2.0**-8 * mx.abs(ref).max().item()
@@ -132,7 +145,8 @@ def run_shape(shape, a, bits: int) -> dict:
                "ok": err <= tol, "kernels_us": kernels[v]}  # fmt: skip
         rows.append(row)
         print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d} "
-              f"{'coal' if v[4] else 'word'} cb x{v[5]:<2d} mb {v[6]}  "
+              f"{'coal' if v[4] else 'word'} cb x{v[5]:<2d} mb {v[6]}"
+              f"{' tc' if len(v) > 7 and v[7] else ''}  "
               f"parts {parts[v]:4d}  "
               f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "
@@ -150,8 +164,11 @@ def main() -> None:
     ap.add_argument("--no-cupti", dest="cupti", action="store_false", help="wall time only")
     ap.add_argument("--only", default="", help="shapes whose label contains this")
     ap.add_argument("--default-only", action="store_true", help="the default split alone")
+    ap.add_argument("--tc", action="store_true", help="the tensor-core partial's variants")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.tc:
+        VARIANTS[:] = TC_VARIANTS
     if a.default_only:
         VARIANTS[1:] = []
     timing = "CUPTI kernel time" if a.cupti and cupti_profiler() is not None else "wall time"

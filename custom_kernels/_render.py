@@ -40,6 +40,10 @@ SIMD / warp (every lane of the SIMD group must call; int, uint, float, half type
     mma_bf16_m16n8k16(c, a, b)  c (4 floats) += A (16x16 bf16) B (16x8 bf16) in the standard
                                 PTX fragments (docs/kernels.md); a tensor-core mma on CUDA, a
                                 slow portable version from shuffles on Metal and the emulator
+    mma_tf32_m16n8k8(c, a, b)   c (4 floats) += A (16x8) B (8x8), tf32 inputs held as floats
+                                (round them first: tf32_round), in the PTX fragments; likewise
+    tf32_round(x)               x to the nearest tf32 (ties away from zero), as a float: the
+                                same bits on every back end
 Types and conversions:
     half_t, bfloat_t, uint, ushort, uchar; uint2/uint4/float2/float4 (member access .x.y.z.w only)
     to_float(x)  from_float<T>(f)  bitcast<To>(x)  f16_bits_to_float(u16)  bf16_bits_to_float(u16)
@@ -99,6 +103,24 @@ FN void mma_bf16_m16n8k16(THREAD_PTR(float) c, const THREAD_PTR(uint) a,
   }
   for (int i = 0; i < 4; ++i) c[i] += s[i];
 }
+FN void mma_tf32_m16n8k8(THREAD_PTR(float) c, const THREAD_PTR(float) a,
+                         const THREAD_PTR(float) b) {
+  const uint l = simd_prefix_exclusive_sum(1u), g = l >> 2, t = l & 3u;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (uint h = 0; h < 2; ++h) {  // k 0..3 (a[0], a[1], b[0]), then 4..7 (a[2], a[3], b[1])
+    for (uint q = 0; q < 4; ++q) {  // k = 4h + q: held by lane t = q
+      const float r0 = simd_shuffle(a[2 * h], 4 * g + q);  // A[g][k]
+      const float r1 = simd_shuffle(a[2 * h + 1], 4 * g + q);  // A[g + 8][k]
+      const float c0 = simd_shuffle(b[h], 8 * t + q);  // B[k][2t]
+      const float c1 = simd_shuffle(b[h], 8 * t + 4 + q);  // B[k][2t + 1]
+      s[0] = fma_f(r0, c0, s[0]);
+      s[1] = fma_f(r0, c1, s[1]);
+      s[2] = fma_f(r1, c0, s[2]);
+      s[3] = fma_f(r1, c1, s[3]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) c[i] += s[i];
+}
 """
 
 METAL_HEADER = r"""
@@ -153,7 +175,12 @@ inline bool isnan_f(float x) { return metal::isnan(x); }
 inline bool isinf_f(float x) { return metal::isinf(x); }
 inline uint popcount_u(uint x) { return metal::popcount(x); }
 """
-METAL_HEADER += MMA_PORTABLE
+# x to tf32 by its bits (round half away from zero, as cvt.rna.tf32.f32 for finite x), so every
+# back end and the emulator feed the tensor cores the same values
+TF32_ROUND = r"""
+FN float tf32_round(float x) { return bitcast<float>((bitcast<uint>(x) + 0x1000u) & 0xFFFFE000u); }
+"""
+METAL_HEADER += MMA_PORTABLE + TF32_ROUND
 
 CUDA_HEADER = r"""
 #define SHARED __shared__
@@ -265,9 +292,18 @@ FN void mma_bf16_m16n8k16(float* c, const uint* a, const uint* b) {
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+FN void mma_tf32_m16n8k8(float* c, const float* a, const float* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+        "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
+}
 #else"""
     + MMA_PORTABLE
     + "#endif\n"
+    + TF32_ROUND
 )
 
 # The attribute names MLX's metal_kernel looks for in the source and turns into parameters.

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, env_int
+from hf2q_mlx.custom_kernels import tq_flash_tc as tc
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.custom_kernels.decode_attention import CountedPlan
 from hf2q_mlx.custom_kernels.tq_quantize import stand_in
@@ -731,6 +732,10 @@ def _flash_plan(
     if not covered:
         return None
     rep = Hq // Hkv
+    in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
+    if tc.tensor_cores() and backend() == "cuda" and tc.covers(pk, pv, kb, vb, fold):
+        return _tensor_core_plan(queries, Hkv, capacity, krw + vrw, pk, kb, dv, pv, vb, has_ks,
+                                 has_vs, rows, offset_add, in_dtypes)  # fmt: skip
     rg, ng = row_groups(rep * M, pk, pv)
     u = tokens_per_step(pk, pv, kb, vb)
     w = simd_groups()
@@ -745,7 +750,6 @@ def _flash_plan(
     blocks = min_blocks()
     if blocks:
         template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
-    in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
         fused = _fused_kernel.launcher(
@@ -763,16 +767,55 @@ def _flash_plan(
         template=template,
         **geometry,
     )
-    reduce = _reduce_kernel.launcher(
+    return partial, _reduce_launch(queries, Hkv, dv, pv, has_vs, rows), n_parts
+
+
+def _reduce_launch(queries: mx.array, Hkv: int, dv: int, pv: int, has_vs: bool, rows: bool):
+    """The reduce's launch: one threadgroup of PV threads a query row."""
+    B, Hq, M, _ = queries.shape
+    return _reduce_kernel.launcher(
         [mx.float32, mx.float32, mx.float32, mx.int32],
         grid=(B * Hq * M * pv,),
         threadgroup=(pv,),
         output_shapes=[(B, Hq, M, dv)],
         output_dtypes=[queries.dtype],
-        template={"T": queries.dtype, "DV": dv, "PV": pv, "M": M, "HKV": Hkv, "REP": rep,
+        template={"T": queries.dtype, "DV": dv, "PV": pv, "M": M, "HKV": Hkv, "REP": Hq // Hkv,
                   "HAS_VS": int(has_vs), "MAXP": _MAX_PARTS, "ROWS": int(rows)},
     )  # fmt: skip
-    return partial, reduce, n_parts
+
+
+# a tensor-core partition holds at least this many steps of every SIMD group (16 tokens each)
+_TC_STEPS = 2
+
+
+def _tensor_core_plan(
+    queries: mx.array, Hkv: int, capacity: int, row_words: int, pk: int, kb: int, dv: int,
+    pv: int, vb: int, has_ks: bool, has_vs: bool, rows: bool, offset_add: int, in_dtypes: list,
+):  # fmt: skip
+    """(partial launch on tensor cores, the reduce, partition count): 8 query rows a
+    threadgroup, the partitions by the scalar kernel's rule with 16-token steps."""
+    B, Hq, M, Dk = queries.shape
+    rep = Hq // Hkv
+    ng = tc.row_groups(rep * M)
+    w = simd_groups()
+    keys = max(_TC_STEPS * w * tc.STEP_TOKENS, min_keys(rep * M, pv, 1, row_words))
+    n_parts = default_parts(capacity, B * Hkv * ng, keys)
+    template = {"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb,
+                "REP": rep, "M": M, "NG": ng, "HKV": Hkv, "KRW": pk * kb // 32 + 1,
+                "VRW": pv * vb // 32 + 1, "W": w, "HAS_KS": int(has_ks), "ROWS": int(rows),
+                "OFF_ADD": offset_add}  # fmt: skip
+    blocks = min_blocks()
+    if blocks:
+        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
+    partial = tc.kernel.launcher(
+        in_dtypes,
+        output_shapes=[(B * Hq * M, n_parts, pv + 2)],
+        output_dtypes=[mx.float32],
+        template=template,
+        grid=(n_parts * ng * 32 * w, Hkv, B),
+        threadgroup=(32 * w, 1, 1),
+    )
+    return partial, _reduce_launch(queries, Hkv, dv, pv, has_vs, rows), n_parts
 
 
 def flash_decode(
@@ -822,7 +865,7 @@ def flash_decode(
     folded = fold()
     key = (queries.shape, queries.dtype, keys.shape, pk, k_bits, v_dim, pv, v_bits, has_ks,
            has_vs, rows, offset_add, folded, simd_groups(), coalesced(),
-           cb_copies(), min_blocks(), row_regs())  # fmt: skip
+           cb_copies(), min_blocks(), row_regs(), tc.tensor_cores())  # fmt: skip
     plan = _PLANS.get(key, _MISSING)
     if plan is _MISSING:
         if len(_PLANS) >= 1024:

@@ -13,6 +13,7 @@ from conftest import requires_gpu
 from hf2q_mlx import custom_kernels as ck
 from hf2q_mlx.custom_kernels import _render, graph_ops, reference_only
 from hf2q_mlx.custom_kernels import tq_flash_decode as fd
+from hf2q_mlx.custom_kernels import tq_flash_tc as tc
 from hf2q_mlx.custom_kernels import tq_quantize as tqq
 from hf2q_mlx.errors import InvalidArgumentError
 from hf2q_mlx.models.turboquant import kernels as tqk
@@ -37,7 +38,9 @@ def emulated(monkeypatch):
         "partial": Emulated(fd._partial_kernel),
         "reduce": Emulated(fd._reduce_kernel),
         "fused": Emulated(fd._fused_kernel),
+        "tc": Emulated(tc.kernel),
     }
+    monkeypatch.setattr(tc, "kernel", kernels["tc"])
     monkeypatch.setattr(tqq, "_kernel", kernels["quantize"])
     monkeypatch.setattr(fd, "_partial_kernel", kernels["partial"])
     monkeypatch.setattr(fd, "_reduce_kernel", kernels["reduce"])
@@ -416,6 +419,62 @@ def test_flash_decode_codebook_copies(emulated, monkeypatch, case, copies, want,
     assert seen and all((t["KR"], t["VR"]) == want for t in seen), seen
 
 
+# the tensor-core partial's cases (codes of 1, 2, 4 or 8 bits: tq_flash_tc.covers)
+TC_CASES = [
+    FLASH_CASES[0],  # 256 wide, 4 / 4 bits, a ring wrapped twice, REP 4
+    FLASH_CASES[3],  # 64 wide, 2 / 8 bits, MHA, ring with reserve, M = 5 (5 rows of 8)
+    ("growing", 16, 2, 512, 512, 8, 8, None, 0, [299, 1], 1),  # Gemma 4 global: 8 rows, 8 bits
+    ("growing", 16, 2, 512, 256, 8, 4, None, 0, [150, 2], 2),  # 16 rows: two row groups
+    ("ring", 4, 2, 128, 128, 8, 8, 40, 4, [97, 3], 3),  # one load word a lane, 12-token window
+    ("growing", 6, 2, 96, 64, 4, 8, None, 0, [70, 3], 3),  # padded K (96 -> 128), 9 rows
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}-{c[5]}{c[6]}-M{c[-1]}")
+def test_flash_decode_tensor_cores_emulated(emulated, monkeypatch, case):
+    """HF2Q_TQ_TC=1: the partial kernel on tf32 mma (hi / lo split operands) within the fp32
+    tolerance of the reference, the scalar reduce merging its partials. A code fed to the wrong
+    coordinate, token or row, a weight on the wrong token or a lost tail term moves the output
+    far past it (the tails alone are ~2^-11 of each operand, 100x the tolerance)."""
+    monkeypatch.setenv("HF2Q_TQ_TC", "1")
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
+    seen = _planned_templates(emulated, monkeypatch, "tc")
+    _check_flash(case, seed=41)
+    assert emulated["tc"].launches == 1 and emulated["partial"].launches == 0
+    rep_m = case[1] // case[2] * case[-1]
+    assert seen and seen[0]["NG"] == -(-rep_m // 8)
+
+
+@needs_gxx
+def test_flash_decode_tensor_cores_rows_and_fallbacks(emulated, monkeypatch):
+    """A static cache's rows (per-row offsets and balance tables) on tensor cores; codecs it does
+    not cover (3-bit values) and the folded reduce stay on the scalar kernel."""
+    monkeypatch.setenv("HF2Q_TQ_TC", "1")
+    _check_rows_flash(ROW_CASES[0], seed=43)
+    assert emulated["tc"].launches == 1
+    _check_flash(FLASH_CASES[1], seed=41)  # 8-bit keys, 3-bit values
+    assert emulated["tc"].launches == 1 and emulated["partial"].launches == 1
+    monkeypatch.setenv("HF2Q_TQ_FOLD", "1")
+    _check_flash(TC_CASES[0], seed=45)
+    assert emulated["tc"].launches == 1 and emulated["fused"].launches == 1
+
+
+def test_tensor_core_switch_and_coverage(monkeypatch):
+    monkeypatch.delenv("HF2Q_TQ_TC", raising=False)
+    assert not tc.tensor_cores()
+    monkeypatch.setenv("HF2Q_TQ_TC", "1")
+    assert tc.tensor_cores()
+    monkeypatch.setenv("HF2Q_TQ_TC", "yes")
+    with pytest.raises(InvalidArgumentError, match="HF2Q_TQ_TC"):
+        tc.tensor_cores()
+    assert tc.covers(512, 512, 8, 8, False) and tc.covers(64, 64, 2, 4, False)
+    assert not tc.covers(512, 512, 8, 3, False)  # 3-bit codes straddle words
+    assert not tc.covers(512, 512, 8, 8, True)  # the fold stays scalar
+    assert not tc.covers(32, 32, 2, 4, False)  # less than a word a lane
+    assert [tc.row_groups(r) for r in (1, 8, 9, 64)] == [1, 1, 2, 8]
+
+
 @needs_gxx
 def test_flash_decode_min_blocks(emulated, monkeypatch):
     """HF2Q_TQ_MIN_BLOCKS: the partial kernel's template carries launch bounds (W * 32 threads,
@@ -721,6 +780,41 @@ def test_flash_decode_rows_gpu(case):
 @pytest.mark.parametrize("dim,bits,dtype", [(256, 8, mx.bfloat16), (128, 4, mx.float32)])
 def test_quantize_rows_tables_gpu(dim, bits, dtype):
     _check_rows_quantize(dim, bits, dtype, seed=24)
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}-{c[5]}{c[6]}-M{c[-1]}")
+def test_flash_decode_tensor_cores_gpu(monkeypatch, case):
+    """HF2Q_TQ_TC=1 on the GPU: the tf32 mma partial within the fp32 tolerance of the reference,
+    with the default partitions and with many."""
+    monkeypatch.setenv("HF2Q_TQ_TC", "1")
+    monkeypatch.setattr(fd, "_PLANS", {})
+    _check_flash(case, seed=46)
+    monkeypatch.setattr(fd, "default_parts", lambda n, g, k: max(1, n // 64))
+    monkeypatch.setattr(fd, "_PLANS", {})
+    _check_flash(case, seed=47)
+
+
+@requires_gpu
+def test_flash_decode_tensor_cores_gpu_long_and_low_precision(monkeypatch):
+    """HF2Q_TQ_TC=1: 20K tokens through a ring and a growing cache (many partitions), a static
+    cache's rows, and bf16 / fp16 queries at most 2x the reference's own error in that dtype."""
+    monkeypatch.setenv("HF2Q_TQ_TC", "1")
+    monkeypatch.setattr(fd, "_PLANS", {})
+    for case in (
+        ("ring", 8, 2, 256, 256, 8, 8, 4096, 3, [20_000, 1], 1),
+        ("growing", 16, 2, 512, 512, 8, 8, None, 0, [20_001, 1], 1),
+    ):
+        _check_flash(case, seed=48)
+    _check_rows_flash(ROW_CASES[0], seed=49)
+    cache, rng = _fill_cache("growing", 2, 256, 256, 8, 8, None, 0, [3000, 1], 9)
+    st = cache.packed_state()
+    q32 = mx.array(rng.standard_normal((2, 8, 1, 256)).astype(np.float32))
+    exact = tqk.tq_flash_decode_reference(q32, st, 0.0625)
+    for dtype in (mx.float16, mx.bfloat16):
+        err_kernel = mx.abs(tqk.tq_flash_decode(q32.astype(dtype), st, 0.0625) - exact).max()
+        err_ref = mx.abs(tqk.tq_flash_decode_reference(q32.astype(dtype), st, 0.0625) - exact)
+        assert err_kernel.item() <= 2 * err_ref.max().item() + 1e-6
 
 
 @requires_gpu
