@@ -804,6 +804,7 @@ def _tensor_core_plan(
                 "REP": rep, "M": M, "NG": ng, "HKV": Hkv, "KRW": pk * kb // 32 + 1,
                 "VRW": pv * vb // 32 + 1, "W": w, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add}  # fmt: skip
+    template["KR"], template["VR"] = tc.codebook_copies(pk, pv, kb, vb, w)
     blocks = min_blocks()
     if blocks:
         template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)

@@ -8,9 +8,11 @@ again. Here a SIMD group takes 16 tokens at a time and all of a KV head's query 
 values times the weights, both as tf32 mma with fp32 accumulation. A decoded code is looked
 up once and serves every row; the sums over coordinates happen inside the mma.
 
-Precision: fp32 in, fp32 out. Each operand splits into a tf32 head and a tf32 tail
-(``hi = tf32(x)``, ``lo = tf32(x - hi)``: 22 bits of the 24) and three mma add hi*hi, lo*hi and
-hi*lo; what is left out (lo*lo and the tail's own rounding) is below 2^-21 of each product.
+Precision: fp32 in, fp32 out. The centroids are tf32 values (``TQCodec.codebook``), so a
+decoded code is exact; the queries and the value weights split into a tf32 head and a tail
+(``hi = tf32(x)``, ``lo = tf32(x - hi)``: 22 bits of the 24), the queries' as rows 0-7 and 8-15
+of the score mma's A (one mma adds both), the weights' as two mma. What is left out (the tail's
+own rounding) is below 2^-22 of each product.
 
 The partials (rows, partitions, PV + 2) are the scalar kernel's, so its reduce merges them.
 """
@@ -54,8 +56,8 @@ _BODY = """
   const int QPT = (QF + W * 32 - 1) / (W * 32);
   const int BUF4 = QF > 2 * PV ? QF : 2 * PV;  // float4s: the fragments, then the merge (8 x PV)
   SHARED float4 qf[BUF4];
-  SHARED float2 kcb[1 << KB];  // codebooks as (hi, lo) tf32 pairs
-  SHARED float2 vcb[1 << VB];
+  SHARED float kcb[(1 << KB) * KR];  // KR / VR interleaved copies: lane l reads copy l % KR
+  SHARED float vcb[(1 << VB) * VR];
   SHARED float wm[W * 8];
   SHARED float wl[W * 8];
   SHARED_PTR(float) qs = (SHARED_PTR(float))qf;  // rotated queries (8 x PK), later the merge
@@ -73,20 +75,15 @@ _BODY = """
   const uint t = lane & 3u;
   const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
-  for (uint i = tid; i < (1u << KB); i += nthr) {
-    const float x = kcodebook[i];
-    float2 e;
-    e.x = tf32_round(x);
-    e.y = tf32_round(x - e.x);
-    kcb[i] = e;
+  // the codecs' centroids are tf32 values (TQCodec.codebook): the mma takes them exactly
+  for (uint i = tid; i < (1u << KB) * uint(KR); i += nthr) {
+    kcb[i] = tf32_round(kcodebook[i / uint(KR)]);
   }
-  for (uint i = tid; i < (1u << VB); i += nthr) {
-    const float x = vcodebook[i];
-    float2 e;
-    e.x = tf32_round(x);
-    e.y = tf32_round(x - e.x);
-    vcb[i] = e;
+  for (uint i = tid; i < (1u << VB) * uint(VR); i += nthr) {
+    vcb[i] = tf32_round(vcodebook[i / uint(VR)]);
   }
+  const uint kcopy = lane % uint(KR);
+  const uint vcopy = lane % uint(VR);
   // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
   // transform, the codebook's 1 / sqrt(PK) and the softmax scale
   for (uint idx = tid; idx < uint(8 * PK); idx += nthr) {
@@ -134,11 +131,11 @@ _BODY = """
     UNROLL for (int e = 0; e < QPT; ++e) {
       const uint idx = tid + uint(e) * nthr;
       if (idx < uint(QF)) {
-        float4 f;
+        float4 f;  // A's rows g (hi) and g + 8 (lo) at k = t, then at k = t + 4
         f.x = tf32_round(qv[e][0]);
-        f.y = tf32_round(qv[e][1]);
-        f.z = tf32_round(qv[e][0] - f.x);
-        f.w = tf32_round(qv[e][1] - f.y);
+        f.y = tf32_round(qv[e][0] - f.x);
+        f.z = tf32_round(qv[e][1]);
+        f.w = tf32_round(qv[e][1] - f.z);
         qf[idx] = f;
       }
     }
@@ -184,14 +181,11 @@ _BODY = """
         pos[e] = offset - 1 - d;
       }
     }
-    // scores: hi*hi in sc, the two cross terms in sx (two chains of mma, not one)
+    // scores: A's rows 0-7 are the queries' tf32 heads, rows 8-15 their tails, so one mma adds
+    // both parts of each product (rows g and g + 8 of the tile: sc[j][0] + sc[j][2], ...)
     float sc[2][4];
-    float sx[2][4];
     UNROLL for (int j = 0; j < 2; ++j) {
-      UNROLL for (int c = 0; c < 4; ++c) {
-        sc[j][c] = 0.0f;
-        sx[j][c] = 0.0f;
-      }
+      UNROLL for (int c = 0; c < 4; ++c) sc[j][c] = 0.0f;
     }
     bool kok[2];
     DEVICE_PTR(const uint) kr[2];
@@ -211,16 +205,11 @@ _BODY = """
         UNROLL for (int c = 0; c < KCPW; c += 2) {
           const int s = ((jj * KVW + i) * KCPW + c) / 2;  // codes 2s, 2s + 1 of the lane
           const float4 qq = qf[s * 32 + int(lane)];
-          const float ah[4] = {qq.x, 0.0f, qq.y, 0.0f};
-          const float al[4] = {qq.z, 0.0f, qq.w, 0.0f};
+          const float a[4] = {qq.x, qq.y, qq.z, qq.w};
           UNROLL for (int j = 0; j < 2; ++j) {
-            const float2 k0 = kcb[(kw[j][i] >> (c * KB)) & kmask];
-            const float2 k1 = kcb[(kw[j][i] >> ((c + 1) * KB)) & kmask];
-            const float bh[2] = {k0.x, k1.x};
-            const float bl[2] = {k0.y, k1.y};
-            mma_tf32_m16n8k8(sc[j], ah, bh);
-            mma_tf32_m16n8k8(sx[j], al, bh);
-            mma_tf32_m16n8k8(sx[j], ah, bl);
+            const float bk[2] = {kcb[((kw[j][i] >> (c * KB)) & kmask) * uint(KR) + kcopy],
+                                 kcb[((kw[j][i] >> ((c + 1) * KB)) & kmask) * uint(KR) + kcopy]};
+            mma_tf32_m16n8k8(sc[j], a, bk);
           }
         }
       }
@@ -230,7 +219,7 @@ _BODY = """
     float p[4];
     float mb = NEG;
     UNROLL for (int e = 0; e < 4; ++e) {
-      const float s = (sc[e >> 1][e & 1] + sx[e >> 1][e & 1]) * kn[e];
+      const float s = (sc[e >> 1][e & 1] + sc[e >> 1][2 + (e & 1)]) * kn[e];
       const bool vis = pos[e] >= 0 && pos[e] <= qpos && pos[e] > qpos - window;
       p[e] = vis ? s : NEG;
       mb = max_f(mb, p[e]);
@@ -280,15 +269,13 @@ _BODY = """
         UNROLL for (int c = 0; c < VCPW; c += 2) {
           const int m = ((jj * VVW + i) * VCPW + c) / 2;
           UNROLL for (int j = 0; j < 2; ++j) {
-            const float2 v00 = vcb[(vw[2 * j][i] >> (c * VB)) & vmask];
-            const float2 v01 = vcb[(vw[2 * j][i] >> ((c + 1) * VB)) & vmask];
-            const float2 v10 = vcb[(vw[2 * j + 1][i] >> (c * VB)) & vmask];
-            const float2 v11 = vcb[(vw[2 * j + 1][i] >> ((c + 1) * VB)) & vmask];
-            const float ah[4] = {v00.x, v01.x, v10.x, v11.x};
-            const float al[4] = {v00.y, v01.y, v10.y, v11.y};
-            mma_tf32_m16n8k8(acc[m], ah, ph[j]);
-            mma_tf32_m16n8k8(acc[m], al, ph[j]);
-            mma_tf32_m16n8k8(acc[m], ah, pl[j]);
+            const float av[4] = {vcb[((vw[2 * j][i] >> (c * VB)) & vmask) * uint(VR) + vcopy],
+                                 vcb[((vw[2 * j][i] >> ((c + 1) * VB)) & vmask) * uint(VR) + vcopy],
+                                 vcb[((vw[2 * j + 1][i] >> (c * VB)) & vmask) * uint(VR) + vcopy],
+                                 vcb[((vw[2 * j + 1][i] >> ((c + 1) * VB)) & vmask) * uint(VR)
+                                     + vcopy]};
+            mma_tf32_m16n8k8(acc[m], av, ph[j]);
+            mma_tf32_m16n8k8(acc[m], av, pl[j]);
           }
         }
       }
@@ -359,14 +346,14 @@ FN int tc_coord(uint n, uint part, int cpw, int vw, int parts) {
 INPUTS = ["q", "krows", "vrows", "ksigns", "kscale", "kcodebook", "vcodebook", "consts", "off"]
 
 
-def _example(dt, dk, dv, kb, vb, rep, m, ng, hkv, w=4, rows=0) -> Example:
+def _example(dt, dk, dv, kb, vb, rep, m, ng, hkv, w=4, rows=0, kr=1, vr=1) -> Example:
     pk, pv = max(32, 1 << (dk - 1).bit_length()), max(32, 1 << (dv - 1).bit_length())
     inputs = {"q": dt, "krows": mx.uint32, "vrows": mx.uint32, "ksigns": mx.float32,
               "kscale": mx.float32, "kcodebook": mx.float32, "vcodebook": mx.float32,
               "consts": (mx.int32, 4), "off": (mx.int32, 1)}  # fmt: skip
     template = {"T": dt, "DK": dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb, "REP": rep,
                 "M": m, "NG": ng, "HKV": hkv, "KRW": pk * kb // 32 + 1, "VRW": pv * vb // 32 + 1,
-                "W": w, "HAS_KS": 1, "ROWS": rows, "OFF_ADD": rows}  # fmt: skip
+                "W": w, "HAS_KS": 1, "ROWS": rows, "OFF_ADD": rows, "KR": kr, "VR": vr}  # fmt: skip
     return Example(inputs, {"partials": mx.float32}, template)
 
 
@@ -377,7 +364,7 @@ kernel = Kernel(
     body=_BODY,
     header=_HEADER,
     examples=[
-        _example(mx.bfloat16, 512, 512, 8, 8, 8, 1, 1, 2),  # Gemma 4 26B-A4B global layer, TQ8
+        _example(mx.bfloat16, 512, 512, 8, 8, 8, 1, 1, 2, kr=4, vr=4),  # 26B-A4B global, TQ8
         _example(mx.bfloat16, 256, 256, 8, 8, 2, 1, 1, 8),  # its sliding layer
         _example(mx.float32, 96, 64, 4, 8, 3, 4, 2, 2, w=2),  # padded K, 12 rows in two groups
         _example(mx.float16, 256, 256, 4, 4, 2, 1, 1, 4, rows=1),  # static cache rows
@@ -404,6 +391,30 @@ def tensor_cores() -> bool:
     """HF2Q_TQ_TC=1: TurboQuant flash-decode's partial kernel on tensor cores where it covers
     the codecs (CUDA). Off by default until its GPU tests and A/B run."""
     return env_int("HF2Q_TQ_TC", 0, 1) == 1
+
+
+# interleaved copies of an 8-bit codebook (lane l reads copy l % copies): 4 bound a SIMD
+# group's 32 lookups to ~2.5 addresses in the busiest bank, one copy to ~3.5
+_CB_COPIES = 4
+_SHARED_LIMIT = 48 * 1024  # CUDA's static shared memory
+
+
+def shared_bytes(pk: int, pv: int, kb: int, vb: int, w: int, kr: int, vr: int) -> int:
+    """The kernel's shared memory: query fragments / merge buffer, codebooks, the merge's
+    maxima and sums."""
+    return 16 * max(4 * pk, 2 * pv) + 4 * ((1 << kb) * kr + (1 << vb) * vr) + 64 * w
+
+
+def codebook_copies(pk: int, pv: int, kb: int, vb: int, w: int) -> tuple[int, int]:
+    """(KR, VR): _CB_COPIES of a codebook of more than 32 entries where shared memory allows
+    (keys first); 1 otherwise (smaller codebooks sit in distinct banks already)."""
+    kr = _CB_COPIES if kb > 5 else 1
+    if shared_bytes(pk, pv, kb, vb, w, kr, 1) > _SHARED_LIMIT:
+        kr = 1
+    vr = _CB_COPIES if vb > 5 else 1
+    if shared_bytes(pk, pv, kb, vb, w, kr, vr) > _SHARED_LIMIT:
+        vr = 1
+    return kr, vr
 
 
 def row_groups(rows: int) -> int:

@@ -94,6 +94,13 @@ def lloyd_max_gaussian(bits: int) -> tuple[np.ndarray, np.ndarray]:
     return cb, 0.5 * (cb[:-1] + cb[1:])
 
 
+def tf32_round(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to tf32 (10 stored mantissa bits; half away from zero), as the
+    kernels' ``tf32_round``."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
 def lloyd_max_distortion(bits: int) -> float:
     """Mean squared error per coordinate of the Lloyd-Max quantizer on N(0, 1)."""
     c = _lloyd_max_half(bits)
@@ -225,7 +232,11 @@ class TQCodec:
 
     @cached_property
     def codebook(self) -> mx.array:
-        return mx.array(lloyd_max_gaussian(self.bits)[0].astype(np.float32))
+        """The centroids at tf32 precision (11 significant bits, half an ulp at most 2^-11 of a
+        centroid, a small part of a cell at 8 bits), so tensor cores take them exactly
+        (``custom_kernels/tq_flash_tc``); the boundaries stay the float64 codebook's midpoints,
+        so the codes are those of the exact centroids."""
+        return mx.array(tf32_round(lloyd_max_gaussian(self.bits)[0].astype(np.float32)))
 
     @cached_property
     def boundaries(self) -> mx.array:
