@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from turboquant_speed import cupti_profiler, fill, kernel_time, make_layer_cache  # noqa: E402
 
 from hf2q_mlx.custom_kernels import tq_flash_decode as TF  # noqa: E402
+from hf2q_mlx.custom_kernels import tq_flash_tc as TC  # noqa: E402
 from hf2q_mlx.models.turboquant.kernels import tq_flash_decode  # noqa: E402
 
 # (label, Hq, Hkv, D, window or None, tokens in the cache)
@@ -61,18 +62,22 @@ TINY = [("sliding", 4, 2, 64, 64, 100), ("global", 4, 1, 128, None, 200)]
 VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 3), (1, 1, None, 64, 1, 1, 0),
             (1, 1, None, 64, 1, 1, 3), (1, 1, None, 64, 1, 1, 4), (2, 1, None, 64, 1, 1, 4),
             (1, 1, None, None, 1, 16, 0), (1, 1, None, None, 0, 1, 0)]  # fmt: skip
-# --tc: the tensor-core partial (HF2Q_TQ_TC=1, an eighth field) against the default, at its own
-# partitions, half their keys (twice the partitions) and twice their keys
+# --tc: the tensor-core partial (HF2Q_TQ_TC=1, an eighth field: 1 with its codebook copies, 2
+# with one copy) against the default, at its own partitions, half their keys (twice the
+# partitions) and twice their keys
 TC_VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 0, 1),
-               (2, 1, None, None, 1, 1, 0, 1), (0.5, 1, None, None, 1, 1, 0, 1)]  # fmt: skip
+               (1, 1, None, None, 1, 1, 0, 2), (2, 1, None, None, 1, 1, 0, 1),
+               (0.5, 1, None, None, 1, 1, 0, 1)]  # fmt: skip
 
 
-_TC_STEPS = TF._TC_STEPS
+_TC_STEPS, _TC_COPIES = TF._TC_STEPS, TC._CB_COPIES
 
 
 def use(variant, base_min_keys, base_target, base_w, base_r) -> None:
     d, g, w, r, c, k, b = variant[:7]
-    os.environ["HF2Q_TQ_TC"] = str(variant[7] if len(variant) > 7 else 0)  # in the plan key
+    t = variant[7] if len(variant) > 7 else 0
+    os.environ["HF2Q_TQ_TC"] = str(min(t, 1))  # in the plan key
+    TC._CB_COPIES = 1 if t == 2 else _TC_COPIES
     TF._TC_STEPS = max(1, round(_TC_STEPS / d))  # the tensor-core partitions' fewest steps
     TF._COALESCE = bool(c)
     TF._CB_COPIES = k
@@ -127,7 +132,7 @@ def run_shape(shape, a, bits: int) -> dict:
         TF.min_keys, TF._TARGET_GROUPS, TF._W = base_mk, base_tg, base_w
         TF._MAX_REGS = base_r
         TF._COALESCE, TF._CB_COPIES, TF._MIN_BLOCKS = base_c, base_k, base_b
-        TF._TC_STEPS = _TC_STEPS
+        TF._TC_STEPS, TC._CB_COPIES = _TC_STEPS, _TC_COPIES
         os.environ.pop("HF2Q_TQ_TC", None)
         TF._PLANS.clear()
     ref = outs[VARIANTS[0]].astype(mx.float32)
@@ -146,7 +151,7 @@ def run_shape(shape, a, bits: int) -> dict:
         rows.append(row)
         print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d} "
               f"{'coal' if v[4] else 'word'} cb x{v[5]:<2d} mb {v[6]}"
-              f"{' tc' if len(v) > 7 and v[7] else ''}  "
+              f"{' tc' if len(v) > 7 and v[7] else ''}{' cb1' if len(v) > 7 and v[7] == 2 else ''}  "
               f"parts {parts[v]:4d}  "
               f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "

@@ -82,8 +82,9 @@ _BODY = """
   for (uint i = tid; i < (1u << VB) * uint(VR); i += nthr) {
     vcb[i] = tf32_round(vcodebook[i / uint(VR)]);
   }
-  const uint kcopy = lane % uint(KR);
-  const uint vcopy = lane % uint(VR);
+  // this lane's codebook copies: entry e at kcl[e * KR] (one add per lookup, not two)
+  SHARED_PTR(const float) kcl = kcb + lane % uint(KR);
+  SHARED_PTR(const float) vcl = vcb + lane % uint(VR);
   // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
   // transform, the codebook's 1 / sqrt(PK) and the softmax scale
   for (uint idx = tid; idx < uint(8 * PK); idx += nthr) {
@@ -207,8 +208,8 @@ _BODY = """
           const float4 qq = qf[s * 32 + int(lane)];
           const float a[4] = {qq.x, qq.y, qq.z, qq.w};
           UNROLL for (int j = 0; j < 2; ++j) {
-            const float bk[2] = {kcb[((kw[j][i] >> (c * KB)) & kmask) * uint(KR) + kcopy],
-                                 kcb[((kw[j][i] >> ((c + 1) * KB)) & kmask) * uint(KR) + kcopy]};
+            const float bk[2] = {kcl[((kw[j][i] >> (c * KB)) & kmask) * uint(KR)],
+                                 kcl[((kw[j][i] >> ((c + 1) * KB)) & kmask) * uint(KR)]};
             mma_tf32_m16n8k8(sc[j], a, bk);
           }
         }
@@ -269,11 +270,10 @@ _BODY = """
         UNROLL for (int c = 0; c < VCPW; c += 2) {
           const int m = ((jj * VVW + i) * VCPW + c) / 2;
           UNROLL for (int j = 0; j < 2; ++j) {
-            const float av[4] = {vcb[((vw[2 * j][i] >> (c * VB)) & vmask) * uint(VR) + vcopy],
-                                 vcb[((vw[2 * j][i] >> ((c + 1) * VB)) & vmask) * uint(VR) + vcopy],
-                                 vcb[((vw[2 * j + 1][i] >> (c * VB)) & vmask) * uint(VR) + vcopy],
-                                 vcb[((vw[2 * j + 1][i] >> ((c + 1) * VB)) & vmask) * uint(VR)
-                                     + vcopy]};
+            const float av[4] = {vcl[((vw[2 * j][i] >> (c * VB)) & vmask) * uint(VR)],
+                                 vcl[((vw[2 * j][i] >> ((c + 1) * VB)) & vmask) * uint(VR)],
+                                 vcl[((vw[2 * j + 1][i] >> (c * VB)) & vmask) * uint(VR)],
+                                 vcl[((vw[2 * j + 1][i] >> ((c + 1) * VB)) & vmask) * uint(VR)]};
             mma_tf32_m16n8k8(acc[m], av, ph[j]);
             mma_tf32_m16n8k8(acc[m], av, pl[j]);
           }

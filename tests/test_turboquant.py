@@ -64,6 +64,22 @@ def test_lloyd_max_codebook_is_optimal(bits):
     assert abs(mse - lloyd_max_distortion(bits)) < 1e-9
 
 
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_codec_centroids_are_tf32_and_codes_unchanged(bits):
+    """The codec's centroids are the Lloyd-Max levels rounded to tf32 (10 stored mantissa bits,
+    what the tensor-core flash-decode reads exactly), at most half a tf32 ulp away, each still
+    inside its cell; the boundaries are the exact levels' midpoints, so codes do not move."""
+    cb, bnd = lloyd_max_gaussian(bits)
+    codec = TQCodec(64, bits, seed=0)
+    got = np.array(codec.codebook)
+    assert np.all((got.view(np.uint32) & 0x1FFF) == 0)
+    np.testing.assert_allclose(got, cb, rtol=2.0**-11, atol=0)
+    assert np.any(got != cb.astype(np.float32))  # rounded, not the fp32 levels
+    edges = np.concatenate([[-np.inf], bnd, [np.inf]])
+    assert np.all((got > edges[:-1]) & (got < edges[1:]))
+    np.testing.assert_array_equal(np.array(codec.boundaries), bnd.astype(np.float32))
+
+
 def test_lloyd_max_distortion_matches_published_values():
     # Max (1960), Gaussian, 4 significant digits (his 4-bit entry 0.009497 is 4e-4 relative low)
     for bits, d in ((2, 0.1175), (3, 0.03454), (4, 0.009497)):

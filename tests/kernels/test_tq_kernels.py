@@ -431,7 +431,9 @@ TC_CASES = [
 
 
 @needs_gxx
-@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}-{c[5]}{c[6]}-M{c[-1]}")
+@pytest.mark.parametrize(
+    "case", TC_CASES, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}-{c[5]}{c[6]}-M{c[-1]}"
+)
 def test_flash_decode_tensor_cores_emulated(emulated, monkeypatch, case):
     """HF2Q_TQ_TC=1: the partial kernel on tf32 mma (hi / lo split operands) within the fp32
     tolerance of the reference, the scalar reduce merging its partials. A code fed to the wrong
@@ -783,7 +785,9 @@ def test_quantize_rows_tables_gpu(dim, bits, dtype):
 
 
 @requires_gpu
-@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}-{c[5]}{c[6]}-M{c[-1]}")
+@pytest.mark.parametrize(
+    "case", TC_CASES, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}-{c[5]}{c[6]}-M{c[-1]}"
+)
 def test_flash_decode_tensor_cores_gpu(monkeypatch, case):
     """HF2Q_TQ_TC=1 on the GPU: the tf32 mma partial within the fp32 tolerance of the reference,
     with the default partitions and with many."""
