@@ -14,7 +14,7 @@ in another order: bf16 outputs within two ulps of the largest output).
 
     python3 bench/tq_sweep.py --json bench/results/tq_sweep_h200.json
     python3 bench/tq_sweep.py --tiny --rounds 1 --chain 2     # CPU smoke run (reference only)
-    python3 bench/tq_sweep.py --tc --bits 8,4                   # the tensor-core partial (HF2Q_TQ_TC)
+    python3 bench/tq_sweep.py --tc --bits 8,4       # the tensor-core partial (HF2Q_TQ_TC)
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def run_shape(shape, a, bits: int) -> dict:
         rows.append(row)
         print(f"  keys/{v[0]:<4} groups x{v[1]} W {v[2] or base_w} regs {v[3] or base_r:3d} "
               f"{'coal' if v[4] else 'word'} cb x{v[5]:<2d} mb {v[6]}"
-              f"{' tc' if len(v) > 7 and v[7] else ''}{' cb1' if len(v) > 7 and v[7] == 2 else ''}  "
+              f"{('', ' tc', ' tc cb1')[v[7] if len(v) > 7 else 0]}  "
               f"parts {parts[v]:4d}  "
               f"{med:8.2f} "
               f"[{row['min']:.2f}-{row['max']:.2f}]  x{base / med:.2f}  err {err:.2e} "
