@@ -101,8 +101,10 @@ _BODY = """
     qs[idx] = v;
   }
   BARRIER();
+  // rows past REP * M stay zero: no butterflies for them
+  const uint nrows = uint(REP * M) - grp * 8u < 8u ? uint(REP * M) - grp * 8u : 8u;
   for (uint h = 1; h < uint(PK); h <<= 1) {
-    for (uint x = tid; x < uint(4 * PK); x += nthr) {
+    for (uint x = tid; x < nrows * uint(PK / 2); x += nthr) {
       const uint i = x / uint(PK / 2);
       const uint jj = x % uint(PK / 2);
       const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
