@@ -35,7 +35,8 @@ MAX_FLASH_QUERIES = 8
 # Partials (rows = B * Hq * M, partitions, PV + 2) fp32: the partition's unnormalized weighted
 # values (rotated domain), then its running max and sum.
 
-_PARTIAL_BODY = """
+_PARTIAL_BODY = tc.with_shared_text(
+    """
   // Thread mapping: one threadgroup of W SIMD groups per (partition, row group), KV head, batch
   // (gid_x = partition * NG + row group, so row groups reading the same keys run together).
   // Lane l owns rotated coordinates [l*CK, l*CK + CK) of every key and [l*CV, l*CV + CV) of
@@ -66,17 +67,7 @@ _PARTIAL_BODY = """
   SHARED float wm[W * RG];
   SHARED float wl[W * RG];
 @FOLD_SHARED@
-  const uint b = gid_z;
-  const int offset = off[ROWS ? b : 0u] + OFF_ADD;
-  const int cap = consts[0];
-  const int window = consts[1];
-  const int n_parts = consts[2];
-  const float scale = bitcast<float>(consts[3]);
-  const uint part = gid_x / uint(NG);
-  const uint grp = gid_x % uint(NG);
-  const uint kvh = gid_y;
-  const uint nthr = uint(W * 32);
-  const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
+@LAUNCH_VALUES@  const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
   for (uint i = tid; i < (1u << KB) * uint(KR); i += nthr) kcb[i] = kcodebook[i / uint(KR)];
   for (uint i = tid; i < (1u << VB) * uint(VR); i += nthr) vcb[i] = vcodebook[i / uint(VR)];
@@ -156,33 +147,7 @@ _PARTIAL_BODY = """
     if (t0 < first) {
       // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
       // transform, the codebook's 1 / sqrt(PK) and the softmax scale
-      for (uint idx = tid; idx < uint(RG * PK); idx += nthr) {
-        const uint i = idx / uint(PK);
-        const uint j = idx % uint(PK);
-        const uint r = grp * uint(RG) + i;
-        float v = 0.0f;
-        if (r < uint(REP * M) && j < uint(DK)) {
-          const uint h = kvh * uint(REP) + r / uint(M);
-          const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-          v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
-          if (HAS_KS) v *= kscale[((ROWS ? b * uint(HKV) : 0u) + kvh) * uint(DK) + j];
-        }
-        qs[idx] = v;
-      }
-      BARRIER();
-      for (uint h = 1; h < uint(PK); h <<= 1) {
-        for (uint t = tid; t < uint(RG * PK / 2); t += nthr) {
-          const uint i = t / uint(PK / 2);
-          const uint jj = t % uint(PK / 2);
-          const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
-          const float x0 = qs[a];
-          const float x1 = qs[a + h];
-          qs[a] = x0 + x1;
-          qs[a + h] = x0 - x1;
-        }
-        BARRIER();
-      }
-      const float qscale = scale / float(PK);
+@QUERY_ROTATION@      const float qscale = scale / float(PK);
       UNROLL for (int i = 0; i < RG; ++i) {
         UNROLL for (int c = 0; c < CK; ++c) {
           qr[i][c] = qs[i * PK + lane_coord(c, lane, CK, KPW, SK)] * qscale;
@@ -279,29 +244,9 @@ _PARTIAL_BODY = """
     }
     BARRIER();
   }
-  for (uint idx = tid; idx < uint(RG * (PV + 2)); idx += nthr) {
-    const uint i = idx / uint(PV + 2);
-    const uint j = idx % uint(PV + 2);
-    const uint r = grp * uint(RG) + i;
-    if (r < uint(REP * M)) {
-      const uint h = kvh * uint(REP) + r / uint(M);
-      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-      const uint64_t o = (uint64_t(qrow) * uint64_t(n_parts) + part) * uint64_t(PV + 2);
-      float v;
-      if (j < uint(PV)) {
-        v = qs[i * uint(PV) + j];
-      } else {
-        float mall = NEG;
-        for (int w = 0; w < W; ++w) mall = max_f(mall, wm[w * RG + int(i)]);
-        float lall = 0.0f;
-        for (int w = 0; w < W; ++w) lall += wl[w * RG + int(i)] * exp_f(wm[w * RG + int(i)] - mall);
-        v = j == uint(PV) ? mall : lall;
-      }
-      if (FOLD) ATOMIC_STORE_U32(DEVICE_CAST(uint, partials) + o + j, bitcast<uint>(v));
-      else partials[o + j] = v;
-    }
-  }
-"""
+@PARTIALS_OUT@""",
+    "uint(RG * PK / 2)",
+)
 
 # The reduce folded into the partial kernel (``tq_flash_decode_fused``): the threadgroup of a
 # (batch, KV head, row group) that finishes last merges every partition of its rows. Partials go

@@ -29,6 +29,82 @@ ROWS_PER_GROUP = 8
 # tokens a SIMD group takes per step (two 8-token tiles)
 STEP_TOKENS = 16
 
+# Kernel text shared with the scalar partial (``tq_flash_decode``): the launch's values, the
+# rotated queries of a row group (RG rows; @PAIRS@: the butterfly pairs worked on) into ``qs``,
+# and the partials' write from the merge buffer.
+LAUNCH_VALUES = """  const uint b = gid_z;
+  const int offset = off[ROWS ? b : 0u] + OFF_ADD;
+  const int cap = consts[0];
+  const int window = consts[1];
+  const int n_parts = consts[2];
+  const float scale = bitcast<float>(consts[3]);
+  const uint part = gid_x / uint(NG);
+  const uint grp = gid_x % uint(NG);
+  const uint kvh = gid_y;
+  const uint nthr = uint(W * 32);
+"""
+QUERY_ROTATION = """  for (uint idx = tid; idx < uint(RG * PK); idx += nthr) {
+    const uint i = idx / uint(PK);
+    const uint j = idx % uint(PK);
+    const uint r = grp * uint(RG) + i;
+    float v = 0.0f;
+    if (r < uint(REP * M) && j < uint(DK)) {
+      const uint h = kvh * uint(REP) + r / uint(M);
+      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
+      v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
+      if (HAS_KS) v *= kscale[((ROWS ? b * uint(HKV) : 0u) + kvh) * uint(DK) + j];
+    }
+    qs[idx] = v;
+  }
+  BARRIER();
+  for (uint h = 1; h < uint(PK); h <<= 1) {
+    for (uint x = tid; x < @PAIRS@; x += nthr) {
+      const uint i = x / uint(PK / 2);
+      const uint jj = x % uint(PK / 2);
+      const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
+      const float x0 = qs[a];
+      const float x1 = qs[a + h];
+      qs[a] = x0 + x1;
+      qs[a + h] = x0 - x1;
+    }
+    BARRIER();
+  }
+"""
+PARTIALS_OUT = """  for (uint idx = tid; idx < uint(RG * (PV + 2)); idx += nthr) {
+    const uint i = idx / uint(PV + 2);
+    const uint j = idx % uint(PV + 2);
+    const uint r = grp * uint(RG) + i;
+    if (r < uint(REP * M)) {
+      const uint h = kvh * uint(REP) + r / uint(M);
+      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
+      const uint64_t o = (uint64_t(qrow) * uint64_t(n_parts) + part) * uint64_t(PV + 2);
+      float v;
+      if (j < uint(PV)) {
+        v = qs[i * uint(PV) + j];
+      } else {
+        float mall = NEG;
+        for (int w = 0; w < W; ++w) mall = max_f(mall, wm[w * RG + int(i)]);
+        float lall = 0.0f;
+        for (int w = 0; w < W; ++w) lall += wl[w * RG + int(i)] * exp_f(wm[w * RG + int(i)] - mall);
+        v = j == uint(PV) ? mall : lall;
+      }
+      if (FOLD) ATOMIC_STORE_U32(DEVICE_CAST(uint, partials) + o + j, bitcast<uint>(v));
+      else partials[o + j] = v;
+    }
+  }
+"""
+
+
+def with_shared_text(body: str, pairs: str) -> str:
+    """``body`` with the shared text in place of its @LAUNCH_VALUES@, @QUERY_ROTATION@ and
+    @PARTIALS_OUT@ (``pairs``: the butterfly pairs a stage works on)."""
+    return (
+        body.replace("@LAUNCH_VALUES@", LAUNCH_VALUES)
+        .replace("@QUERY_ROTATION@", QUERY_ROTATION.replace("@PAIRS@", pairs))
+        .replace("@PARTIALS_OUT@", PARTIALS_OUT)
+    )
+
+
 _BODY = """
   // Thread mapping: one threadgroup of W SIMD groups per (partition, group of 8 query rows),
   // KV head, batch (gid_x = partition * NG + row group). SIMD group w takes the 16-token steps
@@ -44,6 +120,8 @@ _BODY = """
   //     lane holds are the B fragment it needs); the lane's A values are value codes of its four
   //     tokens at the coordinates of its eighth of the row (words g * VW..). It accumulates
   //     O[coord][rows 2t, 2t + 1] for its coordinates: PV / 4 floats.
+  const int RG = 8;  // query rows a threadgroup (the shared text's name)
+  const int FOLD = 0;
   const int KCPW = 32 / KB;  // codes a word
   const int VCPW = 32 / VB;
   const int KLW = PK * KB / 128;  // words of a key row a lane reads (a quarter of the row)
@@ -61,17 +139,7 @@ _BODY = """
   SHARED float wm[W * 8];
   SHARED float wl[W * 8];
   SHARED_PTR(float) qs = (SHARED_PTR(float))qf;  // rotated queries (8 x PK), later the merge
-  const uint b = gid_z;
-  const int offset = off[ROWS ? b : 0u] + OFF_ADD;
-  const int cap = consts[0];
-  const int window = consts[1];
-  const int n_parts = consts[2];
-  const float scale = bitcast<float>(consts[3]);
-  const uint part = gid_x / uint(NG);
-  const uint grp = gid_x % uint(NG);
-  const uint kvh = gid_y;
-  const uint nthr = uint(W * 32);
-  const uint g = lane >> 2;
+@LAUNCH_VALUES@  const uint g = lane >> 2;
   const uint t = lane & 3u;
   const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
@@ -87,35 +155,9 @@ _BODY = """
   SHARED_PTR(const float) vcl = vcb + lane % uint(VR);
   // queries: key scale and sign flip, butterflies, then one factor for the orthonormal
   // transform, the codebook's 1 / sqrt(PK) and the softmax scale
-  for (uint idx = tid; idx < uint(8 * PK); idx += nthr) {
-    const uint i = idx / uint(PK);
-    const uint j = idx % uint(PK);
-    const uint r = grp * 8u + i;
-    float v = 0.0f;
-    if (r < uint(REP * M) && j < uint(DK)) {
-      const uint h = kvh * uint(REP) + r / uint(M);
-      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-      v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
-      if (HAS_KS) v *= kscale[((ROWS ? b * uint(HKV) : 0u) + kvh) * uint(DK) + j];
-    }
-    qs[idx] = v;
-  }
-  BARRIER();
   // rows past REP * M stay zero: no butterflies for them
   const uint nrows = uint(REP * M) - grp * 8u < 8u ? uint(REP * M) - grp * 8u : 8u;
-  for (uint h = 1; h < uint(PK); h <<= 1) {
-    for (uint x = tid; x < nrows * uint(PK / 2); x += nthr) {
-      const uint i = x / uint(PK / 2);
-      const uint jj = x % uint(PK / 2);
-      const uint a = i * uint(PK) + (jj / h) * 2 * h + (jj % h);
-      const float x0 = qs[a];
-      const float x1 = qs[a + h];
-      qs[a] = x0 + x1;
-      qs[a + h] = x0 - x1;
-    }
-    BARRIER();
-  }
-  {  // the fragments overwrite the rotated queries: all read first
+@QUERY_ROTATION@  {  // the fragments overwrite the rotated queries: all read first
     const float qscale = scale / float(PK);
     float qv[QPT][2];
     UNROLL for (int e = 0; e < QPT; ++e) {
@@ -311,28 +353,7 @@ _BODY = """
     }
     BARRIER();
   }
-  for (uint idx = tid; idx < uint(8 * (PV + 2)); idx += nthr) {
-    const uint i = idx / uint(PV + 2);
-    const uint j = idx % uint(PV + 2);
-    const uint r = grp * 8u + i;
-    if (r < uint(REP * M)) {
-      const uint h = kvh * uint(REP) + r / uint(M);
-      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-      const uint64_t o = (uint64_t(qrow) * uint64_t(n_parts) + part) * uint64_t(PV + 2);
-      float v;
-      if (j < uint(PV)) {
-        v = qs[i * uint(PV) + j];
-      } else {
-        float mall = NEG;
-        for (int w = 0; w < W; ++w) mall = max_f(mall, wm[w * 8 + int(i)]);
-        float lall = 0.0f;
-        for (int w = 0; w < W; ++w) lall += wl[w * 8 + int(i)] * exp_f(wm[w * 8 + int(i)] - mall);
-        v = j == uint(PV) ? mall : lall;
-      }
-      partials[o + j] = v;
-    }
-  }
-"""
+@PARTIALS_OUT@"""
 
 # the coordinate of a lane's n-th code of a row: its words are the row's words (k / vw) *
 # (quarters * vw) + part * vw + k % vw for k = 0, 1, ... (part: its quarter of a key row, t, or
@@ -363,7 +384,7 @@ kernel = Kernel(
     "tq_flash_decode_partial_tc",
     inputs=INPUTS,
     outputs=["partials"],
-    body=_BODY,
+    body=with_shared_text(_BODY, "nrows * uint(PK / 2)"),
     header=_HEADER,
     examples=[
         _example(mx.bfloat16, 512, 512, 8, 8, 8, 1, 1, 2, kr=4, vr=4),  # 26B-A4B global, TQ8
