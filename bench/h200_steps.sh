@@ -437,6 +437,7 @@ step scan-ab 360 "python3 bench/prefill.py $OUT/prefill_scan.json --shapes ${PRE
 # checked), then the whole 26B-A4B decode at 4K / 16K with it (TQ8e / TQ4e columns)
 step tc-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'tensor_cores and gpu' tests/kernels/test_tq_kernels.py --tb=short"
 step tc-sweep 200 "python3 bench/tq_sweep.py --tc --bits ${TQ_BITS:-8,4} --rounds 3 --json $OUT/tq_sweep_tc.json"
+step tc-ncu 150 "$NCU_RUN --kernel-name regex:partial_tc --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section InstructionStats python3 bench/tq_sweep.py --tc --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-global 16K}'"
 step tc-step 420 "$(tq_speed tq_tc_step 4096,16384 '--tq-env HF2Q_TQ_TC=1')"
 
 if [ "${1:-list}" = list ]; then
