@@ -26,15 +26,18 @@ from hf2q_mlx.custom_kernels._render import Example, Kernel
 DB = 16  # value rows a threadgroup
 THREADS = 256
 SHARED_BYTES = 48 * 1024  # the static shared memory one threadgroup may declare
-# HF2Q_GDN_SCAN: "1" takes this kernel for the chunked prefill's walk on a GPU; "0" or unset
-# keeps the MLX loop (not yet measured on a GPU: session 48 built it on the CPU emulator).
-# Read at each call.
+# HF2Q_GDN_SCAN: "1" takes this kernel for the chunked prefill's walk on a GPU, "0" keeps the
+# MLX loop; unset: the kernel on CUDA (session 49, H100: its GPU tests pass; Qwen3.5-35B-A3B's
+# 512-token prefill 1.41x, 9B's 2048-token 1.35x, one process, interleaved), the loop on Metal
+# (never run on an Apple GPU). Read at each call.
 SCAN_ENV = "HF2Q_GDN_SCAN"
 
 
-def scan_on() -> bool:
-    """Whether HF2Q_GDN_SCAN asks for the kernel (read at each call)."""
-    return bool(int_setting(SCAN_ENV, os.environ.get(SCAN_ENV, ""), 0, 1))
+def scan_on(be: str | None = "cuda") -> bool:
+    """Whether the walk takes the kernel on back end ``be`` (HF2Q_GDN_SCAN, read at each call;
+    unset: on CUDA only)."""
+    v = int_setting(SCAN_ENV, os.environ.get(SCAN_ENV, ""), 0, 1)
+    return be == "cuda" if v is None else bool(v)
 
 
 def scan_reference(u_all, w_all, q_dec, attn, k_dec, decay, state):
@@ -183,11 +186,11 @@ def _plan(be: str, B: int, H: int, n: int, C: int, dk: int, dv: int):
 
 def gated_delta_scan(u_all, w_all, q_dec, attn, k_dec, decay, state):
     """Dispatcher -> (y (B, H, n, C, Dv), new state (B, H, Dv, Dk)), fp32: the kernel on a GPU
-    back end where HF2Q_GDN_SCAN is on and the shape is covered, else ``scan_reference``."""
+    back end where ``scan_on`` and the shape is covered, else ``scan_reference``."""
     B, H, n, C, dv = u_all.shape
     dk = w_all.shape[-1]
     be = backend()
-    if be is None or not scan_on() or not covers(C, dk, dv):
+    if be is None or not scan_on(be) or not covers(C, dk, dv):
         return scan_reference(u_all, w_all, q_dec, attn, k_dec, decay, state)
     launch, dims = _plan(be, B, H, n, C, dk, dv)
     args = (u_all, w_all, q_dec, attn, k_dec, decay, state)

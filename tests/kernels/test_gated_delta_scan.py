@@ -99,12 +99,14 @@ def test_chunked_prefill_with_the_scan_matches_sequential(T, chunk, monkeypatch)
 
 
 def test_switch_and_coverage(monkeypatch):
-    """HF2Q_GDN_SCAN: unset or 0 keeps the MLX loop (no launch), 1 takes the kernel; anything
-    else is a one-line caller error. Shapes past the kernel's shared memory or mapping fall back
-    to the loop."""
-    for text, on in (("", False), ("0", False), ("1", True), (" 1 ", True)):
+    """HF2Q_GDN_SCAN: 0 keeps the MLX loop (no launch), 1 takes the kernel, unset takes it on
+    CUDA only; anything else is a one-line caller error. Shapes past the kernel's shared memory
+    or mapping fall back to the loop."""
+    for text, on in (("0", False), ("1", True), (" 1 ", True)):
         monkeypatch.setenv(gs.SCAN_ENV, text)
-        assert gs.scan_on() is on
+        assert gs.scan_on("cuda") is on and gs.scan_on("metal") is on
+    monkeypatch.setenv(gs.SCAN_ENV, "")
+    assert gs.scan_on("cuda") and not gs.scan_on("metal")
     monkeypatch.setenv(gs.SCAN_ENV, "yes")
     with pytest.raises(InvalidArgumentError, match="HF2Q_GDN_SCAN"):
         gs.scan_on()
