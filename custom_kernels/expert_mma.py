@@ -342,7 +342,7 @@ GROUPED_RUN = (1, 2)  # (U, W max)
 def grouped_config(ggml_type: int, K: int) -> dict[str, int]:
     """NT, U, W of both grouped kernels: NT 1; U, W from (type, K) alone (row parity), W cut to
     the runs a row has."""
-    return MM._config(dict.fromkeys((32, 256), GROUPED_RUN), ggml_type, 1, K)
+    return MM._config(dict.fromkeys((32, 256), GROUPED_RUN), ggml_type, 1, K, dense=False)
 
 
 def wide_config(ggml_type: int, K: int) -> dict[str, int]:

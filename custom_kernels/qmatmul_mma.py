@@ -662,8 +662,16 @@ def x_groups(raw: str | None = None) -> int:
 
 # Read at import (A/B runs in worker processes: bench/mlx_env_ab.py --env HF2Q_MMA_LOADS=s):
 # merged into every launch_config / glu_launch_config of the process, with HF2Q_MMA_XG (XG).
+_XG_SET = bool(os.environ.get("HF2Q_MMA_XG", "").strip())
 _XG = x_groups()
 LOADS = {**load_flags(os.environ.get("HF2Q_MMA_LOADS", "")), **({"XG": _XG} if _XG > 1 else {})}
+# XG of the dense mat-vec and GLU at one n-tile (M <= 8) where HF2Q_MMA_XG is unset. Session 49
+# (H100, bench/mlx_env_ab.py --step graph, 5 interleaved rounds, every kernel at 16): Gemma-4-31B
+# Q4_K decode 57.4 -> 75.6 tok/s (1.32x), 26B-A4B 251.4 -> 263.0 (1.05x); the GPU tests of
+# every type's load variants pass. Not at NT 2 / 4 (nvcc sm_90, Q4_K: 170 / 254 registers
+# against 134 / 133) nor in the grouped expert kernels (their tests ran, their speed alone
+# did not).
+DENSE_XG = 16
 # HF2Q_MMA_MIN_BLOCKS (1..8; unset: none; read at import, checked at the first plan): launch
 # bounds on the mat-vec's cubins asking nvcc for that many threadgroups an SM. At 31B's N =
 # 5,376 shapes the grid is 336 threadgroups of 8 SIMD groups, two an SM at 86 registers (1.27
@@ -714,12 +722,18 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     return _config(_DEFAULTS, ggml_type, M, K)
 
 
-def _config(table: dict[int, tuple[int, int]], ggml_type: int, M: int, K: int) -> dict[str, int]:
-    """NT from M; U and W max from ``table`` by block size, W cut to the runs a row has."""
+def _config(
+    table: dict[int, tuple[int, int]], ggml_type: int, M: int, K: int, dense: bool = True
+) -> dict[str, int]:
+    """NT from M; U and W max from ``table`` by block size, W cut to the runs a row has; the
+    load variants (``LOADS``), and ``dense`` at one n-tile DENSE_XG unless HF2Q_MMA_XG is set."""
     qk = BLOCK_FORMATS[ggml_type].block_size
     u, w_max = table[qk]
     runs = -(-(K // qk) // u)
-    return {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs)), **LOADS}
+    cfg = {"NT": n_tiles(M), "U": u, "W": max(1, min(w_max, runs)), **LOADS}
+    if dense and not _XG_SET and "XG" not in cfg and cfg["NT"] == 1:
+        cfg["XG"] = DENSE_XG
+    return cfg
 
 
 GLU_MAX_ROWS = 32  # rows of x one GLU launch takes (NT up to 4 n-tiles)

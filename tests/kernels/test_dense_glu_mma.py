@@ -283,8 +283,9 @@ def test_glu_launch_config_fixes_the_order_whatever_m():
             c = cfgs[0]
             assert 1 <= c["W"] <= min(MM.MAX_SIMD, -(-(k // QK[t]) // c["U"]))
     # the H200's choice for Q4_K: fewer SIMD groups on a big grid (9B's MLP), more on a small one
-    assert MM.glu_launch_config(T.Q4_K, 1, 12288, 4096) == {"NT": 1, "U": 1, "W": 4}
-    assert MM.glu_launch_config(T.Q4_K, 1, 2816, 2816) == {"NT": 1, "U": 2, "W": 6}
+    # (and at one n-tile a block's x loads 16 scale groups at a time: DENSE_XG)
+    assert MM.glu_launch_config(T.Q4_K, 1, 12288, 4096) == {"NT": 1, "U": 1, "W": 4, "XG": 16}
+    assert MM.glu_launch_config(T.Q4_K, 1, 2816, 2816) == {"NT": 1, "U": 2, "W": 6, "XG": 16}
     x, w = mx.zeros((9, 256), mx.bfloat16), mx.zeros((32, 144), mx.uint8)
     with pytest.raises(ValueError):  # one n-tile cannot hold 9 rows
         G.dense_glu_mma_kernel(x, w, T.Q4_K, 256, config={"NT": 1, "U": 1, "W": 1})

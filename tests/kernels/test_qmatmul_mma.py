@@ -208,6 +208,27 @@ def test_emulator_x_loads_together_give_the_same_bits(ggml_type, monkeypatch):
             assert _same_bits(y, plain), f"M = {m} XG = {xg}"
 
 
+def test_dense_x_groups_default(monkeypatch):
+    """HF2Q_MMA_XG unset: the dense mat-vec and GLU take DENSE_XG at one n-tile (M <= 8), the
+    loop's default at more n-tiles and in the grouped expert kernels; set, its value everywhere
+    (LOADS)."""
+    from hf2q_mlx.custom_kernels import expert_mma as E
+
+    monkeypatch.setattr(MM, "_XG_SET", False)
+    monkeypatch.setattr(MM, "LOADS", {})
+    for m in (1, 8, 9, 32):
+        want = MM.DENSE_XG if m <= 8 else None
+        assert MM.launch_config(T.Q4_K, m, 4096, 4096).get("XG") == want
+        assert MM.glu_launch_config(T.Q6_K, m, 2816, 2816).get("XG") == want
+    assert "XG" not in E.grouped_config(T.Q4_K, 2816)
+    monkeypatch.setattr(MM, "_XG_SET", True)
+    monkeypatch.setattr(MM, "LOADS", {"XG": 4})
+    assert MM.launch_config(T.Q4_K, 1, 4096, 4096)["XG"] == 4
+    assert E.grouped_config(T.Q4_K, 2816)["XG"] == 4
+    monkeypatch.setattr(MM, "LOADS", {})  # HF2Q_MMA_XG=1
+    assert "XG" not in MM.launch_config(T.Q4_K, 1, 4096, 4096)
+
+
 def test_x_groups_setting(monkeypatch):
     """HF2Q_MMA_XG: unset 1; a power of 2 up to X_ALL; else an InvalidArgumentError naming it."""
     monkeypatch.delenv("HF2Q_MMA_XG", raising=False)
@@ -302,9 +323,10 @@ def test_load_flags_from_the_environment_value(monkeypatch):
     assert MM.load_flags(" PS ") == {"S": 1, "PF": 1}
     with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_LOADS"):
         MM.load_flags("sx")
-    # the process's flags go into every launch (mat-vec and GLU); none by default
+    # the process's flags go into every launch (mat-vec and GLU); none by default (past one
+    # n-tile: at one, DENSE_XG, test_dense_x_groups_default)
     monkeypatch.setattr(MM, "LOADS", {})
-    assert set(MM.launch_config(T.Q4_K, 1, 4096, 4096)) == {"NT", "U", "W"}
+    assert set(MM.launch_config(T.Q4_K, 9, 4096, 4096)) == {"NT", "U", "W"}
     monkeypatch.setattr(MM, "LOADS", {"XG": 4})
     assert MM.launch_config(T.Q4_K, 1, 4096, 4096)["XG"] == 4
     monkeypatch.setattr(MM, "LOADS", {"PF": 1})
