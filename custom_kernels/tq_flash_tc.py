@@ -412,7 +412,9 @@ def covers(pk: int, pv: int, kb: int, vb: int, fold: bool) -> bool:
 
 def tensor_cores() -> bool:
     """HF2Q_TQ_TC=1: TurboQuant flash-decode's partial kernel on tensor cores where it covers
-    the codecs (CUDA). Off by default until its GPU tests and A/B run."""
+    the codecs (CUDA). Off: its GPU tests pass, but on an H100 it is slower than the scalar
+    partial at every shape but global 16K (session 49: 255 registers, two SIMD groups a
+    scheduler, the shared-memory codebook lookups its busiest pipe)."""
     return env_int("HF2Q_TQ_TC", 0, 1) == 1
 
 
