@@ -65,9 +65,11 @@ VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 3), (1, 1, Non
 # --tc: the tensor-core partial (HF2Q_TQ_TC=1, an eighth field: 1 with its codebook copies, 2
 # with one copy) against the default, at its own partitions, half their keys (twice the
 # partitions) and twice their keys
+# and bounded to 3 threadgroups an SM (nvcc sm_90, global TQ8: 255 -> 168 registers, 316 bytes
+# spilled; session 49's ncu: 2 SIMD groups a scheduler at 255)
 TC_VARIANTS = [(1, 1, None, None, 1, 1, 0), (1, 1, None, None, 1, 1, 0, 1),
                (1, 1, None, None, 1, 1, 0, 2), (2, 1, None, None, 1, 1, 0, 1),
-               (0.5, 1, None, None, 1, 1, 0, 1)]  # fmt: skip
+               (0.5, 1, None, None, 1, 1, 0, 1), (1, 1, None, None, 1, 1, 3, 1)]  # fmt: skip
 
 
 _TC_STEPS, _TC_COPIES = TF._TC_STEPS, TC._CB_COPIES
