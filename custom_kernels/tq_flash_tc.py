@@ -43,18 +43,27 @@ LAUNCH_VALUES = """  const uint b = gid_z;
   const uint kvh = gid_y;
   const uint nthr = uint(W * 32);
 """
-QUERY_ROTATION = """  for (uint idx = tid; idx < uint(RG * PK); idx += nthr) {
-    const uint i = idx / uint(PK);
-    const uint j = idx % uint(PK);
-    const uint r = grp * uint(RG) + i;
-    float v = 0.0f;
-    if (r < uint(REP * M) && j < uint(DK)) {
-      const uint h = kvh * uint(REP) + r / uint(M);
-      const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
-      v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
-      if (HAS_KS) v *= kscale[((ROWS ? b * uint(HKV) : 0u) + kvh) * uint(DK) + j];
+QUERY_ROTATION = """  {  // a thread's query loads all in flight (a loop waited on each)
+    const int QL = (RG * PK + W * 32 - 1) / (W * 32);
+    float ql_[QL];
+    UNROLL for (int e = 0; e < QL; ++e) {
+      const uint idx = tid + uint(e) * nthr;
+      const uint i = idx / uint(PK);
+      const uint j = idx % uint(PK);
+      const uint r = grp * uint(RG) + i;
+      float v = 0.0f;
+      if (idx < uint(RG * PK) && r < uint(REP * M) && j < uint(DK)) {
+        const uint h = kvh * uint(REP) + r / uint(M);
+        const uint qrow = (b * uint(HKV * REP) + h) * uint(M) + r % uint(M);
+        v = to_float(q[qrow * uint(DK) + j]) * ksigns[j];
+        if (HAS_KS) v *= kscale[((ROWS ? b * uint(HKV) : 0u) + kvh) * uint(DK) + j];
+      }
+      ql_[e] = v;
     }
-    qs[idx] = v;
+    UNROLL for (int e = 0; e < QL; ++e) {
+      const uint idx = tid + uint(e) * nthr;
+      if (idx < uint(RG * PK)) qs[idx] = ql_[e];
+    }
   }
   BARRIER();
   for (uint h = 1; h < uint(PK); h <<= 1) {
