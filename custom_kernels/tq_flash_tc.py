@@ -153,11 +153,14 @@ _BODY = """
   const float NEG = -1e30f;  // finite: exp(NEG - m) is 0, never NaN
 
   // the codecs' centroids are tf32 values (TQCodec.codebook): the mma takes them exactly
-  for (uint i = tid; i < (1u << KB) * uint(KR); i += nthr) {
-    kcb[i] = tf32_round(kcodebook[i / uint(KR)]);
+  // (each level read once, its copies written from it: one round trip for 256 levels)
+  for (uint i = tid; i < (1u << KB); i += nthr) {
+    const float x = tf32_round(kcodebook[i]);
+    UNROLL for (int c = 0; c < KR; ++c) kcb[i * uint(KR) + uint(c)] = x;
   }
-  for (uint i = tid; i < (1u << VB) * uint(VR); i += nthr) {
-    vcb[i] = tf32_round(vcodebook[i / uint(VR)]);
+  for (uint i = tid; i < (1u << VB); i += nthr) {
+    const float x = tf32_round(vcodebook[i]);
+    UNROLL for (int c = 0; c < VR; ++c) vcb[i * uint(VR) + uint(c)] = x;
   }
   // this lane's codebook copies: entry e at kcl[e * KR] (one add per lookup, not two)
   SHARED_PTR(const float) kcl = kcb + lane % uint(KR);
