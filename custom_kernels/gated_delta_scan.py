@@ -33,7 +33,7 @@ SHARED_BYTES = 48 * 1024  # the static shared memory one threadgroup may declare
 SCAN_ENV = "HF2Q_GDN_SCAN"
 
 
-def scan_on(be: str | None = "cuda") -> bool:
+def scan_on(be: str | None) -> bool:
     """Whether the walk takes the kernel on back end ``be`` (HF2Q_GDN_SCAN, read at each call;
     unset: on CUDA only)."""
     v = int_setting(SCAN_ENV, os.environ.get(SCAN_ENV, ""), 0, 1)

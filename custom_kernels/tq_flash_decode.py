@@ -606,16 +606,9 @@ def codebook_copies(kb: int, vb: int, rg: int, pk: int, pv: int, w: int, fold: b
     """(KR, VR): ``cb_copies()`` copies of the key and value codebooks of more than 32 entries
     (smaller ones sit in distinct banks already), the keys' first, while the kernel's shared
     memory stays within the back end's limit."""
-    copies = cb_copies()
     used = 4 * (rg * max(pk, pv) + (1 << kb) + (1 << vb) + 2 * w * rg + (_MAX_PARTS if fold else 0))
     limit = _SHARED_BYTES.get(backend() or "", _SHARED_BYTES["metal"])
-    out = []
-    for bits in (kb, vb):
-        more = 4 * (1 << bits) * (copies - 1)
-        take = copies > 1 and bits > 5 and used + more <= limit
-        used += more if take else 0
-        out.append(copies if take else 1)
-    return tuple(out)
+    return tc.copies_within(kb, vb, cb_copies(), used, limit)
 
 
 def default_parts(capacity: int, groups: int, keys: int) -> int:
@@ -679,7 +672,7 @@ def _flash_plan(
     rep = Hq // Hkv
     in_dtypes = [queries.dtype, mx.uint32, mx.uint32] + [mx.float32] * 4 + [mx.int32, mx.int32]
     if tc.tensor_cores() and backend() == "cuda" and tc.covers(pk, pv, kb, vb, fold):
-        return _tensor_core_plan(queries, Hkv, capacity, krw + vrw, pk, kb, dv, pv, vb, has_ks,
+        return _tensor_core_plan(queries, Hkv, capacity, krw, vrw, pk, kb, dv, pv, vb, has_ks,
                                  has_vs, rows, offset_add, in_dtypes)  # fmt: skip
     rg, ng = row_groups(rep * M, pk, pv)
     u = tokens_per_step(pk, pv, kb, vb)
@@ -692,9 +685,7 @@ def _flash_plan(
                 "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add, "FOLD": int(fold), "SK": strided_words(pk, kb, co),
                 "SV": strided_words(pv, vb, co), "KR": kr, "VR": vr}  # fmt: skip
-    blocks = min_blocks()
-    if blocks:
-        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
+    _bound(template, w)
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
         fused = _fused_kernel.launcher(
@@ -713,6 +704,13 @@ def _flash_plan(
         **geometry,
     )
     return partial, _reduce_launch(queries, Hkv, dv, pv, has_vs, rows), n_parts
+
+
+def _bound(template: dict, w: int) -> None:
+    """Launch bounds for ``min_blocks()`` threadgroups of ``w`` SIMD groups an SM, if set."""
+    blocks = min_blocks()
+    if blocks:
+        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
 
 
 def _reduce_launch(queries: mx.array, Hkv: int, dv: int, pv: int, has_vs: bool, rows: bool):
@@ -734,7 +732,7 @@ _TC_STEPS = 2
 
 
 def _tensor_core_plan(
-    queries: mx.array, Hkv: int, capacity: int, row_words: int, pk: int, kb: int, dv: int,
+    queries: mx.array, Hkv: int, capacity: int, krw: int, vrw: int, pk: int, kb: int, dv: int,
     pv: int, vb: int, has_ks: bool, has_vs: bool, rows: bool, offset_add: int, in_dtypes: list,
 ):  # fmt: skip
     """(partial launch on tensor cores, the reduce, partition count): 8 query rows a
@@ -743,16 +741,13 @@ def _tensor_core_plan(
     rep = Hq // Hkv
     ng = tc.row_groups(rep * M)
     w = simd_groups()
-    keys = max(_TC_STEPS * w * tc.STEP_TOKENS, min_keys(rep * M, pv, 1, row_words))
+    keys = max(_TC_STEPS * w * tc.STEP_TOKENS, min_keys(rep * M, pv, 1, krw + vrw))
     n_parts = default_parts(capacity, B * Hkv * ng, keys)
     template = {"T": queries.dtype, "DK": Dk, "PK": pk, "DV": dv, "PV": pv, "KB": kb, "VB": vb,
-                "REP": rep, "M": M, "NG": ng, "HKV": Hkv, "KRW": pk * kb // 32 + 1,
-                "VRW": pv * vb // 32 + 1, "W": w, "HAS_KS": int(has_ks), "ROWS": int(rows),
-                "OFF_ADD": offset_add}  # fmt: skip
+                "REP": rep, "M": M, "NG": ng, "HKV": Hkv, "KRW": krw, "VRW": vrw, "W": w,
+                "HAS_KS": int(has_ks), "ROWS": int(rows), "OFF_ADD": offset_add}  # fmt: skip
     template["KR"], template["VR"] = tc.codebook_copies(pk, pv, kb, vb, w)
-    blocks = min_blocks()
-    if blocks:
-        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
+    _bound(template, w)
     partial = tc.kernel.launcher(
         in_dtypes,
         output_shapes=[(B * Hq * M, n_parts, pv + 2)],

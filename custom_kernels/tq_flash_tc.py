@@ -442,16 +442,23 @@ def shared_bytes(pk: int, pv: int, kb: int, vb: int, w: int, kr: int, vr: int) -
     return 16 * max(4 * pk, 2 * pv) + 4 * ((1 << kb) * kr + (1 << vb) * vr) + 64 * w
 
 
+def copies_within(kb: int, vb: int, copies: int, used: int, limit: int) -> tuple[int, int]:
+    """(KR, VR): ``copies`` copies of the key and value codebooks of more than 32 entries
+    (smaller ones sit in distinct banks already), the keys' first, each while a kernel whose
+    shared memory is ``used`` bytes with one copy of each stays within ``limit``. The rule of
+    both flash-decode partials."""
+    out = []
+    for bits in (kb, vb):
+        more = 4 * (1 << bits) * (copies - 1)
+        take = copies > 1 and bits > 5 and used + more <= limit
+        used += more if take else 0
+        out.append(copies if take else 1)
+    return out[0], out[1]
+
+
 def codebook_copies(pk: int, pv: int, kb: int, vb: int, w: int) -> tuple[int, int]:
-    """(KR, VR): _CB_COPIES of a codebook of more than 32 entries where shared memory allows
-    (keys first); 1 otherwise (smaller codebooks sit in distinct banks already)."""
-    kr = _CB_COPIES if kb > 5 else 1
-    if shared_bytes(pk, pv, kb, vb, w, kr, 1) > _SHARED_LIMIT:
-        kr = 1
-    vr = _CB_COPIES if vb > 5 else 1
-    if shared_bytes(pk, pv, kb, vb, w, kr, vr) > _SHARED_LIMIT:
-        vr = 1
-    return kr, vr
+    """(KR, VR) of this kernel: _CB_COPIES by ``copies_within``, CUDA's static limit."""
+    return copies_within(kb, vb, _CB_COPIES, shared_bytes(pk, pv, kb, vb, w, 1, 1), _SHARED_LIMIT)
 
 
 def row_groups(rows: int) -> int:

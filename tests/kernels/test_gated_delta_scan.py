@@ -109,7 +109,7 @@ def test_switch_and_coverage(monkeypatch):
     assert gs.scan_on("cuda") and not gs.scan_on("metal")
     monkeypatch.setenv(gs.SCAN_ENV, "yes")
     with pytest.raises(InvalidArgumentError, match="HF2Q_GDN_SCAN"):
-        gs.scan_on()
+        gs.scan_on("cuda")
     assert gs.covers(64, 128, 128) and gs.covers(16, 32, 48)
     assert not gs.covers(64, 128, 24)  # Dv not a multiple of the threadgroup's 16 rows
     assert not gs.covers(128, 128, 128)  # 128-token chunks: past THREADS / 4 rows
