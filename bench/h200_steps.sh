@@ -59,6 +59,8 @@ step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes 
 # issue 15's table (ours Q4_K / MLX 4-bit against mlx-lm: decode, prefill, kernels, busy), one
 # shape per call: SHAPES one of gemma4:26b-a4b, gemma4:31b, qwen3_5:35b-a3b, qwen3_5:9b
 # (LLAMA=1: with llama.cpp on the same GGUF, the bundle copied into ../.device as for llama-peer)
+# (GRAPH: formats also run as the CUDA graph step; unset: auto, every format where the graph is
+# the default decode, i.e. on CUDA; GRAPH=none leaves the graph rows out)
 PEER_UNPACK="mkdir -p /tmp/peer && { [ -x /tmp/peer/cuda/run.sh ] || tar -xJf ../.device/llama-cuda-sm90.tar.xz -C /tmp/peer; } &&"
 PEER_ARGS="--llama /tmp/peer/cuda/run.sh --llama-args '-ngl 99' --gguf-dir /tmp"
 step speed-table 540 "${LLAMA:+$PEER_UNPACK} python3 bench/speed_table.py $OUT/speed_table.json --shapes ${SHAPES:-gemma4:26b-a4b} --formats ${FORMATS:-q4_k,mlx4} ${SKIP:+--skip '$SKIP'} --rounds 5 --tokens 32 ${GRAPH:+--graph $GRAPH} ${LLAMA:+$PEER_ARGS}"
@@ -439,6 +441,16 @@ step tc-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'tensor_cores
 step tc-sweep 200 "python3 bench/tq_sweep.py --tc --bits ${TQ_BITS:-8,4} --rounds 3 --json $OUT/tq_sweep_tc.json"
 step tc-ncu 150 "$NCU_RUN --kernel-name regex:partial_tc --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section InstructionStats python3 bench/tq_sweep.py --tc --bits 8 --rounds 1 --chain 2 --only '${TQ_ONLY:-global 16K}'"
 step tc-step 420 "$(tq_speed tq_tc_step 4096,16384 '--tq-env HF2Q_TQ_TC=1')"
+# session 50: the mat-vec split over K (HF2Q_MMA_SPLIT_K, off): 31B's N = 5,376 grids run 1.27
+# waves. GPU parity (KS 2 / 3, rows alone) and the graph step with it; the kernel sweep at the
+# few-row shapes of 31B and 26B-A4B (Q4_K; Q5_0 where K is no multiple of 256); the whole graph
+# decode against the default
+step splitk-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_split_k' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_SPLIT_K=3 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
+step splitk-sweep 300 "python3 bench/qmatmul.py $OUT/mma_splitk.json --mma --profile --types Q4_K --shapes 5376x21504,5376x8192,5376x16384,2816x4096 --mma-rows 1,8 --mma-configs 2x8k2,2x8k3,2x8k4,1x8k3,2x4k3,2x4 && python3 bench/qmatmul.py $OUT/mma_splitk_q5.json --mma --profile --types Q5_0 --shapes 2816x2112 --mma-rows 1,8 --mma-configs 2x8k2,2x8k3"
+step splitk-ab 480 "for sh in ${SPLITK_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/splitk_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 200 --env '' --env HF2Q_MMA_SPLIT_K=2 --env HF2Q_MMA_SPLIT_K=3 2>&1 | tail -8; done"
+# session 50: one abort on the engine thread in test_gpu_engine_graph_equals_compiled (1 of 4
+# complete runs; docs/kernel_notes.md, session 50): the test alone, again and again
+step engine-abort 300 "for i in 1 2 3 4 5 6; do PYTHONFAULTHANDLER=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -rf -k gpu_engine_graph_equals_compiled tests/test_cuda_graph_step.py --tb=short > $OUT/engine_abort_\$i.txt 2>&1; echo run \$i rc=\$?; tail -n 2 $OUT/engine_abort_\$i.txt; done"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from datetime import datetime, timezone
@@ -103,17 +104,25 @@ class Profiler:
         if self.prof is not None:
             self.prof.__exit__(*exc)
 
-    def median_us(self, name_part: str) -> float | None:
+    def median_us(self, name_part: str | tuple[str, ...]) -> float | None:
+        """The median GPU us of the kernels whose names hold ``name_part``; a tuple: the sum
+        of each part's median (a call of several launches, e.g. the split mat-vec's two)."""
         if self.prof is None:
             return None
         from torch.autograd import DeviceType
 
-        times = [
-            e.time_range.elapsed_us()
-            for e in self.prof.events()
-            if e.device_type == DeviceType.CUDA and name_part in e.name
-        ]
-        return statistics.median(times) if times else None
+        parts = name_part if isinstance(name_part, tuple) else (name_part,)
+        meds = []
+        for part in parts:
+            times = [
+                e.time_range.elapsed_us()
+                for e in self.prof.events()
+                if e.device_type == DeviceType.CUDA and part in e.name
+            ]
+            if not times:
+                return None
+            meds.append(statistics.median(times))
+        return sum(meds)
 
 
 def _time(fn_list, reps: int, batch: int, profile: bool, name_part: str):
@@ -208,12 +217,18 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
                 MM.kernel_name(t)),
     }  # fmt: skip
     mcfg = MM.launch_config(t, m, n, k)
+    if mcfg.get("KS", 1) > 1:  # HF2Q_MMA_SPLIT_K set: the default is the split's two launches
+        kinds["mma"] = (kinds["mma"][0], (MM.kernel_name(t, split=True), MM._SUM_KERNEL.name))
     for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
-        mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
-        mc.update(S=int("s" in flags), PF=int("p" in flags))
+        ks = int(flags[1]) if flags.startswith("k") else 1
+        blocks = k // MM.BLOCK_FORMATS[t].block_size // ks  # the smallest split's
+        mc = {key: v for key, v in mcfg.items() if key != "KS"}
+        mc.update(U=u, W=max(1, min(wm, -(-blocks // u))), S=int("s" in flags),
+                  PF=int("p" in flags), **({"KS": ks} if ks > 1 else {}))  # fmt: skip
+        name = MM.kernel_name(t, "s" in flags, split=ks > 1)
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
-            MM.kernel_name(t, "s" in flags),
+            (name, MM._SUM_KERNEL.name) if ks > 1 else name,
         )
     return kinds, c, mcfg
 
@@ -360,17 +375,22 @@ def main() -> None:
     ap.add_argument("--mma", action="store_true", help="mma vs scalar kernel, bf16 x, M 1..16")
     ap.add_argument("--glu", action="store_true", help="dense GLU: mma vs scalar, bf16 x, M 1..32")
     ap.add_argument(
-        "--mma-configs", default="", help="--mma, --glu: also time these UxW, e.g. 2x4,4x8"
+        "--mma-configs",
+        default="",
+        help="--mma, --glu: also time these UxW, e.g. 2x4,4x8 (flags after: kN split over K "
+        "in N, --mma only; s streaming loads; p loads a run ahead: 2x8k3s)",
     )
     ap.add_argument("--mma-rows", default="", help="--mma, --glu: these M only (1 first), e.g. 1,8")
     args = ap.parse_args()
     args.mma_rows = tuple(int(v) for v in args.mma_rows.split(",") if v)
-    # "UxW", then flags: "s" streaming weight loads (S = 1), "p" loads a run ahead (PF = 1)
-    args.mma_configs = [
-        (*(int(v) for v in c.rstrip("sp").split("x")), c[len(c.rstrip("sp")) :])
-        for c in args.mma_configs.split(",")
-        if c
+    # "UxW", then flags: "kN" N splits over K (KS = N), "s" streaming weight loads (S = 1),
+    # "p" loads a run ahead (PF = 1)
+    configs = [
+        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8])?[sp]*)", c) for c in args.mma_configs.split(",")
     ]
+    if not all(configs) or (args.glu and any("k" in c[3] for c in configs)):
+        ap.error(f"--mma-configs {args.mma_configs!r}: expected UxW[kN][s][p], kN with --mma only")
+    args.mma_configs = [(int(c[1]), int(c[2]), c[3]) for c in configs]
     if args.mma or args.glu:
         types = MMA_TYPES if args.types == ",".join(ALL_TYPES) else args.types.split(",")
         shapes = GLU_SHAPES if args.glu else MMA_SHAPES

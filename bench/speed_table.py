@@ -5,8 +5,10 @@ rounds in one process, with what a decode token costs the host and the GPU.
 Per shape, every round: a fresh random prompt of ``--prompt`` tokens, which each variant
 prefills into a new cache (one forward per ``--chunk`` tokens, as ``stream_generate`` does;
 timed to the evaluated last logits), then ``--tokens`` greedy tokens decoded from that cache
-(ours through the path ``stream_generate`` takes on this device: the compiled ``DecodeStep``
-on a GPU, the eager per-sequence graph on the CPU; mlx-lm eagerly, as its ``generate`` does).
+(ours through the compiled ``DecodeStep`` on a GPU, the eager per-sequence graph on the CPU;
+mlx-lm eagerly, as its ``generate`` does). Where ``stream_generate`` decodes through the CUDA
+graph step (``HF2Q_DECODE`` auto or graph on CUDA), each format also runs as that graph
+(``--graph auto``, the default; its rows are what a user gets there).
 The variants take turns within a round, so a slow minute of the shared host hits all of them.
 Then, once per variant, ``--profile-steps`` more decode tokens: host time per token in the
 step's Python call (graph building, or the compiled call) and in MLX's ``async_eval``, and
@@ -431,6 +433,20 @@ def report(res: dict, copy_gb_s: float | None) -> list[str]:
     return missed
 
 
+def graph_formats(value: str, formats: list[str], graph_default: bool | None = None) -> list[str]:
+    """The formats ``--graph`` runs as a CUDA graph step: ``auto`` -> all of ``formats`` where
+    the graph is the default decode (``graph_default``; None: ``decode_mode()`` is graph and
+    MLX runs on CUDA), else none; ``none`` -> none; else the comma list as written."""
+    value = value.strip()
+    if value == "none":
+        return []
+    if value == "auto":
+        if graph_default is None:
+            graph_default = decode_mode() == "graph" and mx.cuda.is_available()
+        return list(formats) if graph_default else []
+    return [f for f in value.split(",") if f]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="JSON file to write")
@@ -444,7 +460,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile-steps", type=int, default=16)
     p.add_argument("--copy-gib", type=float, default=4.0, help="GiB of the copy-bandwidth probe")
     p.add_argument("--no-mlx-lm", action="store_true")
-    p.add_argument("--graph", default="", help="formats also run as a CUDA graph step (q4_k)")
+    p.add_argument(
+        "--graph",
+        default="auto",
+        help="formats also run as a CUDA graph step: a comma list, 'none', or 'auto' (every "
+        "format where stream_generate decodes through the graph: HF2Q_DECODE auto / graph, CUDA)",
+    )
     p.add_argument(
         "--skip",
         default="",
@@ -463,7 +484,7 @@ def main(argv=None) -> None:
     p.add_argument("--keep-gguf", action="store_true", help="keep --llama's GGUF files")
     a = p.parse_args(argv)
     a.formats = a.formats.split(",")
-    a.graph = [f for f in a.graph.split(",") if f]
+    a.graph = graph_formats(a.graph, a.formats)
     a.skip = [v.strip() for v in a.skip.split(",") if v.strip()]
     if a.rounds < 1 or a.tokens < 1 or a.prompt < 1 or a.profile_steps < 1 or a.chunk < 1:
         p.error("--rounds, --tokens, --prompt, --profile-steps and --chunk must be >= 1")

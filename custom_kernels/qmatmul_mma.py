@@ -392,8 +392,7 @@ _BODY = r"""
   const uint nb = K / QK;
   const size_t row_bytes = size_t(nb) * BB;
   const uint g = lane >> 2, t = lane & 3u;
-  const uint row0 = gid_x * 16;
-  // rows g, g + 8 of set h: wr[2h], wr[2h + 1]; rows past N re-read row N - 1, sums dropped
+@ROW0@  // rows g, g + 8 of set h: wr[2h], wr[2h + 1]; rows past N re-read row N - 1, sums dropped
   DEVICE_PTR(const uchar) wr[2 * H];
   UNROLL for (int h = 0; h < H; ++h) {
     wr[2 * h] = w + (size_t(h) * N + (row0 + g < N ? row0 + g : N - 1)) * row_bytes;
@@ -407,14 +406,14 @@ _BODY = r"""
   MRaw@SUF@ raw[U][2 * H];
   if (PF) {
 @LOADS_FIRST@  }
-  for (uint b0 = simd_id * U; b0 < nb; b0 += n_simd * U) {
+  for (uint b0 = kb0 + simd_id * U; b0 < kb1; b0 += n_simd * U) {
     MRaw@SUF@ nxt[U][2 * H];
     if (PF) {  // the SIMD group's next run (past the end: block 0, never worked on)
 @LOADS_NEXT@    } else {  // all loads of the run first: U blocks x 2H rows in flight per lane
 @LOADS_THIS@    }
     UNROLL for (int u = 0; u < U; ++u) {
       const uint blk = b0 + uint(u);
-      if (blk >= nb) continue;  // uniform over the SIMD group: its shuffles stay together
+      if (blk >= kb1) continue;  // uniform over the SIMD group: its shuffles stay together
       DEVICE_PTR(const T) xb = x + size_t(blk) * QK;
       // XG scale groups at a time (XG from HF2Q_MMA_XG, a power of 2): their x fragments are
       // all loaded before the first of their mmas, so those loads are in flight together
@@ -544,10 +543,25 @@ def _run_loads(dst: str, first: str, indent: str) -> str:
 # the loop with its run loads written out (expert_mma edits this text too; PF is a template
 # value here, a constant 0 there)
 _BODY = (
-    _BODY.replace("@LOADS_FIRST@", _run_loads("raw", "simd_id * U", "    "))
+    _BODY.replace("@LOADS_FIRST@", _run_loads("raw", "kb0 + simd_id * U", "    "))
     .replace("@LOADS_NEXT@", _run_loads("nxt", "(b0 + n_simd * U)", "      "))
     .replace("@LOADS_THIS@", _run_loads("raw", "b0", "      "))
 )
+# which 16 rows a threadgroup owns, and which of their blocks [kb0, kb1): all of them, or (the
+# split over K, template KS) split ks of KS, the threadgroups of split 0 first
+_ROW0_ALL = """  const uint row0 = gid_x * 16;
+  constexpr uint kb0 = 0u;
+  const uint kb1 = nb;
+"""
+_ROW0_SPLIT = """
+  // KS > 1: threadgroup gid_x sums split gid_x / tiles of its rows' blocks (fp32 sums, added
+  // in split order by the sum kernel)
+  const uint tiles = (N + 15u) / 16u, ks = gid_x / tiles;
+  const uint row0 = (gid_x - ks * tiles) * 16u;
+  const uint kb0 = ks * nb / uint(KS), kb1 = (ks + 1u) * nb / uint(KS);
+"""
+_SPLIT_BODY = _BODY.replace("@ROW0@", _ROW0_SPLIT)
+_BODY = _BODY.replace("@ROW0@", _ROW0_ALL)
 
 
 def stream_decoder(text: str) -> str:
@@ -578,18 +592,20 @@ def make_kernel(
     epilogue: str = _MATMUL_EPILOGUE,
     header: str = "",
     stream: bool = False,
+    body: str = _BODY,
 ) -> Kernel:
     """The mma loop over ``halves`` row sets of ``ggml_type`` weights (inputs x, w, dims; output
     out) with ``epilogue``: the lines that write output row0 + r, column col from the sets'
     fp32 sums v[0..halves - 1]. Template T, NT, U, plus whatever ``header`` and ``epilogue``
     use. The tensor-core GLU (expert_glu.dense_glu) is ``halves`` = 2 with an activation.
-    ``stream``: the weight loads as streaming loads (``_STREAM_LOADS``; config S = 1)."""
+    ``stream``: the weight loads as streaming loads (``_STREAM_LOADS``; config S = 1).
+    ``body``: the loop's text (``_SPLIT_BODY``: one split over K a threadgroup)."""
     ngr, mmg = _GROUPS[ggml_type]
     decoder = _DECODERS[ggml_type]
     if stream:
         decoder = _STREAM_LOADS + stream_decoder(decoder)
     body = (
-        fill_format(_BODY, ggml_type)
+        fill_format(body, ggml_type)
         .replace("@NGR@", str(ngr))
         .replace("@MMG@", str(mmg))
         .replace("@H@", str(halves))
@@ -605,21 +621,61 @@ def make_kernel(
     )
 
 
-def _make_kernel(ggml_type: int, stream: bool = False) -> Kernel:
+def _make_kernel(ggml_type: int, stream: bool = False, split: bool = False) -> Kernel:
+    """The mat-vec of one type; ``split``: its split over K (template KS), whose fp32 output
+    (KS, M, N) holds each split's sums for ``_SUM_KERNEL``."""
     examples = [
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
-            {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u, "PF": pf, "XG": xg},
+            {"out": mx.float32 if split else mx.bfloat16},
+            {
+                "T": mx.bfloat16,
+                "NT": nt,
+                "U": u,
+                "PF": pf,
+                "XG": xg,
+                **({"KS": 3} if split else {}),
+            },
         )
         for nt, u, pf, xg in ((1, 2, 0, 1), (2, 1, 1, X_ALL), (4, 2, 0, 1))
     ]
-    name = f"ggml_qmv_mma_{'s_' if stream else ''}{T(ggml_type).name.lower()}"
-    return make_kernel(name, ggml_type, examples, stream=stream)
+    name = f"ggml_qmv_mma_{'s_' if stream else ''}{'ks_' if split else ''}"
+    name += T(ggml_type).name.lower()
+    if not split:
+        return make_kernel(name, ggml_type, examples, stream=stream)
+    return make_kernel(name, ggml_type, examples, stream=stream, body=_SPLIT_BODY,
+                       epilogue=_SPLIT_EPILOGUE)  # fmt: skip
 
+
+# a split's sums, fp32: out is (KS, M, N)
+_SPLIT_EPILOGUE = "    out[(size_t(ks) * M + col) * N + row0 + r] = v[0];\n"
 
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in MMA_TYPES}
 _STREAM_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, stream=True) for t in MMA_TYPES}
+_SPLIT_KERNELS: dict[tuple[int, bool], Kernel] = {
+    (t, s): _make_kernel(t, stream=s, split=True) for t in MMA_TYPES for s in (False, True)
+}
+
+_SUM_BODY = """
+  // One thread per output element e of (M, N): the KS splits' fp32 sums added in split order.
+  const uint64_t e = uint64_t(gid_x) * tg_size + tid;
+  const uint64_t size = uint64_t(uint(dims[0])) * uint(dims[1]);
+  if (e >= size) return;
+  float v = part[e];
+  for (int s = 1; s < dims[2]; ++s) v += part[uint64_t(s) * size + e];
+  out[e] = from_float<T>(v);
+"""
+_SUM_KERNEL = Kernel(
+    "ggml_qmv_mma_split_sum",
+    inputs=["part", "dims"],
+    outputs=["out"],
+    body=_SUM_BODY,
+    examples=[
+        Example(
+            {"part": mx.float32, "dims": (mx.int32, 3)}, {"out": mx.bfloat16}, {"T": mx.bfloat16}
+        )
+    ],  # fmt: skip
+)
 
 
 def switches(value: str) -> tuple[bool, bool]:
@@ -682,6 +738,29 @@ DENSE_XG = 16
 MIN_BLOCKS_RAW = os.environ.get("HF2Q_MMA_MIN_BLOCKS", "")
 
 
+# HF2Q_MMA_SPLIT_K (1..8; unset or 1: off; read at import, checked at the first plan): the
+# mat-vecs of few rows split each row's blocks over that many threadgroups (fp32 sums, then a
+# small kernel adds them in split order). At 31B's N = 5,376 shapes the grid is 336
+# threadgroups, two an SM at XG 16's 124 registers: 1.27 waves, the second a quarter full
+# (nvcc 13.0, sm_90). 3 splits: 1,008 threadgroups, 3.8 waves. The split is fixed by (N, K),
+# so a row's bits are the same at every M (row parity), not those of the unsplit kernel.
+SPLIT_K_RAW = os.environ.get("HF2Q_MMA_SPLIT_K", "")
+# 16-row tiles from which no split applies: two waves of two 8-SIMD-group threadgroups an SM
+# on a 132-SM H100 / H200
+SPLIT_TILES = 528
+SPLIT_MIN_BLOCKS = 4  # blocks a split sums at least
+
+
+def split_k(N: int, K: int, qk: int, raw: str | None = None) -> int:
+    """KS for an N x K weight of ``qk``-element blocks: HF2Q_MMA_SPLIT_K (``raw`` in its
+    place) where the grid has fewer than SPLIT_TILES tiles, cut so each split sums at least
+    SPLIT_MIN_BLOCKS blocks; 1 (no split) otherwise or when unset."""
+    ks = int_setting("HF2Q_MMA_SPLIT_K", SPLIT_K_RAW if raw is None else raw, 1, 8) or 1
+    if ks == 1 or -(-N // 16) >= SPLIT_TILES:
+        return 1
+    return max(1, min(ks, (K // qk) // SPLIT_MIN_BLOCKS))
+
+
 def min_blocks() -> int | None:
     """HF2Q_MMA_MIN_BLOCKS as an integer 1..8, None when unset; InvalidArgumentError else."""
     return int_setting("HF2Q_MMA_MIN_BLOCKS", MIN_BLOCKS_RAW, 1, 8)
@@ -701,9 +780,12 @@ def supports(ggml_type: int, dtype: mx.Dtype, *, glu: bool = False) -> bool:
     return has_kernel(ggml_type, dtype) and (ALL_TYPES or ggml_type in verified)
 
 
-def kernel_name(ggml_type: int, stream: bool = False) -> str:
+def kernel_name(ggml_type: int, stream: bool = False, split: bool = False) -> str:
     """The registered name of a type's kernel (benchmarks match profiler events on it);
-    ``stream``: its streaming-load variant's (config S = 1)."""
+    ``stream``: its streaming-load variant's (config S = 1); ``split``: the split over K's
+    first launch (config KS > 1; ``_SUM_KERNEL`` the second)."""
+    if split:
+        return _SPLIT_KERNELS[ggml_type, stream].name
     return (_STREAM_KERNELS if stream else _KERNELS)[ggml_type].name
 
 
@@ -718,8 +800,15 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
 
     Only NT depends on M: U and W fix which SIMD group sums which blocks, and so the order of
     a column's additions, from (type, K) alone (row parity). W never exceeds the runs a row has.
+    KS (HF2Q_MMA_SPLIT_K, from N and K alone): splits over K; W then cut to a split's runs.
     """
-    return _config(_DEFAULTS, ggml_type, M, K)
+    cfg = _config(_DEFAULTS, ggml_type, M, K)
+    qk = BLOCK_FORMATS[ggml_type].block_size
+    ks = split_k(N, K, qk)
+    if ks > 1:
+        cfg["KS"] = ks
+        cfg["W"] = max(1, min(cfg["W"], -(-(K // qk // ks) // cfg["U"])))
+    return cfg
 
 
 def _config(
@@ -755,23 +844,77 @@ def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
 
 
 class _Plan(LaunchPlan):
-    """The tensor-core mat-vec launch for one (type, M, N, K, config): 16 rows per threadgroup."""
+    """The tensor-core mat-vec launch for one (type, M, N, K, config): 16 rows per threadgroup
+    (``split``: one of KS splits of their blocks, fp32 sums (KS, M, N) out)."""
 
     __slots__ = ()
 
-    def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
+    def __init__(
+        self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int], split: bool = False
+    ):
         if not 1 <= M <= 8 * cfg["NT"] or not 1 <= cfg["W"] <= MAX_SIMD:
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
+        ks = cfg.get("KS", 1) if split else 1
+        stream = bool(cfg.get("S"))
+        kernel = _SPLIT_KERNELS[ggml_type, stream] if split else (
+            _STREAM_KERNELS if stream else _KERNELS)[ggml_type]  # fmt: skip
+        template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
+                    "XG": cfg.get("XG", 1), **({"KS": ks} if split else {})}  # fmt: skip
         super().__init__(
-            (_STREAM_KERNELS if cfg.get("S") else _KERNELS)[ggml_type],
+            kernel,
             [M, N, K],
-            grid=(-(-N // 16) * 32 * cfg["W"],),
+            grid=(-(-N // 16) * ks * 32 * cfg["W"],),
             threadgroup=(32 * cfg["W"],),
+            output_shapes=[(ks, M, N) if split else (M, N)],
+            output_dtypes=[mx.float32 if split else mx.bfloat16],
+            template=_bounded(template, cfg["W"]),
+        )
+
+
+class _SplitPlan:
+    """The split mat-vec (config KS > 1) as LaunchPlan's interface: the splits' launch, then
+    the launch that adds their sums into the (M, N) output (``output_shapes``: that one's)."""
+
+    __slots__ = ("part", "sum")
+
+    def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
+        self.part = _Plan(ggml_type, M, N, K, cfg, split=True)
+        self.sum = LaunchPlan(
+            _SUM_KERNEL,
+            [M, N, cfg["KS"]],
+            grid=(M * N,),
+            threadgroup=(256,),
             output_shapes=[(M, N)],
             output_dtypes=[mx.bfloat16],
-            template=_bounded({"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"],
-                               "PF": cfg.get("PF", 0), "XG": cfg.get("XG", 1)}, cfg["W"]),
-        )  # fmt: skip
+            template={"T": mx.bfloat16},
+        )
+
+    @property
+    def output_shapes(self) -> list[tuple[int, ...]]:
+        return self.sum.output_shapes
+
+    @output_shapes.setter
+    def output_shapes(self, shapes: list[tuple[int, ...]]) -> None:
+        self.sum.output_shapes = shapes
+
+    def call(self, x: mx.array, w: mx.array, init_value: float | None = None) -> mx.array:
+        part = self.part.call(x, w, init_value=init_value)
+        return self.sum.call(part, init_value=init_value)
+
+    def resolve(self, *dtypes: mx.Dtype) -> _SplitPlan:
+        self.part.resolve(*dtypes)
+        self.sum.resolve(mx.float32)
+        return self
+
+    def run(self, x: mx.array, w: mx.array) -> mx.array:
+        return self.sum.run(self.part.run(x, w))
+
+
+def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
+    """The launch plan of ``cfg``: one launch, or the split's two (KS > 1)."""
+    if cfg.get("KS", 1) > 1:
+        return _SplitPlan(ggml_type, M, N, K, cfg)
+    return _Plan(ggml_type, M, N, K, cfg)
 
 
 def _bounded(template: dict, w: int) -> dict:
@@ -781,15 +924,15 @@ def _bounded(template: dict, w: int) -> dict:
     return template if mb is None else {**template, "LB_THREADS": 32 * w, "LB_MIN_BLOCKS": mb}
 
 
-_PLANS: dict[tuple, _Plan] = {}
+_PLANS: dict[tuple, _Plan | _SplitPlan] = {}
 
 
-def _plan(ggml_type: int, M: int, N: int, K: int, config: dict | None) -> _Plan:
+def _plan(ggml_type: int, M: int, N: int, K: int, config: dict | None) -> _Plan | _SplitPlan:
     key = (ggml_type, M, N, K, None if config is None else tuple(sorted(config.items())))
     plan = _PLANS.get(key)
     if plan is None:
         cfg = config or launch_config(ggml_type, M, N, K)
-        plan = _PLANS[key] = _Plan(ggml_type, M, N, K, cfg)
+        plan = _PLANS[key] = make_plan(ggml_type, M, N, K, cfg)
     return plan
 
 
@@ -814,7 +957,7 @@ def mma_matmul_kernel(
     return p.call(x, w_raw, init_value=init_value)
 
 
-def dispatch_plan(ggml_type: int, M: int, N: int, K: int) -> LaunchPlan:
+def dispatch_plan(ggml_type: int, M: int, N: int, K: int) -> LaunchPlan | _SplitPlan:
     """A fresh plan at ``launch_config`` for qmatmul.ggml_matmul's call cache (1..32 rows of x
     in all), which sets its output shape (x's batch dims) and resolves it."""
-    return _Plan(ggml_type, M, N, K, launch_config(ggml_type, M, N, K))
+    return make_plan(ggml_type, M, N, K, launch_config(ggml_type, M, N, K))

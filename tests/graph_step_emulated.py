@@ -4,7 +4,7 @@ own by tests/test_cuda_graph_step.py: the fake CUDA back end it installs stays i
 dispatchers' plan caches.
 
     python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
-        [--batch 1] [--prefill 0] [--kv-bits 8] [--format q4_k|mlx4|mlx4-q4_1|bf16]
+        [--batch 1] [--prefill 0] [--kv-bits 8] [--format q4_k|mlx4|mlx4-q4_1|bf16] [--split-k 2]
 """
 
 from __future__ import annotations
@@ -173,7 +173,14 @@ def main() -> None:
                          "before them, as the serving engine does")  # fmt: skip
     ap.add_argument("--kv-bits", type=int, default=None, help="TurboQuant caches of these bits")
     ap.add_argument("--format", default="q4_k", choices=["q4_k", "mlx4", "mlx4-q4_1", "bf16"])
+    ap.add_argument("--split-k", type=int, default=None,
+                    help="GGML mat-vecs split over K in this many (HF2Q_MMA_SPLIT_K), down to "
+                         "one block a split (the tiny rows have a few)")  # fmt: skip
     a = ap.parse_args()
+    if a.split_k:
+        from hf2q_mlx.custom_kernels import qmatmul_mma
+
+        qmatmul_mma.SPLIT_K_RAW, qmatmul_mma.SPLIT_MIN_BLOCKS = str(a.split_k), 1
     mx.set_default_device(mx.cpu)
     mx.random.seed(0)  # the same random model in every process
     np.random.seed(0)

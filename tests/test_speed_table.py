@@ -79,6 +79,21 @@ def test_report_flags_missed_bars():
     assert st.report(res, None) == ["s ours mlx4: spread 0.2 (bar 0.15)"]
 
 
+def test_graph_rows_follow_the_default_decode_path(monkeypatch):
+    """--graph auto runs every format as the CUDA graph where that is what stream_generate
+    decodes through, and none elsewhere; 'none' and a written list are taken as said."""
+    formats = ["q4_k", "mlx4"]
+    assert st.graph_formats("auto", formats, graph_default=True) == formats
+    assert st.graph_formats("auto", formats, graph_default=False) == []
+    assert st.graph_formats("none", formats, graph_default=True) == []
+    assert st.graph_formats("q4_k", formats, graph_default=False) == ["q4_k"]
+    # on this machine: graph only with MLX on CUDA and HF2Q_DECODE auto or graph
+    monkeypatch.setenv("HF2Q_DECODE", "compiled")
+    assert st.graph_formats("auto", formats) == []
+    monkeypatch.setenv("HF2Q_DECODE", "graph")
+    assert st.graph_formats("auto", formats) == (formats if mx.cuda.is_available() else [])
+
+
 class _Tied(nn.Module):
     def __init__(self):
         super().__init__()

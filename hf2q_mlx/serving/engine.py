@@ -368,6 +368,10 @@ class Engine:
             # MLX keeps a worker per thread-local stream: without this, the process may abort
             # at exit ("terminate called without an active exception")
             mx.synchronize()
+            if self.graph is not None:
+                # the CUDA graphs' executables go with the engine (they held the step's
+                # buffers' addresses); a later decode of this step through a graph captures anew
+                self.graph.close()
             mx.clear_streams()
 
     def _loop(self) -> None:

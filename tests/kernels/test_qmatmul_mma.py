@@ -363,6 +363,75 @@ def test_min_blocks_puts_launch_bounds_on_the_cubins_only(monkeypatch):
             MM.dispatch_plan(T.Q4_K, 1, 64, 256)
 
 
+@needs_gxx
+@pytest.mark.parametrize(
+    "ggml_type,k,ks", [(T.Q4_K, 3 * 256, 3), (T.Q8_0, 13 * 32, 3), (T.Q6_K, 4 * 256, 2)],
+    ids=["Q4_K-KS3", "Q8_0-KS3-uneven", "Q6_K-KS2"],
+)  # fmt: skip
+def test_emulator_split_k_matches_reference_and_rows_alone(ggml_type, k, ks, monkeypatch):
+    """Config KS (HF2Q_MMA_SPLIT_K): each threadgroup sums one of KS splits of its rows' blocks
+    (13 blocks in 3: 4, 4, 5), a second kernel adds them. Within the bf16 bound of the fp32
+    reference at M = 1 and 13 with both launches' outputs NaN-poisoned (a split left unwritten,
+    or one that sums blocks outside its range, fails), and each row's bits those it has alone."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t = ggml_type
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(13, k, mx.bfloat16, seed=int(t) + 90)
+    nan = float("nan")
+    base = MM.launch_config(t, 1, N_EMU, k)
+    assert "KS" not in base  # HF2Q_MMA_SPLIT_K unset: no split
+    for m in (1, 13):
+        cfg = {**MM.launch_config(t, m, N_EMU, k), "KS": ks, "W": 2, "U": 1}
+        plan = MM._plan(t, m, N_EMU, k, cfg)
+        assert isinstance(plan, MM._SplitPlan) and plan.part.grid[0] == 3 * ks * 64
+        y = MM.mma_matmul_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+        _check(y, x[:m], wf)
+        if m == 1:
+            alone = y[0]
+        else:
+            assert _same_bits(y[0], alone)
+
+
+def test_split_k_setting(monkeypatch):
+    """HF2Q_MMA_SPLIT_K: unset or 1, no split; a value splits grids under SPLIT_TILES tiles
+    (31B's N = 5,376: yes; its q | k | v N = 16,384: no), cut to SPLIT_MIN_BLOCKS blocks a
+    split; the same KS and W at every M (row parity), W cut to a split's runs; a bad value is
+    an InvalidArgumentError naming it."""
+    assert MM.split_k(5376, 21504, 256, "") == 1
+    assert MM.split_k(5376, 21504, 256, "1") == 1
+    assert MM.split_k(5376, 21504, 256, "3") == 3
+    assert MM.split_k(16384, 5376, 256, "3") == 1
+    assert MM.split_k(5376, 8 * 256, 256, "3") == 2  # 8 blocks: two splits of 4
+    assert MM.split_k(5376, 3 * 256, 256, "3") == 1
+    for bad in ("0", "9", "x"):
+        with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_SPLIT_K"):
+            MM.split_k(5376, 21504, 256, bad)
+    monkeypatch.setattr(MM, "SPLIT_K_RAW", "3")
+    cfgs = [MM.launch_config(T.Q4_K, m, 5376, 8192) for m in range(1, 33)]
+    # 32 blocks: 10, 11, 11 a split; W 5, the smallest split's runs of U 2 (no idle SIMD group)
+    assert {(c["KS"], c["U"], c["W"]) for c in cfgs} == {(3, 2, 5)}
+    plan = MM.dispatch_plan(T.Q4_K, 1, 5376, 8192)
+    assert isinstance(plan, MM._SplitPlan) and plan.part.output_shapes == [(3, 1, 5376)]
+    plan.output_shapes = [(1, 1, 5376)]  # the dispatcher's batch dims land on the sum's output
+    assert plan.sum.output_shapes == [(1, 1, 5376)]
+    assert not isinstance(MM.dispatch_plan(T.Q4_K, 1, 16384, 5376), MM._SplitPlan)
+
+
+@needs_gxx
+def test_dispatcher_runs_the_split_and_its_sum(monkeypatch, cuda_launches):
+    """ggml_matmul with HF2Q_MMA_SPLIT_K set: the split kernel, then the sum kernel, the result
+    within the bf16 bound; M = 1 and 5 give row 0 the same bits."""
+    monkeypatch.setattr(MM, "SPLIT_K_RAW", "2")
+    t, n, k = T.Q4_K, 24, 8 * 256
+    w, wf = _weight(t, n, k)
+    x = _x(5, k, mx.bfloat16, seed=12)
+    y1 = Q.ggml_matmul(x[:1], w, t, k)
+    assert cuda_launches == [MM._SPLIT_KERNELS[t, False].name, MM._SUM_KERNEL.name]
+    y5 = Q.ggml_matmul(x, w, t, k)
+    _check(y5, x, wf)
+    assert _same_bits(y5[0], y1[0])
+
+
 def test_launch_config_fixes_the_order_whatever_m():
     """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M, 4 n-tiles
     (one launch) up to MAX_ROWS = 32."""
@@ -541,6 +610,34 @@ def test_gpu_load_variants_give_the_same_bits(ggml_type):
                 for var in LOAD_VARIANTS:
                     y = MM.mma_matmul_kernel(x, w, t, k, config={**base, **var}, init_value=nan)
                     assert _same_bits(y, plain), f"{n}x{k} M = {m} U {base['U']} {var}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_gpu_split_k_matches_reference_and_rows_alone(ggml_type):
+    """On CUDA, config KS 2 and 3 (HF2Q_MMA_SPLIT_K): within the bf16 bound at M = 1, 8, 13
+    and 32, both launches' outputs NaN-poisoned, and each row's bits those it has alone, on
+    both GPU shapes and 31B's o shape (N 5,376, K 8,192)."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t, nan = ggml_type, float("nan")
+    for n, k in (*_GPU_SHAPES, (5376, 8192)):
+        w, wf = _weight(t, n, k)
+        x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + 5)
+        for ks in (2, 3):
+            blocks = k // QK[t] // ks
+            cfg1 = MM.launch_config(t, 1, n, k)
+            cfg1 = {**cfg1, "KS": ks, "W": max(1, min(cfg1["W"], -(-blocks // cfg1["U"])))}
+            alone = [
+                MM.mma_matmul_kernel(x[i : i + 1], w, t, k, config=cfg1, init_value=nan)[0]
+                for i in range(MM.MAX_ROWS)
+            ]
+            for m in (1, 8, 13, 32):
+                cfg = {**cfg1, "NT": MM.n_tiles(m)}
+                y = MM.mma_matmul_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+                _check(y, x[:m], wf)
+                differ = [i for i in range(m) if not _same_bits(y[i], alone[i])]
+                assert not differ, f"{n}x{k} KS {ks} M = {m}: rows {differ} differ"
 
 
 @requires_gpu
