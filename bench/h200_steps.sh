@@ -450,7 +450,7 @@ step splitk-sweep 300 "python3 bench/qmatmul.py $OUT/mma_splitk.json --mma --pro
 step splitk-ab 480 "for sh in ${SPLITK_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/splitk_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 200 --env '' --env HF2Q_MMA_SPLIT_K=2 --env HF2Q_MMA_SPLIT_K=3 2>&1 | tail -8; done"
 # session 50: one abort on the engine thread in test_gpu_engine_graph_equals_compiled (1 of 4
 # complete runs; docs/kernel_notes.md, session 50): the test alone, again and again
-step engine-abort 300 "for i in 1 2 3 4 5 6; do PYTHONFAULTHANDLER=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -rf -k gpu_engine_graph_equals_compiled tests/test_cuda_graph_step.py --tb=short > $OUT/engine_abort_\$i.txt 2>&1; echo run \$i rc=\$?; tail -n 2 $OUT/engine_abort_\$i.txt; done"
+step engine-abort 300 "for i in 1 2 3 4 5 6; do echo == run \$i >> $OUT/engine_abort_runs.txt; PYTHONFAULTHANDLER=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -rf -k gpu_engine_graph_equals_compiled tests/test_cuda_graph_step.py --tb=short >> $OUT/engine_abort_runs.txt 2>&1; echo run \$i rc=\$?; done"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
