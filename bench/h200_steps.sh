@@ -446,7 +446,7 @@ step tc-step 420 "$(tq_speed tq_tc_step 4096,16384 '--tq-env HF2Q_TQ_TC=1')"
 # few-row shapes of 31B and 26B-A4B (Q4_K; Q5_0 where K is no multiple of 256); the whole graph
 # decode against the default
 step splitk-tests 300 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_split_k' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_SPLIT_K=3 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
-step splitk-sweep 300 "python3 bench/qmatmul.py $OUT/mma_splitk.json --mma --profile --types Q4_K --shapes 5376x21504,5376x8192,5376x16384,2816x4096 --mma-rows 1,8 --mma-configs 2x8k2,2x8k3,2x8k4,1x8k3,2x4k3,2x4 && python3 bench/qmatmul.py $OUT/mma_splitk_q5.json --mma --profile --types Q5_0 --shapes 2816x2112 --mma-rows 1,8 --mma-configs 2x8k2,2x8k3"
+step splitk-sweep 300 "python3 bench/qmatmul.py $OUT/mma_splitk.json --mma --profile --types Q4_K --shapes 5376x21504,5376x8192,5376x16384,2816x4096,8192x2816 --mma-rows 1,8 --mma-configs 2x8k2,2x8k3,2x8k4,1x8k3,2x4k3,2x4 && python3 bench/qmatmul.py $OUT/mma_splitk_q5.json --mma --profile --types Q5_0 --shapes 2816x2112 --mma-rows 1,8 --mma-configs 2x8k2,2x8k3"
 step splitk-ab 480 "for sh in ${SPLITK_SHAPES:-gemma4:31b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/splitk_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 200 --env '' --env HF2Q_MMA_SPLIT_K=2 --env HF2Q_MMA_SPLIT_K=3 2>&1 | tail -8; done"
 # session 50: one abort on the engine thread in test_gpu_engine_graph_equals_compiled (1 of 4
 # complete runs; docs/kernel_notes.md, session 50): the test alone, again and again
