@@ -77,6 +77,13 @@ def test_report_flags_missed_bars():
     ]
     res["moe"] = False  # dense: 1.5x is the bar
     assert st.report(res, None) == ["s ours mlx4: spread 0.2 (bar 0.15)"]
+    # a format with a graph row is judged on that row alone
+    res["moe"] = True
+    res["variants"]["ours q4_k graph"] = _row(2.2, [100.0, 100.0])
+    assert st.report(res, None) == [
+        "s ours mlx4: spread 0.2 (bar 0.15)",
+        "s ours q4_k graph: decode x mlx-lm 2.2 (bar 2.5)",
+    ]
 
 
 def test_graph_rows_follow_the_default_decode_path(monkeypatch):
