@@ -674,7 +674,7 @@ _SUM_KERNEL = Kernel(
         Example(
             {"part": mx.float32, "dims": (mx.int32, 3)}, {"out": mx.bfloat16}, {"T": mx.bfloat16}
         )
-    ],  # fmt: skip
+    ],
 )
 
 
@@ -910,7 +910,7 @@ class _SplitPlan:
         return self.sum.run(self.part.run(x, w))
 
 
-def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
+def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> _Plan | _SplitPlan:
     """The launch plan of ``cfg``: one launch, or the split's two (KS > 1)."""
     if cfg.get("KS", 1) > 1:
         return _SplitPlan(ggml_type, M, N, K, cfg)
