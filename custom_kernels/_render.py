@@ -432,6 +432,13 @@ _MAX_PLANS = 512  # launch plans kept per kernel (a model repeats a handful of c
 BACKENDS = ("metal", "cuda")
 
 
+def launch_bounds(threads: int, blocks: int | None) -> dict[str, int]:
+    """Template values asking nvcc for ``blocks`` resident threadgroups of ``threads`` an SM
+    (LB_THREADS / LB_MIN_BLOCKS: ``__launch_bounds__`` on our precompiled units, none on MLX's);
+    no values when ``blocks`` is None or 0 (a switch left unset)."""
+    return {"LB_THREADS": threads, "LB_MIN_BLOCKS": blocks} if blocks else {}
+
+
 def gpu_backend() -> str | None:
     """The GPU back end MLX has here ('cuda', 'metal') regardless of overrides, else None."""
     if mx.cuda.is_available():

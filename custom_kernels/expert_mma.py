@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 
 from hf2q_mlx.custom_kernels import activations, backend, env_int, int_setting
 from hf2q_mlx.custom_kernels import qmatmul_mma as MM
-from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels._render import Example, Kernel, launch_bounds
 from hf2q_mlx.custom_kernels.dequant import row_bytes
 from hf2q_mlx.custom_kernels.expert_matmul import (
     check_expert_blocks,
@@ -364,9 +364,8 @@ def _grouped_plan(kernel: Kernel, x, w, w_up, expert_ids, K: int, N: int, halves
     cap = WIDE_LIST if wide else MAX_PAIRS
     if not 1 <= P <= cap or not 1 <= cfg["NT"] <= 4 or not 1 <= cfg["W"] <= MM.MAX_SIMD:
         raise ValueError(f"config {cfg} or {P} pairs: not a grouped launch")
-    mb = wide_min_blocks() if wide else None
-    if mb is not None:  # launch bounds on our cubins (_render: LB_THREADS / LB_MIN_BLOCKS)
-        template = {**template, "LB_THREADS": 32 * cfg["W"], "LB_MIN_BLOCKS": mb}
+    if wide:  # launch bounds on our cubins (HF2Q_GROUPED_WIDE_MIN_BLOCKS)
+        template = {**template, **launch_bounds(32 * cfg["W"], wide_min_blocks())}
     per_row = k if x.ndim == expert_ids.ndim else 1  # pairs per row of x
     if w_up is None:  # fused [gate | up] (E, 2N, ...) or down (E, N, ...)
         dims = [P, N, K, E, per_row, halves * N, N]

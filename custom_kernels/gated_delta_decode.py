@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, device_array, int_setting
-from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels._render import Example, Kernel, launch_bounds
 from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update_reference
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -459,7 +459,7 @@ def _plan(
     """(launcher, eps array, placeholder mask, counters) for one call shape; ``blocks``:
     HF2Q_GDN_MIN_BLOCKS's launch bounds, or None."""
     nw = _warps(dv, L)
-    bounds = {} if blocks is None else {"LB_THREADS": SIMD_WIDTH * nw, "LB_MIN_BLOCKS": blocks}
+    bounds = launch_bounds(SIMD_WIDTH * nw, blocks)
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
     hist_shapes = [(B, L, hv, dv, dk), (B, L, K - 1, C)] if hist else [(1,), (1,)]

@@ -12,7 +12,7 @@ import mlx.core as mx
 from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels import int_setting
-from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels._render import Example, Kernel, launch_bounds
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import InvalidArgumentError
@@ -920,8 +920,7 @@ def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> _P
 def _bounded(template: dict, w: int) -> dict:
     """``template`` with HF2Q_MMA_MIN_BLOCKS's launch bounds (threadgroups of ``w`` SIMD
     groups), if set."""
-    mb = min_blocks()
-    return template if mb is None else {**template, "LB_THREADS": 32 * w, "LB_MIN_BLOCKS": mb}
+    return {**template, **launch_bounds(32 * w, min_blocks())}
 
 
 _PLANS: dict[tuple, _Plan | _SplitPlan] = {}

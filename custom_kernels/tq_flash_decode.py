@@ -16,7 +16,7 @@ import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, env_int
 from hf2q_mlx.custom_kernels import tq_flash_tc as tc
-from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.custom_kernels._render import Example, Kernel, launch_bounds
 from hf2q_mlx.custom_kernels.decode_attention import CountedPlan
 from hf2q_mlx.custom_kernels.tq_quantize import stand_in
 from hf2q_mlx.errors import InvalidArgumentError
@@ -685,7 +685,7 @@ def _flash_plan(
                 "VRW": vrw, "W": w, "U": u, "HAS_KS": int(has_ks), "ROWS": int(rows),
                 "OFF_ADD": offset_add, "FOLD": int(fold), "SK": strided_words(pk, kb, co),
                 "SV": strided_words(pv, vb, co), "KR": kr, "VR": vr}  # fmt: skip
-    _bound(template, w)
+    template.update(launch_bounds(32 * w, min_blocks()))
     geometry = dict(grid=(n_parts * ng * 32 * w, Hkv, B), threadgroup=(32 * w, 1, 1))
     if fold:
         fused = _fused_kernel.launcher(
@@ -704,13 +704,6 @@ def _flash_plan(
         **geometry,
     )
     return partial, _reduce_launch(queries, Hkv, dv, pv, has_vs, rows), n_parts
-
-
-def _bound(template: dict, w: int) -> None:
-    """Launch bounds for ``min_blocks()`` threadgroups of ``w`` SIMD groups an SM, if set."""
-    blocks = min_blocks()
-    if blocks:
-        template.update(LB_THREADS=32 * w, LB_MIN_BLOCKS=blocks)
 
 
 def _reduce_launch(queries: mx.array, Hkv: int, dv: int, pv: int, has_vs: bool, rows: bool):
@@ -747,7 +740,7 @@ def _tensor_core_plan(
                 "REP": rep, "M": M, "NG": ng, "HKV": Hkv, "KRW": krw, "VRW": vrw, "W": w,
                 "HAS_KS": int(has_ks), "ROWS": int(rows), "OFF_ADD": offset_add}  # fmt: skip
     template["KR"], template["VR"] = tc.codebook_copies(pk, pv, kb, vb, w)
-    _bound(template, w)
+    template.update(launch_bounds(32 * w, min_blocks()))
     partial = tc.kernel.launcher(
         in_dtypes,
         output_shapes=[(B * Hq * M, n_parts, pv + 2)],
