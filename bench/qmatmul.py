@@ -221,10 +221,9 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
         kinds["mma"] = (kinds["mma"][0], (MM.kernel_name(t, split=True), MM._SUM_KERNEL.name))
     for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
         ks = int(flags[1]) if flags.startswith("k") else 1
-        blocks = k // MM.BLOCK_FORMATS[t].block_size // ks  # the smallest split's
-        mc = {key: v for key, v in mcfg.items() if key != "KS"}
-        mc.update(U=u, W=max(1, min(wm, -(-blocks // u))), S=int("s" in flags),
-                  PF=int("p" in flags), **({"KS": ks} if ks > 1 else {}))  # fmt: skip
+        mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
+        mc.update(S=int("s" in flags), PF=int("p" in flags))
+        mc = MM.with_split(mc, t, k, ks)
         name = MM.kernel_name(t, "s" in flags, split=ks > 1)
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],

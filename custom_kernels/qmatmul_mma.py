@@ -803,12 +803,17 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     KS (HF2Q_MMA_SPLIT_K, from N and K alone): splits over K; W then cut to a split's runs.
     """
     cfg = _config(_DEFAULTS, ggml_type, M, K)
-    qk = BLOCK_FORMATS[ggml_type].block_size
-    ks = split_k(N, K, qk)
+    return with_split(cfg, ggml_type, K, split_k(N, K, BLOCK_FORMATS[ggml_type].block_size))
+
+
+def with_split(cfg: dict[str, int], ggml_type: int, K: int, ks: int) -> dict[str, int]:
+    """``cfg`` split over K in ``ks`` (KS; none at 1), W cut to the runs of U blocks the
+    smallest split has (no idle SIMD group)."""
+    out = {k: v for k, v in cfg.items() if k != "KS"}
     if ks > 1:
-        cfg["KS"] = ks
-        cfg["W"] = max(1, min(cfg["W"], -(-(K // qk // ks) // cfg["U"])))
-    return cfg
+        blocks = K // BLOCK_FORMATS[ggml_type].block_size // ks
+        out.update(KS=ks, W=max(1, min(out["W"], -(-blocks // out["U"]))))
+    return out
 
 
 def _config(

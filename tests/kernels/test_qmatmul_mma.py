@@ -625,9 +625,7 @@ def test_gpu_split_k_matches_reference_and_rows_alone(ggml_type):
         w, wf = _weight(t, n, k)
         x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + 5)
         for ks in (2, 3):
-            blocks = k // QK[t] // ks
-            cfg1 = MM.launch_config(t, 1, n, k)
-            cfg1 = {**cfg1, "KS": ks, "W": max(1, min(cfg1["W"], -(-blocks // cfg1["U"])))}
+            cfg1 = MM.with_split(MM.launch_config(t, 1, n, k), t, k, ks)
             alone = [
                 MM.mma_matmul_kernel(x[i : i + 1], w, t, k, config=cfg1, init_value=nan)[0]
                 for i in range(MM.MAX_ROWS)
