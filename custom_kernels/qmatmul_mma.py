@@ -738,24 +738,33 @@ DENSE_XG = 16
 MIN_BLOCKS_RAW = os.environ.get("HF2Q_MMA_MIN_BLOCKS", "")
 
 
-# HF2Q_MMA_SPLIT_K (1..8; unset or 1: off; read at import, checked at the first plan): the
+# HF2Q_MMA_SPLIT_K (1..8; unset: auto; 1: off; read at import, checked at the first plan): the
 # mat-vecs of few rows split each row's blocks over that many threadgroups (fp32 sums, then a
 # small kernel adds them in split order). At 31B's N = 5,376 shapes the grid is 336
 # threadgroups, two an SM at XG 16's 124 registers: 1.27 waves, the second a quarter full
-# (nvcc 13.0, sm_90). 3 splits: 1,008 threadgroups, 3.8 waves. The split is fixed by (N, K),
-# so a row's bits are the same at every M (row parity), not those of the unsplit kernel.
+# (nvcc 13.0, sm_90). The split is fixed by (N, K), so a row's bits are the same at every M
+# (row parity), not those of the unsplit kernel.
 SPLIT_K_RAW = os.environ.get("HF2Q_MMA_SPLIT_K", "")
 # 16-row tiles from which no split applies: two waves of two 8-SIMD-group threadgroups an SM
 # on a 132-SM H100 / H200
 SPLIT_TILES = 528
 SPLIT_MIN_BLOCKS = 4  # blocks a split sums at least
+# Unset: 2 splits where K >= SPLIT_MIN_K. H100, session 51 (CUPTI, M = 1): 31B's 5,376 x
+# 21,504 / 8,192 / 16,384 at 2 splits 50.0 / 23.2 / 41.5 us against 53.1 / 24.7 / 42.3
+# unsplit; 26B-A4B's 2,816 x 4,096 and 8,192 x 2,816 lose at any split (12.4-21.6 against
+# 10.9 / 12.6). Whole graph decode: 31B 1.03x (2 splits; 3: 1.02x), 26B-A4B untouched.
+SPLIT_AUTO = 2
+SPLIT_MIN_K = 8192
 
 
 def split_k(N: int, K: int, qk: int, raw: str | None = None) -> int:
-    """KS for an N x K weight of ``qk``-element blocks: HF2Q_MMA_SPLIT_K (``raw`` in its
-    place) where the grid has fewer than SPLIT_TILES tiles, cut so each split sums at least
-    SPLIT_MIN_BLOCKS blocks; 1 (no split) otherwise or when unset."""
-    ks = int_setting("HF2Q_MMA_SPLIT_K", SPLIT_K_RAW if raw is None else raw, 1, 8) or 1
+    """KS for an N x K weight of ``qk``-element blocks, where the grid has fewer than
+    SPLIT_TILES tiles: HF2Q_MMA_SPLIT_K (``raw`` in its place) when set, else SPLIT_AUTO from
+    K >= SPLIT_MIN_K; cut so each split sums at least SPLIT_MIN_BLOCKS blocks. 1: no split."""
+    raw = SPLIT_K_RAW if raw is None else raw
+    ks = int_setting("HF2Q_MMA_SPLIT_K", raw, 1, 8)
+    if ks is None:
+        ks = SPLIT_AUTO if K >= SPLIT_MIN_K else 1
     if ks == 1 or -(-N // 16) >= SPLIT_TILES:
         return 1
     return max(1, min(ks, (K // qk) // SPLIT_MIN_BLOCKS))
