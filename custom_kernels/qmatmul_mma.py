@@ -749,23 +749,27 @@ SPLIT_K_RAW = os.environ.get("HF2Q_MMA_SPLIT_K", "")
 # on a 132-SM H100 / H200
 SPLIT_TILES = 528
 SPLIT_MIN_BLOCKS = 4  # blocks a split sums at least
-# Unset: 2 splits where K >= SPLIT_MIN_K. H100, session 51 (CUPTI, M = 1): 31B's 5,376 x
-# 21,504 / 8,192 / 16,384 at 2 splits 50.0 / 23.2 / 41.5 us against 53.1 / 24.7 / 42.3
-# unsplit; 26B-A4B's 2,816 x 4,096 and 8,192 x 2,816 lose at any split (12.4-21.6 against
-# 10.9 / 12.6). Whole graph decode: 31B 1.03x (2 splits; 3: 1.02x), 26B-A4B untouched.
+# Unset: 2 splits where K >= SPLIT_MIN_K and the unsplit grid runs more than one wave (over
+# SPLIT_TILES / 2 tiles: its second wave part full). H100, session 51 (CUPTI, M = 1): 31B's
+# 5,376 x 21,504 / 8,192 / 16,384 (336 tiles) at 2 splits 50.0 / 23.2 / 41.5 us against 53.1 /
+# 24.7 / 42.3 unsplit; 26B-A4B's 2,816 x 4,096 and 8,192 x 2,816 lose at any split (12.4-21.6
+# against 10.9 / 12.6). Whole graph decode: 31B 1.03x (2 splits; 3: 1.03x, lower median),
+# 26B-A4B untouched. Grids of one wave or less (Qwen3.5-9B's down, 256 tiles) stay unsplit:
+# unmeasured.
 SPLIT_AUTO = 2
 SPLIT_MIN_K = 8192
 
 
 def split_k(N: int, K: int, qk: int, raw: str | None = None) -> int:
     """KS for an N x K weight of ``qk``-element blocks, where the grid has fewer than
-    SPLIT_TILES tiles: HF2Q_MMA_SPLIT_K (``raw`` in its place) when set, else SPLIT_AUTO from
-    K >= SPLIT_MIN_K; cut so each split sums at least SPLIT_MIN_BLOCKS blocks. 1: no split."""
-    raw = SPLIT_K_RAW if raw is None else raw
-    ks = int_setting("HF2Q_MMA_SPLIT_K", raw, 1, 8)
+    SPLIT_TILES tiles: HF2Q_MMA_SPLIT_K (``raw`` in its place) when set, else SPLIT_AUTO where
+    K >= SPLIT_MIN_K and the grid has more than SPLIT_TILES / 2 tiles; cut so each split sums
+    at least SPLIT_MIN_BLOCKS blocks. 1: no split."""
+    tiles = -(-N // 16)
+    ks = int_setting("HF2Q_MMA_SPLIT_K", SPLIT_K_RAW if raw is None else raw, 1, 8)
     if ks is None:
-        ks = SPLIT_AUTO if K >= SPLIT_MIN_K else 1
-    if ks == 1 or -(-N // 16) >= SPLIT_TILES:
+        ks = SPLIT_AUTO if K >= SPLIT_MIN_K and tiles > SPLIT_TILES // 2 else 1
+    if ks == 1 or tiles >= SPLIT_TILES:
         return 1
     return max(1, min(ks, (K // qk) // SPLIT_MIN_BLOCKS))
 

@@ -393,8 +393,9 @@ def test_emulator_split_k_matches_reference_and_rows_alone(ggml_type, k, ks, mon
 
 
 def test_split_k_setting(monkeypatch):
-    """HF2Q_MMA_SPLIT_K: 1, no split; unset, SPLIT_AUTO splits from K = SPLIT_MIN_K (31B's o
-    and down: yes; 26B-A4B's o, K 4,096: no); a value splits grids under SPLIT_TILES tiles
+    """HF2Q_MMA_SPLIT_K: 1, no split; unset, SPLIT_AUTO splits from K = SPLIT_MIN_K where the
+    grid runs more than one wave (31B's o and down: yes; 26B-A4B's o, K 4,096: no; 9B's down,
+    256 tiles: no); a value splits grids under SPLIT_TILES tiles
     (31B's N = 5,376: yes; its q | k | v N = 16,384: no), cut to SPLIT_MIN_BLOCKS blocks a
     split; the same KS and W at every M (row parity), W cut to a split's runs; a bad value is
     an InvalidArgumentError naming it."""
@@ -402,6 +403,8 @@ def test_split_k_setting(monkeypatch):
     assert MM.split_k(5376, MM.SPLIT_MIN_K, 256, "") == 2
     assert MM.split_k(2816, 4096, 256, "") == 1
     assert MM.split_k(16384, 21504, 256, "") == 1
+    assert MM.split_k(4096, 12288, 256, "") == 1
+    assert MM.split_k(4096, 12288, 256, "2") == 2
     assert MM.split_k(5376, 21504, 256, "1") == 1
     assert MM.split_k(5376, 21504, 256, "3") == 3
     assert MM.split_k(16384, 5376, 256, "3") == 1
