@@ -451,6 +451,16 @@ step splitk-ab 480 "for sh in ${SPLITK_SHAPES:-gemma4:31b gemma4:26b-a4b}; do py
 # session 50: one abort on the engine thread in test_gpu_engine_graph_equals_compiled (1 of 4
 # complete runs; docs/kernel_notes.md, session 50): the test alone, again and again
 step engine-abort 300 "for i in 1 2 3 4 5 6; do echo == run \$i >> $OUT/engine_abort_runs.txt; PYTHONFAULTHANDLER=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -rf -k gpu_engine_graph_equals_compiled tests/test_cuda_graph_step.py --tb=short >> $OUT/engine_abort_runs.txt 2>&1; echo run \$i rc=\$?; done"
+# session 51: the split over K is the default on 31B's o / down (K >= 8,192, one to two waves);
+# 9B's down (256 tiles) stays unsplit: its graph decode with the split forced, against the default
+step splitk-9b 200 "python3 bench/mlx_env_ab.py $OUT/splitk_9b.json --step graph --format q4_k --shape qwen3_5:9b --rounds 5 --tokens 64 --time-cap 150 --env '' --env HF2Q_MMA_SPLIT_K=2"
+# session 51: paired rows (HF2Q_MMA_PAIRS, off; config R = 2): 16 rows of each half of the weight a
+# threadgroup, the dense GLU's two row sets without the activation (same bits as unpaired). GPU
+# bits against the unpaired kernel, the graph step with it; the kernel sweep at the dense
+# shapes (31B, 9B, 26B-A4B); the whole graph decode against the default
+step pair-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_paired' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_PAIRS=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
+step pair-sweep 300 "python3 bench/qmatmul.py $OUT/mma_pairs.json --mma --profile --types Q4_K --shapes ${PAIR_SHAPES:-16384x5376,5376x21504,5376x8192,4096x12288,12288x4096,2816x4096,8192x2816} --mma-rows 1,8 --mma-configs ${PAIR_CONFIGS:-1x4r,1x8r,2x4r,2x8r,1x8k2r,2x8k2r}"
+step pair-ab 480 "for sh in ${PAIR_AB_SHAPES:-gemma4:31b qwen3_5:9b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/pairs_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 140 --env '' --env HF2Q_MMA_PAIRS=1 2>&1 | tail -6; done"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

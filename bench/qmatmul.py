@@ -26,7 +26,8 @@ kept), at M = 1, 2, 5, 8, 16 for Q4_K, Q6_K, Q5_0, Q8_0 (or --types) on MMA_SHAP
 mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: about 1).
 --mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel
 ("2x8s": with streaming weight loads, config S = 1; "1x8p": each run's loads issued a run
-ahead, PF = 1; "1x8sp" both);
+ahead, PF = 1; "1x8sp" both; "2x8k2": split over K in 2, KS = 2; "1x4r": paired rows, R = 2,
+16 rows of each half of W a threadgroup);
 --mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it).
 
 --glu does the same for the dense gate/up + activation kernel (expert_glu.dense_glu): its
@@ -217,14 +218,19 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
                 MM.kernel_name(t)),
     }  # fmt: skip
     mcfg = MM.launch_config(t, m, n, k)
-    if mcfg.get("KS", 1) > 1:  # HF2Q_MMA_SPLIT_K set: the default is the split's two launches
-        kinds["mma"] = (kinds["mma"][0], (MM.kernel_name(t, split=True), MM._SUM_KERNEL.name))
+    paired = mcfg.get("R", 1) == 2  # HF2Q_MMA_PAIRS=1
+    if mcfg.get("KS", 1) > 1:  # a split default (K >= 8,192 grids of one to two waves, or set)
+        split_name = MM.kernel_name(t, split=True, paired=paired)
+        kinds["mma"] = (kinds["mma"][0], (split_name, MM._SUM_KERNEL.name))
+    elif paired:
+        kinds["mma"] = (kinds["mma"][0], MM.kernel_name(t, paired=True))
     for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
         ks = int(flags[1]) if flags.startswith("k") else 1
-        mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
-        mc.update(S=int("s" in flags), PF=int("p" in flags))
+        mc = {key: v for key, v in mcfg.items() if key != "R"}
+        mc.update(U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
+        mc.update(S=int("s" in flags), PF=int("p" in flags), **({"R": 2} if "r" in flags else {}))
         mc = MM.with_split(mc, t, k, ks)
-        name = MM.kernel_name(t, "s" in flags, split=ks > 1)
+        name = MM.kernel_name(t, "s" in flags, split=ks > 1, paired="r" in flags)
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
             (name, MM._SUM_KERNEL.name) if ks > 1 else name,
@@ -377,18 +383,24 @@ def main() -> None:
         "--mma-configs",
         default="",
         help="--mma, --glu: also time these UxW, e.g. 2x4,4x8 (flags after: kN split over K "
-        "in N, --mma only; s streaming loads; p loads a run ahead: 2x8k3s)",
+        "in N and r paired rows, --mma only; s streaming loads; p loads a run ahead: 2x8k3s, "
+        "1x4k2r)",
     )
     ap.add_argument("--mma-rows", default="", help="--mma, --glu: these M only (1 first), e.g. 1,8")
     args = ap.parse_args()
     args.mma_rows = tuple(int(v) for v in args.mma_rows.split(",") if v)
-    # "UxW", then flags: "kN" N splits over K (KS = N), "s" streaming weight loads (S = 1),
-    # "p" loads a run ahead (PF = 1)
+    # "UxW", then flags: "kN" N splits over K (KS = N), "r" paired rows (R = 2), "s" streaming
+    # weight loads (S = 1), "p" loads a run ahead (PF = 1)
     configs = [
-        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8])?[sp]*)", c) for c in args.mma_configs.split(",")
+        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8])?r?[sp]*)", c) for c in args.mma_configs.split(",")
     ]
-    if not all(configs) or (args.glu and any("k" in c[3] for c in configs)):
-        ap.error(f"--mma-configs {args.mma_configs!r}: expected UxW[kN][s][p], kN with --mma only")
+    mma_only = any(("k" in c[3] or "r" in c[3]) for c in configs if c)
+    paired_stream = any(("r" in c[3] and "s" in c[3]) for c in configs if c)
+    if not all(configs) or (args.glu and mma_only) or paired_stream:
+        ap.error(
+            f"--mma-configs {args.mma_configs!r}: expected UxW[kN][r][s][p], kN and r with "
+            "--mma only, r without s"
+        )
     args.mma_configs = [(int(c[1]), int(c[2]), c[3]) for c in configs]
     if args.mma or args.glu:
         types = MMA_TYPES if args.types == ",".join(ALL_TYPES) else args.types.split(",")

@@ -650,10 +650,49 @@ def _make_kernel(ggml_type: int, stream: bool = False, split: bool = False) -> K
 # a split's sums, fp32: out is (KS, M, N)
 _SPLIT_EPILOGUE = "    out[(size_t(ks) * M + col) * N + row0 + r] = v[0];\n"
 
+# Paired rows (config R = 2): a threadgroup owns rows row0 + 0..15 and N / 2 + row0 + 0..15 of an
+# N-row weight (N even), the GLU's two row sets without its activation. The same math per row as
+# R = 1 at the same U and W (the same bits); each lane decodes 4 rows against one load of its x
+# fragments, as the dense GLU does (session 32's Nsight Compute: the mat-vec at ~4.2
+# instructions a weight and lane, the GLU reading at 44 % of DRAM where the mat-vec read 30 %).
+_PAIR_EPILOGUE = """    UNROLL for (int h = 0; h < 2; ++h)
+      out[size_t(col) * 2u * N + size_t(h) * N + row0 + r] = from_float<T>(v[h]);
+"""
+_PAIR_SPLIT_EPILOGUE = """    UNROLL for (int h = 0; h < 2; ++h)
+      out[(size_t(ks) * M + col) * 2u * N + size_t(h) * N + row0 + r] = v[h];
+"""
+
+
+def _make_pair_kernel(ggml_type: int, split: bool = False) -> Kernel:
+    """The mat-vec of one type over paired rows (R = 2; dims [M, N / 2, K]); ``split``: its
+    split over K, fp32 (KS, M, N) out as the unpaired split's."""
+    template = {
+        "T": mx.bfloat16,
+        "NT": 1,
+        "U": 2,
+        "PF": 0,
+        "XG": X_ALL,
+        **({"KS": 3} if split else {}),
+    }
+    example = Example(
+        {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
+        {"out": mx.float32 if split else mx.bfloat16},
+        template,
+    )
+    name = f"ggml_qmv_mma_{'ks_' if split else ''}r2_{T(ggml_type).name.lower()}"
+    return make_kernel(name, ggml_type, [example], halves=2,
+                       epilogue=_PAIR_SPLIT_EPILOGUE if split else _PAIR_EPILOGUE,
+                       body=_SPLIT_BODY if split else _BODY)  # fmt: skip
+
+
 _KERNELS: dict[int, Kernel] = {t: _make_kernel(t) for t in MMA_TYPES}
 _STREAM_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, stream=True) for t in MMA_TYPES}
 _SPLIT_KERNELS: dict[tuple[int, bool], Kernel] = {
     (t, s): _make_kernel(t, stream=s, split=True) for t in MMA_TYPES for s in (False, True)
+}
+
+_PAIR_KERNELS: dict[tuple[int, bool], Kernel] = {
+    (t, split): _make_pair_kernel(t, split) for t in MMA_TYPES for split in (False, True)
 }
 
 _SUM_BODY = """
@@ -774,6 +813,20 @@ def split_k(N: int, K: int, qk: int, raw: str | None = None) -> int:
     return max(1, min(ks, (K // qk) // SPLIT_MIN_BLOCKS))
 
 
+# HF2Q_MMA_PAIRS (unset or 0: off; 1: on; read at import): every mat-vec of an even N takes
+# the paired-rows kernel (config R = 2, ``_PAIR_KERNELS``). Same bits as without (the same math
+# per row), so it can go on at any M; an A/B switch until a GPU shows it faster.
+PAIRS_RAW = os.environ.get("HF2Q_MMA_PAIRS", "")
+
+
+def pairs(N: int, raw: str | None = None) -> bool:
+    """Whether an N-row mat-vec takes paired rows: HF2Q_MMA_PAIRS (``raw`` in its place) on and
+    N even."""
+    return (
+        int_setting("HF2Q_MMA_PAIRS", PAIRS_RAW if raw is None else raw, 0, 1) == 1 and N % 2 == 0
+    )
+
+
 def min_blocks() -> int | None:
     """HF2Q_MMA_MIN_BLOCKS as an integer 1..8, None when unset; InvalidArgumentError else."""
     return int_setting("HF2Q_MMA_MIN_BLOCKS", MIN_BLOCKS_RAW, 1, 8)
@@ -793,10 +846,15 @@ def supports(ggml_type: int, dtype: mx.Dtype, *, glu: bool = False) -> bool:
     return has_kernel(ggml_type, dtype) and (ALL_TYPES or ggml_type in verified)
 
 
-def kernel_name(ggml_type: int, stream: bool = False, split: bool = False) -> str:
+def kernel_name(
+    ggml_type: int, stream: bool = False, split: bool = False, paired: bool = False
+) -> str:
     """The registered name of a type's kernel (benchmarks match profiler events on it);
     ``stream``: its streaming-load variant's (config S = 1); ``split``: the split over K's
-    first launch (config KS > 1; ``_SUM_KERNEL`` the second)."""
+    first launch (config KS > 1; ``_SUM_KERNEL`` the second); ``paired``: the paired-rows
+    kernel's (config R = 2)."""
+    if paired:
+        return _PAIR_KERNELS[ggml_type, split].name
     if split:
         return _SPLIT_KERNELS[ggml_type, stream].name
     return (_STREAM_KERNELS if stream else _KERNELS)[ggml_type].name
@@ -814,8 +872,11 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     Only NT depends on M: U and W fix which SIMD group sums which blocks, and so the order of
     a column's additions, from (type, K) alone (row parity). W never exceeds the runs a row has.
     KS (HF2Q_MMA_SPLIT_K, from N and K alone): splits over K; W then cut to a split's runs.
+    R = 2 (HF2Q_MMA_PAIRS, N even): paired rows, the same bits.
     """
     cfg = _config(_DEFAULTS, ggml_type, M, K)
+    if pairs(N):
+        cfg["R"] = 2
     return with_split(cfg, ggml_type, K, split_k(N, K, BLOCK_FORMATS[ggml_type].block_size))
 
 
@@ -863,7 +924,8 @@ def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
 
 class _Plan(LaunchPlan):
     """The tensor-core mat-vec launch for one (type, M, N, K, config): 16 rows per threadgroup
-    (``split``: one of KS splits of their blocks, fp32 sums (KS, M, N) out)."""
+    (R = 2: 16 of each half of the rows; ``split``: one of KS splits of their blocks, fp32 sums
+    (KS, M, N) out)."""
 
     __slots__ = ()
 
@@ -874,14 +936,21 @@ class _Plan(LaunchPlan):
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
         ks = cfg.get("KS", 1) if split else 1
         stream = bool(cfg.get("S"))
-        kernel = _SPLIT_KERNELS[ggml_type, stream] if split else (
-            _STREAM_KERNELS if stream else _KERNELS)[ggml_type]  # fmt: skip
+        paired = cfg.get("R", 1) == 2
+        if paired and (N % 2 or stream):
+            raise ValueError(f"config {cfg}: paired rows need an even N ({N}), plain loads")
+        if paired:
+            kernel = _PAIR_KERNELS[ggml_type, split]
+        else:
+            kernel = _SPLIT_KERNELS[ggml_type, stream] if split else (
+                _STREAM_KERNELS if stream else _KERNELS)[ggml_type]  # fmt: skip
         template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
                     "XG": cfg.get("XG", 1), **({"KS": ks} if split else {})}  # fmt: skip
+        rows = N // 2 if paired else N  # rows a threadgroup's row set spans
         super().__init__(
             kernel,
-            [M, N, K],
-            grid=(-(-N // 16) * ks * 32 * cfg["W"],),
+            [M, rows, K],
+            grid=(-(-rows // 16) * ks * 32 * cfg["W"],),
             threadgroup=(32 * cfg["W"],),
             output_shapes=[(ks, M, N) if split else (M, N)],
             output_dtypes=[mx.float32 if split else mx.bfloat16],

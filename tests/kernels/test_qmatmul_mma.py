@@ -343,6 +343,7 @@ def test_min_blocks_puts_launch_bounds_on_the_cubins_only(monkeypatch):
     threadgroups of its W SIMD groups (our unit gets ``__launch_bounds__``, MLX's cuda_kernel
     source none: it is not ours to bound); a bad value is an InvalidArgumentError naming it at
     the first plan."""
+    monkeypatch.setattr(MM, "SPLIT_K_RAW", "1")  # one launch at 31B's down shape
     monkeypatch.setattr(MM, "MIN_BLOCKS_RAW", "")
     assert "LB_MIN_BLOCKS" not in dict(MM.dispatch_plan(T.Q4_K, 1, 5376, 21504).template)
     monkeypatch.setattr(MM, "MIN_BLOCKS_RAW", " 3 ")
@@ -437,6 +438,67 @@ def test_dispatcher_runs_the_split_and_its_sum(monkeypatch, cuda_launches):
     y5 = Q.ggml_matmul(x, w, t, k)
     _check(y5, x, wf)
     assert _same_bits(y5[0], y1[0])
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "ggml_type,k", [(T.Q4_K, 8 * 256), (T.Q8_0, 13 * 32), (T.Q6_K, 4 * 256)],
+    ids=["Q4_K", "Q8_0", "Q6_K"],
+)  # fmt: skip
+def test_emulator_paired_rows_give_the_plain_bits(ggml_type, k, monkeypatch):
+    """Config R = 2 (HF2Q_MMA_PAIRS): a threadgroup owns 16 rows of each half of the weight (N
+    40: halves of 20, their second tiles 4 rows short). Every output element has the bits of
+    the unpaired kernel at the same U and W, at M = 1 and 13, with the output NaN-poisoned (a
+    half left unwritten, or written at the other half's rows, fails); split over K in 2 too,
+    against the unpaired split."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, nan = ggml_type, float("nan")
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(13, k, mx.bfloat16, seed=int(t) + 70)
+    for m in (1, 13):
+        base = {**MM.launch_config(t, m, N_EMU, k), "W": 2}
+        for ks in (1, 2):
+            plain_cfg = MM.with_split(base, t, k, ks)
+            paired_cfg = {**plain_cfg, "R": 2}
+            plan = MM._plan(t, m, N_EMU, k, paired_cfg)
+            part = plan.part if ks > 1 else plan
+            assert part.kernel is MM._PAIR_KERNELS[t, ks > 1]
+            # 2 tiles of 16 over a half's 20 rows, KS splits, W SIMD groups
+            assert part.grid[0] == 2 * ks * 32 * paired_cfg["W"]
+            plain = MM.mma_matmul_kernel(x[:m], w, t, k, config=plain_cfg, init_value=nan)
+            paired = MM.mma_matmul_kernel(x[:m], w, t, k, config=paired_cfg, init_value=nan)
+            _check(paired, x[:m], wf)
+            assert _same_bits(paired, plain), f"M = {m} KS {ks}"
+
+
+def test_paired_rows_setting():
+    """HF2Q_MMA_PAIRS: 1 pairs the rows of an even N (R = 2 in the config at every M), unset or
+    0 does not, an odd N never; a paired config on an odd N is refused; a bad value is an
+    InvalidArgumentError naming the switch."""
+    assert MM.pairs(5376, "1") and not MM.pairs(4099, "1")
+    assert not MM.pairs(5376, "") and not MM.pairs(5376, "0")
+    for bad in ("2", "yes"):
+        with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_PAIRS"):
+            MM.pairs(5376, bad)
+    with pytest.raises(ValueError, match="even N"):
+        MM.make_plan(T.Q4_K, 1, 41, 2816, {**MM.launch_config(T.Q4_K, 1, 41, 2816), "R": 2})
+
+
+@needs_gxx
+def test_dispatcher_runs_the_paired_kernel(monkeypatch, cuda_launches):
+    """ggml_matmul with HF2Q_MMA_PAIRS=1: the paired kernel, the bits of the unpaired dispatch
+    at M = 1 and 5."""
+    t, n, k = T.Q4_K, 24, 4 * 256
+    w, wf = _weight(t, n, k)
+    x = _x(5, k, mx.bfloat16, seed=14)
+    plain = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
+    monkeypatch.setattr(MM, "PAIRS_RAW", "1")
+    monkeypatch.setattr(Q, "_CALLS", {})
+    cuda_launches.clear()
+    paired = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
+    assert cuda_launches == [MM.kernel_name(t, paired=True)] * 2
+    _check(paired[1], x, wf)
+    assert all(_same_bits(a, b) for a, b in zip(paired, plain))
 
 
 def test_launch_config_fixes_the_order_whatever_m():
@@ -643,6 +705,28 @@ def test_gpu_split_k_matches_reference_and_rows_alone(ggml_type):
                 _check(y, x[:m], wf)
                 differ = [i for i in range(m) if not _same_bits(y[i], alone[i])]
                 assert not differ, f"{n}x{k} KS {ks} M = {m}: rows {differ} differ"
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_gpu_paired_rows_give_the_plain_bits(ggml_type):
+    """On CUDA, config R = 2 (HF2Q_MMA_PAIRS): every element the unpaired kernel's bits at the
+    same U / W (and split over K in 2), output NaN-poisoned, at M = 1, 8, 13 and 32, on an
+    even N not a multiple of 32 and on 31B's o shape."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t, nan = ggml_type, float("nan")
+    for n, k in ((4098, 2816), (5376, 8192)):
+        w, wf = _weight(t, n, k)
+        x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + 9)
+        for m in (1, 8, 13, 32):
+            for ks in (1, 2):
+                plain_cfg = MM.with_split(MM.launch_config(t, m, n, k), t, k, ks)
+                paired_cfg = {**plain_cfg, "R": 2}
+                plain = MM.mma_matmul_kernel(x[:m], w, t, k, config=plain_cfg, init_value=nan)
+                paired = MM.mma_matmul_kernel(x[:m], w, t, k, config=paired_cfg, init_value=nan)
+                _check(paired, x[:m], wf)
+                assert _same_bits(paired, plain), f"{n}x{k} M = {m} KS {ks}"
 
 
 @requires_gpu
