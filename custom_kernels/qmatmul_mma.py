@@ -872,12 +872,17 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     Only NT depends on M: U and W fix which SIMD group sums which blocks, and so the order of
     a column's additions, from (type, K) alone (row parity). W never exceeds the runs a row has.
     KS (HF2Q_MMA_SPLIT_K, from N and K alone): splits over K; W then cut to a split's runs.
-    R = 2 (HF2Q_MMA_PAIRS, N even): paired rows, the same bits.
+    R = 2 (HF2Q_MMA_PAIRS, N even): paired rows at the dense GLU's U and W for F = N / 2 (the
+    same kernel loop without the activation), split over K only where HF2Q_MMA_SPLIT_K is set;
+    the bits of the unpaired kernel at that U and W.
     """
-    cfg = _config(_DEFAULTS, ggml_type, M, K)
+    qk = BLOCK_FORMATS[ggml_type].block_size
     if pairs(N):
-        cfg["R"] = 2
-    return with_split(cfg, ggml_type, K, split_k(N, K, BLOCK_FORMATS[ggml_type].block_size))
+        cfg = {**glu_launch_config(ggml_type, M, N // 2, K), "R": 2}
+        ks = split_k(N // 2, K, qk) if SPLIT_K_RAW.strip() else 1
+        return with_split(cfg, ggml_type, K, ks)
+    cfg = _config(_DEFAULTS, ggml_type, M, K)
+    return with_split(cfg, ggml_type, K, split_k(N, K, qk))
 
 
 def with_split(cfg: dict[str, int], ggml_type: int, K: int, ks: int) -> dict[str, int]:

@@ -471,10 +471,20 @@ def test_emulator_paired_rows_give_the_plain_bits(ggml_type, k, monkeypatch):
             assert _same_bits(paired, plain), f"M = {m} KS {ks}"
 
 
-def test_paired_rows_setting():
-    """HF2Q_MMA_PAIRS: 1 pairs the rows of an even N (R = 2 in the config at every M), unset or
-    0 does not, an odd N never; a paired config on an odd N is refused; a bad value is an
+def test_paired_rows_setting(monkeypatch):
+    """HF2Q_MMA_PAIRS: 1 pairs the rows of an even N (R = 2 in the config at every M, with the
+    dense GLU's U and W for F = N / 2, no split unless HF2Q_MMA_SPLIT_K is set), unset or 0
+    does not, an odd N never; a paired config on an odd N is refused; a bad value is an
     InvalidArgumentError naming the switch."""
+    monkeypatch.setattr(MM, "PAIRS_RAW", "1")
+    for n, k in ((16384, 5376), (5376, 21504), (2816, 4096)):
+        cfgs = [MM.launch_config(T.Q4_K, m, n, k) for m in (1, 8, 13, 32)]
+        glu = [MM.glu_launch_config(T.Q4_K, m, n // 2, k) for m in (1, 8, 13, 32)]
+        assert cfgs == [{**g, "R": 2} for g in glu]
+    assert "R" not in MM.launch_config(T.Q4_K, 1, 4099, 2816)
+    monkeypatch.setattr(MM, "SPLIT_K_RAW", "2")
+    assert MM.launch_config(T.Q4_K, 1, 5376, 21504)["KS"] == 2
+    monkeypatch.setattr(MM, "PAIRS_RAW", "")
     assert MM.pairs(5376, "1") and not MM.pairs(4099, "1")
     assert not MM.pairs(5376, "") and not MM.pairs(5376, "0")
     for bad in ("2", "yes"):
