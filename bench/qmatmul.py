@@ -26,8 +26,8 @@ kept), at M = 1, 2, 5, 8, 16 for Q4_K, Q6_K, Q5_0, Q8_0 (or --types) on MMA_SHAP
 mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: about 1).
 --mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel
 ("2x8s": with streaming weight loads, config S = 1; "1x8p": each run's loads issued a run
-ahead, PF = 1; "1x8sp" both; "2x8k2": split over K in 2, KS = 2; "1x4r": paired rows, R = 2,
-16 rows of each half of W a threadgroup);
+ahead, PF = 1; "1x8sp" both; "2x8k2": split over K in 2, KS = 2; "2x8k2f": that with its sum
+fused, SF = 1; "1x4r": paired rows, R = 2, 16 rows of each half of W a threadgroup);
 --mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it).
 
 --glu does the same for the dense gate/up + activation kernel (expert_glu.dense_glu): its
@@ -219,7 +219,9 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
     }  # fmt: skip
     mcfg = MM.launch_config(t, m, n, k)
     paired = mcfg.get("R", 1) == 2  # HF2Q_MMA_PAIRS=1
-    if mcfg.get("KS", 1) > 1:  # a split default (K >= 8,192 grids of one to two waves, or set)
+    if mcfg.get("SF"):  # the split's sum fused (HF2Q_MMA_SPLIT_FUSED=1): one launch
+        kinds["mma"] = (kinds["mma"][0], MM.kernel_name(t, fused=True))
+    elif mcfg.get("KS", 1) > 1:  # a split default (K >= 8,192 grids of one to two waves, or set)
         split_name = MM.kernel_name(t, split=True, paired=paired)
         kinds["mma"] = (kinds["mma"][0], (split_name, MM._SUM_KERNEL.name))
     elif paired:
@@ -229,11 +231,14 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
         mc = {key: v for key, v in mcfg.items() if key != "R"}
         mc.update(U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
         mc.update(S=int("s" in flags), PF=int("p" in flags), **({"R": 2} if "r" in flags else {}))
-        mc = MM.with_split(mc, t, k, ks)
-        name = MM.kernel_name(t, "s" in flags, split=ks > 1, paired="r" in flags)
+        mc = {key: v for key, v in MM.with_split(mc, t, k, ks).items() if key != "SF"}
+        fused = "f" in flags
+        if fused:
+            mc["SF"] = 1
+        name = MM.kernel_name(t, "s" in flags, split=ks > 1, paired="r" in flags, fused=fused)
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
-            (name, MM._SUM_KERNEL.name) if ks > 1 else name,
+            (name, MM._SUM_KERNEL.name) if ks > 1 and not fused else name,
         )
     return kinds, c, mcfg
 
@@ -383,23 +388,24 @@ def main() -> None:
         "--mma-configs",
         default="",
         help="--mma, --glu: also time these UxW, e.g. 2x4,4x8 (flags after: kN split over K "
-        "in N and r paired rows, --mma only; s streaming loads; p loads a run ahead: 2x8k3s, "
-        "1x4k2r)",
+        "in N (f: its sum fused) and r paired rows, --mma only; s streaming loads; p loads a run "
+        "ahead: 2x8k3s, 1x4k2r, 2x8k2f)",
     )
     ap.add_argument("--mma-rows", default="", help="--mma, --glu: these M only (1 first), e.g. 1,8")
     args = ap.parse_args()
     args.mma_rows = tuple(int(v) for v in args.mma_rows.split(",") if v)
-    # "UxW", then flags: "kN" N splits over K (KS = N), "r" paired rows (R = 2), "s" streaming
-    # weight loads (S = 1), "p" loads a run ahead (PF = 1)
+    # "UxW", then flags: "kN" N splits over K (KS = N), "f" their sum fused (SF = 1), "r"
+    # paired rows (R = 2), "s" streaming weight loads (S = 1), "p" loads a run ahead (PF = 1)
     configs = [
-        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8])?r?[sp]*)", c) for c in args.mma_configs.split(",")
+        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8]f?)?r?[sp]*)", c) for c in args.mma_configs.split(",")
     ]
     mma_only = any(("k" in c[3] or "r" in c[3]) for c in configs if c)
-    paired_stream = any(("r" in c[3] and "s" in c[3]) for c in configs if c)
-    if not all(configs) or (args.glu and mma_only) or paired_stream:
+    clash = any(("r" in c[3] or "f" in c[3]) and "s" in c[3] for c in configs if c)
+    clash = clash or any("f" in c[3] and "r" in c[3] for c in configs if c)
+    if not all(configs) or (args.glu and mma_only) or clash:
         ap.error(
-            f"--mma-configs {args.mma_configs!r}: expected UxW[kN][r][s][p], kN and r with "
-            "--mma only, r without s"
+            f"--mma-configs {args.mma_configs!r}: expected UxW[kN[f]][r][s][p], kN and r with "
+            "--mma only, f and r without s or each other"
         )
     args.mma_configs = [(int(c[1]), int(c[2]), c[3]) for c in configs]
     if args.mma or args.glu:

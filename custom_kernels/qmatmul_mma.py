@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q_mlx.custom_kernels import int_setting
 from hf2q_mlx.custom_kernels._render import Example, Kernel, launch_bounds
+from hf2q_mlx.custom_kernels.decode_attention import CountedPlan
 from hf2q_mlx.custom_kernels.ggml_formats import BLOCK_FORMATS, fill_format, kernel_header
 from hf2q_mlx.custom_kernels.launch_plan import LaunchPlan
 from hf2q_mlx.errors import InvalidArgumentError
@@ -593,13 +594,16 @@ def make_kernel(
     header: str = "",
     stream: bool = False,
     body: str = _BODY,
+    inputs: tuple[str, ...] = ("x", "w", "dims"),
+    outputs: tuple[str, ...] = ("out",),
 ) -> Kernel:
     """The mma loop over ``halves`` row sets of ``ggml_type`` weights (inputs x, w, dims; output
     out) with ``epilogue``: the lines that write output row0 + r, column col from the sets'
     fp32 sums v[0..halves - 1]. Template T, NT, U, plus whatever ``header`` and ``epilogue``
     use. The tensor-core GLU (expert_glu.dense_glu) is ``halves`` = 2 with an activation.
     ``stream``: the weight loads as streaming loads (``_STREAM_LOADS``; config S = 1).
-    ``body``: the loop's text (``_SPLIT_BODY``: one split over K a threadgroup)."""
+    ``body``: the loop's text (``_SPLIT_BODY``: one split over K a threadgroup); ``inputs``,
+    ``outputs``: the kernel's names (x, w and out first)."""
     ngr, mmg = _GROUPS[ggml_type]
     decoder = _DECODERS[ggml_type]
     if stream:
@@ -613,8 +617,8 @@ def make_kernel(
     )
     return Kernel(
         name,
-        inputs=["x", "w", "dims"],
-        outputs=["out"],
+        inputs=list(inputs),
+        outputs=list(outputs),
         body=body,
         header=kernel_header(ggml_type) + _MMA_COMMON + _LOAD_XB + decoder + header,
         examples=examples,
@@ -690,6 +694,60 @@ _STREAM_KERNELS: dict[int, Kernel] = {t: _make_kernel(t, stream=True) for t in M
 _SPLIT_KERNELS: dict[tuple[int, bool], Kernel] = {
     (t, s): _make_kernel(t, stream=s, split=True) for t in MMA_TYPES for s in (False, True)
 }
+
+# The split with its sum fused (config SF = 1): each split stores its fp32 sums coherently into
+# ``part`` (KS, M, N), counts itself in on its tile's counter (set cset[0] of the plan's), and
+# the split taking ticket KS - 1 zeroes the counter and adds the KS sums in split order, the
+# sum kernel's order: the same bits in one launch instead of two.
+_FUSED_SPLIT_EPILOGUE = """    ATOMIC_STORE_U32(
+        DEVICE_CAST(uint, part) + (size_t(ks) * M + col) * N + row0 + r, bitcast<uint>(v[0]));
+"""
+_FUSED_SPLIT_TAIL = """
+  SHARED uint last_split[1];
+  BARRIER_DEVICE_FENCE();
+  if (tid == 0) {
+    const uint tile = gid_x - ks * tiles;
+    DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, counter) + size_t(cset[0]) * tiles + tile;
+    const uint ticket = ATOMIC_ADD_U32(ctr, 1u);
+    last_split[0] = ticket == uint(KS - 1) ? 1u : 0u;
+    if (ticket == uint(KS - 1)) ATOMIC_STORE_U32(ctr, 0u);
+  }
+  BARRIER_DEVICE_FENCE();
+  if (last_split[0] == 0u) return;  // the whole threadgroup leaves together
+  DEVICE_PTR(const uint) pb = DEVICE_CAST(const uint, part);
+  for (uint i = tid; i < 16 * CW; i += tg_size) {
+    const uint r = i / CW, col = i % CW;
+    if (row0 + r >= N || col >= M) continue;
+    const size_t e = size_t(col) * N + row0 + r;
+    float v = bitcast<float>(ATOMIC_LOAD_U32(pb + e));
+    for (uint j = 1; j < uint(KS); ++j)
+      v += bitcast<float>(ATOMIC_LOAD_U32(pb + size_t(j) * M * N + e));
+    out[e] = from_float<T>(v);
+  }
+"""
+
+
+def _make_fused_split_kernel(ggml_type: int) -> Kernel:
+    """The split over K with its sum fused (config SF = 1): inputs x, w, counter, cset, dims;
+    outputs out (M, N) and the splits' fp32 sums part (KS, M, N)."""
+    example = Example(
+        {"x": mx.bfloat16, "w": mx.uint8, "counter": (mx.uint32, 64), "cset": (mx.int32, 1),
+         "dims": (mx.int32, 3)},
+        {"out": mx.bfloat16, "part": mx.float32},
+        {"T": mx.bfloat16, "NT": 1, "U": 2, "PF": 0, "XG": X_ALL, "KS": 2},
+    )  # fmt: skip
+    return make_kernel(
+        f"ggml_qmv_mma_ksf_{T(ggml_type).name.lower()}",
+        ggml_type,
+        [example],
+        body=_SPLIT_BODY + _FUSED_SPLIT_TAIL,
+        epilogue=_FUSED_SPLIT_EPILOGUE,
+        inputs=("x", "w", "counter", "cset", "dims"),
+        outputs=("out", "part"),
+    )
+
+
+_FUSED_SPLIT_KERNELS: dict[int, Kernel] = {t: _make_fused_split_kernel(t) for t in MMA_TYPES}
 
 _PAIR_KERNELS: dict[tuple[int, bool], Kernel] = {
     (t, split): _make_pair_kernel(t, split) for t in MMA_TYPES for split in (False, True)
@@ -827,6 +885,17 @@ def pairs(N: int, raw: str | None = None) -> bool:
     )
 
 
+# HF2Q_MMA_SPLIT_FUSED (unset or 0: off; 1: on; read at import): a split's sum added by the
+# threadgroup of each tile that finishes last (config SF = 1, ``_FUSED_SPLIT_KERNELS``), not by
+# a second launch: the same bits, 120 launches a 31B token fewer. CPU emulator only so far.
+SPLIT_FUSED_RAW = os.environ.get("HF2Q_MMA_SPLIT_FUSED", "")
+
+
+def split_fused(raw: str | None = None) -> bool:
+    """HF2Q_MMA_SPLIT_FUSED (``raw`` in its place) on."""
+    return int_setting("HF2Q_MMA_SPLIT_FUSED", SPLIT_FUSED_RAW if raw is None else raw, 0, 1) == 1
+
+
 def min_blocks() -> int | None:
     """HF2Q_MMA_MIN_BLOCKS as an integer 1..8, None when unset; InvalidArgumentError else."""
     return int_setting("HF2Q_MMA_MIN_BLOCKS", MIN_BLOCKS_RAW, 1, 8)
@@ -847,12 +916,18 @@ def supports(ggml_type: int, dtype: mx.Dtype, *, glu: bool = False) -> bool:
 
 
 def kernel_name(
-    ggml_type: int, stream: bool = False, split: bool = False, paired: bool = False
+    ggml_type: int,
+    stream: bool = False,
+    split: bool = False,
+    paired: bool = False,
+    fused: bool = False,
 ) -> str:
     """The registered name of a type's kernel (benchmarks match profiler events on it);
     ``stream``: its streaming-load variant's (config S = 1); ``split``: the split over K's
     first launch (config KS > 1; ``_SUM_KERNEL`` the second); ``paired``: the paired-rows
-    kernel's (config R = 2)."""
+    kernel's (config R = 2); ``fused``: the split with its sum fused (KS > 1, SF = 1)."""
+    if fused:
+        return _FUSED_SPLIT_KERNELS[ggml_type].name
     if paired:
         return _PAIR_KERNELS[ggml_type, split].name
     if split:
@@ -887,11 +962,14 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
 
 def with_split(cfg: dict[str, int], ggml_type: int, K: int, ks: int) -> dict[str, int]:
     """``cfg`` split over K in ``ks`` (KS; none at 1), W cut to the runs of U blocks the
-    smallest split has (no idle SIMD group)."""
-    out = {k: v for k, v in cfg.items() if k != "KS"}
+    smallest split has (no idle SIMD group); with HF2Q_MMA_SPLIT_FUSED its sum fused (SF = 1)
+    where the loads are plain and the rows unpaired."""
+    out = {k: v for k, v in cfg.items() if k not in ("KS", "SF")}
     if ks > 1:
         blocks = K // BLOCK_FORMATS[ggml_type].block_size // ks
         out.update(KS=ks, W=max(1, min(out["W"], -(-blocks // out["U"]))))
+        if split_fused() and out.get("R", 1) == 1 and not out.get("S"):
+            out["SF"] = 1
     return out
 
 
@@ -1002,10 +1080,58 @@ class _SplitPlan:
         return self.sum.run(self.part.run(x, w))
 
 
-def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> _Plan | _SplitPlan:
-    """The launch plan of ``cfg``: one launch, or the split's two (KS > 1)."""
+class _FusedSplitPlan:
+    """The split with its sum fused (config KS > 1, SF = 1) as LaunchPlan's interface: one
+    launch, its tiles' counters in ``CountedPlan``'s rotating sets (two calls of the plan that
+    MLX may run at once count on other sets; a recorded graph's one set)."""
+
+    __slots__ = ("plan", "counted")
+
+    def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
+        if cfg.get("R", 1) != 1 or cfg.get("S"):
+            raise ValueError(f"config {cfg}: the fused split sum takes plain loads, unpaired rows")
+        ks, tiles, w = cfg["KS"], -(-N // 16), cfg["W"]
+        template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
+                    "XG": cfg.get("XG", 1), "KS": ks}  # fmt: skip
+        self.plan = LaunchPlan(
+            _FUSED_SPLIT_KERNELS[ggml_type],
+            [M, N, K],
+            grid=(tiles * ks * 32 * w,),
+            threadgroup=(32 * w,),
+            output_shapes=[(M, N), (ks, M, N)],
+            output_dtypes=[mx.bfloat16, mx.float32],
+            template=_bounded(template, w),
+        )
+        self.counted = CountedPlan(None, (), tiles, ks)
+
+    @property
+    def output_shapes(self) -> list[tuple[int, ...]]:
+        return self.plan.output_shapes[:1]
+
+    @output_shapes.setter
+    def output_shapes(self, shapes: list[tuple[int, ...]]) -> None:
+        self.plan.output_shapes = [shapes[0], self.plan.output_shapes[1]]
+
+    def call(self, x: mx.array, w: mx.array, init_value: float | None = None) -> mx.array:
+        return self.plan.call(x, w, *self.counted.inputs(), init_value=init_value)
+
+    def resolve(self, *dtypes: mx.Dtype) -> _FusedSplitPlan:
+        self.plan.resolve(*dtypes, mx.uint32, mx.int32)
+        return self
+
+    def run(self, x: mx.array, w: mx.array) -> mx.array:
+        return self.plan.run(x, w, *self.counted.inputs())
+
+
+MatvecPlan = _Plan | _SplitPlan | _FusedSplitPlan
+
+
+def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> MatvecPlan:
+    """The launch plan of ``cfg``: one launch, the split's two (KS > 1), or the split with its
+    sum fused (KS > 1, SF = 1: one)."""
     if cfg.get("KS", 1) > 1:
-        return _SplitPlan(ggml_type, M, N, K, cfg)
+        fused = cfg.get("SF")
+        return (_FusedSplitPlan if fused else _SplitPlan)(ggml_type, M, N, K, cfg)
     return _Plan(ggml_type, M, N, K, cfg)
 
 
@@ -1015,10 +1141,10 @@ def _bounded(template: dict, w: int) -> dict:
     return {**template, **launch_bounds(32 * w, min_blocks())}
 
 
-_PLANS: dict[tuple, _Plan | _SplitPlan] = {}
+_PLANS: dict[tuple, MatvecPlan] = {}
 
 
-def _plan(ggml_type: int, M: int, N: int, K: int, config: dict | None) -> _Plan | _SplitPlan:
+def _plan(ggml_type: int, M: int, N: int, K: int, config: dict | None) -> MatvecPlan:
     key = (ggml_type, M, N, K, None if config is None else tuple(sorted(config.items())))
     plan = _PLANS.get(key)
     if plan is None:
@@ -1048,7 +1174,7 @@ def mma_matmul_kernel(
     return p.call(x, w_raw, init_value=init_value)
 
 
-def dispatch_plan(ggml_type: int, M: int, N: int, K: int) -> LaunchPlan | _SplitPlan:
+def dispatch_plan(ggml_type: int, M: int, N: int, K: int) -> MatvecPlan:
     """A fresh plan at ``launch_config`` for qmatmul.ggml_matmul's call cache (1..32 rows of x
     in all), which sets its output shape (x's batch dims) and resolves it."""
     return make_plan(ggml_type, M, N, K, launch_config(ggml_type, M, N, K))

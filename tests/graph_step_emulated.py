@@ -5,6 +5,7 @@ dispatchers' plan caches.
 
     python3 tests/graph_step_emulated.py gemma4:tiny-moe [--layers 2] [--window 2] [--steps 3]
         [--batch 1] [--prefill 0] [--kv-bits 8] [--format q4_k|mlx4|mlx4-q4_1|bf16] [--split-k 2]
+        [--split-fused]
 """
 
 from __future__ import annotations
@@ -176,11 +177,15 @@ def main() -> None:
     ap.add_argument("--split-k", type=int, default=None,
                     help="GGML mat-vecs split over K in this many (HF2Q_MMA_SPLIT_K), down to "
                          "one block a split (the tiny rows have a few)")  # fmt: skip
+    ap.add_argument("--split-fused", action="store_true",
+                    help="with --split-k: each split's sum in its last threadgroup "
+                         "(HF2Q_MMA_SPLIT_FUSED=1)")  # fmt: skip
     a = ap.parse_args()
     if a.split_k:
         from hf2q_mlx.custom_kernels import qmatmul_mma
 
         qmatmul_mma.SPLIT_K_RAW, qmatmul_mma.SPLIT_MIN_BLOCKS = str(a.split_k), 1
+        qmatmul_mma.SPLIT_FUSED_RAW = "1" if a.split_fused else ""
     mx.set_default_device(mx.cpu)
     mx.random.seed(0)  # the same random model in every process
     np.random.seed(0)

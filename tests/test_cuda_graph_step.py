@@ -95,18 +95,26 @@ def test_recorded_step_replays_the_mlx_step_bit_for_bit(model, steps, kinds, fmt
 
 
 @needs_gxx
-def test_recorded_step_with_split_mat_vecs_replays_bit_for_bit():
-    """HF2Q_MMA_SPLIT_K=2 (the GGML mat-vec split over K, then the kernel adding the splits):
-    the tiny Gemma 4 MoE's Q5_0 down (10 blocks) splits, and the recording replayed through
-    the emulator in a shuffled order gives the MLX step's tokens, logits and caches bit for
-    bit (the splits' fp32 sums are an intermediate the graph's launches order)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused-sum"])
+def test_recorded_step_with_split_mat_vecs_replays_bit_for_bit(fused):
+    """HF2Q_MMA_SPLIT_K=2 (the GGML mat-vec split over K, then the kernel adding the splits;
+    ``fused``: HF2Q_MMA_SPLIT_FUSED=1, the sum in each tile's last threadgroup, its counters in
+    the recording): the tiny Gemma 4 MoE's Q5_0 down (10 blocks) splits, and the recording
+    replayed through the emulator in a shuffled order gives the MLX step's tokens, logits and
+    caches bit for bit (the splits' fp32 sums are an intermediate the graph's launches order)."""
     script = HERE / "graph_step_emulated.py"
     cmd = [sys.executable, str(script), "gemma4:tiny-moe", "--steps", "2", "--split-k", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        cmd + (["--split-fused"] if fused else []), capture_output=True, text=True, timeout=900
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["got"] == out["want"] and out["logits_equal"] and out["caches_equal"]
-    assert {"ggml_qmv_mma_ks_q5_0", "ggml_qmv_mma_split_sum"} <= set(out["kernels"])
+    kernels = set(out["kernels"])
+    if fused:
+        assert "ggml_qmv_mma_ksf_q5_0" in kernels and "ggml_qmv_mma_split_sum" not in kernels
+    else:
+        assert {"ggml_qmv_mma_ks_q5_0", "ggml_qmv_mma_split_sum"} <= kernels
 
 
 @needs_gxx

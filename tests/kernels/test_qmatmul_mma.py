@@ -393,6 +393,58 @@ def test_emulator_split_k_matches_reference_and_rows_alone(ggml_type, k, ks, mon
             assert _same_bits(y[0], alone)
 
 
+@needs_gxx
+@pytest.mark.parametrize(
+    "ggml_type,k,ks", [(T.Q4_K, 3 * 256, 3), (T.Q8_0, 13 * 32, 3), (T.Q6_K, 4 * 256, 2)],
+    ids=["Q4_K-KS3", "Q8_0-KS3-uneven", "Q6_K-KS2"],
+)  # fmt: skip
+def test_emulator_fused_split_sum_gives_the_two_launch_bits(ggml_type, k, ks, monkeypatch):
+    """Config SF = 1 (HF2Q_MMA_SPLIT_FUSED): the split's sum added by each tile's last
+    threadgroup in one launch. Every element has the bits of the split kernel + sum kernel at
+    M = 1 and 13 (N 40: a tile 8 rows short), outputs NaN-poisoned (a tile whose last
+    threadgroup is not the one summing, or a sum missing a split, fails); successive calls
+    rotate over the plan's counter sets. (The emulator hands each launch a fresh copy of the
+    counters: that they return to zero is the GPU test's.)"""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, nan = ggml_type, float("nan")
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(13, k, mx.bfloat16, seed=int(t) + 50)
+    for m in (1, 13):
+        cfg = MM.with_split({**MM.launch_config(t, m, N_EMU, k), "W": 2, "U": 1}, t, k, ks)
+        plan = MM._plan(t, m, N_EMU, k, {**cfg, "SF": 1})
+        assert isinstance(plan, MM._FusedSplitPlan) and plan.plan.grid[0] == 3 * ks * 32 * cfg["W"]
+        two = MM.mma_matmul_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+        sets = len(plan.counted.sets)
+        assert sets > 1
+        for turn in range(2):
+            fused = MM.mma_matmul_kernel(x[:m], w, t, k, config={**cfg, "SF": 1}, init_value=nan)
+            _check(fused, x[:m], wf)
+            assert _same_bits(fused, two), f"M = {m}, call {turn}"
+        assert plan.counted.turn == 2 % sets
+
+
+@needs_gxx
+def test_dispatcher_runs_the_fused_split(monkeypatch, cuda_launches):
+    """ggml_matmul with HF2Q_MMA_SPLIT_K=2 and HF2Q_MMA_SPLIT_FUSED=1: ONE launch (the fused
+    kernel), the bits of the two-launch split at M = 1 and 5; a bad HF2Q_MMA_SPLIT_FUSED is an
+    InvalidArgumentError naming it."""
+    monkeypatch.setattr(MM, "SPLIT_K_RAW", "2")
+    t, n, k = T.Q4_K, 24, 8 * 256
+    w, wf = _weight(t, n, k)
+    x = _x(5, k, mx.bfloat16, seed=15)
+    two = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
+    monkeypatch.setattr(MM, "SPLIT_FUSED_RAW", "1")
+    monkeypatch.setattr(Q, "_CALLS", {})
+    cuda_launches.clear()
+    fused = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
+    assert cuda_launches == [MM.kernel_name(t, fused=True)] * 2
+    _check(fused[1], x, wf)
+    assert all(_same_bits(a, b) for a, b in zip(fused, two))
+    for bad in ("2", "on"):
+        with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_SPLIT_FUSED"):
+            MM.split_fused(bad)
+
+
 def test_split_k_setting(monkeypatch):
     """HF2Q_MMA_SPLIT_K: 1, no split; unset, SPLIT_AUTO splits from K = SPLIT_MIN_K where the
     grid runs more than one wave (31B's o and down: yes; 26B-A4B's o, K 4,096: no; 9B's down,
@@ -737,6 +789,34 @@ def test_gpu_paired_rows_give_the_plain_bits(ggml_type):
                 paired = MM.mma_matmul_kernel(x[:m], w, t, k, config=paired_cfg, init_value=nan)
                 _check(paired, x[:m], wf)
                 assert _same_bits(paired, plain), f"{n}x{k} M = {m} KS {ks}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_gpu_fused_split_sum_gives_the_two_launch_bits_call_after_call(ggml_type):
+    """On CUDA, config SF = 1 (HF2Q_MMA_SPLIT_FUSED) at KS 2 and 3: the bits of the split
+    kernel + sum kernel at M = 1, 8 and 32, outputs NaN-poisoned, on 31B's o shape and an N
+    not a multiple of 16; the 1-row plan called past a full turn of its counter sets, twice
+    through each, keeps those bits (a counter left non-zero makes no threadgroup sum, and the
+    output stays NaN), and its counters end at zero."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t, nan = ggml_type, float("nan")
+    for n, k in ((5376, 8192), (4099, 2816)):
+        w, wf = _weight(t, n, k)
+        x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + 11)
+        for ks in (2, 3):
+            for m in (1, 8, 32):
+                cfg = MM.with_split(MM.launch_config(t, m, n, k), t, k, ks)
+                two = MM.mma_matmul_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+                fused_cfg = {**cfg, "SF": 1}
+                plan = MM._plan(t, m, n, k, fused_cfg)
+                calls = 2 * len(plan.counted.sets) + 1 if m == 1 else 1
+                for _ in range(calls):
+                    y = MM.mma_matmul_kernel(x[:m], w, t, k, config=fused_cfg, init_value=nan)
+                    assert _same_bits(y, two), f"{n}x{k} KS {ks} M = {m}"
+                _check(y, x[:m], wf)
+                assert not mx.any(plan.counted.counter).item()
 
 
 @requires_gpu
