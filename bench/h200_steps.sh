@@ -461,6 +461,11 @@ step splitk-9b 200 "python3 bench/mlx_env_ab.py $OUT/splitk_9b.json --step graph
 step pair-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_paired' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_PAIRS=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
 step pair-sweep 300 "python3 bench/qmatmul.py $OUT/mma_pairs.json --mma --profile --types Q4_K --shapes ${PAIR_SHAPES:-16384x5376,5376x21504,5376x8192,4096x12288,12288x4096,2816x4096,8192x2816} --mma-rows 1,8 --mma-configs ${PAIR_CONFIGS:-1x4r,1x8r,2x8r,1x4k2r,1x4k3r,1x4k4r,1x8k2r}"
 step pair-ab 480 "for sh in ${PAIR_AB_SHAPES:-gemma4:31b qwen3_5:9b gemma4:26b-a4b}; do python3 bench/mlx_env_ab.py $OUT/pairs_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 140 --env '' --env HF2Q_MMA_PAIRS=1 2>&1 | tail -6; done"
+# session 51: the split's sum fused into its last threadgroup (HF2Q_MMA_SPLIT_FUSED, off): GPU bits
+# against the two launches call after call (counters back at zero), the graph step with it at
+# KS 3; then 31B's graph decode (split by default) with and without it
+step fused-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_fused_split' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_SPLIT_K=3 HF2Q_MMA_SPLIT_FUSED=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
+step fused-ab 240 "python3 bench/mlx_env_ab.py $OUT/split_fused_31b.json --step graph --format q4_k --shape gemma4:31b --rounds 7 --tokens 64 --time-cap 180 --env '' --env HF2Q_MMA_SPLIT_FUSED=1 2>&1 | tail -6"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
