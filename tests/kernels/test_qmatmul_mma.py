@@ -364,11 +364,16 @@ def test_min_blocks_puts_launch_bounds_on_the_cubins_only(monkeypatch):
             MM.dispatch_plan(T.Q4_K, 1, 64, 256)
 
 
-@needs_gxx
-@pytest.mark.parametrize(
-    "ggml_type,k,ks", [(T.Q4_K, 3 * 256, 3), (T.Q8_0, 13 * 32, 3), (T.Q6_K, 4 * 256, 2)],
+# (type, K, KS) of the emulated split tests: 13 Q8_0 blocks split 4, 4, 5
+SPLIT_CASES = pytest.mark.parametrize(
+    "ggml_type,k,ks",
+    [(T.Q4_K, 3 * 256, 3), (T.Q8_0, 13 * 32, 3), (T.Q6_K, 4 * 256, 2)],
     ids=["Q4_K-KS3", "Q8_0-KS3-uneven", "Q6_K-KS2"],
-)  # fmt: skip
+)
+
+
+@needs_gxx
+@SPLIT_CASES
 def test_emulator_split_k_matches_reference_and_rows_alone(ggml_type, k, ks, monkeypatch):
     """Config KS (HF2Q_MMA_SPLIT_K): each threadgroup sums one of KS splits of its rows' blocks
     (13 blocks in 3: 4, 4, 5), a second kernel adds them. Within the bf16 bound of the fp32
@@ -394,10 +399,7 @@ def test_emulator_split_k_matches_reference_and_rows_alone(ggml_type, k, ks, mon
 
 
 @needs_gxx
-@pytest.mark.parametrize(
-    "ggml_type,k,ks", [(T.Q4_K, 3 * 256, 3), (T.Q8_0, 13 * 32, 3), (T.Q6_K, 4 * 256, 2)],
-    ids=["Q4_K-KS3", "Q8_0-KS3-uneven", "Q6_K-KS2"],
-)  # fmt: skip
+@SPLIT_CASES
 def test_emulator_fused_split_sum_gives_the_two_launch_bits(ggml_type, k, ks, monkeypatch):
     """Config SF = 1 (HF2Q_MMA_SPLIT_FUSED): the split's sum added by each tile's last
     threadgroup in one launch. Every element has the bits of the split kernel + sum kernel at
@@ -423,23 +425,30 @@ def test_emulator_fused_split_sum_gives_the_two_launch_bits(ggml_type, k, ks, mo
         assert plan.counted.turn == 2 % sets
 
 
+def _dispatch_with_switch(monkeypatch, cuda_launches, switch: str, k: int, kernel: dict):
+    """ggml_matmul (Q4_K, N 24) at M = 1 and 5, then again with qmatmul_mma's ``switch`` set to
+    "1": one launch a call of ``kernel_name(**kernel)``, within the bf16 bound, each row the
+    bits it had without the switch."""
+    t, n = T.Q4_K, 24
+    w, wf = _weight(t, n, k)
+    x = _x(5, k, mx.bfloat16, seed=k + 14)
+    before = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
+    monkeypatch.setattr(MM, switch, "1")
+    monkeypatch.setattr(Q, "_CALLS", {})
+    cuda_launches.clear()
+    after = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
+    assert cuda_launches == [MM.kernel_name(t, **kernel)] * 2
+    _check(after[1], x, wf)
+    assert all(_same_bits(a, b) for a, b in zip(after, before))
+
+
 @needs_gxx
 def test_dispatcher_runs_the_fused_split(monkeypatch, cuda_launches):
     """ggml_matmul with HF2Q_MMA_SPLIT_K=2 and HF2Q_MMA_SPLIT_FUSED=1: ONE launch (the fused
     kernel), the bits of the two-launch split at M = 1 and 5; a bad HF2Q_MMA_SPLIT_FUSED is an
     InvalidArgumentError naming it."""
     monkeypatch.setattr(MM, "SPLIT_K_RAW", "2")
-    t, n, k = T.Q4_K, 24, 8 * 256
-    w, wf = _weight(t, n, k)
-    x = _x(5, k, mx.bfloat16, seed=15)
-    two = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
-    monkeypatch.setattr(MM, "SPLIT_FUSED_RAW", "1")
-    monkeypatch.setattr(Q, "_CALLS", {})
-    cuda_launches.clear()
-    fused = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
-    assert cuda_launches == [MM.kernel_name(t, fused=True)] * 2
-    _check(fused[1], x, wf)
-    assert all(_same_bits(a, b) for a, b in zip(fused, two))
+    _dispatch_with_switch(monkeypatch, cuda_launches, "SPLIT_FUSED_RAW", 8 * 256, {"fused": True})
     for bad in ("2", "on"):
         with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_SPLIT_FUSED"):
             MM.split_fused(bad)
@@ -550,17 +559,7 @@ def test_paired_rows_setting(monkeypatch):
 def test_dispatcher_runs_the_paired_kernel(monkeypatch, cuda_launches):
     """ggml_matmul with HF2Q_MMA_PAIRS=1: the paired kernel, the bits of the unpaired dispatch
     at M = 1 and 5."""
-    t, n, k = T.Q4_K, 24, 4 * 256
-    w, wf = _weight(t, n, k)
-    x = _x(5, k, mx.bfloat16, seed=14)
-    plain = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
-    monkeypatch.setattr(MM, "PAIRS_RAW", "1")
-    monkeypatch.setattr(Q, "_CALLS", {})
-    cuda_launches.clear()
-    paired = [Q.ggml_matmul(x[:m], w, t, k) for m in (1, 5)]
-    assert cuda_launches == [MM.kernel_name(t, paired=True)] * 2
-    _check(paired[1], x, wf)
-    assert all(_same_bits(a, b) for a, b in zip(paired, plain))
+    _dispatch_with_switch(monkeypatch, cuda_launches, "PAIRS_RAW", 4 * 256, {"paired": True})
 
 
 def test_launch_config_fixes_the_order_whatever_m():
@@ -769,18 +768,23 @@ def test_gpu_split_k_matches_reference_and_rows_alone(ggml_type):
                 assert not differ, f"{n}x{k} KS {ks} M = {m}: rows {differ} differ"
 
 
+def _cuda_cases(t, shapes, seed: int):
+    """(N, K, weight, its fp32 rows, MAX_ROWS rows of bf16 x) per shape; skips off CUDA."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    for n, k in shapes:
+        w, wf = _weight(t, n, k)
+        yield n, k, w, wf, _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + seed)
+
+
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
 def test_gpu_paired_rows_give_the_plain_bits(ggml_type):
     """On CUDA, config R = 2 (HF2Q_MMA_PAIRS): every element the unpaired kernel's bits at the
     same U / W (and split over K in 2), output NaN-poisoned, at M = 1, 8, 13 and 32, on an
     even N not a multiple of 32 and on 31B's o shape."""
-    if backend() != "cuda":
-        pytest.skip("the mma kernel runs on CUDA only")
     t, nan = ggml_type, float("nan")
-    for n, k in ((4098, 2816), (5376, 8192)):
-        w, wf = _weight(t, n, k)
-        x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + 9)
+    for n, k, w, wf, x in _cuda_cases(t, ((4098, 2816), (5376, 8192)), seed=9):
         for m in (1, 8, 13, 32):
             for ks in (1, 2):
                 plain_cfg = MM.with_split(MM.launch_config(t, m, n, k), t, k, ks)
@@ -799,12 +803,8 @@ def test_gpu_fused_split_sum_gives_the_two_launch_bits_call_after_call(ggml_type
     not a multiple of 16; the 1-row plan called past a full turn of its counter sets, twice
     through each, keeps those bits (a counter left non-zero makes no threadgroup sum, and the
     output stays NaN), and its counters end at zero."""
-    if backend() != "cuda":
-        pytest.skip("the mma kernel runs on CUDA only")
     t, nan = ggml_type, float("nan")
-    for n, k in ((5376, 8192), (4099, 2816)):
-        w, wf = _weight(t, n, k)
-        x = _x(MM.MAX_ROWS, k, mx.bfloat16, seed=n + k + 11)
+    for n, k, w, wf, x in _cuda_cases(t, ((5376, 8192), (4099, 2816)), seed=11):
         for ks in (2, 3):
             for m in (1, 8, 32):
                 cfg = MM.with_split(MM.launch_config(t, m, n, k), t, k, ks)
