@@ -143,6 +143,26 @@ def test_router_join_keeps_the_step_bits_one_launch_fewer(model, switch):
     assert separate["launches"] - joined["launches"] == 2
 
 
+@needs_gxx
+def test_split_delta_net_heads_keep_the_step_bits():
+    """HF2Q_GDN_SPLIT=2 (two threadgroups a (row, value head) in the delta-net decode, the
+    output norm made by the last; the recorded graph's variant writes the conv state in place):
+    the tiny Qwen 3.5 MoE step, two rows, replays bit for bit and gives the logits of the
+    one-threadgroup kernel, in as many launches."""
+    script = HERE / "graph_step_emulated.py"
+    outs = []
+    for parts in ("1", "2"):
+        env = dict(os.environ, HF2Q_GDN_SPLIT=parts)
+        cmd = [sys.executable, str(script), "qwen3_5:tiny-moe", "--steps", "2", "--batch", "2"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    one, split = outs
+    assert one["logits_equal"] and split["logits_equal"] and split["caches_equal"]
+    assert one["logits_sha"] == split["logits_sha"] and one["want"] == split["want"]
+    assert "gated_delta_decode_split" in split["in_place"] and one["launches"] == split["launches"]
+
+
 # ---- the recorder -------------------------------------------------------------------------------
 
 _BODY = """
