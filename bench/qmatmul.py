@@ -218,27 +218,19 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
                 MM.kernel_name(t)),
     }  # fmt: skip
     mcfg = MM.launch_config(t, m, n, k)
-    paired = mcfg.get("R", 1) == 2  # HF2Q_MMA_PAIRS=1
-    if mcfg.get("SF"):  # the split's sum fused (HF2Q_MMA_SPLIT_FUSED=1): one launch
-        kinds["mma"] = (kinds["mma"][0], MM.kernel_name(t, fused=True))
-    elif mcfg.get("KS", 1) > 1:  # a split default (K >= 8,192 grids of one to two waves, or set)
-        split_name = MM.kernel_name(t, split=True, paired=paired)
-        kinds["mma"] = (kinds["mma"][0], (split_name, MM._SUM_KERNEL.name))
-    elif paired:
-        kinds["mma"] = (kinds["mma"][0], MM.kernel_name(t, paired=True))
+    # the default's launches (a split's two, the split with its sum fused, paired rows)
+    kinds["mma"] = (kinds["mma"][0], MM.launch_names(t, mcfg))
     for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
         ks = int(flags[1]) if flags.startswith("k") else 1
         mc = {key: v for key, v in mcfg.items() if key != "R"}
         mc.update(U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
         mc.update(S=int("s" in flags), PF=int("p" in flags), **({"R": 2} if "r" in flags else {}))
         mc = {key: v for key, v in MM.with_split(mc, t, k, ks).items() if key != "SF"}
-        fused = "f" in flags
-        if fused:
+        if "f" in flags:
             mc["SF"] = 1
-        name = MM.kernel_name(t, "s" in flags, split=ks > 1, paired="r" in flags, fused=fused)
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
-            (name, MM._SUM_KERNEL.name) if ks > 1 and not fused else name,
+            MM.launch_names(t, mc),
         )
     return kinds, c, mcfg
 

@@ -466,6 +466,7 @@ def _example(
     layout: tuple,
     nt: int = 1,
     conv_in_place: bool = False,
+    parts: int = 1,
 ) -> Example:
     return Example(
         inputs={
@@ -479,22 +480,26 @@ def _example(
             "state_hist": mx.float32, "conv_hist": dtype,
         },
         template={
-            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout),
+            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout, parts),
             "CONV_INPLACE": conv_in_place,
         },
     )  # fmt: skip
 
 
-def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -> dict:
+def _template(
+    dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple, parts: int = 1
+) -> dict:
     """The kernel's template constants for one call shape; ``layout``: QS, QO, ZS, ZO, AS, AO,
-    BS, BO, the values per token and first channel of qkv, z, a, b."""
-    nw = _warps(dv, L)
+    BS, BO, the values per token and first channel of qkv, z, a, b; ``parts`` > 1: the split
+    kernel's S, its SIMD groups and rows for Dv / S value rows, no preload."""
+    nw = _warps(dv // parts, L)
     return {
-        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
+        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // parts // nw),
         "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
         "CONV_INPLACE": False,  # set by a recorded graph writing the conv state in place
-        "PRELOAD": True,  # the examples render the preloaded path too; _plan sets the switch
+        "PRELOAD": parts == 1,  # the examples render the preloaded path too; _plan sets it
         **dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout)),
+        **({"S": parts} if parts > 1 else {}),
     }  # fmt: skip
 
 
@@ -526,12 +531,10 @@ def _split_example(conv_in_place: bool) -> Example:
     """The 35B-A3B head (Dk = Dv = 128) at S = 2, 4 rows, in both conv-state variants."""
     ex = _example(
         mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 1,
-        conv_in_place,
+        conv_in_place, parts=2,
     )  # fmt: skip
-    nw = _warps(64, 1)
-    template = {**ex.template, "S": 2, "NW": nw, "R": -(-64 // nw), "B_HV": 128, "PRELOAD": False}
     inputs = {**ex.inputs, "ncounter": (mx.uint32, 256), "nset": (mx.int32, 1)}
-    return Example(inputs, {**ex.outputs, "ys_out": mx.float32}, template)
+    return Example(inputs, {**ex.outputs, "ys_out": mx.float32}, {**ex.template, "B_HV": 128})
 
 
 # the kernel at S > 1 threadgroups a (row, value head): HF2Q_GDN_SPLIT
@@ -584,18 +587,17 @@ def _plan(
     """(launcher, eps array, placeholder mask, counters, the output norm's counters or None)
     for one call shape; ``blocks``: HF2Q_GDN_MIN_BLOCKS's launch bounds, or None; ``parts``:
     threadgroups a (row, value head), ``kernel`` then the split one (HF2Q_GDN_SPLIT)."""
-    nw = _warps(dv // parts, L)
-    bounds = launch_bounds(SIMD_WIDTH * nw, blocks)
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
     hist_shapes = [(B, L, hv, dv, dk), (B, L, K - 1, C)] if hist else [(1,), (1,)]
-    template = {**_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
-                "PRELOAD": preload, **bounds}  # fmt: skip
+    template = _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout, parts)
+    nw = template["NW"]
+    template.update(PRELOAD=preload and parts == 1, **launch_bounds(SIMD_WIDTH * nw, blocks))
     shapes = [(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes]
     out_dtypes = [dtype, mx.float32, dtype, mx.float32, dtype]
     norm = None
     if parts > 1:  # each threadgroup's y (B, Hv, Dv) fp32, and the heads' counters
-        template.update(S=parts, NW=nw, R=-(-dv // parts // nw), B_HV=B * hv, PRELOAD=False)
+        template["B_HV"] = B * hv
         shapes.append((B, hv, dv))
         out_dtypes.append(mx.float32)
         norm = CountedPlan(None, (), B * hv, parts)

@@ -625,22 +625,30 @@ def make_kernel(
     )
 
 
+def _example(
+    out: mx.Dtype,
+    nt: int,
+    u: int,
+    pf: int,
+    xg: int,
+    ks: int = 1,
+    extra_inputs: dict | None = None,
+    extra_outputs: dict | None = None,
+) -> Example:
+    """An Example of a mat-vec kernel: x, w (``extra_inputs`` after them), dims -> out
+    (``extra_outputs`` after it); template KS where ``ks`` > 1."""
+    inputs = {"x": mx.bfloat16, "w": mx.uint8, **(extra_inputs or {}), "dims": (mx.int32, 3)}
+    template = {"T": mx.bfloat16, "NT": nt, "U": u, "PF": pf, "XG": xg,
+                **({"KS": ks} if ks > 1 else {})}  # fmt: skip
+    return Example(inputs, {"out": out, **(extra_outputs or {})}, template)
+
+
 def _make_kernel(ggml_type: int, stream: bool = False, split: bool = False) -> Kernel:
     """The mat-vec of one type; ``split``: its split over K (template KS), whose fp32 output
     (KS, M, N) holds each split's sums for ``_SUM_KERNEL``."""
+    out = mx.float32 if split else mx.bfloat16
     examples = [
-        Example(
-            {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
-            {"out": mx.float32 if split else mx.bfloat16},
-            {
-                "T": mx.bfloat16,
-                "NT": nt,
-                "U": u,
-                "PF": pf,
-                "XG": xg,
-                **({"KS": 3} if split else {}),
-            },
-        )
+        _example(out, nt, u, pf, xg, 3 if split else 1)
         for nt, u, pf, xg in ((1, 2, 0, 1), (2, 1, 1, X_ALL), (4, 2, 0, 1))
     ]
     name = f"ggml_qmv_mma_{'s_' if stream else ''}{'ks_' if split else ''}"
@@ -670,19 +678,7 @@ _PAIR_SPLIT_EPILOGUE = """    UNROLL for (int h = 0; h < 2; ++h)
 def _make_pair_kernel(ggml_type: int, split: bool = False) -> Kernel:
     """The mat-vec of one type over paired rows (R = 2; dims [M, N / 2, K]); ``split``: its
     split over K, fp32 (KS, M, N) out as the unpaired split's."""
-    template = {
-        "T": mx.bfloat16,
-        "NT": 1,
-        "U": 2,
-        "PF": 0,
-        "XG": X_ALL,
-        **({"KS": 3} if split else {}),
-    }
-    example = Example(
-        {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
-        {"out": mx.float32 if split else mx.bfloat16},
-        template,
-    )
+    example = _example(mx.float32 if split else mx.bfloat16, 1, 2, 0, X_ALL, 3 if split else 1)
     name = f"ggml_qmv_mma_{'ks_' if split else ''}r2_{T(ggml_type).name.lower()}"
     return make_kernel(name, ggml_type, [example], halves=2,
                        epilogue=_PAIR_SPLIT_EPILOGUE if split else _PAIR_EPILOGUE,
@@ -730,11 +726,10 @@ _FUSED_SPLIT_TAIL = """
 def _make_fused_split_kernel(ggml_type: int) -> Kernel:
     """The split over K with its sum fused (config SF = 1): inputs x, w, counter, cset, dims;
     outputs out (M, N) and the splits' fp32 sums part (KS, M, N)."""
-    example = Example(
-        {"x": mx.bfloat16, "w": mx.uint8, "counter": (mx.uint32, 64), "cset": (mx.int32, 1),
-         "dims": (mx.int32, 3)},
-        {"out": mx.bfloat16, "part": mx.float32},
-        {"T": mx.bfloat16, "NT": 1, "U": 2, "PF": 0, "XG": X_ALL, "KS": 2},
+    example = _example(
+        mx.bfloat16, 1, 2, 0, X_ALL, 2,
+        extra_inputs={"counter": (mx.uint32, 64), "cset": (mx.int32, 1)},
+        extra_outputs={"part": mx.float32},
     )  # fmt: skip
     return make_kernel(
         f"ggml_qmv_mma_ksf_{T(ggml_type).name.lower()}",
@@ -857,15 +852,15 @@ SPLIT_AUTO = 2
 SPLIT_MIN_K = 8192
 
 
-def split_k(N: int, K: int, qk: int, raw: str | None = None) -> int:
+def split_k(N: int, K: int, qk: int, raw: str | None = None, auto: bool = True) -> int:
     """KS for an N x K weight of ``qk``-element blocks, where the grid has fewer than
-    SPLIT_TILES tiles: HF2Q_MMA_SPLIT_K (``raw`` in its place) when set, else SPLIT_AUTO where
-    K >= SPLIT_MIN_K and the grid has more than SPLIT_TILES / 2 tiles; cut so each split sums
-    at least SPLIT_MIN_BLOCKS blocks. 1: no split."""
+    SPLIT_TILES tiles: HF2Q_MMA_SPLIT_K (``raw`` in its place) when set, else (``auto``)
+    SPLIT_AUTO where K >= SPLIT_MIN_K and the grid has more than SPLIT_TILES / 2 tiles; cut so
+    each split sums at least SPLIT_MIN_BLOCKS blocks. 1: no split."""
     tiles = -(-N // 16)
     ks = int_setting("HF2Q_MMA_SPLIT_K", SPLIT_K_RAW if raw is None else raw, 1, 8)
     if ks is None:
-        ks = SPLIT_AUTO if K >= SPLIT_MIN_K and tiles > SPLIT_TILES // 2 else 1
+        ks = SPLIT_AUTO if auto and K >= SPLIT_MIN_K and tiles > SPLIT_TILES // 2 else 1
     if ks == 1 or tiles >= SPLIT_TILES:
         return 1
     return max(1, min(ks, (K // qk) // SPLIT_MIN_BLOCKS))
@@ -935,6 +930,15 @@ def kernel_name(
     return (_STREAM_KERNELS if stream else _KERNELS)[ggml_type].name
 
 
+def launch_names(ggml_type: int, cfg: dict[str, int]) -> str | tuple[str, str]:
+    """The kernel name of ``cfg``'s launch (benchmarks match profiler events on it), or the
+    split's two (its kernel, then ``_SUM_KERNEL``)."""
+    split, fused = cfg.get("KS", 1) > 1, bool(cfg.get("SF"))
+    paired = cfg.get("R", 1) == 2
+    name = kernel_name(ggml_type, bool(cfg.get("S")), split, paired, fused and split)
+    return (name, _SUM_KERNEL.name) if split and not fused else name
+
+
 def n_tiles(M: int) -> int:
     """NT for M rows of x (M <= 32): 1, 2 or 4 n-tiles of 8 columns. (3 would do for 17..24
     rows; one fewer compiled variant, and a column's math is the same at any NT.)"""
@@ -954,8 +958,7 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     qk = BLOCK_FORMATS[ggml_type].block_size
     if pairs(N):
         cfg = {**glu_launch_config(ggml_type, M, N // 2, K), "R": 2}
-        ks = split_k(N // 2, K, qk) if SPLIT_K_RAW.strip() else 1
-        return with_split(cfg, ggml_type, K, ks)
+        return with_split(cfg, ggml_type, K, split_k(N // 2, K, qk, auto=False))
     cfg = _config(_DEFAULTS, ggml_type, M, K)
     return with_split(cfg, ggml_type, K, split_k(N, K, qk))
 
@@ -968,9 +971,15 @@ def with_split(cfg: dict[str, int], ggml_type: int, K: int, ks: int) -> dict[str
     if ks > 1:
         blocks = K // BLOCK_FORMATS[ggml_type].block_size // ks
         out.update(KS=ks, W=max(1, min(out["W"], -(-blocks // out["U"]))))
-        if split_fused() and out.get("R", 1) == 1 and not out.get("S"):
+        if split_fused() and _fusable(out):
             out["SF"] = 1
     return out
+
+
+def _fusable(cfg: dict[str, int]) -> bool:
+    """Whether a split config's sum can be fused (``_FUSED_SPLIT_KERNELS``): plain loads,
+    unpaired rows."""
+    return cfg.get("R", 1) == 1 and not cfg.get("S")
 
 
 def _config(
@@ -1027,8 +1036,6 @@ class _Plan(LaunchPlan):
         else:
             kernel = _SPLIT_KERNELS[ggml_type, stream] if split else (
                 _STREAM_KERNELS if stream else _KERNELS)[ggml_type]  # fmt: skip
-        template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
-                    "XG": cfg.get("XG", 1), **({"KS": ks} if split else {})}  # fmt: skip
         rows = N // 2 if paired else N  # rows a threadgroup's row set spans
         super().__init__(
             kernel,
@@ -1037,7 +1044,7 @@ class _Plan(LaunchPlan):
             threadgroup=(32 * cfg["W"],),
             output_shapes=[(ks, M, N) if split else (M, N)],
             output_dtypes=[mx.float32 if split else mx.bfloat16],
-            template=_bounded(template, cfg["W"]),
+            template=_launch_template(cfg, ks if split else None),
         )
 
 
@@ -1088,11 +1095,9 @@ class _FusedSplitPlan:
     __slots__ = ("plan", "counted")
 
     def __init__(self, ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]):
-        if cfg.get("R", 1) != 1 or cfg.get("S"):
+        if not _fusable(cfg):
             raise ValueError(f"config {cfg}: the fused split sum takes plain loads, unpaired rows")
         ks, tiles, w = cfg["KS"], -(-N // 16), cfg["W"]
-        template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
-                    "XG": cfg.get("XG", 1), "KS": ks}  # fmt: skip
         self.plan = LaunchPlan(
             _FUSED_SPLIT_KERNELS[ggml_type],
             [M, N, K],
@@ -1100,7 +1105,7 @@ class _FusedSplitPlan:
             threadgroup=(32 * w,),
             output_shapes=[(M, N), (ks, M, N)],
             output_dtypes=[mx.bfloat16, mx.float32],
-            template=_bounded(template, w),
+            template=_launch_template(cfg, ks),
         )
         self.counted = CountedPlan(None, (), tiles, ks)
 
@@ -1135,10 +1140,12 @@ def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> Ma
     return _Plan(ggml_type, M, N, K, cfg)
 
 
-def _bounded(template: dict, w: int) -> dict:
-    """``template`` with HF2Q_MMA_MIN_BLOCKS's launch bounds (threadgroups of ``w`` SIMD
-    groups), if set."""
-    return {**template, **launch_bounds(32 * w, min_blocks())}
+def _launch_template(cfg: dict[str, int], ks: int | None) -> dict:
+    """A mat-vec launch's template from ``cfg`` (KS = ``ks`` for a split's kernel, None
+    otherwise), with HF2Q_MMA_MIN_BLOCKS's launch bounds for its W SIMD groups, if set."""
+    template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
+                "XG": cfg.get("XG", 1), **({"KS": ks} if ks is not None else {})}  # fmt: skip
+    return {**template, **launch_bounds(32 * cfg["W"], min_blocks())}
 
 
 _PLANS: dict[tuple, MatvecPlan] = {}
