@@ -489,3 +489,9 @@ for s in "$@"; do
   [ "$code" = 0 ] || rc=$code
 done
 exit $rc
+# session 52: the decode attention's load variants (HF2Q_ATTN_LOADS: "v" a lane's elements
+# contiguous, 16-byte loads; "p" two slots in flight, same bits) and its mapping at 1 and 32
+# rows (session 51: 26B-A4B's 32-row step spent 6.9 of 18.6 ms in attention, 234 us a sliding
+# call at ~0.3 TB/s): GPU bits, then the sweep with CUPTI
+step attn-loads-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants or gpu_rows_bit_identical or gpu_kernel_matches' tests/kernels/test_decode_attention.py --tb=short"
+step attn-sweep 300 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json --batch ${ATTN_BATCH:-1 32} --loads '' v p vp --mappings '${ATTN_MAPPINGS:-4,8 8,4 4,4 2,8 8,8 2,16 1,16}' --shapes '${ATTN_SHAPES:-step 544}' --rounds 5 --chain 16 --profile"

@@ -17,6 +17,7 @@ import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, device_array, int_tuple_setting, launch_recorder
 from hf2q_mlx.custom_kernels._render import Example, Kernel
+from hf2q_mlx.errors import InvalidArgumentError
 
 
 def ring_slot_positions(offset, capacity: int, span: int | None = None) -> mx.array:
@@ -66,7 +67,8 @@ def decode_attention_reference(
 
 
 # Template: T, D, DV, REP (query heads per KV head), G (query heads per threadgroup, a divisor
-# of REP), L, SPAN, CAP, RING, WIN, W (SIMD groups), P (parts of the span), CHUNK (slots a part).
+# of REP), L, SPAN, CAP, RING, WIN, W (SIMD groups), P (parts of the span), CHUNK (slots a part),
+# VEC (a lane's elements contiguous: vector loads), BF (T is bf16), PF (two slots in flight).
 _BODY = """
   // One threadgroup per (row group = (b, query heads h0 .. h0 + G - 1 of one KV head, token l),
   // part of the span); its W SIMD groups take the part's slots s = first + simd_id, + W, ...;
@@ -75,8 +77,12 @@ _BODY = """
   // the groups merge at the end, head after head, into the output (P == 1) or into the part's
   // (max, sum, values); with P > 1 the part of a row group that finishes last merges its P
   // parts into the output (no second launch). A head's arithmetic is the same at any G.
+  // VEC: lane j holds elements j * EK .. j * EK + EK - 1 instead (16-bit T, D == DV, EK a
+  // multiple of 4: 8- or 16-byte loads). PF: two slots of a SIMD group loaded before either
+  // is scored (the same order of additions as one at a time).
   constexpr int EK = (D + 31) / 32;
   constexpr int EV = (DV + 31) / 32;
+  constexpr int NS = PF ? 2 : 1;
   constexpr int CH = 128;  // output dims merged per pass through shared memory
   SHARED float wm[G * W];
   SHARED float wl[G * W];
@@ -101,7 +107,7 @@ _BODY = """
   UNROLL for (int g = 0; g < G; ++g) {
     const uint64_t row = uint64_t((b * Hq + h0 + g) * L + l);
     UNROLL for (int e = 0; e < EK; ++e) {
-      const int i = int(lane) + 32 * e;
+      const int i = VEC ? int(lane) * EK + e : int(lane) + 32 * e;
       qv[g][e] = i < D ? to_float(q[row * D + i]) * sc : 0.0f;
     }
     UNROLL for (int e = 0; e < EV; ++e) o[g][e] = 0.0f;
@@ -110,40 +116,78 @@ _BODY = """
   }
   const uint64_t kbase = uint64_t(b * Hk + hk) * CAP;
   const int last = (part + 1) * CHUNK < SPAN ? (part + 1) * CHUNK : SPAN;
-  for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
-    int kp;
-    if (RING) {
-      int r = (end - 1 - s) % CAP;
-      if (r < 0) r += CAP;
-      kp = end - 1 - r;
-    } else {
-      kp = s < end ? s : -1;
-    }
-    if (kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN)) continue;  // uniform in the group
-    const uint64_t ko = (kbase + uint64_t(s)) * D;
-    const uint64_t vo = (kbase + uint64_t(s)) * DV;
-    float vv[EV];
-    UNROLL for (int e = 0; e < EV; ++e) {  // issued before the score needs them
-      const int i = int(lane) + 32 * e;
-      vv[e] = i < DV ? to_float(values[vo + i]) : 0.0f;
-    }
-    float kv[EK];
-    UNROLL for (int e = 0; e < EK; ++e) {
-      const int i = int(lane) + 32 * e;
-      kv[e] = i < D ? to_float(keys[ko + i]) : 0.0f;
-    }
-    UNROLL for (int g = 0; g < G; ++g) {
-      float part_dot = 0.0f;
-      UNROLL for (int e = 0; e < EK; ++e) {
-        if (int(lane) + 32 * e < D) part_dot += qv[g][e] * kv[e];
+  for (int s0 = part * CHUNK + int(simd_id); s0 < last; s0 += W * NS) {
+    bool vis[NS];
+    float kv[NS][EK];
+    float vv[NS][EV];
+    UNROLL for (int j = 0; j < NS; ++j) {
+      const int s = s0 + j * W;
+      int kp = -1;
+      if (s < last) {
+        if (RING) {
+          int r = (end - 1 - s) % CAP;
+          if (r < 0) r += CAP;
+          kp = end - 1 - r;
+        } else {
+          kp = s < end ? s : -1;
+        }
       }
-      const float score = simd_sum(part_dot);
-      const float m2 = max_f(m[g], score);
-      const float fix = exp_f(m[g] - m2);
-      const float p = exp_f(score - m2);
-      den[g] = den[g] * fix + p;
-      UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[e];
-      m[g] = m2;
+      vis[j] = !(kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN));  // uniform in the group
+      if (!vis[j]) continue;
+      const uint64_t ko = (kbase + uint64_t(s)) * D;
+      const uint64_t vo = (kbase + uint64_t(s)) * DV;
+      if (VEC && EK % 8 == 0) {  // 16-byte loads: 8 elements each
+        UNROLL for (int c = 0; c < EK / 8; ++c) {  // values first: issued before the score
+          const uint4 a = DEVICE_CAST(const uint4, values + vo + int(lane) * EK)[c];
+          const uint4 b = DEVICE_CAST(const uint4, keys + ko + int(lane) * EK)[c];
+          const uint aw[4] = {a.x, a.y, a.z, a.w};
+          const uint bw[4] = {b.x, b.y, b.z, b.w};
+          UNROLL for (int h = 0; h < 8; ++h) {
+            const ushort ab = ushort(h % 2 ? aw[h / 2] >> 16 : aw[h / 2] & 0xffffu);
+            const ushort bb = ushort(h % 2 ? bw[h / 2] >> 16 : bw[h / 2] & 0xffffu);
+            vv[j][8 * c + h] = BF ? bf16_bits_to_float(ab) : f16_bits_to_float(ab);
+            kv[j][8 * c + h] = BF ? bf16_bits_to_float(bb) : f16_bits_to_float(bb);
+          }
+        }
+      } else if (VEC) {  // 8-byte loads: 4 elements each
+        UNROLL for (int c = 0; c < EK / 4; ++c) {
+          const uint2 a = DEVICE_CAST(const uint2, values + vo + int(lane) * EK)[c];
+          const uint2 b = DEVICE_CAST(const uint2, keys + ko + int(lane) * EK)[c];
+          const uint aw[2] = {a.x, a.y};
+          const uint bw[2] = {b.x, b.y};
+          UNROLL for (int h = 0; h < 4; ++h) {
+            const ushort ab = ushort(h % 2 ? aw[h / 2] >> 16 : aw[h / 2] & 0xffffu);
+            const ushort bb = ushort(h % 2 ? bw[h / 2] >> 16 : bw[h / 2] & 0xffffu);
+            vv[j][4 * c + h] = BF ? bf16_bits_to_float(ab) : f16_bits_to_float(ab);
+            kv[j][4 * c + h] = BF ? bf16_bits_to_float(bb) : f16_bits_to_float(bb);
+          }
+        }
+      } else {
+        UNROLL for (int e = 0; e < EV; ++e) {  // issued before the score needs them
+          const int i = int(lane) + 32 * e;
+          vv[j][e] = i < DV ? to_float(values[vo + i]) : 0.0f;
+        }
+        UNROLL for (int e = 0; e < EK; ++e) {
+          const int i = int(lane) + 32 * e;
+          kv[j][e] = i < D ? to_float(keys[ko + i]) : 0.0f;
+        }
+      }
+    }
+    UNROLL for (int j = 0; j < NS; ++j) {
+      if (!vis[j]) continue;
+      UNROLL for (int g = 0; g < G; ++g) {
+        float part_dot = 0.0f;
+        UNROLL for (int e = 0; e < EK; ++e) {
+          if (VEC || int(lane) + 32 * e < D) part_dot += qv[g][e] * kv[j][e];
+        }
+        const float score = simd_sum(part_dot);
+        const float m2 = max_f(m[g], score);
+        const float fix = exp_f(m[g] - m2);
+        const float p = exp_f(score - m2);
+        den[g] = den[g] * fix + p;
+        UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[j][e];
+        m[g] = m2;
+      }
     }
   }
   if (lane == 0) {
@@ -179,7 +223,8 @@ _BODY = """
         BARRIER();
         const int base = i0 - (i0 % CH);
         for (int t = int(tid); t < CH; t += int(tg_size)) {
-          const int i = base + t;
+          // slot t of the pass holds element base / 32 + t / 32 of lane t % 32
+          const int i = VEC ? (t % 32) * EV + base / 32 + t / 32 : base + t;
           if (i >= DV || t > (i0 % CH) + 31) continue;
           float acc = 0.0f;
           for (int w = 0; w < W; ++w) acc += wo[w * CH + t];
@@ -241,12 +286,14 @@ _kernel = Kernel(
              "dims": (mx.int32, 2), "counter": (mx.uint32, 64), "cset": (mx.int32, 1)},
             {"out": t, "pm": mx.float32, "pl": mx.float32, "po": mx.float32},
             {"T": t, "D": d, "DV": d, "REP": rep, "G": g, "L": l, "SPAN": 256, "CAP": cap,
-             "RING": ring, "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts)},
+             "RING": ring, "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts),
+             "VEC": vec, "BF": int(t == mx.bfloat16), "PF": pf},
         )
-        for t, d, rep, g, l, cap, ring, win, w, parts in (
-            (mx.bfloat16, 256, 2, 2, 1, 1024, 0, 0, 32, 8),
-            (mx.float32, 80, 1, 1, 3, 260, 1, 256, 8, 1),
-            (mx.float16, 512, 8, 2, 1, 1024, 1, 1024, 16, 4),
+        for t, d, rep, g, l, cap, ring, win, w, parts, vec, pf in (
+            (mx.bfloat16, 256, 2, 2, 1, 1024, 0, 0, 32, 8, 0, 0),
+            (mx.float32, 80, 1, 1, 3, 260, 1, 256, 8, 1, 0, 1),
+            (mx.float16, 512, 8, 2, 1, 1024, 1, 1024, 16, 4, 1, 1),
+            (mx.bfloat16, 128, 2, 1, 1, 1024, 1, 1024, 8, 4, 1, 0),
         )
     ],
 )  # fmt: skip
@@ -279,7 +326,7 @@ def decode_attention(
         sig = (q.dtype, keys.dtype, values.dtype, pos.dtype)
         flat = merge_heads and L == 1
         plan = _plan(_kernel, be, q.shape, C, values.shape[-1], Hq // Hk, span, window, scale,
-                     sig, flat)  # fmt: skip
+                     sig, flat, load_flags(LOADS_RAW))  # fmt: skip
         if plan is not None:
             out = plan.launch(inputs=[q, keys, values, pos, *plan.inputs()])[0]
             return out if flat or not merge_heads else heads_merged(out)
@@ -327,6 +374,26 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     # two slots per SIMD group or more: each slot is a dependent round trip to memory, so the
     # part's latency is its slots per group (at one token per row, the whole step waits on it)
     return parts, max(2, min(most, chunk // 2))
+
+
+# HF2Q_ATTN_LOADS: letters "v" (a lane's key / value elements contiguous, read by 8- or 16-byte
+# loads, where the cache is 16-bit and a lane holds a multiple of 4 elements; the dot product's
+# order of additions changes, the same at any batch) and "p" (each SIMD group loads two slots
+# before scoring either: the same bits). Read at import; "" the one-element loads.
+LOADS_RAW = os.environ.get("HF2Q_ATTN_LOADS", "")
+
+
+def load_flags(value: str) -> frozenset[str]:
+    """The letters of an HF2Q_ATTN_LOADS value ("", "v", "p", "vp")."""
+    flags = frozenset(value.strip().lower())
+    if flags - {"v", "p"}:
+        raise InvalidArgumentError(f"HF2Q_ATTN_LOADS={value!r}: expected letters of 'vp' or ''")
+    return flags
+
+
+def vector_lanes(dtype, D: int, Dv: int, flags: frozenset[str]) -> bool:
+    """Whether a call takes the contiguous-lane (vector load) mapping."""
+    return "v" in flags and dtype in (mx.bfloat16, mx.float16) and D == Dv and D % 128 == 0
 
 
 # Query heads of one KV head that a threadgroup takes together (G), reading each key and value
@@ -381,9 +448,10 @@ class CountedPlan:
 
 
 @lru_cache(maxsize=256)
-def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False):
+def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False,
+          loads=frozenset()):  # fmt: skip
     """The ``CountedPlan`` of one call shape, or None for the reference. ``flat`` (one token per
-    row): the output shaped (B, 1, Hq * Dv)."""
+    row): the output shaped (B, 1, Hq * Dv); ``loads``: HF2Q_ATTN_LOADS's letters."""
     B, Hq, L, D = q_shape
     dt = sig[0]
     if dt not in _FLOATS or sig[1:3] != (dt, dt) or sig[3] != mx.int32 or L > 16:
@@ -404,7 +472,8 @@ def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False)
         output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
         template={"T": dt, "D": D, "DV": Dv, "REP": rep, "G": group, "L": L, "SPAN": span, "CAP": C,
                   "RING": window is not None, "WIN": window or 0, "W": warps, "P": parts,
-                  "CHUNK": -(-span // parts)},
+                  "CHUNK": -(-span // parts), "VEC": int(vector_lanes(dt, D, Dv, loads)),
+                  "BF": int(dt == mx.bfloat16), "PF": int("p" in loads)},
         backend=be,
     )  # fmt: skip
     consts = (device_array([scale], mx.float32), device_array([Hq, rows], mx.int32))

@@ -268,3 +268,89 @@ def test_gpu_split_rows_merge_in_the_last_part_call_after_call():
         assert mx.array_equal(again, first).item()
     assert not mx.any(plan.counter).item()
     da._plan.cache_clear()
+
+
+# cases the contiguous-lane (vector load) mapping takes in 16-bit: D 128, 256, 512
+VEC_CASES = [
+    CASES[4],
+    (2, 4, 2, 1, 128, 128, 40, [5, 33], 32, 40),  # a window over a wrapped ring, 8-byte loads
+    (1, 4, 2, 2, 256, 256, 48, [60], 40, 48),  # two tokens, 16-byte loads
+]
+
+
+def _load_variants(monkeypatch, cases, dtype):
+    """Each case under HF2Q_ATTN_LOADS "", "p", "v", "vp": two slots in flight give the bits of
+    one at a time; the vector mapping is its own order of additions, within the dtype's bound
+    of the reference (_check), and the same as the default where it does not apply."""
+    for case in cases:
+        B, Hq, Hk, L, D, Dv, C, pos, window, span = case
+        q, k, v, p = _case(B, Hq, Hk, L, D, Dv, C, pos, 17, dtype)
+        outs = {}
+        for loads in ("", "p", "v", "vp"):
+            monkeypatch.setattr(da, "LOADS_RAW", loads)
+            da._plan.cache_clear()
+            outs[loads] = np.array(
+                da.decode_attention(q, k, v, p, 0.25, span, window).astype(mx.float32)
+            )
+            if loads == "vp":
+                _check(case, dtype)
+        assert np.array_equal(outs[""], outs["p"], equal_nan=True), case
+        assert np.array_equal(outs["v"], outs["vp"], equal_nan=True), case
+        if not da.vector_lanes(dtype, D, Dv, frozenset("v")):
+            assert np.array_equal(outs[""], outs["v"], equal_nan=True), case
+    da._plan.cache_clear()
+
+
+@needs_gxx
+@pytest.mark.parametrize(  # one part per row (1), the span split in parts (4096)
+    "dtype, groups", [(mx.bfloat16, 1), (mx.bfloat16, 4096), (mx.float16, 4096), (mx.float32, 1)]
+)
+def test_emulated_load_variants(monkeypatch, dtype, groups):
+    emulate(monkeypatch, da, "_kernel")
+    monkeypatch.setattr(da, "TARGET_GROUPS", groups)
+    _load_variants(monkeypatch, [CASES[1], *VEC_CASES], dtype)
+
+
+@needs_gxx
+def test_emulated_vector_rows_bit_identical_alone(monkeypatch):
+    emulate(monkeypatch, da, "_kernel")
+    monkeypatch.setattr(da, "TARGET_GROUPS", 8)
+    monkeypatch.setattr(da, "LOADS_RAW", "vp")
+    da._plan.cache_clear()
+    try:
+        _rows_alone_match(VEC_CASES[2], mx.bfloat16)
+        _rows_alone_match((3, 4, 2, 1, 128, 128, 40, [5, 33, 39], 32, 40), mx.bfloat16)
+    finally:
+        da._plan.cache_clear()
+
+
+def test_attention_load_flags():
+    assert da.load_flags(" VP ") == frozenset("vp") and da.load_flags("") == frozenset()
+    with pytest.raises(InvalidArgumentError):
+        da.load_flags("x")
+    v = frozenset("v")
+    assert da.vector_lanes(mx.bfloat16, 256, 256, v) and da.vector_lanes(mx.float16, 128, 128, v)
+    assert not da.vector_lanes(mx.float32, 256, 256, v)
+    assert not da.vector_lanes(mx.bfloat16, 80, 80, v) and not da.vector_lanes(
+        mx.bfloat16, 256, 128, v
+    )
+    assert not da.vector_lanes(mx.bfloat16, 256, 256, frozenset("p"))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_gpu_load_variants(monkeypatch, dtype):
+    """On the GPU at Gemma 4 26B-A4B's sliding / global and Qwen 3.5's full shapes, 8 rows."""
+    cases = [
+        (8, 16, 8, 1, 256, 256, 1024, [700, 5, 1023, 64, 300, 900, 2, 511], 1024, 1024),
+        (8, 16, 2, 1, 512, 512, 2048, [900, 1500, 3, 2000, 40, 700, 1200, 1999], None, 2048),
+        (2, 16, 2, 5, 256, 256, 4096, [10, 3000], None, 4096),
+        (4, 12, 2, 1, 128, 128, 2048, [1, 400, 1200, 2000], None, 2048),
+    ]
+    _load_variants(monkeypatch, cases, dtype)
+    monkeypatch.setattr(da, "LOADS_RAW", "vp")
+    da._plan.cache_clear()
+    try:
+        _rows_alone_match(cases[2], dtype)
+    finally:
+        da._plan.cache_clear()
