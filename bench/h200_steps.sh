@@ -466,12 +466,6 @@ step pair-ab 480 "for sh in ${PAIR_AB_SHAPES:-gemma4:31b qwen3_5:9b gemma4:26b-a
 # KS 3; then 31B's graph decode (split by default) with and without it
 step fused-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_fused_split' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_SPLIT_K=3 HF2Q_MMA_SPLIT_FUSED=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
 step fused-ab 240 "python3 bench/mlx_env_ab.py $OUT/split_fused_31b.json --step graph --format q4_k --shape gemma4:31b --rounds 7 --tokens 64 --time-cap 180 --env '' --env HF2Q_MMA_SPLIT_FUSED=1 2>&1 | tail -6"
-# session 51: the delta-net decode over S threadgroups a (row, value head) (HF2Q_GDN_SPLIT, off): GPU
-# bits against one threadgroup (35B-A3B heads at 1 and 32 rows, counters call after call), the
-# graph step with it; then 35B-A3B and 9B graph decode with S = 2 / 4, and 35B-A3B's 32-row step
-step gdn-split-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_split_heads' tests/kernels/test_gated_delta_decode.py --tb=short; r=\$?; HF2Q_GDN_SPLIT=2 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
-step gdn-split-ab 420 "for sh in ${GDN_SHAPES:-qwen3_5:35b-a3b qwen3_5:9b}; do python3 bench/mlx_env_ab.py $OUT/gdn_split_\${sh#*:}.json --step graph --format q4_k --shape \$sh --rounds 5 --tokens 64 --time-cap 150 --env '' --env HF2Q_GDN_SPLIT=2 --env HF2Q_GDN_SPLIT=4 2>&1 | tail -7; done"
-step gdn-split-b32 300 "for s in 1 2 4; do echo HF2Q_GDN_SPLIT=\$s; HF2Q_GDN_SPLIT=\$s python3 bench/decode_profile.py qwen3_5:35b-a3b q4_k --step compiled --batch 32 --steps 16 --json $OUT/profile_35b_b32_gdn\$s.json | grep -a 'ms/token\\|gated_delta'; done"
 
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

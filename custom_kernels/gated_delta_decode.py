@@ -33,7 +33,6 @@ import numpy as np
 
 from hf2q_mlx.custom_kernels import backend, device_array, int_setting
 from hf2q_mlx.custom_kernels._render import Example, Kernel, launch_bounds
-from hf2q_mlx.custom_kernels.decode_attention import CountedPlan
 from hf2q_mlx.custom_kernels.gated_delta import gated_delta_update_reference
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -66,23 +65,6 @@ MIN_BLOCKS: str = os.environ.get("HF2Q_GDN_MIN_BLOCKS", "")
 def min_blocks() -> int | None:
     """HF2Q_GDN_MIN_BLOCKS (MIN_BLOCKS) as an integer 1..4, None when unset."""
     return int_setting("HF2Q_GDN_MIN_BLOCKS", MIN_BLOCKS, 1, 4)
-
-
-# HF2Q_GDN_SPLIT (1, 2, 4; unset: 1): threadgroups a (row, value head) of a one-token call
-# without history, each owning Dv / S of the head's value rows (``_split_body``). At one token a
-# threadgroup is one an SM (512 threads, 96 registers): Qwen3.5-35B-A3B's 32 value heads at one
-# row leave ~100 of an H100's 132 SMs idle for ~14 us a layer. The same bits as one threadgroup
-# (the output norm made whole by the last one). CPU emulator only so far. Read at import,
-# parsed at the first call, in the plan key.
-SPLIT: str = os.environ.get("HF2Q_GDN_SPLIT", "")
-
-
-def split() -> int:
-    """HF2Q_GDN_SPLIT (SPLIT): 1, 2 or 4 threadgroups a (row, value head); unset 1."""
-    value = int_setting("HF2Q_GDN_SPLIT", SPLIT, 1, 4) or 1
-    if value == 3:
-        raise InvalidArgumentError("HF2Q_GDN_SPLIT=3: expected 1, 2 or 4")
-    return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,88 +343,6 @@ _BODY = """
 #undef GDD_SEQ
 """
 
-
-def _split_body(body: str) -> str:
-    """``body`` for S > 1 threadgroups a (row, value head), one token, no history: threadgroup
-    sp of S owns the head's value rows DVS sp .. DVS sp + DVS - 1 (DVS = Dv / S): their state,
-    v conv channels and y. Each stores its y coherently into ys_out and counts itself in on the
-    (row, head)'s counter (set nset[0] of the plan's); the one taking ticket S - 1 zeroes it and
-    makes the gated RMSNorm of all Dv outputs exactly as the one-threadgroup kernel does (the
-    same sum order, the same bits). The q / k conv channels: sp 0 of the first value head, or
-    with CONV_INPLACE the last of the key head's Hv / Hk x S threadgroups to count in."""
-    edits = [
-        ("  const uint n = gid_x;  // bi * Hv + h\n",
-         "  const uint n = gid_x / uint(S);  // bi * Hv + h\n"
-         "  const uint sp = gid_x % uint(S);  // its value rows: dv0 .. dv0 + DVS - 1\n"
-         "  constexpr int DVS = Dv / S;\n"
-         "  const uint dv0 = sp * uint(DVS);\n"),
-        ("simd_id + NW * r < uint(Dv) ? simd_id + NW * r : uint(Dv - 1)",
-         "dv0 + (simd_id + NW * r < uint(DVS) ? simd_id + NW * r : uint(DVS - 1))"),
-        ("""    const uint dv = simd_id + NW * r;
-    if (dv < uint(Dv)) {
-      UNROLL for (int i = 0; i < NK; ++i)
-        state_out[""",
-         """    const uint dv = dv0 + simd_id + NW * r;
-    if (simd_id + NW * r < uint(DVS)) {
-      UNROLL for (int i = 0; i < NK; ++i)
-        state_out["""),
-        ("bool qk_writer = TILED ? h < uint(Hk) : h % uint(Hv / Hk) == 0;",
-         "bool qk_writer = (TILED ? h < uint(Hk) : h % uint(Hv / Hk) == 0) && sp == 0u;"),
-        ("uint(Hv / Hk - 1)", "uint(Hv / Hk * S - 1)"),
-        ("nqk + uint(Dv); e += tg_size", "nqk + uint(DVS); e += tg_size"),
-        ("2 * KD + h * Dv + (e - nqk);", "2 * KD + h * Dv + dv0 + (e - nqk);"),
-    ]  # fmt: skip
-    norm_start = body.index("    // gated RMSNorm over the head's Dv outputs")
-    state_stores = (
-        "  UNROLL for (int r = 0; r < R; ++r) {\n    const uint dv = simd_id + NW * r;\n"
-        "    if (dv < uint(Dv)) {\n      UNROLL for (int i = 0; i < NK; ++i)\n        state_out["
-    )
-    norm_end = body.index(state_stores)
-    store_ys = """    // its rows' y, for the threadgroup normalizing the head (below)
-    UNROLL for (int r = 0; r < R; ++r) {
-      if (lane == 0 && simd_id + NW * r < uint(DVS))
-        ATOMIC_STORE_U32(DEVICE_CAST(uint, ys_out) + size_t(n) * Dv + dv0 + simd_id + NW * r,
-                         bitcast<uint>(ys[r]));
-    }
-  }
-"""
-    body = body[:norm_start] + store_ys + body[norm_end:]
-    for old, new in edits:
-        if old not in body:
-            raise RuntimeError(f"gated_delta_decode: the split body misses {old!r}")
-        body = body.replace(old, new)
-    tail = """
-  // the (row, head)'s last threadgroup to count in makes the gated RMSNorm of its Dv outputs
-  SHARED uint norm_last[1];
-  BARRIER_DEVICE_FENCE();
-  if (tid == 0) {
-    DEVICE_PTR(uint) ctr = DEVICE_CAST(uint, ncounter) + size_t(nset[0]) * uint(B_HV) + n;
-    const uint ticket = ATOMIC_ADD_U32(ctr, 1u);
-    norm_last[0] = ticket == uint(S - 1) ? 1u : 0u;
-    if (ticket == uint(S - 1)) ATOMIC_STORE_U32(ctr, 0u);
-  }
-  BARRIER_DEVICE_FENCE();
-  if (norm_last[0] == 0u) return;  // the whole threadgroup leaves together
-  DEVICE_PTR(const uint) yb = DEVICE_CAST(const uint, ys_out) + size_t(n) * Dv;
-  for (uint i = tid; i < uint(Dv); i += tg_size) {
-    const float y = bitcast<float>(ATOMIC_LOAD_U32(yb + i));
-    part[i] = y * y;
-    part[DVP + i] = y;
-  }
-  BARRIER();
-  float sq = 0.0f;
-  for (int i = int(lane); i < Dv; i += SIMD_SIZE) sq += part[i];
-  const float tot = simd_sum(sq);
-  const float rstd = rsqrt_f(tot / float(Dv) + eps[0]);
-  for (uint dv = tid; dv < uint(Dv); dv += tg_size) {
-    const float zv = to_float(z[bi * ZS + ZO + h * Dv + dv]);
-    const float o = part[DVP + dv] * rstd * to_float(norm_w[dv]) * (zv / (1.0f + exp_f(-zv)));
-    out[(bi * Hv + h) * Dv + dv] = from_float<OutT>(o);
-  }
-"""
-    return body + tail
-
-
 _INPUTS = [
     "qkv", "z", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state_in", "norm_w",
     "eps", "active", "counter",
@@ -466,7 +366,6 @@ def _example(
     layout: tuple,
     nt: int = 1,
     conv_in_place: bool = False,
-    parts: int = 1,
 ) -> Example:
     return Example(
         inputs={
@@ -480,26 +379,22 @@ def _example(
             "state_hist": mx.float32, "conv_hist": dtype,
         },
         template={
-            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout, parts),
+            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout),
             "CONV_INPLACE": conv_in_place,
         },
     )  # fmt: skip
 
 
-def _template(
-    dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple, parts: int = 1
-) -> dict:
+def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -> dict:
     """The kernel's template constants for one call shape; ``layout``: QS, QO, ZS, ZO, AS, AO,
-    BS, BO, the values per token and first channel of qkv, z, a, b; ``parts`` > 1: the split
-    kernel's S, its SIMD groups and rows for Dv / S value rows, no preload."""
-    nw = _warps(dv // parts, L)
+    BS, BO, the values per token and first channel of qkv, z, a, b."""
+    nw = _warps(dv, L)
     return {
-        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // parts // nw),
+        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
         "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
         "CONV_INPLACE": False,  # set by a recorded graph writing the conv state in place
-        "PRELOAD": parts == 1,  # the examples render the preloaded path too; _plan sets it
+        "PRELOAD": True,  # the examples render the preloaded path too; _plan sets the switch
         **dict(zip(("QS", "QO", "ZS", "ZO", "AS", "AO", "BS", "BO"), layout)),
-        **({"S": parts} if parts > 1 else {}),
     }  # fmt: skip
 
 
@@ -524,28 +419,6 @@ _kernel = Kernel(
             mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 1, True
         ),
     ],
-)
-
-
-def _split_example(conv_in_place: bool) -> Example:
-    """The 35B-A3B head (Dk = Dv = 128) at S = 2, 4 rows, in both conv-state variants."""
-    ex = _example(
-        mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 1,
-        conv_in_place, parts=2,
-    )  # fmt: skip
-    inputs = {**ex.inputs, "ncounter": (mx.uint32, 256), "nset": (mx.int32, 1)}
-    return Example(inputs, {**ex.outputs, "ys_out": mx.float32}, {**ex.template, "B_HV": 128})
-
-
-# the kernel at S > 1 threadgroups a (row, value head): HF2Q_GDN_SPLIT
-_split_kernel = Kernel(
-    "gated_delta_decode_split",
-    inputs=[*_INPUTS, "ncounter", "nset"],
-    outputs=[*_OUTPUTS, "ys_out"],
-    body=_split_body(_BODY),
-    in_place={"state_out": "state_in", "conv_out": "conv_state"},
-    in_place_flags={"conv_out": "CONV_INPLACE"},
-    examples=[_split_example(False), _split_example(True)],
 )
 
 
@@ -582,33 +455,25 @@ def _plan(
     init_value,
     preload,
     blocks,
-    parts=1,
 ):
-    """(launcher, eps array, placeholder mask, counters, the output norm's counters or None)
-    for one call shape; ``blocks``: HF2Q_GDN_MIN_BLOCKS's launch bounds, or None; ``parts``:
-    threadgroups a (row, value head), ``kernel`` then the split one (HF2Q_GDN_SPLIT)."""
+    """(launcher, eps array, placeholder mask, counters) for one call shape; ``blocks``:
+    HF2Q_GDN_MIN_BLOCKS's launch bounds, or None."""
+    nw = _warps(dv, L)
+    bounds = launch_bounds(SIMD_WIDTH * nw, blocks)
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
     hist_shapes = [(B, L, hv, dv, dk), (B, L, K - 1, C)] if hist else [(1,), (1,)]
-    template = _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout, parts)
-    nw = template["NW"]
-    template.update(PRELOAD=preload and parts == 1, **launch_bounds(SIMD_WIDTH * nw, blocks))
-    shapes = [(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes]
-    out_dtypes = [dtype, mx.float32, dtype, mx.float32, dtype]
-    norm = None
-    if parts > 1:  # each threadgroup's y (B, Hv, Dv) fp32, and the heads' counters
-        template["B_HV"] = B * hv
-        shapes.append((B, hv, dv))
-        out_dtypes.append(mx.float32)
-        norm = CountedPlan(None, (), B * hv, parts)
-        dtypes = (*dtypes, mx.uint32, mx.int32)
     launch = kernel.launcher(
         list(dtypes),
-        grid=(B * hv * parts * SIMD_WIDTH * nw,),
+        grid=(B * hv * SIMD_WIDTH * nw,),
         threadgroup=(SIMD_WIDTH * nw,),
-        output_shapes=shapes,
-        output_dtypes=out_dtypes,
-        template=template,
+        output_shapes=[(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes],
+        output_dtypes=[dtype, mx.float32, dtype, mx.float32, dtype],
+        template={
+            **_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
+            "PRELOAD": preload,
+            **bounds,
+        },
         init_value=init_value,
         backend=be,
     )  # fmt: skip
@@ -616,7 +481,7 @@ def _plan(
     # at least 8: Metal would put a smaller input in its read-only constant space (a leaf from
     # host values: a plan first made inside mx.compile holds no traced op)
     counter = mx.array(np.zeros(max(8, B * hk), dtype=np.uint32))
-    return launch, device_array([eps], mx.float32), device_array([True], mx.bool_), counter, norm
+    return launch, device_array([eps], mx.float32), device_array([True], mx.bool_), counter
 
 
 def gated_delta_decode(
@@ -682,15 +547,11 @@ def gated_delta_decode(
     data = [x.data if isinstance(x, Channels) else x for x in projections]  # read in place
     inputs = [*data, conv_state, conv_weight, A_log, dt_bias, state, norm_weight]
     dtypes = (*(x.dtype for x in inputs), mx.float32, mx.bool_, mx.uint32)
-    parts = split() if L == 1 and not history else 1
-    parts = parts if dv % parts == 0 else 1
-    launch, eps, unmasked, counter, norm = _plan(
-        _split_kernel if parts > 1 else _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv,
-        dv, bool(tiled), masked, bool(history), float(norm_eps), dtypes, layout, init_value,
-        preload_on(), min_blocks(), parts,
+    launch, eps, unmasked, counter = _plan(
+        _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
+        bool(history), float(norm_eps), dtypes, layout, init_value, preload_on(),
+        min_blocks(),
     )  # fmt: skip
     inputs += [eps, active if masked else unmasked, counter]
-    if norm is not None:
-        inputs += norm.inputs()
-    out, state, conv, state_hist, conv_hist = launch(inputs=inputs)[:5]
+    out, state, conv, state_hist, conv_hist = launch(inputs=inputs)
     return (out, conv, state, conv_hist, state_hist) if history else (out, conv, state)

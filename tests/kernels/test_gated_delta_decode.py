@@ -127,8 +127,7 @@ def recorded_launch(monkeypatch, inp: dict, **kw):
     from hf2q_mlx.custom_kernels import launch_recorder
 
     monkeypatch.setattr(gdd, "backend", lambda: "cuda")
-    for kernel in (gdd._kernel, gdd._split_kernel):
-        monkeypatch.setattr(kernel, "_kernel_for", lambda be, sig: print)  # nothing built
+    monkeypatch.setattr(gdd._kernel, "_kernel_for", lambda be, sig: print)  # nothing built
     gdd._plan.cache_clear()
     rec = launch_recorder.Recorder(1)
     try:
@@ -188,68 +187,6 @@ def test_preloaded_conv_state_writes_the_same_bits_emulated(shape, in_place, mon
         np.testing.assert_array_equal(bits(loop[i]), bits(pre[i]))
     want_conv = oracle(inp, False)[1].astype(np.float32)
     np.testing.assert_array_equal(np.array(pre[2].astype(mx.float32)), want_conv)
-
-
-@needs_gxx
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize(
-    "shape", [SHAPES[0], SHAPES[2], (2, 2, 4, 64, 16)], ids=lambda s: "x".join(map(str, s))
-)
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
-def test_split_heads_give_the_one_threadgroup_bits_emulated(shape, tiled, parts, monkeypatch):
-    """HF2Q_GDN_SPLIT: a (row, value head)'s rows over ``parts`` threadgroups, the output norm
-    made by the last to count in. Output, conv state and state equal the one-threadgroup
-    launch's bit for bit (rows masked when B > 1; Dv / parts down to 2 rows: fewer SIMD groups
-    than a threadgroup has), from poisoned outputs, in one launch; a Dv that parts does not
-    divide takes the one-threadgroup kernel."""
-    one = kernel_emulator.Emulated(gdd._kernel)
-    many = kernel_emulator.Emulated(gdd._split_kernel)
-    monkeypatch.setattr(gdd, "_kernel", one)
-    monkeypatch.setattr(gdd, "_split_kernel", many)
-    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
-    inp = make_inputs(*shape, seed=5 * sum(shape) + tiled + parts, masked=shape[0] > 1)
-    want = gdd.gated_delta_decode(**inp, tiled=tiled)  # the emulator poisons outputs
-    monkeypatch.setattr(gdd, "SPLIT", str(parts))
-    got = gdd.gated_delta_decode(**inp, tiled=tiled)
-    assert (one.launches, many.launches) == (1, 1)
-    for g, w in zip(got, want):  # out, conv state, state
-        np.testing.assert_array_equal(bits(g), bits(w))
-    odd = make_inputs(2, 2, 6, 64, 7, seed=1)  # Dv 7
-    gdd.gated_delta_decode(**odd, tiled=tiled)
-    assert (one.launches, many.launches) == (2, 1)
-
-
-@needs_gxx
-@pytest.mark.parametrize(
-    "shape", [SHAPES[2], (2, 2, 4, 64, 16)], ids=lambda s: "x".join(map(str, s))
-)
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
-def test_split_heads_conv_in_place_writes_what_the_plain_launch_writes_emulated(
-    shape, tiled, monkeypatch
-):
-    """The split launch in a recorded graph's variant (CONV_INPLACE: the last of a key head's
-    Hv / Hk x S threadgroups writes its q / k channels, each its own v channels) writes what
-    the plain split launch writes, bit for bit, from poison; the split's norm counters are the
-    recorded launch's inputs."""
-    monkeypatch.setattr(gdd, "SPLIT", "2")
-    inp = make_inputs(*shape, seed=13 * sum(shape) + tiled, masked=shape[0] > 1)
-    run = recorded_launch(monkeypatch, inp, tiled=tiled)
-    assert run.template["S"] == 2 and not run.template["PRELOAD"]
-    plain, in_place = run({"CONV_INPLACE": False}, poison=False), run({"CONV_INPLACE": True})
-    for i in range(3):  # out, state, conv state
-        np.testing.assert_array_equal(bits(plain[i]), bits(in_place[i]))
-
-
-def test_split_switch_is_checked(monkeypatch):
-    """HF2Q_GDN_SPLIT: unset 1; 1, 2, 4 taken; anything else an InvalidArgumentError naming it."""
-    assert gdd.split() == 1
-    for value, want in (("1", 1), ("2", 2), ("4", 4)):
-        monkeypatch.setattr(gdd, "SPLIT", value)
-        assert gdd.split() == want
-    for bad in ("3", "8", "0", "x"):
-        monkeypatch.setattr(gdd, "SPLIT", bad)
-        with pytest.raises(InvalidArgumentError, match="HF2Q_GDN_SPLIT"):
-            gdd.split()
 
 
 def test_min_blocks_puts_launch_bounds_on_the_cubin(monkeypatch):
@@ -629,7 +566,7 @@ def test_gpu_kernel_matches_reference(shape, tiled, dtype):
     with mx.stream(mx.gpu):
         _, hk, hv, dk, dv = shape
         assert gdd._covered(dtype, hk, dk, hv, dv, 4), "the kernel would not run"
-        got = gdd.gated_delta_decode(**inp, tiled=tiled)  # poisoned
+        got = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=float("nan"))  # poisoned
         mx.eval(got)
     ref, exact = cpu_references(inp, tiled=tiled)
     exact_states(got, inp, np.array(ref[1].astype(mx.float32)))
@@ -769,44 +706,3 @@ def test_kernel_tokens_are_single_token_launches_emulated(shape, L, dtype, monke
         if i == 0:
             g, w = g[on], w[on]
         np.testing.assert_array_equal(g, w, err_msg=what)
-
-
-# 35B-A3B's heads at one row and 32; 96-wide keys, 4 value heads of 32
-SPLIT_GPU_SHAPES = [(1, 16, 32, 128, 128), (32, 16, 32, 128, 128), (5, 4, 4, 96, 32)]
-
-
-@requires_gpu
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("shape", SPLIT_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
-def test_gpu_split_heads_give_the_one_threadgroup_bits(shape, tiled, parts, monkeypatch):
-    """On the GPU, HF2Q_GDN_SPLIT (``parts`` threadgroups a (row, value head), the output norm
-    made by the last to count in): out, conv state and state the one-threadgroup kernel's bits
-    at one row and 32 (35B-A3B's heads), outputs NaN-poisoned, called past a full turn of the
-    norm counters' sets and twice through each (a counter left non-zero makes no threadgroup
-    normalize: NaN stays), the counters zero at the end."""
-    inp = make_inputs(*shape, seed=17 * sum(shape) + tiled + parts, dtype=mx.bfloat16,
-                      masked=shape[0] > 1, module_conv=True)  # fmt: skip
-    nan = float("nan")
-    made = []
-
-    class Recorded(gdd.CountedPlan):  # the split plan's norm counters, to look at after
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(gdd, "CountedPlan", Recorded)
-    with mx.stream(mx.gpu):
-        want = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=nan)
-        mx.eval(want)
-        monkeypatch.setattr(gdd, "SPLIT", str(parts))
-        gdd._plan.cache_clear()
-        got = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=nan)
-        (norm,) = made
-        assert len(norm.sets) > 1
-        for _ in range(2 * len(norm.sets) + 1):
-            again = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=nan)
-            assert_same(again, want)
-    assert_same(got, want)
-    assert not mx.any(norm.counter).item()
-    gdd._plan.cache_clear()
