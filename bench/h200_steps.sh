@@ -467,6 +467,12 @@ step pair-ab 480 "for sh in ${PAIR_AB_SHAPES:-gemma4:31b qwen3_5:9b gemma4:26b-a
 step fused-tests 240 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_fused_split' tests/kernels/test_qmatmul_mma.py --tb=short; r=\$?; HF2Q_MMA_SPLIT_K=3 HF2Q_MMA_SPLIT_FUSED=1 python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_graph_step_gives or gpu_stream_generate_graph' tests/test_cuda_graph_step.py --tb=short || r=1; exit \$r"
 step fused-ab 240 "python3 bench/mlx_env_ab.py $OUT/split_fused_31b.json --step graph --format q4_k --shape gemma4:31b --rounds 7 --tokens 64 --time-cap 180 --env '' --env HF2Q_MMA_SPLIT_FUSED=1 2>&1 | tail -6"
 
+# session 52: the decode attention's load variants (HF2Q_ATTN_LOADS: "v" a lane's elements
+# contiguous, 16-byte loads; "p" two slots in flight, same bits) and its mapping at 1 and 32
+# rows (session 51: 26B-A4B's 32-row step spent 6.9 of 18.6 ms in attention, 234 us a sliding
+# call at ~0.3 TB/s): GPU bits, then the sweep with CUPTI
+step attn-loads-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants or gpu_rows_bit_identical or gpu_kernel_matches' tests/kernels/test_decode_attention.py --tb=short"
+step attn-sweep 300 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json --batch ${ATTN_BATCH:-1 32} --loads '' v p vp --mappings '${ATTN_MAPPINGS:-4,8 8,4 4,4 2,8 8,8 2,16 1,16}' --shapes '${ATTN_SHAPES:-step 544}' --rounds 5 --chain 16 --profile"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0
@@ -483,9 +489,3 @@ for s in "$@"; do
   [ "$code" = 0 ] || rc=$code
 done
 exit $rc
-# session 52: the decode attention's load variants (HF2Q_ATTN_LOADS: "v" a lane's elements
-# contiguous, 16-byte loads; "p" two slots in flight, same bits) and its mapping at 1 and 32
-# rows (session 51: 26B-A4B's 32-row step spent 6.9 of 18.6 ms in attention, 234 us a sliding
-# call at ~0.3 TB/s): GPU bits, then the sweep with CUPTI
-step attn-loads-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants or gpu_rows_bit_identical or gpu_kernel_matches' tests/kernels/test_decode_attention.py --tb=short"
-step attn-sweep 300 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json --batch ${ATTN_BATCH:-1 32} --loads '' v p vp --mappings '${ATTN_MAPPINGS:-4,8 8,4 4,4 2,8 8,8 2,16 1,16}' --shapes '${ATTN_SHAPES:-step 544}' --rounds 5 --chain 16 --profile"
