@@ -473,6 +473,11 @@ step fused-ab 240 "python3 bench/mlx_env_ab.py $OUT/split_fused_31b.json --step 
 # call at ~0.3 TB/s): GPU bits, then the sweep with CUPTI
 step attn-loads-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_load_variants or gpu_rows_bit_identical or gpu_kernel_matches' tests/kernels/test_decode_attention.py --tb=short"
 step attn-sweep 300 "python3 bench/attention_sweep.py --json $OUT/attention_sweep.json --batch ${ATTN_BATCH:-1 32} --loads '' v p vp --mappings '${ATTN_MAPPINGS:-4,8 8,4 4,4 2,8 8,8 2,16 1,16}' --shapes '${ATTN_SHAPES:-step 544}' --rounds 5 --chain 16 --profile"
+# then the whole model with a pick (ATTN_ENVS: mlx_env_ab --env values, e.g.
+# "HF2Q_ATTN_LOADS=vp HF2Q_ATTN_LOADS=vp,HF2Q_ATTN_SPLIT=4,8"): 26B-A4B's graph decode at one
+# row, and the 32-row compiled step's profile (attention calls and ms a token)
+step attn-ab 300 "python3 bench/mlx_env_ab.py $OUT/attn_ab.json --step graph --format q4_k --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 240 --env '' \$(for e in ${ATTN_ENVS:-HF2Q_ATTN_LOADS=vp}; do echo --env \$e; done) 2>&1 | tail -6"
+step attn-b32 300 "i=0; for e in default ${ATTN_ENVS:-HF2Q_ATTN_LOADS=vp}; do echo == \$e; env \$( [ \$e = default ] || echo \$e | sed 's/,HF2Q/ HF2Q/g' ) python3 bench/decode_profile.py ${SHAPE:-gemma4:26b-a4b} q4_k --step compiled --batch 32 --steps 16 --json $OUT/profile_b32_attn\$i.json | grep -a 'ms/token\\|decode_attention'; i=\$((i+1)); done"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0
