@@ -150,16 +150,19 @@ def test_emulated_shared_kv_heads_give_the_same_bits(monkeypatch, dtype, groups)
     assert emu["_kernel"].launches == 2 * len(cases)
 
 
+# Gemma 4 26B-A4B's sliding and global layers at 8 rows, a Qwen 3.5 verify of 5 tokens
+GPU_ROW_CASES = [
+    (8, 16, 8, 1, 256, 256, 1024, [700, 5, 1023, 64, 300, 900, 2, 511], 1024, 1024),
+    (8, 16, 2, 1, 512, 512, 2048, [900, 1500, 3, 2000, 40, 700, 1200, 1999], None, 2048),
+    (2, 16, 2, 5, 256, 256, 4096, [10, 3000], None, 4096),
+]
+
+
 @requires_gpu
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_gpu_shared_kv_heads_give_the_same_bits(monkeypatch, dtype):
     """The same on the GPU at Gemma 4 26B-A4B's sliding and global shapes, 8 rows."""
-    cases = [
-        (8, 16, 8, 1, 256, 256, 1024, [700, 5, 1023, 64, 300, 900, 2, 511], 1024, 1024),
-        (8, 16, 2, 1, 512, 512, 2048, [900, 1500, 3, 2000, 40, 700, 1200, 1999], None, 2048),
-        (2, 16, 2, 5, 256, 256, 4096, [10, 3000], None, 4096),  # Qwen 3.5, a verify
-    ]
-    _shared_kv_matches_one_head_per_group(monkeypatch, cases, dtype)
+    _shared_kv_matches_one_head_per_group(monkeypatch, GPU_ROW_CASES, dtype)
 
 
 @requires_gpu
@@ -341,12 +344,7 @@ def test_attention_load_flags():
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_gpu_load_variants(monkeypatch, dtype):
     """On the GPU at Gemma 4 26B-A4B's sliding / global and Qwen 3.5's full shapes, 8 rows."""
-    cases = [
-        (8, 16, 8, 1, 256, 256, 1024, [700, 5, 1023, 64, 300, 900, 2, 511], 1024, 1024),
-        (8, 16, 2, 1, 512, 512, 2048, [900, 1500, 3, 2000, 40, 700, 1200, 1999], None, 2048),
-        (2, 16, 2, 5, 256, 256, 4096, [10, 3000], None, 4096),
-        (4, 12, 2, 1, 128, 128, 2048, [1, 400, 1200, 2000], None, 2048),
-    ]
+    cases = [*GPU_ROW_CASES, (4, 12, 2, 1, 128, 128, 2048, [1, 400, 1200, 2000], None, 2048)]
     _load_variants(monkeypatch, cases, dtype)
     monkeypatch.setattr(da, "LOADS_RAW", "vp")
     da._plan.cache_clear()
