@@ -66,6 +66,19 @@ def decode_attention_reference(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+_HEADER = """
+// Absolute position held by slot s once a row holds ``end`` tokens: a ring of cap slots
+// (slot = position % cap) or a growing buffer (slot = position); -1 for an empty slot.
+FN int slot_position(int s, int end, int cap, bool ring) {
+  if (ring) {
+    int r = (end - 1 - s) % cap;
+    if (r < 0) r += cap;
+    return end - 1 - r;
+  }
+  return s < end ? s : -1;
+}
+"""
+
 # Template: T, D, DV, REP (query heads per KV head), G (query heads per threadgroup, a divisor
 # of REP), L, SPAN, CAP, RING, WIN, W (SIMD groups), P (parts of the span), CHUNK (slots a part),
 # VEC (a lane's elements contiguous: vector loads), BF (T is bf16), PF (two slots in flight).
@@ -116,77 +129,100 @@ _BODY = """
   }
   const uint64_t kbase = uint64_t(b * Hk + hk) * CAP;
   const int last = (part + 1) * CHUNK < SPAN ? (part + 1) * CHUNK : SPAN;
-  for (int s0 = part * CHUNK + int(simd_id); s0 < last; s0 += W * NS) {
-    bool vis[NS];
-    float kv[NS][EK];
-    float vv[NS][EV];
-    UNROLL for (int j = 0; j < NS; ++j) {
-      const int s = s0 + j * W;
-      int kp = -1;
-      if (s < last) {
-        if (RING) {
-          int r = (end - 1 - s) % CAP;
-          if (r < 0) r += CAP;
-          kp = end - 1 - r;
-        } else {
-          kp = s < end ? s : -1;
-        }
-      }
-      vis[j] = !(kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN));  // uniform in the group
-      if (!vis[j]) continue;
+  if (!VEC && !PF) {  // one slot at a time, a lane's elements 32 apart (the default)
+    for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
+      const int kp = slot_position(s, end, CAP, RING);
+      if (kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN)) continue;  // uniform in the group
       const uint64_t ko = (kbase + uint64_t(s)) * D;
       const uint64_t vo = (kbase + uint64_t(s)) * DV;
-      if (VEC && EK % 8 == 0) {  // 16-byte loads: 8 elements each
-        UNROLL for (int c = 0; c < EK / 8; ++c) {  // values first: issued before the score
-          const uint4 a = DEVICE_CAST(const uint4, values + vo + int(lane) * EK)[c];
-          const uint4 b = DEVICE_CAST(const uint4, keys + ko + int(lane) * EK)[c];
-          const uint aw[4] = {a.x, a.y, a.z, a.w};
-          const uint bw[4] = {b.x, b.y, b.z, b.w};
-          UNROLL for (int h = 0; h < 8; ++h) {
-            const ushort ab = ushort(h % 2 ? aw[h / 2] >> 16 : aw[h / 2] & 0xffffu);
-            const ushort bb = ushort(h % 2 ? bw[h / 2] >> 16 : bw[h / 2] & 0xffffu);
-            vv[j][8 * c + h] = BF ? bf16_bits_to_float(ab) : f16_bits_to_float(ab);
-            kv[j][8 * c + h] = BF ? bf16_bits_to_float(bb) : f16_bits_to_float(bb);
-          }
-        }
-      } else if (VEC) {  // 8-byte loads: 4 elements each
-        UNROLL for (int c = 0; c < EK / 4; ++c) {
-          const uint2 a = DEVICE_CAST(const uint2, values + vo + int(lane) * EK)[c];
-          const uint2 b = DEVICE_CAST(const uint2, keys + ko + int(lane) * EK)[c];
-          const uint aw[2] = {a.x, a.y};
-          const uint bw[2] = {b.x, b.y};
-          UNROLL for (int h = 0; h < 4; ++h) {
-            const ushort ab = ushort(h % 2 ? aw[h / 2] >> 16 : aw[h / 2] & 0xffffu);
-            const ushort bb = ushort(h % 2 ? bw[h / 2] >> 16 : bw[h / 2] & 0xffffu);
-            vv[j][4 * c + h] = BF ? bf16_bits_to_float(ab) : f16_bits_to_float(ab);
-            kv[j][4 * c + h] = BF ? bf16_bits_to_float(bb) : f16_bits_to_float(bb);
-          }
-        }
-      } else {
-        UNROLL for (int e = 0; e < EV; ++e) {  // issued before the score needs them
-          const int i = int(lane) + 32 * e;
-          vv[j][e] = i < DV ? to_float(values[vo + i]) : 0.0f;
-        }
-        UNROLL for (int e = 0; e < EK; ++e) {
-          const int i = int(lane) + 32 * e;
-          kv[j][e] = i < D ? to_float(keys[ko + i]) : 0.0f;
-        }
+      float vv[EV];
+      UNROLL for (int e = 0; e < EV; ++e) {  // issued before the score needs them
+        const int i = int(lane) + 32 * e;
+        vv[e] = i < DV ? to_float(values[vo + i]) : 0.0f;
       }
-    }
-    UNROLL for (int j = 0; j < NS; ++j) {
-      if (!vis[j]) continue;
+      float kv[EK];
+      UNROLL for (int e = 0; e < EK; ++e) {
+        const int i = int(lane) + 32 * e;
+        kv[e] = i < D ? to_float(keys[ko + i]) : 0.0f;
+      }
       UNROLL for (int g = 0; g < G; ++g) {
         float part_dot = 0.0f;
         UNROLL for (int e = 0; e < EK; ++e) {
-          if (VEC || int(lane) + 32 * e < D) part_dot += qv[g][e] * kv[j][e];
+          if (int(lane) + 32 * e < D) part_dot += qv[g][e] * kv[e];
         }
         const float score = simd_sum(part_dot);
         const float m2 = max_f(m[g], score);
         const float fix = exp_f(m[g] - m2);
         const float p = exp_f(score - m2);
         den[g] = den[g] * fix + p;
-        UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[j][e];
+        UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[e];
         m[g] = m2;
+      }
+    }
+  } else {
+    for (int s0 = part * CHUNK + int(simd_id); s0 < last; s0 += W * NS) {
+      bool vis[NS];
+      float kv[NS][EK];
+      float vv[NS][EV];
+      UNROLL for (int j = 0; j < NS; ++j) {
+        const int s = s0 + j * W;
+        const int kp = s < last ? slot_position(s, end, CAP, RING) : -1;
+        vis[j] = !(kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN));  // uniform in the group
+        if (!vis[j]) continue;
+        const uint64_t ko = (kbase + uint64_t(s)) * D;
+        const uint64_t vo = (kbase + uint64_t(s)) * DV;
+        if (VEC && EK % 8 == 0) {  // 16-byte loads: 8 elements each
+          UNROLL for (int c = 0; c < EK / 8; ++c) {  // values first: issued before the score
+            const uint4 a = DEVICE_CAST(const uint4, values + vo + int(lane) * EK)[c];
+            const uint4 b = DEVICE_CAST(const uint4, keys + ko + int(lane) * EK)[c];
+            const uint aw[4] = {a.x, a.y, a.z, a.w};
+            const uint bw[4] = {b.x, b.y, b.z, b.w};
+            UNROLL for (int h = 0; h < 8; ++h) {
+              const ushort ab = ushort(h % 2 ? aw[h / 2] >> 16 : aw[h / 2] & 0xffffu);
+              const ushort bb = ushort(h % 2 ? bw[h / 2] >> 16 : bw[h / 2] & 0xffffu);
+              vv[j][8 * c + h] = BF ? bf16_bits_to_float(ab) : f16_bits_to_float(ab);
+              kv[j][8 * c + h] = BF ? bf16_bits_to_float(bb) : f16_bits_to_float(bb);
+            }
+          }
+        } else if (VEC) {  // 8-byte loads: 4 elements each
+          UNROLL for (int c = 0; c < EK / 4; ++c) {
+            const uint2 a = DEVICE_CAST(const uint2, values + vo + int(lane) * EK)[c];
+            const uint2 b = DEVICE_CAST(const uint2, keys + ko + int(lane) * EK)[c];
+            const uint aw[2] = {a.x, a.y};
+            const uint bw[2] = {b.x, b.y};
+            UNROLL for (int h = 0; h < 4; ++h) {
+              const ushort ab = ushort(h % 2 ? aw[h / 2] >> 16 : aw[h / 2] & 0xffffu);
+              const ushort bb = ushort(h % 2 ? bw[h / 2] >> 16 : bw[h / 2] & 0xffffu);
+              vv[j][4 * c + h] = BF ? bf16_bits_to_float(ab) : f16_bits_to_float(ab);
+              kv[j][4 * c + h] = BF ? bf16_bits_to_float(bb) : f16_bits_to_float(bb);
+            }
+          }
+        } else {
+          UNROLL for (int e = 0; e < EV; ++e) {  // issued before the score needs them
+            const int i = int(lane) + 32 * e;
+            vv[j][e] = i < DV ? to_float(values[vo + i]) : 0.0f;
+          }
+          UNROLL for (int e = 0; e < EK; ++e) {
+            const int i = int(lane) + 32 * e;
+            kv[j][e] = i < D ? to_float(keys[ko + i]) : 0.0f;
+          }
+        }
+      }
+      UNROLL for (int j = 0; j < NS; ++j) {
+        if (!vis[j]) continue;
+        UNROLL for (int g = 0; g < G; ++g) {
+          float part_dot = 0.0f;
+          UNROLL for (int e = 0; e < EK; ++e) {
+            if (VEC || int(lane) + 32 * e < D) part_dot += qv[g][e] * kv[j][e];
+          }
+          const float score = simd_sum(part_dot);
+          const float m2 = max_f(m[g], score);
+          const float fix = exp_f(m[g] - m2);
+          const float p = exp_f(score - m2);
+          den[g] = den[g] * fix + p;
+          UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[j][e];
+          m[g] = m2;
+        }
       }
     }
   }
@@ -280,6 +316,7 @@ _kernel = Kernel(
     inputs=["q", "keys", "values", "pos", "scale", "dims", "counter", "cset"],
     outputs=["out", "pm", "pl", "po"],
     body=_BODY,
+    header=_HEADER,
     examples=[
         Example(
             {"q": t, "keys": t, "values": t, "pos": (mx.int32, 2), "scale": (mx.float32, 1),
