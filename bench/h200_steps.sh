@@ -478,6 +478,9 @@ step attn-sweep 300 "python3 bench/attention_sweep.py --json $OUT/attention_swee
 # row, and the 32-row compiled step's profile (attention calls and ms a token)
 step attn-ab 300 "python3 bench/mlx_env_ab.py $OUT/attn_ab.json --step graph --format q4_k --shape ${SHAPE:-gemma4:26b-a4b} --rounds 5 --tokens 64 --time-cap 240 --env '' \$(for e in ${ATTN_ENVS:-HF2Q_ATTN_LOADS=vp}; do echo --env \$e; done) 2>&1 | tail -6"
 step attn-b32 300 "i=0; for e in default ${ATTN_ENVS:-HF2Q_ATTN_LOADS=vp}; do echo == \$e; env \$( [ \$e = default ] || echo \$e | sed 's/,HF2Q/ HF2Q/g' ) python3 bench/decode_profile.py ${SHAPE:-gemma4:26b-a4b} q4_k --step compiled --batch 32 --steps 16 --json $OUT/profile_b32_attn\$i.json | grep -a 'ms/token\\|decode_attention'; i=\$((i+1)); done"
+# virtual SIMD groups in the decode attention at many rows (HF2Q_ATTN_VW): GPU bits against
+# VW 1 and the reference; ATTN_ENVS="HF2Q_ATTN_VW=1 ..." setup attn-b32 for the 32-row step
+step attn-vw-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_virtual or gpu_rows_bit_identical or gpu_kernel_matches or gpu_split_rows' tests/kernels/test_decode_attention.py --tb=short"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0

@@ -81,7 +81,8 @@ FN int slot_position(int s, int end, int cap, bool ring) {
 
 # Template: T, D, DV, REP (query heads per KV head), G (query heads per threadgroup, a divisor
 # of REP), L, SPAN, CAP, RING, WIN, W (SIMD groups), P (parts of the span), CHUNK (slots a part),
-# VEC (a lane's elements contiguous: vector loads), BF (T is bf16), PF (two slots in flight).
+# VEC (a lane's elements contiguous: vector loads), BF (T is bf16), PF (two slots in flight),
+# VW (the part's W SIMD groups taken VW at a time by each of W / VW physical ones: the same bits).
 _BODY = """
   // One threadgroup per (row group = (b, query heads h0 .. h0 + G - 1 of one KV head, token l),
   // part of the span); its W SIMD groups take the part's slots s = first + simd_id, + W, ...;
@@ -93,13 +94,19 @@ _BODY = """
   // VEC: lane j holds elements j * EK .. j * EK + EK - 1 instead (16-bit T, D == DV, EK a
   // multiple of 4: 8- or 16-byte loads). PF: two slots of a SIMD group loaded before either
   // is scored (the same order of additions as one at a time).
+  // VW > 1 (a batch of many rows, default loads): the W SIMD groups of the arithmetic are
+  // virtual; physical group simd_id runs virtual groups simd_id + (W / VW) * v one after the
+  // other, parks each one's (max, sum, values) in shared memory, and the merge reads them in
+  // the same order as W physical groups: the same bits with W / VW times fewer threads.
   constexpr int EK = (D + 31) / 32;
   constexpr int EV = (DV + 31) / 32;
   constexpr int NS = PF ? 2 : 1;
   constexpr int CH = 128;  // output dims merged per pass through shared memory
+  constexpr int WP = W / VW;  // physical SIMD groups
   SHARED float wm[G * W];
   SHARED float wl[G * W];
-  SHARED float wo[W * CH];
+  SHARED float wo[VW == 1 ? W * CH : 1];
+  SHARED float parked[VW == 1 ? 1 : G * W * EV * 32];  // [g][virtual group][e][lane]
   SHARED uint last_part[1];
   const int Hq = int(dims[0]);
   const int grp = int(gid_x);  // (b * (Hq / G) + h0 / G) * L + l
@@ -133,7 +140,16 @@ _BODY = """
   // two-slot loop below at one slot costs it registers (nvcc sm_90: 56 against 48, 26B-A4B's
   // sliding layer; 89 against 72 global, one threadgroup an SM fewer).
   if (!VEC && !PF) {
-    for (int s = part * CHUNK + int(simd_id); s < last; s += W) {
+    for (int v = 0; v < VW; ++v) {  // VW == 1: once, simd_id's own slots
+    const int vw = int(simd_id) + WP * v;
+    if (VW > 1) {
+      UNROLL for (int g = 0; g < G; ++g) {
+        UNROLL for (int e = 0; e < EV; ++e) o[g][e] = 0.0f;
+        m[g] = -INF_F;
+        den[g] = 0.0f;
+      }
+    }
+    for (int s = part * CHUNK + vw; s < last; s += W) {
       const int kp = slot_position(s, end, CAP, RING);
       if (kp < 0 || kp > qp || (WIN > 0 && kp <= qp - WIN)) continue;  // uniform in the group
       const uint64_t ko = (kbase + uint64_t(s)) * D;
@@ -161,6 +177,16 @@ _BODY = """
         UNROLL for (int e = 0; e < EV; ++e) o[g][e] = o[g][e] * fix + p * vv[e];
         m[g] = m2;
       }
+    }
+    if (VW > 1) {
+      UNROLL for (int g = 0; g < G; ++g) {
+        if (lane == 0) {
+          wm[g * W + vw] = m[g];
+          wl[g * W + vw] = den[g];
+        }
+        UNROLL for (int e = 0; e < EV; ++e) parked[((g * W + vw) * EV + e) * 32 + int(lane)] = o[g][e];
+      }
+    }
     }
   } else {
     for (int s0 = part * CHUNK + int(simd_id); s0 < last; s0 += W * NS) {
@@ -229,7 +255,7 @@ _BODY = """
       }
     }
   }
-  if (lane == 0) {
+  if (VW == 1 && lane == 0) {
     UNROLL for (int g = 0; g < G; ++g) {
       wm[g * W + int(simd_id)] = m[g];
       wl[g * W + int(simd_id)] = den[g];
@@ -240,6 +266,49 @@ _BODY = """
   DEVICE_PTR(uint) pm_bits = DEVICE_CAST(uint, pm);
   DEVICE_PTR(uint) pl_bits = DEVICE_CAST(uint, pl);
   DEVICE_PTR(uint) po_bits = DEVICE_CAST(uint, po);
+  if (VW > 1) {
+    // the merge below with the parked groups: each physical group scales its own virtual
+    // groups' values by their weight in place (a rounded product, as W groups store it), then
+    // thread t sums element t of every group in group order
+    UNROLL for (int g = 0; g < G; ++g) {
+      float M = -INF_F;
+      for (int w = 0; w < W; ++w) M = max_f(M, wm[g * W + w]);
+      for (int v = 0; v < VW; ++v) {
+        const int vw = int(simd_id) + WP * v;
+        const float mw = wm[g * W + vw];
+        const float own = mw == -INF_F ? 0.0f : exp_f(mw - M);
+        UNROLL for (int e = 0; e < EV; ++e) {
+          const int k = ((g * W + vw) * EV + e) * 32 + int(lane);
+          parked[k] = parked[k] * own;
+        }
+      }
+    }
+    BARRIER();
+    UNROLL for (int g = 0; g < G; ++g) {
+      const int row = (b * Hq + h0 + g) * L + l;
+      float M = -INF_F;
+      for (int w = 0; w < W; ++w) M = max_f(M, wm[g * W + w]);
+      float total = 0.0f;
+      for (int w = 0; w < W; ++w)
+        total += wm[g * W + w] == -INF_F ? 0.0f : wl[g * W + w] * exp_f(wm[g * W + w] - M);
+      const float inv = (P == 1 && total > 0.0f) ? 1.0f / total : 1.0f;
+      const uint64_t prow = uint64_t(row) * P + part;
+      if (P > 1 && tid == 0) {
+        ATOMIC_STORE_U32(pm_bits + prow, bitcast<uint>(M));
+        ATOMIC_STORE_U32(pl_bits + prow, bitcast<uint>(total));
+      }
+      for (int i = int(tid); i < DV; i += int(tg_size)) {
+        const int e = i / 32;
+        float acc = 0.0f;
+        for (int w = 0; w < W; ++w) acc += parked[((g * W + w) * EV + e) * 32 + i % 32];
+        if (P == 1) {
+          out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
+        } else {
+          ATOMIC_STORE_U32(po_bits + prow * DV + i, bitcast<uint>(acc));
+        }
+      }
+    }
+  } else {
   UNROLL for (int g = 0; g < G; ++g) {
     const int row = (b * Hq + h0 + g) * L + l;
     float M = -INF_F;
@@ -275,6 +344,7 @@ _BODY = """
         }
       }
     }
+  }
   }
   if (P > 1) {
     // Count this part in on the row group's counter (set cset[0] of the plan's, dims[1] a
@@ -327,13 +397,15 @@ _kernel = Kernel(
             {"out": t, "pm": mx.float32, "pl": mx.float32, "po": mx.float32},
             {"T": t, "D": d, "DV": d, "REP": rep, "G": g, "L": l, "SPAN": 256, "CAP": cap,
              "RING": ring, "WIN": win, "W": w, "P": parts, "CHUNK": -(-256 // parts),
-             "VEC": vec, "BF": int(t == mx.bfloat16), "PF": pf},
+             "VEC": vec, "BF": int(t == mx.bfloat16), "PF": pf, "VW": vw},
         )
-        for t, d, rep, g, l, cap, ring, win, w, parts, vec, pf in (
-            (mx.bfloat16, 256, 2, 2, 1, 1024, 0, 0, 32, 8, 0, 0),
-            (mx.float32, 80, 1, 1, 3, 260, 1, 256, 8, 1, 0, 1),
-            (mx.float16, 512, 8, 2, 1, 1024, 1, 1024, 16, 4, 1, 1),
-            (mx.bfloat16, 128, 2, 1, 1, 1024, 1, 1024, 8, 4, 1, 0),
+        for t, d, rep, g, l, cap, ring, win, w, parts, vec, pf, vw in (
+            (mx.bfloat16, 256, 2, 2, 1, 1024, 0, 0, 32, 8, 0, 0, 1),
+            (mx.float32, 80, 1, 1, 3, 260, 1, 256, 8, 1, 0, 1, 1),
+            (mx.float16, 512, 8, 2, 1, 1024, 1, 1024, 16, 4, 1, 1, 1),
+            (mx.bfloat16, 128, 2, 1, 1, 1024, 1, 1024, 8, 4, 1, 0, 1),
+            (mx.bfloat16, 256, 2, 1, 1, 1024, 1, 1024, 16, 16, 0, 0, 8),
+            (mx.float32, 80, 1, 1, 3, 260, 0, 0, 8, 1, 0, 0, 4),
         )
     ],
 )  # fmt: skip
@@ -414,6 +486,32 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
     # two slots per SIMD group or more: each slot is a dependent round trip to memory, so the
     # part's latency is its slots per group (at one token per row, the whole step waits on it)
     return parts, max(2, min(most, chunk // 2))
+
+
+# A launch of at least this many SIMD groups (a few waves of an H100 / H200 full) takes the
+# part's W groups VW at a time (W / VW physical groups, the same bits): at 32 rows the default
+# mapping gives each group one or two slots, and its merge and launch costs swamp the reads
+# (session 52: a 32-row sliding call 222 us, (4 parts, 8 groups) 95 us).
+VIRTUAL_MIN_WARPS = 16384
+VIRTUAL_MAX = 8
+PARKED_FLOATS = 8192  # shared floats the parked groups may take (32 KB: Metal's limit)
+# HF2Q_ATTN_VW: VW at most this (1: every group physical; the largest power of two dividing W,
+# where the parked values fit); unset: virtual_groups' own choice. Read at import.
+VW_OVERRIDE = os.environ.get("HF2Q_ATTN_VW", "")
+
+
+def virtual_groups(groups: int, warps: int, heads: int, Dv: int) -> int:
+    """VW for a launch of ``groups`` threadgroups of ``warps`` SIMD groups (``heads`` query
+    heads each, ``Dv`` output dims): a power of two dividing ``warps``, so that the launch
+    keeps at least VIRTUAL_MIN_WARPS physical groups. Any VW gives the same bits, so it may
+    follow the batch."""
+    forced = int_tuple_setting("HF2Q_ATTN_VW", VW_OVERRIDE, ((1, 64),), "a positive int")
+    want = forced[0] if forced is not None else min(
+        VIRTUAL_MAX, groups * warps // VIRTUAL_MIN_WARPS)
+    vw = 1
+    while vw * 2 <= want and warps % (vw * 2) == 0:
+        vw *= 2
+    return 1 if heads * warps * 32 * -(-Dv // 32) > PARKED_FLOATS else vw
 
 
 # HF2Q_ATTN_LOADS: letters "v" (a lane's key / value elements contiguous, read by 8- or 16-byte
@@ -504,18 +602,20 @@ def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False,
     out_shape = (B, 1, Hq * Dv) if flat else (B, Hq, L, Dv)
     parts, warps = split(Hq, span, max(D, Dv))  # never B or L: row parity
     group = heads_per_group(rep, rows, D, Dv)  # may follow B: a head's bits do not depend on it
+    plain = not vector_lanes(dt, D, Dv, loads) and "p" not in loads
+    vw = virtual_groups(rows // group * parts, warps, group, Dv) if plain else 1  # same bits
     one = parts == 1
     launch = kernel.launcher(
         list(sig) + [mx.float32, mx.int32, mx.uint32, mx.int32],
-        grid=(rows // group * 32 * warps, parts, 1),
-        threadgroup=(32 * warps, 1, 1),
+        grid=(rows // group * 32 * (warps // vw), parts, 1),
+        threadgroup=(32 * (warps // vw), 1, 1),
         output_shapes=[out_shape, (1,) if one else (rows, parts),
                        (1,) if one else (rows, parts), (1,) if one else (rows, parts, Dv)],
         output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
         template={"T": dt, "D": D, "DV": Dv, "REP": rep, "G": group, "L": L, "SPAN": span, "CAP": C,
                   "RING": window is not None, "WIN": window or 0, "W": warps, "P": parts,
                   "CHUNK": -(-span // parts), "VEC": int(vector_lanes(dt, D, Dv, loads)),
-                  "BF": int(dt == mx.bfloat16), "PF": int("p" in loads)},
+                  "BF": int(dt == mx.bfloat16), "PF": int("p" in loads), "VW": vw},
         backend=be,
     )  # fmt: skip
     consts = (device_array([scale], mx.float32), device_array([Hq, rows], mx.int32))

@@ -352,3 +352,65 @@ def test_gpu_load_variants(monkeypatch, dtype):
         _rows_alone_match(cases[2], dtype)
     finally:
         da._plan.cache_clear()
+
+
+def test_virtual_groups_rule(monkeypatch):
+    """VW follows the launch's size (the bits do not depend on it): none at one row of Gemma 4
+    26B-A4B's sliding layer (256 threadgroups of 16 groups), VIRTUAL_MAX at 32 rows; a power of
+    two dividing W; none where the parked values would not fit shared memory."""
+    assert da.virtual_groups(256, 16, 1, 256) == 1
+    assert da.virtual_groups(32 * 256, 16, 1, 256) == da.VIRTUAL_MAX == 8
+    assert da.virtual_groups(8 * 256, 16, 1, 256) == 2
+    assert da.virtual_groups(32 * 256, 6, 1, 256) == 2  # 6 groups: VW 2 divides, 4 does not
+    assert da.virtual_groups(32 * 256, 16, 4, 256) == 1  # 4 heads' parked values: 64 KB
+    monkeypatch.setattr(da, "VW_OVERRIDE", "1")
+    assert da.virtual_groups(32 * 256, 16, 1, 256) == 1
+    monkeypatch.setattr(da, "VW_OVERRIDE", "4")
+    assert da.virtual_groups(256, 16, 1, 256) == 4
+    monkeypatch.setattr(da, "VW_OVERRIDE", "x")
+    with pytest.raises(InvalidArgumentError):
+        da.virtual_groups(256, 16, 1, 256)
+
+
+def _virtual_groups_match(monkeypatch, cases, dtype, vws=(2, 4, 8)):
+    """Each case with every SIMD group physical (VW 1) and with W / VW physical groups taking
+    VW virtual ones each: the same bits (a wrong parked index or merge order fails)."""
+    for case in cases:
+        B, Hq, Hk, L, D, Dv, C, pos, window, span = case
+        q, k, v, p = _case(B, Hq, Hk, L, D, Dv, C, pos, 19, dtype)
+        _, warps = da.split(Hq, span, max(D, Dv))
+        outs = {}
+        for vw in (1, *vws):
+            monkeypatch.setattr(da, "VW_OVERRIDE", str(vw))
+            da._plan.cache_clear()
+            if vw > 1 and da.virtual_groups(1, warps, 1, Dv) != vw:
+                continue  # W = warps not a multiple of vw
+            outs[vw] = np.array(
+                da.decode_attention(q, k, v, p, 0.25, span, window).astype(mx.float32)
+            )
+        assert len(outs) > 1, (case, warps)
+        for vw, got in outs.items():
+            assert np.array_equal(outs[1], got, equal_nan=True), (case, vw)
+        _check(case, dtype)  # under the last VW: within the dtype's bound of the reference
+    da._plan.cache_clear()
+
+
+@needs_gxx
+@pytest.mark.parametrize(  # one part per row (1), the span split in parts (4096)
+    "dtype, groups", [(mx.float32, 1), (mx.float32, 4096), (mx.bfloat16, 4096)]
+)
+def test_emulated_virtual_groups_give_the_same_bits(monkeypatch, dtype, groups):
+    emu = emulate(monkeypatch, da, "_kernel")
+    monkeypatch.setattr(da, "TARGET_GROUPS", groups)
+    cases = [c for c in CASES if da.split(c[1], c[-1], max(c[4], c[5]))[1] % 2 == 0]
+    assert len(cases) >= 3
+    _virtual_groups_match(monkeypatch, cases, dtype)
+    assert emu["_kernel"].launches > 2 * len(cases)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_gpu_virtual_groups_give_the_same_bits(monkeypatch, dtype):
+    """On the GPU at Gemma 4 26B-A4B's sliding / global and Qwen 3.5's verify shapes, 8 rows
+    (the compiler may contract the products differently in the two loops: only a GPU shows)."""
+    _virtual_groups_match(monkeypatch, GPU_ROW_CASES, dtype)
