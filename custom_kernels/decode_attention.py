@@ -184,7 +184,8 @@ _BODY = """
           wm[g * W + vw] = m[g];
           wl[g * W + vw] = den[g];
         }
-        UNROLL for (int e = 0; e < EV; ++e) parked[((g * W + vw) * EV + e) * 32 + int(lane)] = o[g][e];
+        UNROLL for (int e = 0; e < EV; ++e)
+          parked[((g * W + vw) * EV + e) * 32 + int(lane)] = o[g][e];
       }
     }
     }
@@ -506,8 +507,9 @@ def virtual_groups(groups: int, warps: int, heads: int, Dv: int) -> int:
     keeps at least VIRTUAL_MIN_WARPS physical groups. Any VW gives the same bits, so it may
     follow the batch."""
     forced = int_tuple_setting("HF2Q_ATTN_VW", VW_OVERRIDE, ((1, 64),), "a positive int")
-    want = forced[0] if forced is not None else min(
-        VIRTUAL_MAX, groups * warps // VIRTUAL_MIN_WARPS)
+    want = (
+        forced[0] if forced is not None else min(VIRTUAL_MAX, groups * warps // VIRTUAL_MIN_WARPS)
+    )
     vw = 1
     while vw * 2 <= want and warps % (vw * 2) == 0:
         vw *= 2
