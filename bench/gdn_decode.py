@@ -39,10 +39,16 @@ from hf2q_mlx.custom_kernels import gated_delta_decode as gdd  # noqa: E402
 
 HEADS = (16, 32, 128, 128)  # key heads, value heads, Dk, Dv
 TINY = (2, 4, 32, 16)
+PLAIN = {"PRELOAD": "0", "MIN_BLOCKS": "", "STREAM": "0", "STREAM_WARPS": 4, "STREAM_ROWS": 4}
 VARIANTS = {
-    "loop": {"PRELOAD": "0", "MIN_BLOCKS": ""},
-    "preload": {"PRELOAD": "1", "MIN_BLOCKS": ""},
-    "mb2": {"PRELOAD": "0", "MIN_BLOCKS": "2"},
+    "loop": PLAIN,
+    "preload": {**PLAIN, "PRELOAD": "1"},
+    "mb2": {**PLAIN, "MIN_BLOCKS": "2"},
+    # the state streamed (STREAM_WARPS SIMD groups a threadgroup, STREAM_ROWS rows at a time)
+    "stream4": {**PLAIN, "STREAM": "1"},
+    "stream8": {**PLAIN, "STREAM": "1", "STREAM_WARPS": 8},
+    "stream4r2": {**PLAIN, "STREAM": "1", "STREAM_ROWS": 2},
+    "stream2r8": {**PLAIN, "STREAM": "1", "STREAM_WARPS": 2, "STREAM_ROWS": 8},
 }
 
 

@@ -481,6 +481,10 @@ step attn-b32 300 "i=0; for e in default ${ATTN_ENVS:-HF2Q_ATTN_LOADS=vp}; do ec
 # virtual SIMD groups in the decode attention at many rows (HF2Q_ATTN_VW): GPU bits against
 # VW 1 and the reference; ATTN_ENVS="HF2Q_ATTN_VW=1 ..." setup attn-b32 for the 32-row step
 step attn-vw-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_virtual or gpu_rows_bit_identical or gpu_kernel_matches or gpu_split_rows' tests/kernels/test_decode_attention.py --tb=short"
+# the delta-net decode's state streamed at many rows (HF2Q_GDN_STREAM): GPU bits, then the kernel
+# alone at 1 / 8 / 32 rows against the register path (bench/gdn_decode.py variants)
+step gdn-stream-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_streamed or gpu_kernel_matches or gpu_block_decode' tests/kernels/test_gated_delta_decode.py --tb=short"
+step gdn-stream 150 "python3 bench/gdn_decode.py --json $OUT/gdn_stream.json --rounds 5"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0

@@ -494,7 +494,7 @@ def split(heads: int, span: int, head_dim: int = 128) -> tuple[int, int]:
 # mapping gives each group one or two slots, and its merge and launch costs swamp the reads
 # (session 52: a 32-row sliding call 222 us, (4 parts, 8 groups) 95 us).
 VIRTUAL_MIN_WARPS = 16384
-VIRTUAL_MAX = 8
+VIRTUAL_MAX = 4  # session 53, H100, 26B-A4B sliding at 32 rows: 111 us a call at 4, 124 at 8
 PARKED_FLOATS = 8192  # shared floats the parked groups may take (32 KB: Metal's limit)
 # HF2Q_ATTN_VW: VW at most this (1: every group physical; the largest power of two dividing W,
 # where the parked values fit); unset: virtual_groups' own choice. Read at import.

@@ -176,6 +176,7 @@ _BODY = """
   // its key head (a few dozen FMAs, no barrier); one barrier per token shares y^2 over the head
   // for the gated RMSNorm (``part`` double-buffered, so a token's writes never meet the previous
   // token's reads). All threads then copy the new conv state (and, with HIST, the per-token ones).
+  // STREAM (one token, many rows): the state streamed through RU rows at a time (below).
   constexpr int NK = Dk / SIMD_SIZE;
   constexpr int KD = Hk * Dk;
   constexpr int C = 2 * KD + Hv * Dv;
@@ -187,13 +188,15 @@ _BODY = """
   const uint crow = bi * (KC - 1) * C;    // this row's conv state
   constexpr int DVP = (Dv + SIMD_SIZE - 1) / SIMD_SIZE * SIMD_SIZE;
   SHARED float part[2 * DVP];
+  SHARED float ysh[STREAM ? DVP : 1];  // STREAM: the head's outputs before the norm
   SHARED uint qk_last[1];
   // the conv's input p of this row: the K-1 conv state slots, then the call's tokens
 #define GDD_SEQ(p, c) ((p) < KC - 1 ? to_float(conv_state[crow + (p) * C + (c)]) \
                                     : to_float(qkv[(bi * NT + (p) - (KC - 1)) * QS + QO + (c)]))
 
-  // per owned row: its state row and norm weight
+  // per owned row: its state row and norm weight (STREAM: neither, below)
   float s[R * NK], wr[R];
+  if (!STREAM) {
   UNROLL for (int r = 0; r < R; ++r) {
     const uint dv = simd_id + NW * r < uint(Dv) ? simd_id + NW * r : uint(Dv - 1);  // past Dv:
     // a copy of the last row, computed and never stored
@@ -201,11 +204,12 @@ _BODY = """
       s[r * NK + i] = to_float(state_in[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i]);
     wr[r] = to_float(norm_w[dv]);
   }
+  }
 
   // PRE (no history, a channel a thread): the new conv state's inputs of thread tid's channel
   // (q, k of the key head, then the head's v), loaded with the state: the stores at the end then
   // wait on no load (each load after a store to a buffer that may alias is one more round trip)
-  constexpr bool PRE = PRELOAD && !HIST && 2 * Dk + Dv <= NW * SIMD_SIZE;
+  constexpr bool PRE = PRELOAD && !HIST && !STREAM && 2 * Dk + Dv <= NW * SIMD_SIZE;
   const uint pc = tid < uint(2 * Dk) ? (tid < uint(Dk) ? hk * Dk + tid : KD + hk * Dk + tid - Dk)
                                      : 2 * KD + h * Dv + (tid - 2 * Dk);
   float pre[KC - 1];
@@ -213,6 +217,7 @@ _BODY = """
     UNROLL for (int i = 0; i < KC - 1; ++i) pre[i] = GDD_SEQ((act ? NT : 0) + i, pc);
   }
 
+  if (!STREAM) {
   for (int t = 0; t < NT; ++t) {
     const uint tok = bi * NT + t;
     if (HIST) {  // the state before token t: entry t of the history
@@ -301,6 +306,78 @@ _BODY = """
         state_out[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i] = s[r * NK + i];
     }
   }
+  } else {
+    // STREAM (one token, no history; a batch of many rows): the state is not held in
+    // registers. SIMD group w takes rows dv = w + NW (r0 + u), RU rows at a time: loads the
+    // state rows, updates, stores them; y goes to shared memory for the norm. Each row's
+    // arithmetic is the register path's (the same bits); few registers a thread, so many
+    // threadgroups an SM (the register path holds 64 KB of state a threadgroup: one an SM).
+    const uint tok = bi;
+    float qv[NK], kv[NK];
+    float qq = 0.0f, kk = 0.0f;
+    UNROLL for (int i = 0; i < NK; ++i) {
+      const uint c = hk * Dk + lane + SIMD_SIZE * i;
+      float aq = 0.0f, ak = 0.0f;
+      for (int j = 0; j < KC; ++j) {
+        aq += to_float(conv_w[c * KC + j]) * GDD_SEQ(j, c);
+        ak += to_float(conv_w[(KD + c) * KC + j]) * GDD_SEQ(j, KD + c);
+      }
+      qv[i] = aq / (1.0f + exp_f(-aq));
+      kv[i] = ak / (1.0f + exp_f(-ak));
+      qq += qv[i] * qv[i];
+      kk += kv[i] * kv[i];
+    }
+    const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));
+    const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
+    UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
+    const float x = to_float(a[tok * AS + AO + h]) + to_float(dt_bias[h]);
+    const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
+    const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
+    const float beta = 1.0f / (1.0f + exp_f(-to_float(b[tok * BS + BO + h])));
+    for (int r0 = 0; r0 < R; r0 += RU) {
+      float sr[RU][NK], vr[RU];
+      UNROLL for (int u = 0; u < RU; ++u) {  // every load of RU rows before any math
+        const uint dv = simd_id + NW * (r0 + u) < uint(Dv) ? simd_id + NW * (r0 + u) : uint(Dv - 1);
+        UNROLL for (int i = 0; i < NK; ++i)
+          sr[u][i] = to_float(state_in[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i]);
+        const uint cv = 2 * KD + h * Dv + dv;
+        float v = 0.0f;
+        for (int j = 0; j < KC; ++j) v += to_float(conv_w[cv * KC + j]) * GDD_SEQ(j, cv);
+        vr[u] = v / (1.0f + exp_f(-v));
+      }
+      UNROLL for (int u = 0; u < RU; ++u) {
+        const uint dv = simd_id + NW * (r0 + u);
+        float mem = 0.0f;
+        UNROLL for (int i = 0; i < NK; ++i) mem += sr[u][i] * kv[i];
+        const float delta = (vr[u] - decay * simd_sum(mem)) * beta;
+        float o = 0.0f;
+        UNROLL for (int i = 0; i < NK; ++i) {
+          const float sn = fma_f(sr[u][i], decay, kv[i] * delta);
+          o += sn * qv[i];
+          if (act) sr[u][i] = sn;
+        }
+        const float y = simd_sum(o) * qs;
+        if (dv < uint(Dv)) {
+          UNROLL for (int i = 0; i < NK; ++i)
+            state_out[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i] = sr[u][i];
+          if (lane == 0) {
+            part[dv] = y * y;
+            ysh[dv] = y;
+          }
+        }
+      }
+    }
+    BARRIER();
+    float sq = 0.0f;
+    for (int i = int(lane); i < Dv; i += SIMD_SIZE) sq += part[i];
+    const float tot = simd_sum(sq);
+    const float rstd = rsqrt_f(tot / float(Dv) + eps[0]);
+    for (uint dv = tid; dv < uint(Dv); dv += tg_size) {
+      const float zr = to_float(z[tok * ZS + ZO + h * Dv + dv]);
+      const float o = ysh[dv] * rstd * to_float(norm_w[dv]) * (zr / (1.0f + exp_f(-zr)));
+      out[(tok * Hv + h) * Dv + dv] = from_float<OutT>(o);
+    }
+  }
 
   // conv state after j tokens = inputs j .. j + K-2 (inactive rows: the old one, inputs 0..K-2);
   // j = NT is the new conv state, j < NT (HIST) entry j of the history. The head's v channels
@@ -350,11 +427,34 @@ _INPUTS = [
 _OUTPUTS = ["out", "state_out", "conv_out", "state_hist", "conv_hist"]
 
 
-def _warps(dv: int, L: int) -> int:
+def _warps(dv: int, L: int, stream: tuple | None = None) -> int:
     """SIMD groups per threadgroup. More than one token: at most 256 threads, so the compiler may
     give each up to 255 registers (it does not know the group size; at 512 threads an L-token
-    loop's registers failed to launch on the H200: "too many resources requested")."""
+    loop's registers failed to launch on the H200: "too many resources requested"). Streamed
+    (``stream`` = (SIMD groups, rows at a time)): that many."""
+    if stream:
+        return min(stream[0], dv)
     return min(MAX_WARPS if L == 1 else MAX_WARPS // 2, dv)
+
+
+# HF2Q_GDN_STREAM: the state streamed through shared-nothing registers, RU rows at a time, in
+# threadgroups of STREAM_WARPS SIMD groups (template STREAM), where a launch has at least
+# STREAM_MIN_GROUPS threadgroups (rows x value heads) at one token: the register path holds a
+# head's whole state (64 KB at 128 x 128) in one 512-thread threadgroup an SM, so 32 rows of
+# Qwen3.5-35B-A3B ran in eight waves of ~14 us (118 us a call, session 49). The same bits either
+# way. "1" always at one token, "0" never, unset the rule. Read at import, parsed per call.
+STREAM: str = os.environ.get("HF2Q_GDN_STREAM", "")
+STREAM_WARPS = 4
+STREAM_ROWS = 4  # RU: rows whose loads a SIMD group issues before their math
+STREAM_MIN_GROUPS = 256
+
+
+def stream_plan(B: int, L: int, hv: int, history: bool) -> tuple[int, int] | None:
+    """(SIMD groups, rows at a time) of the streamed path for a call; None: the register path."""
+    on = int_setting("HF2Q_GDN_STREAM", STREAM, 0, 1)
+    if L != 1 or history or on == 0 or (on is None and B * hv < STREAM_MIN_GROUPS):
+        return None
+    return STREAM_WARPS, STREAM_ROWS
 
 
 def _example(
@@ -366,6 +466,7 @@ def _example(
     layout: tuple,
     nt: int = 1,
     conv_in_place: bool = False,
+    stream: tuple | None = None,
 ) -> Example:
     return Example(
         inputs={
@@ -379,18 +480,22 @@ def _example(
             "state_hist": mx.float32, "conv_hist": dtype,
         },
         template={
-            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout),
+            **_template(dtype, 16, dk, 32, dv, 4, nt, tiled, masked, nt > 1, layout, stream),
             "CONV_INPLACE": conv_in_place,
         },
     )  # fmt: skip
 
 
-def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple) -> dict:
+def _template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout: tuple,
+              stream: tuple | None = None) -> dict:  # fmt: skip
     """The kernel's template constants for one call shape; ``layout``: QS, QO, ZS, ZO, AS, AO,
-    BS, BO, the values per token and first channel of qkv, z, a, b."""
-    nw = _warps(dv, L)
+    BS, BO, the values per token and first channel of qkv, z, a, b; ``stream``: the streamed
+    path's (SIMD groups, rows at a time), None for the register path."""
+    nw = _warps(dv, L, stream)
+    r = -(-dv // nw)
     return {
-        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": -(-dv // nw),
+        "Dk": dk, "Dv": dv, "Hk": hk, "Hv": hv, "KC": K, "NW": nw, "R": r,
+        "STREAM": bool(stream), "RU": max(1, min(stream[1], r)) if stream else 1,
         "TILED": tiled, "MASKED": masked, "OutT": dtype, "NT": L, "HIST": hist,
         "CONV_INPLACE": False,  # set by a recorded graph writing the conv state in place
         "PRELOAD": True,  # the examples render the preloaded path too; _plan sets the switch
@@ -418,6 +523,21 @@ _kernel = Kernel(
         _example(
             mx.bfloat16, False, True, 128, 128, (12288, 0, 12288, 8192, 64, 32, 64, 0), 1, True
         ),
+        # many rows: the state streamed (plain and in place)
+        *(
+            _example(
+                mx.bfloat16,
+                False,
+                True,
+                128,
+                128,
+                (12288, 0, 12288, 8192, 64, 32, 64, 0),
+                1,
+                in_place,
+                (STREAM_WARPS, STREAM_ROWS),
+            )
+            for in_place in (False, True)
+        ),  # fmt: skip
     ],
 )
 
@@ -455,10 +575,11 @@ def _plan(
     init_value,
     preload,
     blocks,
+    stream=None,
 ):
     """(launcher, eps array, placeholder mask, counters) for one call shape; ``blocks``:
-    HF2Q_GDN_MIN_BLOCKS's launch bounds, or None."""
-    nw = _warps(dv, L)
+    HF2Q_GDN_MIN_BLOCKS's launch bounds, or None; ``stream``: ``stream_plan``'s."""
+    nw = _warps(dv, L, stream)
     bounds = launch_bounds(SIMD_WIDTH * nw, blocks)
     dtype = dtypes[0]
     # without history its two outputs are one element each, never written
@@ -470,7 +591,7 @@ def _plan(
         output_shapes=[(B, L, hv * dv), (B, hv, dv, dk), (B, K - 1, C), *hist_shapes],
         output_dtypes=[dtype, mx.float32, dtype, mx.float32, dtype],
         template={
-            **_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout),
+            **_template(dtype, hk, dk, hv, dv, K, L, tiled, masked, hist, layout, stream),
             "PRELOAD": preload,
             **bounds,
         },
@@ -550,7 +671,7 @@ def gated_delta_decode(
     launch, eps, unmasked, counter = _plan(
         _kernel, be, B, L, C, K, num_k_heads, head_k_dim, hv, dv, bool(tiled), masked,
         bool(history), float(norm_eps), dtypes, layout, init_value, preload_on(),
-        min_blocks(),
+        min_blocks(), stream_plan(B, L, hv, bool(history)),
     )  # fmt: skip
     inputs += [eps, active if masked else unmasked, counter]
     out, state, conv, state_hist, conv_hist = launch(inputs=inputs)

@@ -359,7 +359,7 @@ def test_virtual_groups_rule(monkeypatch):
     26B-A4B's sliding layer (256 threadgroups of 16 groups), VIRTUAL_MAX at 32 rows; a power of
     two dividing W; none where the parked values would not fit shared memory."""
     assert da.virtual_groups(256, 16, 1, 256) == 1
-    assert da.virtual_groups(32 * 256, 16, 1, 256) == da.VIRTUAL_MAX == 8
+    assert da.virtual_groups(32 * 256, 16, 1, 256) == da.VIRTUAL_MAX == 4
     assert da.virtual_groups(8 * 256, 16, 1, 256) == 2
     assert da.virtual_groups(32 * 256, 6, 1, 256) == 2  # 6 groups: VW 2 divides, 4 does not
     assert da.virtual_groups(32 * 256, 16, 4, 256) == 1  # 4 heads' parked values: 64 KB

@@ -706,3 +706,75 @@ def test_kernel_tokens_are_single_token_launches_emulated(shape, L, dtype, monke
         if i == 0:
             g, w = g[on], w[on]
         np.testing.assert_array_equal(g, w, err_msg=what)
+
+
+def test_stream_rule(monkeypatch):
+    """The streamed path takes one-token calls of at least STREAM_MIN_GROUPS threadgroups;
+    HF2Q_GDN_STREAM 1 / 0 force it on / off at one token; a verify never takes it."""
+    monkeypatch.setattr(gdd, "STREAM", "")
+    on = (gdd.STREAM_WARPS, gdd.STREAM_ROWS)
+    assert gdd.stream_plan(1, 1, 32, False) is None  # one row of 35B-A3B: 32 threadgroups
+    assert gdd.stream_plan(8, 1, 32, False) == on
+    assert gdd.stream_plan(32, 2, 32, False) is gdd.stream_plan(32, 1, 32, True) is None
+    monkeypatch.setattr(gdd, "STREAM", "1")
+    assert gdd.stream_plan(1, 1, 32, False) == on
+    assert gdd.stream_plan(1, 5, 32, False) is None
+    monkeypatch.setattr(gdd, "STREAM", "0")
+    assert gdd.stream_plan(32, 1, 32, False) is None
+    monkeypatch.setattr(gdd, "STREAM", "2")
+    with pytest.raises(InvalidArgumentError):
+        gdd.stream_plan(32, 1, 32, False)
+
+
+def _stream_matches_registers(monkeypatch, shapes, dtype, settings, tiled=False, poison=True):
+    """Each shape through the register path, then the streamed one under each (warps, rows at
+    a time) setting, from poisoned outputs (the emulator poisons every launch itself): the
+    same bits (out, state, conv state)."""
+    init = float("nan") if poison else None
+    for shape in shapes:
+        inp = make_inputs(*shape, seed=31 * sum(shape), dtype=dtype, masked=shape[0] > 1)
+        monkeypatch.setattr(gdd, "STREAM", "0")
+        gdd._plan.cache_clear()
+        want = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=init)
+        mx.eval(want)
+        monkeypatch.setattr(gdd, "STREAM", "1")
+        for warps, rows in settings:
+            monkeypatch.setattr(gdd, "STREAM_WARPS", warps)
+            monkeypatch.setattr(gdd, "STREAM_ROWS", rows)
+            gdd._plan.cache_clear()
+            got = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=init)
+            mx.eval(got)
+            for g, w, what in zip(got, want, ("out", "conv_state", "state")):
+                np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{shape} {what}")
+            assert not np.isnan(np.array(got[0].astype(mx.float32))).any()
+    gdd._plan.cache_clear()
+
+
+@needs_gxx
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_streamed_state_gives_the_register_paths_bits_emulated(shape, tiled, monkeypatch):
+    """STREAM: the state streamed RU rows at a time by fewer SIMD groups (rows past Dv and a
+    last partial round included: Dv 7 and 40) writes the register path's bits; its out is
+    within fp32 of the oracle too (a wrong row map fails both)."""
+    emu = kernel_emulator.Emulated(gdd._kernel)
+    monkeypatch.setattr(gdd, "_kernel", emu)
+    monkeypatch.setattr(gdd, "backend", lambda: "cuda")
+    _stream_matches_registers(monkeypatch, [shape], mx.float32, [(4, 4), (2, 3)], tiled, False)
+    assert emu.launches == 3
+    inp = make_inputs(*shape, seed=31 * sum(shape), masked=shape[0] > 1)
+    got = gdd.gated_delta_decode(**inp, tiled=tiled)  # STREAM still "1"
+    want = oracle(inp, tiled)
+    for g, w, what in zip(got, want, ("out", "conv_state", "state")):
+        check(g, w, 1e-5, what)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_gpu_streamed_state_gives_the_register_paths_bits(monkeypatch, dtype):
+    """On the GPU at Qwen 3.5's delta-net head, 8 and 32 rows (some paused): the same bits."""
+    with mx.stream(mx.gpu):
+        _stream_matches_registers(
+            monkeypatch, [(8, 16, 32, 128, 128), (32, 16, 32, 128, 128)], dtype,
+            [(4, 4), (8, 4), (4, 2)],
+        )  # fmt: skip
