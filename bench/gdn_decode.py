@@ -9,8 +9,12 @@ for each wave of threadgroups (one 512-thread threadgroup an SM), whatever the b
 the loop that loads them after the state's stores. Each evaluation chains ``--chain`` calls
 (the state and conv state of one call feed the next); with torch and CUDA present every
 evaluation is under CUPTI and the kernel's GPU time per call is reported, else the wall time.
+``stream*`` (the state streamed, ``STREAM``: SIMD groups a threadgroup, rows at a time).
 Every variant's outputs are checked bit for bit against the first's. Session 47 (H100):
 preload no faster (13.8 / 14.2 us at 1 row, 35.1 / 34.8 at 8, 119.1 / 118.3 at 32), bits equal.
+Session 53 (H200): the register path 14.4 / 36.6 / 107.9 us at 1 / 8 / 32 rows, stream4
+23.8 / 38.0 / 46.1, stream8 17.1 / 31.9 / 51.2, bits equal (the rule: registers below 8 rows,
+8 SIMD groups to 31 rows, 4 from 32).
 
     python3 bench/gdn_decode.py --json bench/results/gdn_decode_h200.json
     python3 bench/gdn_decode.py --tiny --rounds 1 --chain 2      # CPU smoke run (reference)
@@ -39,7 +43,14 @@ from hf2q_mlx.custom_kernels import gated_delta_decode as gdd  # noqa: E402
 
 HEADS = (16, 32, 128, 128)  # key heads, value heads, Dk, Dv
 TINY = (2, 4, 32, 16)
-PLAIN = {"PRELOAD": "0", "MIN_BLOCKS": "", "STREAM": "0", "STREAM_WARPS": 4, "STREAM_ROWS": 4}
+PLAIN = {
+    "PRELOAD": "0",
+    "MIN_BLOCKS": "",
+    "STREAM": "0",
+    "STREAM_WARPS": 4,
+    "STREAM_ROWS": 4,
+    "STREAM_WIDE_GROUPS": 0,  # each variant's STREAM_WARPS at every row count
+}
 VARIANTS = {
     "loop": PLAIN,
     "preload": {**PLAIN, "PRELOAD": "1"},

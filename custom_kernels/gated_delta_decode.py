@@ -444,9 +444,13 @@ def _warps(dv: int, L: int, stream: tuple | None = None) -> int:
 # Qwen3.5-35B-A3B ran in eight waves of ~14 us (118 us a call, session 49). The same bits either
 # way. "1" always at one token, "0" never, unset the rule. Read at import, parsed per call.
 STREAM: str = os.environ.get("HF2Q_GDN_STREAM", "")
+# Session 53 (H200, bench/gdn_decode.py, CUPTI us a call, register path / 4 / 8 SIMD groups,
+# 4 rows at a time): 1 row 14.4 / 23.8 / 17.1, 8 rows 36.6 / 38.0 / 31.9, 32 rows 107.9 / 46.1
+# / 51.2; so 8 SIMD groups below STREAM_WIDE_GROUPS threadgroups, STREAM_WARPS from there.
 STREAM_WARPS = 4
 STREAM_ROWS = 4  # RU: rows whose loads a SIMD group issues before their math
 STREAM_MIN_GROUPS = 256
+STREAM_WIDE_GROUPS = 1024
 
 
 def stream_plan(B: int, L: int, hv: int, history: bool) -> tuple[int, int] | None:
@@ -454,7 +458,7 @@ def stream_plan(B: int, L: int, hv: int, history: bool) -> tuple[int, int] | Non
     on = int_setting("HF2Q_GDN_STREAM", STREAM, 0, 1)
     if L != 1 or history or on == 0 or (on is None and B * hv < STREAM_MIN_GROUPS):
         return None
-    return STREAM_WARPS, STREAM_ROWS
+    return (STREAM_WARPS if B * hv >= STREAM_WIDE_GROUPS else 2 * STREAM_WARPS), STREAM_ROWS
 
 
 def _example(

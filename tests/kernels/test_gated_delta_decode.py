@@ -714,10 +714,11 @@ def test_stream_rule(monkeypatch):
     monkeypatch.setattr(gdd, "STREAM", "")
     on = (gdd.STREAM_WARPS, gdd.STREAM_ROWS)
     assert gdd.stream_plan(1, 1, 32, False) is None  # one row of 35B-A3B: 32 threadgroups
-    assert gdd.stream_plan(8, 1, 32, False) == on
+    assert gdd.stream_plan(8, 1, 32, False) == (2 * gdd.STREAM_WARPS, gdd.STREAM_ROWS)
+    assert gdd.stream_plan(32, 1, 32, False) == on  # 1,024 threadgroups
     assert gdd.stream_plan(32, 2, 32, False) is gdd.stream_plan(32, 1, 32, True) is None
     monkeypatch.setattr(gdd, "STREAM", "1")
-    assert gdd.stream_plan(1, 1, 32, False) == on
+    assert gdd.stream_plan(64, 1, 32, False) == on
     assert gdd.stream_plan(1, 5, 32, False) is None
     monkeypatch.setattr(gdd, "STREAM", "0")
     assert gdd.stream_plan(32, 1, 32, False) is None
@@ -738,6 +739,7 @@ def _stream_matches_registers(monkeypatch, shapes, dtype, settings, tiled=False,
         want = gdd.gated_delta_decode(**inp, tiled=tiled, init_value=init)
         mx.eval(want)
         monkeypatch.setattr(gdd, "STREAM", "1")
+        monkeypatch.setattr(gdd, "STREAM_WIDE_GROUPS", 0)  # STREAM_WARPS as set, any rows
         for warps, rows in settings:
             monkeypatch.setattr(gdd, "STREAM_WARPS", warps)
             monkeypatch.setattr(gdd, "STREAM_ROWS", rows)
