@@ -153,9 +153,11 @@ def recorded_launch(monkeypatch, inp: dict, **kw):
 
 @needs_gxx
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize(
+    "tiled, stream", [(False, "0"), (True, "0"), (False, "1")], ids=["grouped", "tiled", "stream"]
+)
 def test_conv_in_place_variant_writes_what_the_plain_launch_writes_emulated(
-    shape, tiled, monkeypatch
+    shape, tiled, stream, monkeypatch
 ):
     """CONV_INPLACE, the variant a recorded graph runs to write the conv state over its input
     (cuda_graph_step.fuse_state_writes): the last value head of each key head to count in
@@ -163,8 +165,10 @@ def test_conv_in_place_variant_writes_what_the_plain_launch_writes_emulated(
     outputs equal the plain launch's bit for bit: every conv channel is written, once per key
     head. (The emulator runs threadgroups one after another: the ordering it relies on on a GPU
     is checked by the graph's GPU tests.)"""
+    monkeypatch.setattr(gdd, "STREAM", stream)  # "1": the streamed path (a graph's many rows)
     inp = make_inputs(*shape, seed=7 * sum(shape) + tiled, masked=shape[0] > 1)
     run = recorded_launch(monkeypatch, inp, tiled=tiled)
+    assert run.template["STREAM"] == (stream == "1")
     plain, in_place = run({"CONV_INPLACE": False}, poison=False), run({"CONV_INPLACE": True})
     for i in range(3):  # out, state, conv state
         np.testing.assert_array_equal(bits(plain[i]), bits(in_place[i]))
