@@ -267,49 +267,6 @@ _BODY = """
   DEVICE_PTR(uint) pm_bits = DEVICE_CAST(uint, pm);
   DEVICE_PTR(uint) pl_bits = DEVICE_CAST(uint, pl);
   DEVICE_PTR(uint) po_bits = DEVICE_CAST(uint, po);
-  if (VW > 1) {
-    // the merge below with the parked groups: each physical group scales its own virtual
-    // groups' values by their weight in place (a rounded product, as W groups store it), then
-    // thread t sums element t of every group in group order
-    UNROLL for (int g = 0; g < G; ++g) {
-      float M = -INF_F;
-      for (int w = 0; w < W; ++w) M = max_f(M, wm[g * W + w]);
-      for (int v = 0; v < VW; ++v) {
-        const int vw = int(simd_id) + WP * v;
-        const float mw = wm[g * W + vw];
-        const float own = mw == -INF_F ? 0.0f : exp_f(mw - M);
-        UNROLL for (int e = 0; e < EV; ++e) {
-          const int k = ((g * W + vw) * EV + e) * 32 + int(lane);
-          parked[k] = parked[k] * own;
-        }
-      }
-    }
-    BARRIER();
-    UNROLL for (int g = 0; g < G; ++g) {
-      const int row = (b * Hq + h0 + g) * L + l;
-      float M = -INF_F;
-      for (int w = 0; w < W; ++w) M = max_f(M, wm[g * W + w]);
-      float total = 0.0f;
-      for (int w = 0; w < W; ++w)
-        total += wm[g * W + w] == -INF_F ? 0.0f : wl[g * W + w] * exp_f(wm[g * W + w] - M);
-      const float inv = (P == 1 && total > 0.0f) ? 1.0f / total : 1.0f;
-      const uint64_t prow = uint64_t(row) * P + part;
-      if (P > 1 && tid == 0) {
-        ATOMIC_STORE_U32(pm_bits + prow, bitcast<uint>(M));
-        ATOMIC_STORE_U32(pl_bits + prow, bitcast<uint>(total));
-      }
-      for (int i = int(tid); i < DV; i += int(tg_size)) {
-        const int e = i / 32;
-        float acc = 0.0f;
-        for (int w = 0; w < W; ++w) acc += parked[((g * W + w) * EV + e) * 32 + i % 32];
-        if (P == 1) {
-          out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
-        } else {
-          ATOMIC_STORE_U32(po_bits + prow * DV + i, bitcast<uint>(acc));
-        }
-      }
-    }
-  } else {
   UNROLL for (int g = 0; g < G; ++g) {
     const int row = (b * Hq + h0 + g) * L + l;
     float M = -INF_F;
@@ -323,6 +280,31 @@ _BODY = """
     if (P > 1 && tid == 0) {
       ATOMIC_STORE_U32(pm_bits + prow, bitcast<uint>(M));
       ATOMIC_STORE_U32(pl_bits + prow, bitcast<uint>(total));
+    }
+    if (VW > 1) {
+      // the parked groups: each physical group scales its own virtual groups' values by their
+      // weight in place (a rounded product, as the W-group merge stores it in wo), then
+      // thread t sums element t of every group in group order
+      for (int v = 0; v < VW; ++v) {
+        const int vw = int(simd_id) + WP * v;
+        const float mw = wm[g * W + vw];
+        const float own_w = mw == -INF_F ? 0.0f : exp_f(mw - M);
+        UNROLL for (int e = 0; e < EV; ++e) {
+          const int k = ((g * W + vw) * EV + e) * 32 + int(lane);
+          parked[k] = parked[k] * own_w;
+        }
+      }
+      BARRIER();
+      for (int i = int(tid); i < DV; i += int(tg_size)) {
+        float acc = 0.0f;
+        for (int w = 0; w < W; ++w) acc += parked[((g * W + w) * EV + i / 32) * 32 + i % 32];
+        if (P == 1) {
+          out[uint64_t(row) * DV + i] = from_float<T>(acc * inv);
+        } else {
+          ATOMIC_STORE_U32(po_bits + prow * DV + i, bitcast<uint>(acc));
+        }
+      }
+      continue;
     }
     UNROLL for (int e = 0; e < EV; ++e) {
       const int i0 = 32 * e;  // this pass merges dims i0 .. i0 + 31 of every group (CH >= 32)
@@ -345,7 +327,6 @@ _BODY = """
         }
       }
     }
-  }
   }
   if (P > 1) {
     // Count this part in on the row group's counter (set cset[0] of the plan's, dims[1] a

@@ -168,7 +168,36 @@ def gated_delta_decode_reference(
     return out, conv, s, mx.stack(convs, axis=1), mx.stack(states, axis=1)
 
 
-_BODY = """
+# conv + SiLU + l2 norm of a lane's q and k channels and the head's gates for token t (the
+# register path's token loop and the streamed path both; ``tok`` the token's row in the inputs)
+_QK_GATES = """\
+    // conv + SiLU of this lane's q and k channels, then l2 norms (eps 1e-6 on the sum of squares)
+    float qv[NK], kv[NK];
+    float qq = 0.0f, kk = 0.0f;
+    UNROLL for (int i = 0; i < NK; ++i) {
+      const uint c = hk * Dk + lane + SIMD_SIZE * i;
+      float aq = 0.0f, ak = 0.0f;
+      for (int j = 0; j < KC; ++j) {
+        aq += to_float(conv_w[c * KC + j]) * GDD_SEQ(t + j, c);
+        ak += to_float(conv_w[(KD + c) * KC + j]) * GDD_SEQ(t + j, KD + c);
+      }
+      qv[i] = aq / (1.0f + exp_f(-aq));
+      kv[i] = ak / (1.0f + exp_f(-ak));
+      qq += qv[i] * qv[i];
+      kk += kv[i] * kv[i];
+    }
+    const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));  // + the readout scale
+    const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
+    UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
+
+    const float x = to_float(a[tok * AS + AO + h]) + to_float(dt_bias[h]);
+    const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
+    const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
+    const float beta = 1.0f / (1.0f + exp_f(-to_float(b[tok * BS + BO + h])));
+"""
+
+_BODY = (
+    """
   // One threadgroup per (batch row bi, value head h), looping over the row's NT tokens with the
   // state in registers. SIMD group w owns the value rows dv = w + NW * r (r < R); lane owns key
   // channels lane + 32 i (i < NK, Dk = 32 NK), so a state row is one coalesced sweep and each
@@ -240,30 +269,9 @@ _BODY = """
       zr[r] = to_float(z[tok * ZS + ZO + h * Dv + dv]);
     }
 
-    // conv + SiLU of this lane's q and k channels, then l2 norms (eps 1e-6 on the sum of squares)
-    float qv[NK], kv[NK];
-    float qq = 0.0f, kk = 0.0f;
-    UNROLL for (int i = 0; i < NK; ++i) {
-      const uint c = hk * Dk + lane + SIMD_SIZE * i;
-      float aq = 0.0f, ak = 0.0f;
-      for (int j = 0; j < KC; ++j) {
-        aq += to_float(conv_w[c * KC + j]) * GDD_SEQ(t + j, c);
-        ak += to_float(conv_w[(KD + c) * KC + j]) * GDD_SEQ(t + j, KD + c);
-      }
-      qv[i] = aq / (1.0f + exp_f(-aq));
-      kv[i] = ak / (1.0f + exp_f(-ak));
-      qq += qv[i] * qv[i];
-      kk += kv[i] * kv[i];
-    }
-    const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));  // + the readout scale
-    const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
-    UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
-
-    const float x = to_float(a[tok * AS + AO + h]) + to_float(dt_bias[h]);
-    const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
-    const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
-    const float beta = 1.0f / (1.0f + exp_f(-to_float(b[tok * BS + BO + h])));
-
+"""
+    + _QK_GATES
+    + """
     // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
     float ys[R];
     UNROLL for (int r = 0; r < R; ++r) {
@@ -312,29 +320,11 @@ _BODY = """
     // state rows, updates, stores them; y goes to shared memory for the norm. Each row's
     // arithmetic is the register path's (the same bits); few registers a thread, so many
     // threadgroups an SM (the register path holds 64 KB of state a threadgroup: one an SM).
+    const int t = 0;
     const uint tok = bi;
-    float qv[NK], kv[NK];
-    float qq = 0.0f, kk = 0.0f;
-    UNROLL for (int i = 0; i < NK; ++i) {
-      const uint c = hk * Dk + lane + SIMD_SIZE * i;
-      float aq = 0.0f, ak = 0.0f;
-      for (int j = 0; j < KC; ++j) {
-        aq += to_float(conv_w[c * KC + j]) * GDD_SEQ(j, c);
-        ak += to_float(conv_w[(KD + c) * KC + j]) * GDD_SEQ(j, KD + c);
-      }
-      qv[i] = aq / (1.0f + exp_f(-aq));
-      kv[i] = ak / (1.0f + exp_f(-ak));
-      qq += qv[i] * qv[i];
-      kk += kv[i] * kv[i];
-    }
-    const float qs = rsqrt_f(simd_sum(qq) + 1e-6f) * rsqrt_f(float(Dk));
-    const float ks = rsqrt_f(simd_sum(kk) + 1e-6f);
-    UNROLL for (int i = 0; i < NK; ++i) kv[i] *= ks;
-    const float x = to_float(a[tok * AS + AO + h]) + to_float(dt_bias[h]);
-    const float softplus = x > 20.0f ? x : log_f(1.0f + exp_f(x));
-    const float decay = exp_f(-exp_f(to_float(A_log[h])) * softplus);
-    const float beta = 1.0f / (1.0f + exp_f(-to_float(b[tok * BS + BO + h])));
-    for (int r0 = 0; r0 < R; r0 += RU) {
+"""
+    + _QK_GATES
+    + """    for (int r0 = 0; r0 < R; r0 += RU) {
       float sr[RU][NK], vr[RU];
       UNROLL for (int u = 0; u < RU; ++u) {  // every load of RU rows before any math
         const uint dv = simd_id + NW * (r0 + u) < uint(Dv) ? simd_id + NW * (r0 + u) : uint(Dv - 1);
@@ -419,6 +409,7 @@ _BODY = """
   }
 #undef GDD_SEQ
 """
+)
 
 _INPUTS = [
     "qkv", "z", "a", "b", "conv_state", "conv_w", "A_log", "dt_bias", "state_in", "norm_w",
