@@ -485,6 +485,9 @@ step attn-vw-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_vir
 # alone at 1 / 8 / 32 rows against the register path (bench/gdn_decode.py variants)
 step gdn-stream-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_streamed or gpu_kernel_matches or gpu_block_decode' tests/kernels/test_gated_delta_decode.py --tb=short"
 step gdn-stream 150 "python3 bench/gdn_decode.py --json $OUT/gdn_stream.json --rounds 5"
+# paired rows at 17..32 rows of x only, at the unpaired U / W (HF2Q_MMA_PAIRS=2: the same bits):
+# the 32-row step's tensor-core mat-vecs with and without (SHAPES: the models)
+step pairs-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for v in 0 2; do echo == \$sh HF2Q_MMA_PAIRS=\$v; HF2Q_MMA_PAIRS=\$v python3 bench/decode_profile.py \$sh q4_k --step compiled --batch 32 --steps 16 --json $OUT/profile_b32_pairs\${v}_\${sh#*:}.json | grep -a 'ms/token\\|qmv_mma\\|dense_glu'; done; done"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0

@@ -866,18 +866,29 @@ def split_k(N: int, K: int, qk: int, raw: str | None = None, auto: bool = True) 
     return max(1, min(ks, (K // qk) // SPLIT_MIN_BLOCKS))
 
 
-# HF2Q_MMA_PAIRS (unset or 0: off; 1: on; read at import): every mat-vec of an even N takes
-# the paired-rows kernel (config R = 2, ``_PAIR_KERNELS``). Same bits as without (the same math
-# per row), so it can go on at any M; an A/B switch until a GPU shows it faster.
+# HF2Q_MMA_PAIRS (unset or 0: off; read at import): 1, every mat-vec of an even N takes the
+# paired-rows kernel (config R = 2, ``_PAIR_KERNELS``) at the dense GLU's U and W; 2, the
+# mat-vecs of 17..32 rows (4 n-tiles) of an even N take it at their own U and W, the bits of
+# the unpaired kernel (row parity kept): at 4 n-tiles each threadgroup reads all 32 rows of x
+# for its 16 weight rows (35B-A3B's 32-row step: 33 us a mat-vec, 8.6 at one row, session 53),
+# and a pair reads them once for 32. A/B switches until a GPU shows one faster.
 PAIRS_RAW = os.environ.get("HF2Q_MMA_PAIRS", "")
 
 
+def _pairs_mode(raw: str | None) -> int:
+    return int_setting("HF2Q_MMA_PAIRS", PAIRS_RAW if raw is None else raw, 0, 2) or 0
+
+
 def pairs(N: int, raw: str | None = None) -> bool:
-    """Whether an N-row mat-vec takes paired rows: HF2Q_MMA_PAIRS (``raw`` in its place) on and
-    N even."""
-    return (
-        int_setting("HF2Q_MMA_PAIRS", PAIRS_RAW if raw is None else raw, 0, 1) == 1 and N % 2 == 0
-    )
+    """Whether an N-row mat-vec takes paired rows at every M (the GLU's U and W):
+    HF2Q_MMA_PAIRS (``raw`` in its place) 1 and N even."""
+    return _pairs_mode(raw) == 1 and N % 2 == 0
+
+
+def wide_pairs(N: int, raw: str | None = None) -> bool:
+    """Whether an N-row mat-vec at 4 n-tiles takes paired rows at its own U and W:
+    HF2Q_MMA_PAIRS (``raw`` in its place) 2 and N even."""
+    return _pairs_mode(raw) == 2 and N % 2 == 0
 
 
 # HF2Q_MMA_SPLIT_FUSED (unset or 0: off; 1: on; read at import): a split's sum added by the
@@ -951,15 +962,18 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     Only NT depends on M: U and W fix which SIMD group sums which blocks, and so the order of
     a column's additions, from (type, K) alone (row parity). W never exceeds the runs a row has.
     KS (HF2Q_MMA_SPLIT_K, from N and K alone): splits over K; W then cut to a split's runs.
-    R = 2 (HF2Q_MMA_PAIRS, N even): paired rows at the dense GLU's U and W for F = N / 2 (the
+    R = 2 (HF2Q_MMA_PAIRS=1, N even): paired rows at the dense GLU's U and W for F = N / 2 (the
     same kernel loop without the activation), split over K only where HF2Q_MMA_SPLIT_K is set;
-    the bits of the unpaired kernel at that U and W.
+    the bits of the unpaired kernel at that U and W. HF2Q_MMA_PAIRS=2: R = 2 at 4 n-tiles only,
+    with the unpaired U, W and KS (its bits).
     """
     qk = BLOCK_FORMATS[ggml_type].block_size
     if pairs(N):
         cfg = {**glu_launch_config(ggml_type, M, N // 2, K), "R": 2}
         return with_split(cfg, ggml_type, K, split_k(N // 2, K, qk, auto=False))
     cfg = _config(_DEFAULTS, ggml_type, M, K)
+    if cfg["NT"] == 4 and not cfg.get("S") and wide_pairs(N):
+        cfg["R"] = 2  # the same U, W and split: the unpaired bits
     return with_split(cfg, ggml_type, K, split_k(N, K, qk))
 
 

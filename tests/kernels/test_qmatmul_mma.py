@@ -548,11 +548,42 @@ def test_paired_rows_setting(monkeypatch):
     monkeypatch.setattr(MM, "PAIRS_RAW", "")
     assert MM.pairs(5376, "1") and not MM.pairs(4099, "1")
     assert not MM.pairs(5376, "") and not MM.pairs(5376, "0")
-    for bad in ("2", "yes"):
+    assert not MM.pairs(5376, "2") and MM.wide_pairs(5376, "2") and not MM.wide_pairs(5376, "1")
+    for bad in ("3", "yes"):
         with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_PAIRS"):
             MM.pairs(5376, bad)
     with pytest.raises(ValueError, match="even N"):
         MM.make_plan(T.Q4_K, 1, 41, 2816, {**MM.launch_config(T.Q4_K, 1, 41, 2816), "R": 2})
+
+
+def test_wide_paired_rows_setting(monkeypatch):
+    """HF2Q_MMA_PAIRS=2: R = 2 only at 4 n-tiles (17..32 rows) of an even N, every other key of
+    the config (U, W, KS, NT) as unset: the unpaired kernel's order of additions at every M."""
+    for n, k in ((12288, 2048), (5376, 21504), (2048, 4096), (4099, 2816)):
+        monkeypatch.setattr(MM, "PAIRS_RAW", "")
+        plain = [MM.launch_config(T.Q4_K, m, n, k) for m in range(1, 33)]
+        monkeypatch.setattr(MM, "PAIRS_RAW", "2")
+        wide = [MM.launch_config(T.Q4_K, m, n, k) for m in range(1, 33)]
+        for m, a, b in zip(range(1, 33), plain, wide):
+            paired = m > 16 and n % 2 == 0
+            assert b == ({**a, "R": 2} if paired else a), (n, k, m)
+
+
+@needs_gxx
+def test_dispatcher_pairs_wide_row_counts_with_the_plain_bits(monkeypatch, cuda_launches):
+    """ggml_matmul with HF2Q_MMA_PAIRS=2 (Q4_K, N 24): 20 rows in the paired kernel, each row
+    the bits it has alone at M = 1 without the switch (row parity across the switch and M)."""
+    t, n, k = T.Q4_K, 24, 4 * 256
+    w, wf = _weight(t, n, k)
+    x = _x(20, k, mx.bfloat16, seed=91)
+    alone = [Q.ggml_matmul(x[i : i + 1], w, t, k) for i in (0, 7, 19)]
+    monkeypatch.setattr(MM, "PAIRS_RAW", "2")
+    monkeypatch.setattr(Q, "_CALLS", {})
+    cuda_launches.clear()
+    got = Q.ggml_matmul(x, w, t, k)
+    assert cuda_launches == [MM.kernel_name(t, paired=True)]
+    _check(got, x, wf)
+    assert all(_same_bits(got[i : i + 1], a) for i, a in zip((0, 7, 19), alone))
 
 
 @needs_gxx
