@@ -1,7 +1,8 @@
 """Launch mapping of the decode attention kernel (``custom_kernels/decode_attention.py``) at
 Gemma-4-26B-A4B's and Qwen3.5-35B-A3B's shapes, one token per row: (parts of the span, SIMD
-groups per part) and the load variants (HF2Q_ATTN_LOADS letters) against the default, at one
-or more batch sizes, in interleaved rounds in one process.
+groups per part), the load variants (HF2Q_ATTN_LOADS letters) and the virtual SIMD groups
+(HF2Q_ATTN_VW, the same bits) against the default, at one or more batch sizes, in interleaved
+rounds in one process.
 
 Each evaluation runs ``--chain`` independent calls (fresh q per call) and is timed to its
 completion, so per call it is close to the kernels' GPU time (the host builds the chain while
@@ -13,6 +14,7 @@ only (row parity), so one mapping has to serve every batch size.
 
     python3 bench/attention_sweep.py --json bench/results/attention_sweep_h200.json
     python3 bench/attention_sweep.py --batch 1 32 --loads "" vp --profile --chain 16
+    python3 bench/attention_sweep.py --batch 8 32 --vws "" 1 2 4 8 --mappings "" --profile
     python3 bench/attention_sweep.py --rounds 1 --chain 2      # CPU: reference only, smoke run
 """
 
@@ -49,8 +51,9 @@ MAPPINGS = [None, (4, 8), (8, 8), (16, 4), (16, 8), (32, 2), (32, 4), (64, 2), (
 
 
 def _mappings(text: str | None) -> list:
-    """--mappings "4,8 8,8": (parts, groups) pairs after the default (None)."""
-    if not text:
+    """--mappings "4,8 8,8": (parts, groups) pairs after the default (None); "": the default
+    alone; unset: the built-in list."""
+    if text is None:
         return MAPPINGS
     return [None] + [tuple(int(v) for v in m.split(",")) for m in text.split()]
 
@@ -65,15 +68,17 @@ def run_shape(shape, a, batch: int) -> dict:
     mx.eval(keys, values, qs)
     default_split = DA.split
     mappings = _mappings(a.mappings)
-    variants = [(m, lo) for lo in a.loads for m in mappings]  # (None, "") first: the default
+    # (None, "", "") first: the default
+    variants = [(m, lo, vw) for vw in a.vws for lo in a.loads for m in mappings]
     rates = {v: [] for v in variants}
     gpu = {v: [] for v in variants}
     outs = {}
 
     def with_variant(v):
-        m, lo = v
+        m, lo, vw = v
         DA.split = default_split if m is None else (lambda *_a, m=m: m)
         DA.LOADS_RAW = lo
+        DA.VW_OVERRIDE = vw
         DA._plan.cache_clear()
 
     try:
@@ -98,6 +103,7 @@ def run_shape(shape, a, batch: int) -> dict:
     finally:
         DA.split = default_split
         DA.LOADS_RAW = ""
+        DA.VW_OVERRIDE = ""
         DA._plan.cache_clear()
     ref = outs[variants[0]].astype(mx.float32)
     tol = 2 * 2.0**-8 * mx.abs(ref).max().item()  # two bf16 ulps of the largest output
@@ -105,12 +111,12 @@ def run_shape(shape, a, batch: int) -> dict:
     base = statistics.median(rates[variants[0]])
     gbase = statistics.median(gpu[variants[0]]) if gpu[variants[0]] else None
     for v in variants:
-        m, lo = v
+        m, lo, vw = v
         med = statistics.median(rates[v])
         g = statistics.median(gpu[v]) if gpu[v] else None
         err = mx.abs(outs[v].astype(mx.float32) - ref).max().item()
         name = "default " + str(default_split(Hq, span, D)) if m is None else str(m)
-        rows.append({"mapping": name, "loads": lo, "us": med, "min": min(rates[v]),
+        rows.append({"mapping": name, "loads": lo, "vw": vw, "us": med, "min": min(rates[v]),
                      "max": max(rates[v]), "vs_default": base / med, "gpu_us": g,
                      "gpu_vs_default": gbase / g if g and gbase else None,
                      "max_err": err, "ok": err <= tol})  # fmt: skip
@@ -120,7 +126,7 @@ def run_shape(shape, a, batch: int) -> dict:
         ok = "ok" if r["ok"] else "DIFF"
         g = f"  gpu {r['gpu_us']:8.2f} x{r['gpu_vs_default']:.2f}" if r["gpu_us"] else ""
         span_us = f"{r['us']:8.2f} [{r['min']:.2f}-{r['max']:.2f}]  x{r['vs_default']:.2f}"
-        print(f"  {r['mapping']:<16} {r['loads'] or '-':<3} {span_us}{g}  "
+        print(f"  {r['mapping']:<16} {r['loads'] or '-':<3} vw {r['vw'] or '-':<2} {span_us}{g}  "
               f"err {r['max_err']:.2e} {ok}")  # fmt: skip
     return {"shape": label, "batch": batch, "Hq": Hq, "Hk": Hk, "D": D, "span": span,
             "pos": pos, "rows": rows}  # fmt: skip
@@ -133,6 +139,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="rows a call (each)")
     ap.add_argument("--loads", nargs="+", default=[""], help='HF2Q_ATTN_LOADS values ("" vp)')
     ap.add_argument("--mappings", default=None, help='"P,W P,W ..." instead of the built-in list')
+    ap.add_argument("--vws", nargs="+", default=[""], help='HF2Q_ATTN_VW values ("": the rule)')
     ap.add_argument("--shapes", default=None, help="labels' substrings, comma-separated")
     ap.add_argument("--profile", action="store_true", help="CUPTI kernel time (torch.profiler)")
     ap.add_argument("--json", default=None)
