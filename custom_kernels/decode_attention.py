@@ -15,7 +15,13 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from hf2q_mlx.custom_kernels import backend, device_array, int_tuple_setting, launch_recorder
+from hf2q_mlx.custom_kernels import (
+    backend,
+    device_array,
+    int_setting,
+    int_tuple_setting,
+    launch_recorder,
+)
 from hf2q_mlx.custom_kernels._render import Example, Kernel
 from hf2q_mlx.errors import InvalidArgumentError
 
@@ -487,10 +493,8 @@ def virtual_groups(groups: int, warps: int, heads: int, Dv: int) -> int:
     heads each, ``Dv`` output dims): a power of two dividing ``warps``, so that the launch
     keeps at least VIRTUAL_MIN_WARPS physical groups. Any VW gives the same bits, so it may
     follow the batch."""
-    forced = int_tuple_setting("HF2Q_ATTN_VW", VW_OVERRIDE, ((1, 64),), "a positive int")
-    want = (
-        forced[0] if forced is not None else min(VIRTUAL_MAX, groups * warps // VIRTUAL_MIN_WARPS)
-    )
+    forced = int_setting("HF2Q_ATTN_VW", VW_OVERRIDE, 1, 64)
+    want = forced if forced is not None else min(VIRTUAL_MAX, groups * warps // VIRTUAL_MIN_WARPS)
     vw = 1
     while vw * 2 <= want and warps % (vw * 2) == 0:
         vw *= 2
@@ -585,7 +589,8 @@ def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False,
     out_shape = (B, 1, Hq * Dv) if flat else (B, Hq, L, Dv)
     parts, warps = split(Hq, span, max(D, Dv))  # never B or L: row parity
     group = heads_per_group(rep, rows, D, Dv)  # may follow B: a head's bits do not depend on it
-    plain = not vector_lanes(dt, D, Dv, loads) and "p" not in loads
+    vec = vector_lanes(dt, D, Dv, loads)
+    plain = not vec and "p" not in loads
     vw = virtual_groups(rows // group * parts, warps, group, Dv) if plain else 1  # same bits
     one = parts == 1
     launch = kernel.launcher(
@@ -597,7 +602,7 @@ def _plan(kernel, be, q_shape, C, Dv, rep, span, window, scale, sig, flat=False,
         output_dtypes=[dt, mx.float32, mx.float32, mx.float32],
         template={"T": dt, "D": D, "DV": Dv, "REP": rep, "G": group, "L": L, "SPAN": span, "CAP": C,
                   "RING": window is not None, "WIN": window or 0, "W": warps, "P": parts,
-                  "CHUNK": -(-span // parts), "VEC": int(vector_lanes(dt, D, Dv, loads)),
+                  "CHUNK": -(-span // parts), "VEC": int(vec),
                   "BF": int(dt == mx.bfloat16), "PF": int("p" in loads), "VW": vw},
         backend=be,
     )  # fmt: skip

@@ -196,6 +196,26 @@ _QK_GATES = """\
     const float beta = 1.0f / (1.0f + exp_f(-to_float(b[tok * BS + BO + h])));
 """
 
+# One value row's update and readout (its state elements @S@, its v @V@, y into @Y@): the
+# register path and the streamed path run this same text, so a row gets the same bits in both.
+_ROW_UPDATE = """\
+      float mem = 0.0f;
+      UNROLL for (int i = 0; i < NK; ++i) mem += @S@ * kv[i];
+      const float delta = (@V@ - decay * simd_sum(mem)) * beta;
+      float o = 0.0f;
+      UNROLL for (int i = 0; i < NK; ++i) {
+        const float sn = fma_f(@S@, decay, kv[i] * delta);
+        o += sn * qv[i];
+        if (act) @S@ = sn;
+      }
+      @Y@ = simd_sum(o) * qs;
+"""
+
+
+def _row_update(state: str, v: str, y: str) -> str:
+    return _ROW_UPDATE.replace("@S@", state).replace("@V@", v).replace("@Y@", y)
+
+
 _BODY = (
     """
   // One threadgroup per (batch row bi, value head h), looping over the row's NT tokens with the
@@ -275,17 +295,9 @@ _BODY = (
     // S' = decay S + beta (v - decay S k) k^T, y = S' q; inactive rows keep S
     float ys[R];
     UNROLL for (int r = 0; r < R; ++r) {
-      float mem = 0.0f;
-      UNROLL for (int i = 0; i < NK; ++i) mem += s[r * NK + i] * kv[i];
-      const float delta = (vv[r] - decay * simd_sum(mem)) * beta;
-      float o = 0.0f;
-      UNROLL for (int i = 0; i < NK; ++i) {
-        const float sn = fma_f(s[r * NK + i], decay, kv[i] * delta);
-        o += sn * qv[i];
-        if (act) s[r * NK + i] = sn;
-      }
-      ys[r] = simd_sum(o) * qs;
-    }
+"""
+    + _row_update("s[r * NK + i]", "vv[r]", "ys[r]")
+    + """    }
 
     // gated RMSNorm over the head's Dv outputs: out = y rsqrt(mean(y^2) + eps) w silu(z)
     // The sum of y^2 runs in an order fixed by Dv alone, never by NW (an L-token launch has
@@ -337,17 +349,9 @@ _BODY = (
       }
       UNROLL for (int u = 0; u < RU; ++u) {
         const uint dv = simd_id + NW * (r0 + u);
-        float mem = 0.0f;
-        UNROLL for (int i = 0; i < NK; ++i) mem += sr[u][i] * kv[i];
-        const float delta = (vr[u] - decay * simd_sum(mem)) * beta;
-        float o = 0.0f;
-        UNROLL for (int i = 0; i < NK; ++i) {
-          const float sn = fma_f(sr[u][i], decay, kv[i] * delta);
-          o += sn * qv[i];
-          if (act) sr[u][i] = sn;
-        }
-        const float y = simd_sum(o) * qs;
-        if (dv < uint(Dv)) {
+"""
+    + _row_update("sr[u][i]", "vr[u]", "const float y")
+    + """        if (dv < uint(Dv)) {
           UNROLL for (int i = 0; i < NK; ++i)
             state_out[(n * Dv + dv) * Dk + lane + SIMD_SIZE * i] = sr[u][i];
           if (lane == 0) {
