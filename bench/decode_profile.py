@@ -6,11 +6,14 @@ bench/qwen3_5.py, prefills a prompt, then times greedy decode steps (pipelined a
 (through torch.profiler). Reports per token: wall time, the number of GPU kernels, their summed
 duration and the GPU-busy share (summed kernel time / wall), the host time split into building
 the step's graph in Python and MLX's ``async_eval`` (encoding and launching it), and the kernels
-that take the most time. Busy well under 100 % means host time, not kernels, sets the speed.
+that take the most time (``--by-launch``: also by launch grid, so one kernel's shapes, such as
+the mat-vec's lm_head call, show apart). Busy well under 100 % means host time, not kernels, sets
+the speed.
 
     python3 bench/decode_profile.py gemma4:26b-a4b q4_k [--prompt 512] [--steps 16] [--json F]
     python3 bench/decode_profile.py qwen3_5:9b mlx4
     python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled [--batch 8]
+    python3 bench/decode_profile.py qwen3_5:35b-a3b q4_k --step compiled --batch 32 --by-launch
     python3 bench/decode_profile.py qwen3_5:35b-a3b q4_k --step prefill --prompt 512 --steps 3
     python3 bench/decode_profile.py gemma4:tiny-moe q4_k        # CPU smoke run (no CUPTI)
 
@@ -90,6 +93,38 @@ def by_kernel(kernels: list) -> list[tuple[str, int, float]]:
     return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
 
 
+def by_launch(trace: dict, n: int, top: int = 40) -> list[dict]:
+    """Kernel records of a Chrome trace (torch.profiler's export: each kernel event's args carry
+    its grid, block and registers) grouped by (name, grid, block), so one kernel at several
+    shapes (a mat-vec's N, a split, the lm_head) shows apart; per unit of ``n``, most time
+    first."""
+    groups: dict = collections.defaultdict(lambda: [0, 0.0, None])
+    for e in trace.get("traceEvents", []):
+        if str(e.get("cat", "")).lower() != "kernel" or e.get("ph") != "X":
+            continue
+        args = e.get("args", {})
+        key = (e.get("name", "?"), tuple(args.get("grid", ())), tuple(args.get("block", ())))
+        g = groups[key]
+        g[0] += 1
+        g[1] += float(e.get("dur", 0.0))
+        g[2] = args.get("registers per thread", g[2])
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": name[:120], "grid": list(grid), "block": list(block), "registers": regs,
+             "per_token": c / n, "us_per_token": t / n, "avg_us": t / c}
+            for (name, grid, block), (c, t, regs) in ranked]  # fmt: skip
+
+
+def _launches(prof, n: int) -> list[dict]:
+    """``by_launch`` of a stopped profiler's records (written to a temporary trace file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return by_launch(json.load(f), n)
+
+
 def _is_copy(name: str) -> bool:
     """A CUPTI record of a memcpy or memset (a graph's copy nodes, uploads), not a kernel."""
     return name.startswith(("Memcpy", "Memset"))
@@ -152,14 +187,16 @@ def _profiler(use_cuda: bool):
     return prof
 
 
-def _kernel_summary(prof, n: int, wall_ms: float) -> dict:
+def _kernel_summary(prof, n: int, wall_ms: float, launches: bool = False) -> dict:
     """Stop ``prof`` -> kernels, copies and kernel ms per unit (``n`` units: tokens or prefills),
-    GPU busy against ``wall_ms`` a unit, and the kernels by GPU time."""
+    GPU busy against ``wall_ms`` a unit, and the kernels by GPU time (``launches``: also by
+    launch shape, ``by_launch``)."""
     prof.__exit__(None, None, None)
     kernels = _cuda_kernels(prof)
     gpu_ms = sum(us for _, us in kernels) / 1e3 / n
     copies = sum(_is_copy(name) for name, _ in kernels)
-    return {
+    extra = {"by_launch": _launches(prof, n)} if launches else {}
+    return {**extra,
         "kernels_per_token": (len(kernels) - copies) / n,
         "copies_per_token": copies / n,
         "kernel_ms_per_token": gpu_ms,
@@ -169,7 +206,9 @@ def _kernel_summary(prof, n: int, wall_ms: float) -> dict:
     }  # fmt: skip
 
 
-def profile_prefill(model, vocab: int, prompt: int, runs: int, use_cuda: bool) -> dict:
+def profile_prefill(
+    model, vocab: int, prompt: int, runs: int, use_cuda: bool, launches: bool = False
+) -> dict:
     """``runs`` prefills of a fresh ``prompt``-token prompt into a new cache each (one forward,
     evaluated to the last position's logits, as a 512-token prompt's first chunk is) under
     CUPTI, after two unprofiled ones (kernel builds): per prefill the wall time and, with
@@ -195,7 +234,7 @@ def profile_prefill(model, vocab: int, prompt: int, runs: int, use_cuda: bool) -
     out = {"prompt": prompt, "steps": runs, "wall_ms_per_token": wall_ms,
            "graph_build_ms_per_token": 0.0, "eval_submit_ms_per_token": 0.0}  # fmt: skip
     if prof is not None:
-        out.update(_kernel_summary(prof, runs, wall_ms))
+        out.update(_kernel_summary(prof, runs, wall_ms, launches))
     return out
 
 
@@ -208,6 +247,7 @@ def profile_decode(
     mode: str = "eager",
     batch: int = 1,
     nodes: str | None = None,
+    launches: bool = False,
 ) -> dict:
     if mode == "eager":
         y, step = eager_step(model, vocab, prompt, steps)
@@ -240,7 +280,7 @@ def profile_decode(
     if nodes:
         out["graph_nodes"] = count_nodes(step(y), nodes)
     if prof is not None:
-        out.update(_kernel_summary(prof, steps, wall_ms))
+        out.update(_kernel_summary(prof, steps, wall_ms, launches))
     return out
 
 
@@ -258,6 +298,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="first N layers only")
     ap.add_argument("--no-cupti", action="store_true", help="wall times only (no profiler)")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--by-launch", action="store_true",
+        help="also the kernels by (name, grid, block): one kernel's shapes apart (CUPTI)",
+    )  # fmt: skip
     ap.add_argument("--nodes", default=None, help="write one step's graph (DOT) here, count nodes")
     a = ap.parse_args()
     family, _, shape = a.model.partition(":")
@@ -270,9 +314,11 @@ def main() -> None:
     dtype = mx.bfloat16 if gpu else mx.float32
     model, vocab = build(family, shape, a.format, dtype, a.layers)
     if a.step == "prefill":
-        r = profile_prefill(model, vocab, a.prompt, a.steps, use_cuda)
+        r = profile_prefill(model, vocab, a.prompt, a.steps, use_cuda, a.by_launch)
     else:
-        r = profile_decode(model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch, a.nodes)
+        r = profile_decode(
+            model, vocab, a.prompt, a.steps, use_cuda, a.step, a.batch, a.nodes, a.by_launch
+        )
     unit = "prefill" if a.step == "prefill" else "token"
     r["layers"] = len(model.layers)
     r.update(model=a.model, format=a.format, step=a.step, batch=a.batch)
@@ -300,6 +346,16 @@ def main() -> None:
                   f"{t['avg_us']:>8.2f}")  # fmt: skip
     else:
         print(" (no CUPTI: kernel columns need torch with CUDA)")
+    if r.get("by_launch"):
+        print(f"{'kernel by launch':<64} {'grid x':>8} {'block x':>7} {'regs':>5} "
+              f"{'/' + unit:>7} {'us/' + unit:>9} {'avg us':>8}")  # fmt: skip
+        for t in r["by_launch"]:
+            gx = t["grid"][0] if t["grid"] else "-"
+            bx = t["block"][0] if t["block"] else "-"
+            print(
+                f"{t['kernel'][:64]:<64} {gx:>8} {bx:>7} {t['registers'] or '-':>5} "
+                f"{t['per_token']:>7.1f} {t['us_per_token']:>9.1f} {t['avg_us']:>8.2f}"
+            )
     if "graph_nodes" in r:
         g, n = r["graph_nodes"], sum(r["graph_nodes"].values())
         print(f"graph nodes / step: {n} ({n / r['layers']:.1f} per layer):")

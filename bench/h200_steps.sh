@@ -52,7 +52,7 @@ step profile-26b 240 "python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step
 step profile-26b-var 240 "HF2Q_DOWN_SLOTS=8 HF2Q_ATTN_SPLIT=${ATTN_SPLIT:-4,8} HF2Q_ROUTER_SPLIT=1 python3 bench/decode_profile.py gemma4:26b-a4b q4_k --step compiled --steps 16 --json $OUT/profile_26b_var.json"
 # the same for Qwen3.5-35B-A3B at B rows of the compiled step (issue 14: its 8-stream step is
 # ~8.5 ms against 3.6 ms for one; BATCH=1 beside it)
-step profile-35b 240 "python3 bench/decode_profile.py qwen3_5:35b-a3b ${FORMAT:-q4_k} --step compiled --batch ${BATCH:-8} --steps 16 --json $OUT/profile_35b_b${BATCH:-8}.json"
+step profile-35b 240 "python3 bench/decode_profile.py qwen3_5:35b-a3b ${FORMAT:-q4_k} --step compiled --batch ${BATCH:-8} --steps 16 --by-launch --json $OUT/profile_35b_b${BATCH:-8}.json"
 # kernel switches at B = 8 distinct rows of the compiled step, one process (decode_step --patch)
 step b8-ab 300 "python3 bench/decode_step.py $OUT/b8_ab.json --shapes ${SHAPES:-qwen3_5:35b-a3b} --formats q4_k --no-mlx-lm --variants B=8 --batch 8 --rounds 5 --tokens 32 ${B8_PATCHES:---patch expert_down.SLOT_ROWS=8 --patch expert_mma.MIN_TOKENS=8 --patch expert_mma.MIN_TOKENS_GLU=9}"
 step decode-26b 300 "python3 bench/decode_step.py $OUT/decode_26b.json --shapes gemma4:26b-a4b --rounds 5 --tokens 32 --variants 'compiled B=1'"
@@ -487,7 +487,7 @@ step gdn-stream-tests 150 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_
 step gdn-stream 150 "python3 bench/gdn_decode.py --json $OUT/gdn_stream.json --rounds 5"
 # paired rows at 17..32 rows of x only, at the unpaired U / W (HF2Q_MMA_PAIRS=2: the same bits):
 # the 32-row step's tensor-core mat-vecs with and without (SHAPES: the models)
-step pairs-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for v in 0 2; do echo == \$sh HF2Q_MMA_PAIRS=\$v; HF2Q_MMA_PAIRS=\$v python3 bench/decode_profile.py \$sh q4_k --step compiled --batch 32 --steps 16 --json $OUT/profile_b32_pairs\${v}_\${sh#*:}.json | grep -a 'ms/token\\|qmv_mma\\|dense_glu'; done; done"
+step pairs-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for v in 0 2; do echo == \$sh HF2Q_MMA_PAIRS=\$v; HF2Q_MMA_PAIRS=\$v python3 bench/decode_profile.py \$sh q4_k --step compiled --batch 32 --steps 16 --by-launch --json $OUT/profile_b32_pairs\${v}_\${sh#*:}.json | grep -a 'ms/token\\|qmv_mma\\|dense_glu'; done; done"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0

@@ -194,3 +194,25 @@ def test_profile_counts_kernels_apart_from_copies(monkeypatch):
     out = st._cupti_stop(Prof(), {"wall_ms": 0.1}, 2)
     assert out["kernels"] == 3 and out["copies"] == 3
     assert abs(out["kernel_ms"] - 0.05) < 1e-12 and abs(out["gpu_busy"] - 0.5) < 1e-9
+
+
+def test_profile_by_launch_keeps_one_kernels_shapes_apart():
+    """``decode_profile.by_launch`` groups a trace's kernel records by (name, grid, block): the
+    same mat-vec at two grids gives two rows (calls and us per token each), CPU-side records
+    and non-kernel events are left out, and the most GPU time comes first."""
+    import decode_profile as dp
+
+    def kernel(name, grid, dur, regs=96):
+        return {"ph": "X", "cat": "kernel", "name": name, "dur": dur,
+                "args": {"grid": [grid, 1, 1], "block": [256, 1, 1],
+                         "registers per thread": regs}}  # fmt: skip
+
+    events = [kernel("qmv", 336, 20.0), kernel("qmv", 15520, 300.0), kernel("qmv", 336, 22.0),
+              kernel("norm", 1, 3.0, 32), {"ph": "X", "cat": "cpu_op", "name": "qmv", "dur": 9e3},
+              {"ph": "i", "cat": "kernel", "name": "qmv", "dur": 5e3}]  # fmt: skip
+    rows = dp.by_launch({"traceEvents": events}, n=2)
+    assert [(r["kernel"], r["grid"][0]) for r in rows] == [("qmv", 15520), ("qmv", 336),
+                                                           ("norm", 1)]  # fmt: skip
+    assert rows[1]["per_token"] == 1.0 and rows[1]["us_per_token"] == 21.0
+    assert rows[1]["avg_us"] == 21.0 and rows[0]["registers"] == 96 and rows[2]["registers"] == 32
+    assert dp.by_launch({"traceEvents": events}, n=2, top=1) == rows[:1]
