@@ -136,3 +136,8 @@ def test_ci_runs_the_readme_setup_commands_as_written() -> None:
     missing = [c for c in commands if c not in ci_lines]
     assert not missing, f".ci/run does not run these README lines as written: {missing}"
     assert not [line for line in ci_lines if " -e " in line], ".ci/run installs editable"
+    # a worker-process count needs pytest-xdist in the extra the same line installs
+    if any(" -n " in c.split("pytest", 1)[-1] for c in commands if "pytest" in c):
+        extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+        test_extra = extras.split("\ntest = [", 1)[1].split("]", 1)[0]
+        assert '"pytest-xdist' in test_extra, "the README's -n needs pytest-xdist in [test]"

@@ -7,6 +7,8 @@ an independent reference for our loader (raw GGML blocks, our own un-permutation
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +21,28 @@ import torch
 LOGIT_RTOL = 1e-3
 
 
+@contextlib.contextmanager
+def _one_reader_per_file():
+    """transformers builds a ``gguf.GGUFReader`` for the model's config, its weights and the
+    tokenizer's config, each parsing every field (Gemma's 262,144 token strings: ~15 s on a
+    2-core CI machine); inside this block one reader (read-only memory maps) serves a path."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it inside load_gguf_checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def load_transformers_gguf(path: Path):
     """(transformers model, its tokenizer) read from the GGUF at ``path``, fp32, eager."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
@@ -26,10 +50,11 @@ def load_transformers_gguf(path: Path):
 
     torch.set_num_threads(2)
     kw = dict(gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), dtype=torch.float32, attn_implementation="eager", **kw
-    )
-    return hf.eval(), AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    with _one_reader_per_file():
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), dtype=torch.float32, attn_implementation="eager", **kw
+        )
+        return hf.eval(), AutoTokenizer.from_pretrained(str(path.parent), **kw)
 
 
 def hf_logits(hf, ids: np.ndarray) -> np.ndarray:
