@@ -98,20 +98,17 @@ def by_launch(trace: dict, n: int, top: int = 40) -> list[dict]:
     its grid, block and registers) grouped by (name, grid, block), so one kernel at several
     shapes (a mat-vec's N, a split, the lm_head) shows apart; per unit of ``n``, most time
     first."""
-    groups: dict = collections.defaultdict(lambda: [0, 0.0, None])
+    records, regs = [], {}
     for e in trace.get("traceEvents", []):
         if str(e.get("cat", "")).lower() != "kernel" or e.get("ph") != "X":
             continue
         args = e.get("args", {})
         key = (e.get("name", "?"), tuple(args.get("grid", ())), tuple(args.get("block", ())))
-        g = groups[key]
-        g[0] += 1
-        g[1] += float(e.get("dur", 0.0))
-        g[2] = args.get("registers per thread", g[2])
-    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
-    return [{"kernel": name[:120], "grid": list(grid), "block": list(block), "registers": regs,
-             "per_token": c / n, "us_per_token": t / n, "avg_us": t / c}
-            for (name, grid, block), (c, t, regs) in ranked]  # fmt: skip
+        records.append((key, float(e.get("dur", 0.0))))
+        regs[key] = args.get("registers per thread", regs.get(key))
+    return [{"kernel": key[0][:120], "grid": list(key[1]), "block": list(key[2]),
+             "registers": regs[key], "per_token": c / n, "us_per_token": t / n, "avg_us": t / c}
+            for key, c, t in by_kernel(records)[:top]]  # fmt: skip
 
 
 def _launches(prof, n: int) -> list[dict]:
