@@ -258,9 +258,10 @@ step mma-stream-ab 420 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_loa
 # the whole Gemma-4-31B decode with each load variant (one worker process per setting, rounds
 # interleaved; ~18 GB a worker: four fit an H200, three an H100)
 step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shape ${SHAPE:-gemma4:31b} --rounds 7 --tokens 64 --time-cap 300 --env '' --env HF2Q_MMA_LOADS=s --env HF2Q_MMA_LOADS=p ${MORE_ENV:---env HF2Q_MMA_LOADS=sp}"
-# Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, M = 1): stall
-# reasons and issue efficiency (session 32's sweep: 33-43 % of the copy bandwidth at 31B)
-step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows 1 --reps 3"
+# Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, MMA_ROWS rows of
+# x, 1 unless set): stall reasons, issue efficiency and pipe use (session 32's sweep: 33-43 % of
+# the copy bandwidth at 31B; session 54: 35B-A3B's 12,352 x 2,048 at 32 rows 0.33 TB/s)
+step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows ${MMA_ROWS:-1} --reps 3"
 # session 33: the cubin cache on by default outside per-token steps (HF2Q_CUDA_KERNEL_CACHE auto):
 # whole-model decode through the graph, then through the compiled step, auto against 0 (one
 # worker per setting, interleaved rounds; two 26B-A4B workers fit an H100)

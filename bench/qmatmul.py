@@ -28,7 +28,8 @@ mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: 
 ("2x8s": with streaming weight loads, config S = 1; "1x8p": each run's loads issued a run
 ahead, PF = 1; "1x8sp" both; "2x8k2": split over K in 2, KS = 2; "2x8k2f": that with its sum
 fused, SF = 1; "1x4r": paired rows, R = 2, 16 rows of each half of W a threadgroup);
---mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it).
+--mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it); above
+16 rows (the scalar kernel's most) the mma alone.
 
 --glu does the same for the dense gate/up + activation kernel (expert_glu.dense_glu): its
 tensor-core version (dense_glu_mma_kernel) against the scalar one (dense_config's launch) at
@@ -80,6 +81,7 @@ MMA_SHAPES = [(4096, 2816), (2816, 4096), (2112, 2816), (2816, 2112), (262144, 2
 MMA_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
 MMA_ROWS = (1, 2, 5, 8, 16)
 ROUNDS = 3  # scalar / mma alternations per (type, shape, M)
+SCALAR_MAX_ROWS = 16  # rows of x the scalar mat-vec takes (qmatmul._M_BUCKETS)
 # --glu: dense MLPs as F x K (gate and up rows of F each): Qwen3.5-9B's, a 2816-feature one
 GLU_SHAPES = [(12288, 4096), (2816, 2816)]
 GLU_ROWS = (1, 5, 8, 16, 32)
@@ -210,16 +212,20 @@ def bench_ggml(tname, n, k, dtype, cfgs, args, t_start) -> list[dict]:
 
 def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
     """--mma: {kind: (callables, kernel name)}, the scalar and the mma configs at M = m."""
-    c = Q.launch_config(t, m, n, k, mx.bfloat16)
-    kinds = {
-        "scalar": ([lambda w=w, x=x, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c) for w in ws],
-                   Q.kernel_name(t, c["V"])),
-        "mma": ([lambda w=w, x=x: MM.mma_matmul_kernel(x, w, t, k) for w in ws],
-                MM.kernel_name(t)),
-    }  # fmt: skip
+    kinds = {}
+    c = None
+    if m <= SCALAR_MAX_ROWS:  # the scalar mat-vec takes up to 16 rows; above, the mma alone
+        c = Q.launch_config(t, m, n, k, mx.bfloat16)
+        kinds["scalar"] = (
+            [lambda w=w, x=x, c=c: Q.ggml_matmul_kernel(x, w, t, k, config=c) for w in ws],
+            Q.kernel_name(t, c["V"]),
+        )
     mcfg = MM.launch_config(t, m, n, k)
     # the default's launches (a split's two, the split with its sum fused, paired rows)
-    kinds["mma"] = (kinds["mma"][0], MM.launch_names(t, mcfg))
+    kinds["mma"] = (
+        [lambda w=w, x=x: MM.mma_matmul_kernel(x, w, t, k) for w in ws],
+        MM.launch_names(t, mcfg),
+    )
     for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
         ks = int(flags[1]) if flags.startswith("k") else 1
         mc = {key: v for key, v in mcfg.items() if key != "R"}
@@ -292,10 +298,10 @@ def bench_mma(tname, n, k, args, glu: bool = False) -> list[dict]:
     for row in rows:
         for kind in ("scalar", "mma"):
             for what in ("wall", "gpu"):
-                v, b = row[f"{kind}_{what}_us"], base[f"{kind}_{what}_us"]
+                v, b = row.get(f"{kind}_{what}_us"), base.get(f"{kind}_{what}_us")
                 row[f"{kind}_{what}_x_m1"] = v / b if v and b else None
         for what in ("wall", "gpu"):
-            v, b = row[f"mma_{what}_us"], row[f"scalar_{what}_us"]
+            v, b = row[f"mma_{what}_us"], row.get(f"scalar_{what}_us")
             row[f"mma_over_scalar_{what}"] = v / b if v and b else None
         _print_mma_row(row)
     del ws
@@ -308,10 +314,10 @@ def _print_mma_row(row: dict) -> None:
 
     print(
         f"{'glu ' if row.get('glu') else ''}{row['type']:>5} {row['N']:>6}x{row['K']:<5} "
-        f"M{row['M']:<2}  wall scalar {row['scalar_wall_us']:7.1f} "
+        f"M{row['M']:<2}  wall scalar {f(row.get('scalar_wall_us'), '7.1f')} "
         f"mma {row['mma_wall_us']:7.1f} us "
-        f"(mma/scalar {row['mma_over_scalar_wall']:.2f})  gpu scalar "
-        f"{f(row['scalar_gpu_us'], '7.1f')} mma {f(row['mma_gpu_us'], '7.1f')} us "
+        f"(mma/scalar {f(row['mma_over_scalar_wall'], '.2f')})  gpu scalar "
+        f"{f(row.get('scalar_gpu_us'), '7.1f')} mma {f(row['mma_gpu_us'], '7.1f')} us "
         f"(mma/scalar {f(row['mma_over_scalar_gpu'], '.2f')})  x M=1: scalar "
         f"{f(row['scalar_gpu_x_m1'] or row['scalar_wall_x_m1'], '.2f')} "
         f"mma {f(row['mma_gpu_x_m1'] or row['mma_wall_x_m1'], '.2f')}",
@@ -374,7 +380,9 @@ def main() -> None:
     ap.add_argument("--no-affine", action="store_true")
     ap.add_argument("--budget", type=float, default=170, help="seconds of sweeping at most")
     ap.add_argument("--rows", type=int, default=1, help="rows of x, 1..16")
-    ap.add_argument("--mma", action="store_true", help="mma vs scalar kernel, bf16 x, M 1..16")
+    ap.add_argument(
+        "--mma", action="store_true", help="mma vs scalar kernel, bf16 x, M 1..32 (scalar to 16)"
+    )
     ap.add_argument("--glu", action="store_true", help="dense GLU: mma vs scalar, bf16 x, M 1..32")
     ap.add_argument(
         "--mma-configs",
@@ -389,7 +397,9 @@ def main() -> None:
     # "UxW", then flags: "kN" N splits over K (KS = N), "f" their sum fused (SF = 1), "r"
     # paired rows (R = 2), "s" streaming weight loads (S = 1), "p" loads a run ahead (PF = 1)
     configs = [
-        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8]f?)?r?[sp]*)", c) for c in args.mma_configs.split(",")
+        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8]f?)?r?[sp]*)", c)
+        for c in args.mma_configs.split(",")
+        if c
     ]
     mma_only = any(("k" in c[3] or "r" in c[3]) for c in configs if c)
     clash = any(("r" in c[3] or "f" in c[3]) and "s" in c[3] for c in configs if c)
