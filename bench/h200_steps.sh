@@ -262,6 +262,10 @@ step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shap
 # x, 1 unless set): stall reasons, issue efficiency and pipe use (session 32's sweep: 33-43 % of
 # the copy bandwidth at 31B; session 54: 35B-A3B's 12,352 x 2,048 at 32 rows 0.33 TB/s)
 step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows ${MMA_ROWS:-1} --reps 3"
+# the tensor-core mat-vec's time per call at 1, 8, 16 and 32 rows of x (CUPTI) on 35B-A3B's
+# shared-expert down, attention out and delta-net input shapes (session 54's 32-row step: 21,
+# 21 and 42.6 us a call, far under the weights' bandwidth)
+step mma-rows 200 "python3 bench/qmatmul.py $OUT/mma_rows.json --mma --profile --types Q4_K --shapes ${MMA_SHAPES:-2048x512,2048x4096,12352x2048} --mma-rows 1,8,16,32 --reps 9 --mma-configs ${MMA_CFGS:-1x4,1x8,2x4}"
 # session 33: the cubin cache on by default outside per-token steps (HF2Q_CUDA_KERNEL_CACHE auto):
 # whole-model decode through the graph, then through the compiled step, auto against 0 (one
 # worker per setting, interleaved rounds; two 26B-A4B workers fit an H100)
