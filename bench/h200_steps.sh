@@ -265,7 +265,7 @@ step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-s
 # the tensor-core mat-vec's time per call at 1, 8, 16 and 32 rows of x (CUPTI) on 35B-A3B's
 # shared-expert down, attention out and delta-net input shapes (session 54's 32-row step: 21,
 # 21 and 42.6 us a call, far under the weights' bandwidth)
-step mma-rows 200 "python3 bench/qmatmul.py $OUT/mma_rows.json --mma --profile --types Q4_K --shapes ${MMA_SHAPES:-2048x512,2048x4096,12352x2048} --mma-rows 1,8,16,32 --reps 9 --mma-configs ${MMA_CFGS:-1x4,1x8,2x4}"
+step mma-rows 200 "python3 bench/qmatmul.py $OUT/mma_rows.json --mma --profile --types Q4_K --shapes ${MMA_SHAPES:-2048x512,2048x4096,12352x2048} --mma-rows 1,8,16,32 --reps 9 --mma-configs ${MMA_CFGS:-2x8c1,2x8c2,1x8}"
 # session 33: the cubin cache on by default outside per-token steps (HF2Q_CUDA_KERNEL_CACHE auto):
 # whole-model decode through the graph, then through the compiled step, auto against 0 (one
 # worker per setting, interleaved rounds; two 26B-A4B workers fit an H100)
@@ -493,6 +493,11 @@ step gdn-stream 150 "python3 bench/gdn_decode.py --json $OUT/gdn_stream.json --r
 # paired rows at 17..32 rows of x only, at the unpaired U / W (HF2Q_MMA_PAIRS=2: the same bits):
 # the 32-row step's tensor-core mat-vecs with and without (SHAPES: the models)
 step pairs-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for v in 0 2; do echo == \$sh HF2Q_MMA_PAIRS=\$v; HF2Q_MMA_PAIRS=\$v python3 bench/decode_profile.py \$sh q4_k --step compiled --batch 32 --steps 16 --by-launch --json $OUT/profile_b32_pairs\${v}_\${sh#*:}.json | grep -a 'ms/token\\|qmv_mma\\|dense_glu'; done; done"
+# the mat-vec's columns split over threadgroups (HF2Q_MMA_COLUMN_TILES, config CS: the same
+# bits): its GPU bits, then the 32-row step's kernels by launch with 4 (unset) and 1 n-tile a
+# threadgroup (SHAPES: the models; COLUMN_BATCH: the step's rows)
+step columns-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_column or gpu_matches_reference' tests/kernels/test_qmatmul_mma.py --tb=short"
+step columns-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for v in ${COLUMN_VALUES:-4 1}; do echo == \$sh HF2Q_MMA_COLUMN_TILES=\$v; HF2Q_MMA_COLUMN_TILES=\$v python3 bench/decode_profile.py \$sh q4_k --step compiled --batch ${COLUMN_BATCH:-32} --steps 16 --by-launch --json $OUT/profile_b${COLUMN_BATCH:-32}_columns\${v}_\${sh#*:}.json | grep -a 'ms/token\\|qmv_mma\\|dense_glu'; done; done"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done
   exit 0

@@ -27,7 +27,8 @@ mma / scalar per M and each kernel's time at M against its own M = 1 (the goal: 
 --mma-configs 2x4,4x8 also times those (U blocks per run, W SIMD groups) of the mma kernel
 ("2x8s": with streaming weight loads, config S = 1; "1x8p": each run's loads issued a run
 ahead, PF = 1; "1x8sp" both; "2x8k2": split over K in 2, KS = 2; "2x8k2f": that with its sum
-fused, SF = 1; "1x4r": paired rows, R = 2, 16 rows of each half of W a threadgroup);
+fused, SF = 1; "1x4r": paired rows, R = 2, 16 rows of each half of W a threadgroup;
+"2x8c1": x's columns split over threadgroups, at most 1 n-tile of 8 each, config CS);
 --mma-rows 1,8 times those M only (M = 1 first: the other rows' "x M=1" are against it); above
 16 rows (the scalar kernel's most) the mma alone.
 
@@ -234,6 +235,8 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
         mc = {key: v for key, v in MM.with_split(mc, t, k, ks).items() if key != "SF"}
         if "f" in flags:
             mc["SF"] = 1
+        if "c" in flags:  # a column split: this many n-tiles a threadgroup at most
+            mc = MM.with_columns(mc, int(flags[flags.index("c") + 1]))
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: MM.mma_matmul_kernel(x, w, t, k, config=mc) for w in ws],
             MM.launch_names(t, mc),
@@ -388,8 +391,8 @@ def main() -> None:
         "--mma-configs",
         default="",
         help="--mma, --glu: also time these UxW, e.g. 2x4,4x8 (flags after: kN split over K "
-        "in N (f: its sum fused) and r paired rows, --mma only; s streaming loads; p loads a run "
-        "ahead: 2x8k3s, 1x4k2r, 2x8k2f)",
+        "in N (f: its sum fused), r paired rows and cN at most N n-tiles a threadgroup, --mma "
+        "only; s streaming loads; p loads a run ahead: 2x8k3s, 1x4k2r, 2x8k2f, 2x8c1)",
     )
     ap.add_argument("--mma-rows", default="", help="--mma, --glu: these M only (1 first), e.g. 1,8")
     args = ap.parse_args()
@@ -397,17 +400,17 @@ def main() -> None:
     # "UxW", then flags: "kN" N splits over K (KS = N), "f" their sum fused (SF = 1), "r"
     # paired rows (R = 2), "s" streaming weight loads (S = 1), "p" loads a run ahead (PF = 1)
     configs = [
-        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8]f?)?r?[sp]*)", c)
+        re.fullmatch(r"(\d+)x(\d+)((?:k[2-8]f?)?r?(?:c[124])?[sp]*)", c)
         for c in args.mma_configs.split(",")
         if c
     ]
-    mma_only = any(("k" in c[3] or "r" in c[3]) for c in configs if c)
+    mma_only = any(("k" in c[3] or "r" in c[3] or "c" in c[3]) for c in configs if c)
     clash = any(("r" in c[3] or "f" in c[3]) and "s" in c[3] for c in configs if c)
     clash = clash or any("f" in c[3] and "r" in c[3] for c in configs if c)
     if not all(configs) or (args.glu and mma_only) or clash:
         ap.error(
-            f"--mma-configs {args.mma_configs!r}: expected UxW[kN[f]][r][s][p], kN and r with "
-            "--mma only, f and r without s or each other"
+            f"--mma-configs {args.mma_configs!r}: expected UxW[kN[f]][r][cN][s][p], kN, r and cN "
+            "with --mma only, f and r without s or each other"
         )
     args.mma_configs = [(int(c[1]), int(c[2]), c[3]) for c in configs]
     if args.mma or args.glu:

@@ -748,6 +748,53 @@ _PAIR_KERNELS: dict[tuple[int, bool], Kernel] = {
     (t, split): _make_pair_kernel(t, split) for t in MMA_TYPES for split in (False, True)
 }
 
+# Column splits (config CS > 1): the M <= 8 NT columns of x split over CS threadgroups per 16
+# rows, each taking NT / CS n-tiles (template NT: a threadgroup's), the splits of a tile next
+# to each other in the grid (its weight bytes read from L2 by the later ones). Every column's
+# math is that of the unsplit kernel at the same U and W: the same bits at every M. At 4
+# n-tiles a threadgroup reads all 32 rows of x for its 16 weight rows and its SIMD groups wait
+# on them group by group (session 54, H100: 35B-A3B's 32-row mat-vecs at 0.22-0.39 TB/s).
+_COLUMN_EDITS = [
+    ("  const uint row0 = gid_x * 16;\n",
+     "  // CS > 1: threadgroup gid_x owns n-tiles NT (gid_x % CS) .. + NT - 1 of x's columns\n"
+     "  const uint row0 = (gid_x / uint(CS)) * 16u, c0 = 8u * NT * (gid_x % uint(CS));\n"
+     "  if (c0 >= M) return;  // columns of padding only: the whole threadgroup leaves\n"),
+    ("          const uint col = 8 * uint(n) + g;\n",
+     "          const uint col = c0 + 8 * uint(n) + g;\n"),
+    ("if (8 * uint(n) >= M) continue;", "if (c0 + 8 * uint(n) >= M) continue;"),
+    ("const uint r = i / CW, col = i % CW;\n", "const uint r = i / CW, col = c0 + i % CW;\n"),
+    ("      v[h] = red[(uint(h) * 8 * 16 + r) * CW + col];\n",
+     "      v[h] = red[(uint(h) * 8 * 16 + r) * CW + col - c0];\n"),
+    ("v[h] += red[((uint(h) * 8 + s) * 16 + r) * CW + col];",
+     "v[h] += red[((uint(h) * 8 + s) * 16 + r) * CW + col - c0];"),
+]  # fmt: skip
+
+
+def _column_body() -> str:
+    """``_BODY`` with its columns split over CS threadgroups (``_COLUMN_EDITS``)."""
+    body = _BODY
+    for old, new in _COLUMN_EDITS:
+        if body.count(old) != 1:  # the loop changed shape: these edits must follow it
+            raise RuntimeError(f"qmatmul_mma: the loop no longer has {old.strip()!r} once")
+        body = body.replace(old, new)
+    return body
+
+
+def _make_column_kernel(ggml_type: int, stream: bool = False) -> Kernel:
+    """The mat-vec of one type with its columns split (template CS; ``stream``: S = 1)."""
+    examples = [
+        Example(ex.inputs, ex.outputs, {**ex.template, "CS": cs})
+        for ex, cs in ((_example(mx.bfloat16, 1, 2, 0, X_ALL), 4),
+                       (_example(mx.bfloat16, 2, 2, 0, 1), 2))
+    ]  # fmt: skip
+    name = f"ggml_qmv_mma_{'s_' if stream else ''}cs_{T(ggml_type).name.lower()}"
+    return make_kernel(name, ggml_type, examples, stream=stream, body=_column_body())
+
+
+_COLUMN_KERNELS: dict[tuple[int, bool], Kernel] = {
+    (t, s): _make_column_kernel(t, s) for t in MMA_TYPES for s in (False, True)
+}
+
 _SUM_BODY = """
   // One thread per output element e of (M, N): the KS splits' fp32 sums added in split order.
   const uint64_t e = uint64_t(gid_x) * tg_size + tid;
@@ -927,11 +974,15 @@ def kernel_name(
     split: bool = False,
     paired: bool = False,
     fused: bool = False,
+    columns: bool = False,
 ) -> str:
     """The registered name of a type's kernel (benchmarks match profiler events on it);
     ``stream``: its streaming-load variant's (config S = 1); ``split``: the split over K's
     first launch (config KS > 1; ``_SUM_KERNEL`` the second); ``paired``: the paired-rows
-    kernel's (config R = 2); ``fused``: the split with its sum fused (KS > 1, SF = 1)."""
+    kernel's (config R = 2); ``fused``: the split with its sum fused (KS > 1, SF = 1);
+    ``columns``: the column split's (CS > 1)."""
+    if columns:
+        return _COLUMN_KERNELS[ggml_type, stream].name
     if fused:
         return _FUSED_SPLIT_KERNELS[ggml_type].name
     if paired:
@@ -945,8 +996,8 @@ def launch_names(ggml_type: int, cfg: dict[str, int]) -> str | tuple[str, str]:
     """The kernel name of ``cfg``'s launch (benchmarks match profiler events on it), or the
     split's two (its kernel, then ``_SUM_KERNEL``)."""
     split, fused = cfg.get("KS", 1) > 1, bool(cfg.get("SF"))
-    paired = cfg.get("R", 1) == 2
-    name = kernel_name(ggml_type, bool(cfg.get("S")), split, paired, fused and split)
+    paired, columns = cfg.get("R", 1) == 2, cfg.get("CS", 1) > 1
+    name = kernel_name(ggml_type, bool(cfg.get("S")), split, paired, fused and split, columns)
     return (name, _SUM_KERNEL.name) if split and not fused else name
 
 
@@ -974,7 +1025,38 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     cfg = _config(_DEFAULTS, ggml_type, M, K)
     if cfg["NT"] == 4 and not cfg.get("S") and wide_pairs(N):
         cfg["R"] = 2  # the same U, W and split: the unpaired bits
-    return with_split(cfg, ggml_type, K, split_k(N, K, qk))
+    cfg = with_split(cfg, ggml_type, K, split_k(N, K, qk))
+    return with_columns(cfg, column_tiles())
+
+
+def with_columns(cfg: dict[str, int], tiles: int) -> dict[str, int]:
+    """``cfg`` with its NT n-tiles split over CS = NT / ``tiles`` threadgroups a 16-row tile
+    (none where that is 1, and none on a split over K or paired rows); a threadgroup of one
+    n-tile loads its x as the dense one-tile config does (DENSE_XG, unless HF2Q_MMA_XG is set).
+    U and W stay: the unsplit bits."""
+    out = {k: v for k, v in cfg.items() if k != "CS"}
+    cs = out["NT"] // min(out["NT"], tiles)
+    if cs == 1 or out.get("KS", 1) > 1 or out.get("R", 1) == 2:
+        return out
+    out["CS"] = cs
+    if out["NT"] // cs == 1 and not _XG_SET:
+        out["XG"] = DENSE_XG
+    return out
+
+
+# HF2Q_MMA_COLUMN_TILES (1, 2 or 4; unset: 4, no split; read at import): the n-tiles of 8 columns
+# of x one threadgroup of the mat-vec takes at most; more split over threadgroups (config CS,
+# ``_COLUMN_KERNELS``): the bits of the unsplit kernel at every M. A/B until a GPU measures it.
+COLUMN_TILES_RAW = os.environ.get("HF2Q_MMA_COLUMN_TILES", "")
+
+
+def column_tiles(raw: str | None = None) -> int:
+    """HF2Q_MMA_COLUMN_TILES (``raw`` in its place) as 1, 2 or 4; unset 4."""
+    raw = COLUMN_TILES_RAW if raw is None else raw
+    tiles = int_setting("HF2Q_MMA_COLUMN_TILES", raw, 1, 4) or 4
+    if tiles == 3:
+        raise InvalidArgumentError(f"HF2Q_MMA_COLUMN_TILES={raw!r}: expected 1, 2 or 4")
+    return tiles
 
 
 def with_split(cfg: dict[str, int], ggml_type: int, K: int, ks: int) -> dict[str, int]:
@@ -1043,10 +1125,15 @@ class _Plan(LaunchPlan):
         ks = cfg.get("KS", 1) if split else 1
         stream = bool(cfg.get("S"))
         paired = cfg.get("R", 1) == 2
+        cs = cfg.get("CS", 1)
         if paired and (N % 2 or stream):
             raise ValueError(f"config {cfg}: paired rows need an even N ({N}), plain loads")
+        if cs > 1 and (paired or ks > 1 or cfg["NT"] % cs):
+            raise ValueError(f"config {cfg}: a column split takes NT / CS n-tiles, unpaired")
         if paired:
             kernel = _PAIR_KERNELS[ggml_type, split]
+        elif cs > 1:
+            kernel = _COLUMN_KERNELS[ggml_type, stream]
         else:
             kernel = _SPLIT_KERNELS[ggml_type, stream] if split else (
                 _STREAM_KERNELS if stream else _KERNELS)[ggml_type]  # fmt: skip
@@ -1054,7 +1141,7 @@ class _Plan(LaunchPlan):
         super().__init__(
             kernel,
             [M, rows, K],
-            grid=(-(-rows // 16) * ks * 32 * cfg["W"],),
+            grid=(-(-rows // 16) * ks * cs * 32 * cfg["W"],),
             threadgroup=(32 * cfg["W"],),
             output_shapes=[(ks, M, N) if split else (M, N)],
             output_dtypes=[mx.float32 if split else mx.bfloat16],
@@ -1157,8 +1244,10 @@ def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> Ma
 def _launch_template(cfg: dict[str, int], ks: int | None) -> dict:
     """A mat-vec launch's template from ``cfg`` (KS = ``ks`` for a split's kernel, None
     otherwise), with HF2Q_MMA_MIN_BLOCKS's launch bounds for its W SIMD groups, if set."""
-    template = {"T": mx.bfloat16, "NT": cfg["NT"], "U": cfg["U"], "PF": cfg.get("PF", 0),
-                "XG": cfg.get("XG", 1), **({"KS": ks} if ks is not None else {})}  # fmt: skip
+    cs = cfg.get("CS", 1)  # a column split's threadgroup takes NT / CS n-tiles
+    template = {"T": mx.bfloat16, "NT": cfg["NT"] // cs, "U": cfg["U"], "PF": cfg.get("PF", 0),
+                "XG": cfg.get("XG", 1), **({"KS": ks} if ks is not None else {}),
+                **({"CS": cs} if cs > 1 else {})}  # fmt: skip
     return {**template, **launch_bounds(32 * cfg["W"], min_blocks())}
 
 

@@ -593,6 +593,84 @@ def test_dispatcher_runs_the_paired_kernel(monkeypatch, cuda_launches):
     _dispatch_with_switch(monkeypatch, cuda_launches, "PAIRS_RAW", 4 * 256, {"paired": True})
 
 
+@needs_gxx
+@pytest.mark.parametrize(
+    "ggml_type,k", [(T.Q4_K, 4 * 256), (T.Q8_0, 13 * 32), (T.Q6_K, 2 * 256)],
+    ids=["Q4_K", "Q8_0", "Q6_K"],
+)  # fmt: skip
+def test_emulator_column_split_gives_the_unsplit_bits(ggml_type, k, monkeypatch):
+    """Config CS (HF2Q_MMA_COLUMN_TILES): x's n-tiles split over CS threadgroups a 16-row tile
+    (N 40: the last tile 8 rows short). At M = 13 (2 n-tiles), 20 (4, the last threadgroup all
+    padding) and 32, with 1 and 2 n-tiles a threadgroup, every element has the unsplit
+    kernel's bits (same U and W, W 2: two SIMD groups' sums meet), output NaN-poisoned."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, nan = ggml_type, float("nan")
+    w, wf = _weight(t, N_EMU, k)
+    x = _x(32, k, mx.bfloat16, seed=int(t) + 80)
+    for m in (13, 20, 32):
+        plain_cfg = {**MM.launch_config(t, m, N_EMU, k), "W": 2}
+        assert "CS" not in plain_cfg
+        plain = MM.mma_matmul_kernel(x[:m], w, t, k, config=plain_cfg, init_value=nan)
+        _check(plain, x[:m], wf)
+        for tiles in (1, 2):
+            cfg = MM.with_columns(plain_cfg, tiles)
+            if plain_cfg["NT"] <= tiles:
+                assert cfg == plain_cfg
+                continue
+            cs = plain_cfg["NT"] // tiles
+            assert cfg["CS"] == cs and (cfg.get("XG") == MM.DENSE_XG) == (tiles == 1)
+            plan = MM._plan(t, m, N_EMU, k, cfg)
+            assert plan.kernel is MM._COLUMN_KERNELS[t, False]
+            assert plan.grid[0] == 3 * cs * 32 * 2  # 3 tiles of 16 rows, CS splits, W 2
+            got = MM.mma_matmul_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+            assert _same_bits(got, plain), f"M = {m}, {tiles} n-tiles a threadgroup"
+
+
+def test_column_tiles_setting(monkeypatch):
+    """HF2Q_MMA_COLUMN_TILES: unset (4) no config splits its columns; 1 or 2 split NT n-tiles
+    over NT / value threadgroups, every other key (U, W, KS, R) as unset, and never a split over
+    K or paired rows; 3 or a bad value is an InvalidArgumentError naming the switch."""
+    for n, k in ((12352, 2048), (5376, 21504), (2048, 512), (248320, 2048)):
+        plain = [MM.launch_config(T.Q4_K, m, n, k) for m in range(1, 33)]
+        assert not any("CS" in c for c in plain)
+        for raw, tiles in (("1", 1), ("2", 2), ("4", 4)):
+            monkeypatch.setattr(MM, "COLUMN_TILES_RAW", raw)
+            for m, a in zip(range(1, 33), plain):
+                b = MM.launch_config(T.Q4_K, m, n, k)
+                cs = 1 if a.get("KS", 1) > 1 else a["NT"] // min(a["NT"], tiles)
+                assert b.get("CS", 1) == cs, (n, k, m, raw)
+                assert {key: v for key, v in b.items() if key not in ("CS", "XG")} == {
+                    key: v for key, v in a.items() if key != "XG"
+                }
+        monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "")
+    monkeypatch.setattr(MM, "PAIRS_RAW", "2")
+    monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "1")
+    paired = MM.launch_config(T.Q4_K, 32, 12352, 2048)
+    assert paired["R"] == 2 and "CS" not in paired
+    for bad in ("3", "8", "yes"):
+        with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_COLUMN_TILES"):
+            MM.column_tiles(bad)
+    with pytest.raises(ValueError, match="column split"):
+        MM.make_plan(T.Q4_K, 32, 48, 512, {"NT": 4, "U": 2, "W": 1, "CS": 3})
+
+
+@needs_gxx
+def test_dispatcher_splits_the_columns_with_the_plain_bits(monkeypatch, cuda_launches):
+    """ggml_matmul with HF2Q_MMA_COLUMN_TILES=1 (Q4_K, N 24): 20 rows in the column-split
+    kernel, one launch, each row the bits it has alone at M = 1 without the switch."""
+    t, n, k = T.Q4_K, 24, 4 * 256
+    w, wf = _weight(t, n, k)
+    x = _x(20, k, mx.bfloat16, seed=93)
+    alone = [Q.ggml_matmul(x[i : i + 1], w, t, k) for i in (0, 11, 19)]
+    monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "1")
+    monkeypatch.setattr(Q, "_CALLS", {})
+    cuda_launches.clear()
+    got = Q.ggml_matmul(x, w, t, k)
+    assert cuda_launches == [MM.kernel_name(t, columns=True)]
+    _check(got, x, wf)
+    assert all(_same_bits(got[i : i + 1], a) for i, a in zip((0, 11, 19), alone))
+
+
 def test_launch_config_fixes_the_order_whatever_m():
     """U and W (which SIMD group sums which blocks) do not depend on M; NT covers M, 4 n-tiles
     (one launch) up to MAX_ROWS = 32."""
@@ -824,6 +902,24 @@ def test_gpu_paired_rows_give_the_plain_bits(ggml_type):
                 paired = MM.mma_matmul_kernel(x[:m], w, t, k, config=paired_cfg, init_value=nan)
                 _check(paired, x[:m], wf)
                 assert _same_bits(paired, plain), f"{n}x{k} M = {m} KS {ks}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_gpu_column_split_gives_the_unsplit_bits(ggml_type):
+    """On CUDA, config CS (HF2Q_MMA_COLUMN_TILES 1 and 2): every element the unsplit kernel's
+    bits at the default U / W, output NaN-poisoned, at M = 13, 20 and 32, on an N not a
+    multiple of 16, 35B-A3B's shared-expert down and its delta-net input shape."""
+    t, nan = ggml_type, float("nan")
+    for n, k, w, wf, x in _cuda_cases(t, ((4099, 2816), (2048, 512), (12352, 2048)), seed=11):
+        for m in (13, 20, 32):
+            plain_cfg = MM.launch_config(t, m, n, k)
+            plain = MM.mma_matmul_kernel(x[:m], w, t, k, config=plain_cfg, init_value=nan)
+            _check(plain, x[:m], wf)
+            for tiles in (1, 2):
+                cfg = MM.with_columns(plain_cfg, tiles)
+                got = MM.mma_matmul_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+                assert _same_bits(got, plain), f"{n}x{k} M = {m}, {tiles} n-tiles, {cfg}"
 
 
 @requires_gpu
