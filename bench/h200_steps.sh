@@ -496,7 +496,7 @@ step pairs-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for 
 # the mat-vec's columns split over threadgroups (HF2Q_MMA_COLUMN_TILES, config CS: the same
 # bits): its GPU bits, then the 32-row step's kernels by launch with 4 (unset) and 1 n-tile a
 # threadgroup (SHAPES: the models; COLUMN_BATCH: the step's rows)
-step columns-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_column or gpu_matches_reference' tests/kernels/test_qmatmul_mma.py --tb=short"
+step columns-tests 200 "python3 -m pytest -q -p no:cacheprovider -rf -k 'gpu_column or (gpu_matches_reference and Q4_K)' tests/kernels/test_qmatmul_mma.py tests/kernels/test_dense_glu_mma.py --tb=short"
 step columns-b32 300 "for sh in ${SHAPES:-qwen3_5:35b-a3b gemma4:26b-a4b}; do for v in ${COLUMN_VALUES:-4 1}; do echo == \$sh HF2Q_MMA_COLUMN_TILES=\$v; HF2Q_MMA_COLUMN_TILES=\$v python3 bench/decode_profile.py \$sh q4_k --step compiled --batch ${COLUMN_BATCH:-32} --steps 16 --by-launch --json $OUT/profile_b${COLUMN_BATCH:-32}_columns\${v}_\${sh#*:}.json | grep -a 'ms/token\\|qmv_mma\\|dense_glu'; done; done"
 if [ "${1:-list}" = list ]; then
   for s in "${ORDER[@]}"; do printf '%-18s %4ss  %s\n' "$s" "${CAP[$s]}" "${CMD[$s]}"; done

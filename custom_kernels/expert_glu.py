@@ -329,16 +329,21 @@ def _dense_launch(
         nt_max = MM.GLU_MAX_ROWS // 8  # the `red` buffer's size (32 KB of shared memory at 4)
         if not 1 <= M <= 8 * cfg["NT"] <= 8 * nt_max or not 1 <= cfg["W"] <= MM.MAX_SIMD:
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
-        # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles
-        grid, tg = (-(-F // 16) * 32 * cfg["W"],), (32 * cfg["W"],)
+        # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles (CS > 1:
+        # the n-tiles split over CS threadgroups, qmatmul_mma's column split)
+        cs = cfg.get("CS", 1)
+        if cfg["NT"] % cs:
+            raise ValueError(f"config {cfg}: a column split takes NT / CS n-tiles")
+        grid, tg = (-(-F // 16) * cs * 32 * cfg["W"],), (32 * cfg["W"],)
         template = {
             "T": x.dtype,
-            "NT": cfg["NT"],
+            "NT": cfg["NT"] // cs,
             "U": cfg["U"],
             "PF": cfg.get("PF", 0),
             "XG": cfg.get("XG", 1),
+            **({"CS": cs} if cs > 1 else {}),
         }
-        kernel = (_DENSE_MMA_STREAM_KERNELS if cfg.get("S") else _DENSE_MMA_KERNELS)[ggml_type]
+        kernel = _dense_mma_kernels(bool(cfg.get("S")), cs > 1)[ggml_type]
     else:
         cfg = config or dense_config(ggml_type, M, F, K)
         grid = (-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"]))
@@ -386,23 +391,36 @@ _DENSE_MMA_EPILOGUE = r"""    {
 """
 
 
-def _make_dense_mma_kernel(ggml_type: int, stream: bool = False) -> Kernel:
+def _make_dense_mma_kernel(ggml_type: int, stream: bool = False, columns: bool = False) -> Kernel:
+    """The tensor-core GLU of one type; ``stream``: S = 1; ``columns``: x's columns split over
+    threadgroups (template CS, qmatmul_mma's column split)."""
+    configs = ((1, 1, 0, 0, 1, 4), (2, 1, 1, 1, 1, 2)) if columns else (
+        (1, 1, 0, 0, 1, 1), (4, 1, 1, 1, MM.X_ALL, 1))  # fmt: skip
     examples = [
         Example(
             {"x": mx.bfloat16, "w": mx.uint8, "dims": (mx.int32, 3)},
             {"out": mx.bfloat16},
-            {"T": mx.bfloat16, "NT": nt, "U": u, "ACT": act, "PF": pf, "XG": xg},
-        )
-        for nt, u, act, pf, xg in ((1, 1, 0, 0, 1), (4, 1, 1, 1, MM.X_ALL))
+            {
+                "T": mx.bfloat16,
+                "NT": nt,
+                "U": u,
+                "ACT": act,
+                "PF": pf,
+                "XG": xg,
+                **({"CS": cs} if columns else {}),
+            },
+        )  # fmt: skip
+        for nt, u, act, pf, xg, cs in configs
     ]
     type_name = GGMLQuantizationType(ggml_type).name.lower()
     return MM.make_kernel(
-        f"ggml_dense_glu_mma_{'s_' if stream else ''}{type_name}",
+        f"ggml_dense_glu_mma_{'s_' if stream else ''}{'cs_' if columns else ''}{type_name}",
         ggml_type,
         examples,
         halves=2,
         epilogue=_DENSE_MMA_EPILOGUE.replace("@ACTIVATE@", _ACTIVATE),
         stream=stream,
+        **({"body": MM.column_body()} if columns else {}),
     )
 
 
@@ -411,6 +429,21 @@ _DENSE_MMA_KERNELS: dict[int, Kernel] = {t: _make_dense_mma_kernel(t) for t in M
 _DENSE_MMA_STREAM_KERNELS: dict[int, Kernel] = {
     t: _make_dense_mma_kernel(t, stream=True) for t in MM.MMA_TYPES
 }
+# x's columns split over threadgroups (config CS), plain and streaming loads
+_DENSE_MMA_COLUMN_KERNELS: dict[tuple[int, bool], Kernel] = {
+    (t, s): _make_dense_mma_kernel(t, stream=s, columns=True)
+    for t in MM.MMA_TYPES
+    for s in (False, True)
+}
+
+
+def _dense_mma_kernels(stream: bool, columns: bool) -> dict[int, Kernel]:
+    """The tensor-core GLU kernels by type for a config's S and CS > 1."""
+    if columns:
+        return {t: k for (t, s), k in _DENSE_MMA_COLUMN_KERNELS.items() if s == stream}
+    return _DENSE_MMA_STREAM_KERNELS if stream else _DENSE_MMA_KERNELS
+
+
 if MAX_TOKENS > MM.GLU_MAX_ROWS:  # every M dense_glu takes must fit one tensor-core launch
     raise RuntimeError("expert_glu: MAX_TOKENS exceeds qmatmul_mma.GLU_MAX_ROWS")
 
@@ -443,12 +476,15 @@ def dense_glu_mma_kernel(
     return plan.call(x, w, init_value=init_value)
 
 
-def dense_kernel_name(ggml_type: int, mma: bool, stream: bool = False) -> str:
+def dense_kernel_name(
+    ggml_type: int, mma: bool, stream: bool = False, columns: bool = False
+) -> str:
     """The registered name of a dense kernel (benchmarks match profiler events on it);
-    ``stream``: the tensor-core kernel's streaming-load variant (config S = 1)."""
-    if mma and stream:
-        return _DENSE_MMA_STREAM_KERNELS[ggml_type].name
-    return (_DENSE_MMA_KERNELS if mma else _DENSE_KERNELS)[ggml_type].name
+    ``stream``: the tensor-core kernel's streaming-load variant (config S = 1); ``columns``:
+    its column split (CS > 1)."""
+    if mma:
+        return _dense_mma_kernels(stream, columns)[ggml_type].name
+    return _DENSE_KERNELS[ggml_type].name
 
 
 _DENSE: dict[tuple, LaunchPlan] = {}

@@ -770,7 +770,7 @@ _COLUMN_EDITS = [
 ]  # fmt: skip
 
 
-def _column_body() -> str:
+def column_body() -> str:
     """``_BODY`` with its columns split over CS threadgroups (``_COLUMN_EDITS``)."""
     body = _BODY
     for old, new in _COLUMN_EDITS:
@@ -788,7 +788,7 @@ def _make_column_kernel(ggml_type: int, stream: bool = False) -> Kernel:
                        (_example(mx.bfloat16, 2, 2, 0, 1), 2))
     ]  # fmt: skip
     name = f"ggml_qmv_mma_{'s_' if stream else ''}cs_{T(ggml_type).name.lower()}"
-    return make_kernel(name, ggml_type, examples, stream=stream, body=_column_body())
+    return make_kernel(name, ggml_type, examples, stream=stream, body=column_body())
 
 
 _COLUMN_KERNELS: dict[tuple[int, bool], Kernel] = {
@@ -1105,9 +1105,10 @@ GLU_BIG_GRID = 512  # threadgroups (16 gate + 16 up rows each) from which _GLU_B
 
 def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     """NT, U, W of the GLU kernel (expert_glu.dense_glu) for M <= GLU_MAX_ROWS rows: as
-    ``launch_config``, U and W from (type, F, K) alone (row parity); NT 1, 2 or 4 n-tiles."""
+    ``launch_config``, U and W from (type, F, K) alone (row parity); NT 1, 2 or 4 n-tiles,
+    split over CS threadgroups as HF2Q_MMA_COLUMN_TILES asks (``with_columns``)."""
     table = _GLU_BIG_GRID if -(-F // 16) >= GLU_BIG_GRID else _GLU_DEFAULTS
-    return _config(table, ggml_type, M, K)
+    return with_columns(_config(table, ggml_type, M, K), column_tiles())
 
 
 class _Plan(LaunchPlan):

@@ -173,6 +173,27 @@ def test_emulator_load_variants_give_the_same_bits(ggml_type, monkeypatch):
             assert _same(y, plain), f"{base} {var}"
 
 
+@needs_gxx
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0], ids=["Q4_K", "Q8_0"])
+def test_emulator_column_split_gives_the_unsplit_bits(ggml_type, monkeypatch):
+    """Config CS (qmatmul_mma's column split, HF2Q_MMA_COLUMN_TILES): the GLU's n-tiles over
+    CS threadgroups a 16-feature tile, every element the unsplit kernel's bits (NaN-poisoned
+    first) at M = 13 and 20 (the last threadgroup all padding at 1 n-tile each), W 2."""
+    monkeypatch.setattr(Kernel, "__call__", kernel_emulator.kernel_call)
+    t, k = ggml_type, 4 * QK[ggml_type]
+    raw, w, x = _case(t, 20, k, seed=int(t) + 90)
+    f = raw.shape[1] // 2
+    for m in (13, 20):
+        base = {**MM.glu_launch_config(t, m, f, k), "W": 2}
+        plain = G.dense_glu_mma_kernel(x[:m], w, t, k, config=base)
+        for tiles in (1, 2):
+            cfg = MM.with_columns(base, tiles)
+            if "CS" not in cfg:
+                continue
+            y = G.dense_glu_mma_kernel(x[:m], w, t, k, config=cfg, init_value=float("nan"))
+            assert _same(y, plain), f"M = {m}, {tiles} n-tiles a threadgroup"
+
+
 @pytest.fixture
 def cuda_launches(monkeypatch) -> list[str]:
     """dense_glu on a faked CUDA back end: the names of the kernels launched, in order; the
@@ -350,6 +371,29 @@ def test_gpu_load_variants_give_the_same_bits(ggml_type):
             for var in LOAD_VARIANTS:
                 y = G.dense_glu_mma_kernel(x, w, t, k, config={**cfg, **var}, init_value=nan)
                 assert _same(y, plain), f"{f}x{k} M = {m} {var}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_gpu_column_split_gives_the_unsplit_bits(ggml_type):
+    """On CUDA: the GLU's column split (config CS at 1 and 2 n-tiles a threadgroup) gives the
+    unsplit kernel's bits at M = 13, 20 and 32 on both shapes, outputs NaN-poisoned."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    t = ggml_type
+    nan = float("nan")
+    for f, k in _GPU_SHAPES:
+        raw = _experts(t, 1, 2 * f, k, seed=f + k + 5)
+        w = mx.array(raw[0])
+        x = _x((32, k), mx.bfloat16, f + 7, raw, t)
+        for m in (13, 20, 32):
+            cfg = MM.glu_launch_config(t, m, f, k)
+            plain = G.dense_glu_mma_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
+            _check_glu(plain, x[:m], raw, t, k, "silu")
+            for tiles in (1, 2):
+                split = MM.with_columns(cfg, tiles)
+                y = G.dense_glu_mma_kernel(x[:m], w, t, k, config=split, init_value=nan)
+                assert _same(y, plain), f"{f}x{k} M = {m} {split}"
 
 
 @requires_gpu
