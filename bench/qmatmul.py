@@ -229,7 +229,7 @@ def _mma_kinds(t, n, k, m, x, ws, args) -> tuple[dict, dict, dict]:
     )
     for u, wm, flags in args.mma_configs:  # other (U, W) of the mma kernel, same M-free rule
         ks = int(flags[1]) if flags.startswith("k") else 1
-        mc = {key: v for key, v in mcfg.items() if key != "R"}
+        mc = {key: v for key, v in mcfg.items() if key not in ("R", "CS")}
         mc.update(U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
         mc.update(S=int("s" in flags), PF=int("p" in flags), **({"R": 2} if "r" in flags else {}))
         mc = {key: v for key, v in MM.with_split(mc, t, k, ks).items() if key != "SF"}
@@ -250,16 +250,18 @@ def _glu_kinds(t, f, k, m, x, ws, args) -> tuple[dict, dict, dict]:
     kinds = {
         "scalar": ([lambda w=w, x=x, c=c: G.dense_glu_kernel(x, w, t, k, config=c) for w in ws],
                    G.dense_kernel_name(t, mma=False)),
-        "mma": ([lambda w=w, x=x: G.dense_glu_mma_kernel(x, w, t, k) for w in ws],
-                G.dense_kernel_name(t, mma=True)),
     }  # fmt: skip
     mcfg = MM.glu_launch_config(t, m, f, k)
+    kinds["mma"] = (
+        [lambda w=w, x=x: G.dense_glu_mma_kernel(x, w, t, k) for w in ws],
+        G.dense_kernel_name(t, mma=True, columns=mcfg.get("CS", 1) > 1),
+    )
     for u, wm, flags in args.mma_configs:
         mc = dict(mcfg, U=u, W=max(1, min(wm, -(-(k // MM.BLOCK_FORMATS[t].block_size) // u))))
         mc.update(S=int("s" in flags), PF=int("p" in flags))
         kinds[f"mma_U{u}_W{mc['W']}{flags}"] = (
             [lambda w=w, x=x, mc=mc: G.dense_glu_mma_kernel(x, w, t, k, config=mc) for w in ws],
-            G.dense_kernel_name(t, mma=True, stream="s" in flags),
+            G.dense_kernel_name(t, mma=True, stream="s" in flags, columns=mc.get("CS", 1) > 1),
         )
     return kinds, c, mcfg
 

@@ -1026,7 +1026,7 @@ def launch_config(ggml_type: int, M: int, N: int, K: int) -> dict[str, int]:
     if cfg["NT"] == 4 and not cfg.get("S") and wide_pairs(N):
         cfg["R"] = 2  # the same U, W and split: the unpaired bits
     cfg = with_split(cfg, ggml_type, K, split_k(N, K, qk))
-    return with_columns(cfg, column_tiles())
+    return with_columns(cfg, column_tiles(qk))
 
 
 def with_columns(cfg: dict[str, int], tiles: int) -> dict[str, int]:
@@ -1044,16 +1044,23 @@ def with_columns(cfg: dict[str, int], tiles: int) -> dict[str, int]:
     return out
 
 
-# HF2Q_MMA_COLUMN_TILES (1, 2 or 4; unset: 4, no split; read at import): the n-tiles of 8 columns
-# of x one threadgroup of the mat-vec takes at most; more split over threadgroups (config CS,
-# ``_COLUMN_KERNELS``): the bits of the unsplit kernel at every M. A/B until a GPU measures it.
+# HF2Q_MMA_COLUMN_TILES (1, 2 or 4, every type; unset: COLUMN_TILES by block size; read at
+# import): the n-tiles of 8 columns of x one threadgroup of the mat-vec and dense GLU takes at
+# most; more split over threadgroups (config CS, ``_COLUMN_KERNELS``): the unsplit bits at
+# every M. Session 55 (H100, decode_profile --step compiled --batch 32 --by-launch, one run
+# each, not interleaved): the 32-row step at 4 (no split) / 1 / 2 n-tiles, 35B-A3B 14.08 /
+# 12.00 / 11.84 ms a token, 26B-A4B 15.38 / 14.72 / 14.07; the Q4_K mat-vecs 4,132 -> 2,440 us
+# a 35B-A3B token at 2 (its lm_head 730 -> 475), but 26B-A4B's Q5_0 down 521 -> 754 (17.4 ->
+# 25.1 us a call; 898 at 1). So 2 for 256-element blocks, no split for 32-element ones (Q5_0
+# measured, the others unmeasured: kept as they were). 16 rows and fewer: unchanged.
 COLUMN_TILES_RAW = os.environ.get("HF2Q_MMA_COLUMN_TILES", "")
+COLUMN_TILES = {256: 2, 32: 4}
 
 
-def column_tiles(raw: str | None = None) -> int:
-    """HF2Q_MMA_COLUMN_TILES (``raw`` in its place) as 1, 2 or 4; unset 4."""
+def column_tiles(qk: int, raw: str | None = None) -> int:
+    """HF2Q_MMA_COLUMN_TILES (``raw`` in its place) as 1, 2 or 4; unset COLUMN_TILES[qk]."""
     raw = COLUMN_TILES_RAW if raw is None else raw
-    tiles = int_setting("HF2Q_MMA_COLUMN_TILES", raw, 1, 4) or 4
+    tiles = int_setting("HF2Q_MMA_COLUMN_TILES", raw, 1, 4) or COLUMN_TILES[qk]
     if tiles == 3:
         raise InvalidArgumentError(f"HF2Q_MMA_COLUMN_TILES={raw!r}: expected 1, 2 or 4")
     return tiles
@@ -1108,7 +1115,8 @@ def glu_launch_config(ggml_type: int, M: int, F: int, K: int) -> dict[str, int]:
     ``launch_config``, U and W from (type, F, K) alone (row parity); NT 1, 2 or 4 n-tiles,
     split over CS threadgroups as HF2Q_MMA_COLUMN_TILES asks (``with_columns``)."""
     table = _GLU_BIG_GRID if -(-F // 16) >= GLU_BIG_GRID else _GLU_DEFAULTS
-    return with_columns(_config(table, ggml_type, M, K), column_tiles())
+    qk = BLOCK_FORMATS[ggml_type].block_size
+    return with_columns(_config(table, ggml_type, M, K), column_tiles(qk))
 
 
 class _Plan(LaunchPlan):

@@ -184,7 +184,7 @@ def test_emulator_column_split_gives_the_unsplit_bits(ggml_type, monkeypatch):
     raw, w, x = _case(t, 20, k, seed=int(t) + 90)
     f = raw.shape[1] // 2
     for m in (13, 20):
-        base = {**MM.glu_launch_config(t, m, f, k), "W": 2}
+        base = {**MM.with_columns(MM.glu_launch_config(t, m, f, k), 4), "W": 2}
         plain = G.dense_glu_mma_kernel(x[:m], w, t, k, config=base)
         for tiles in (1, 2):
             cfg = MM.with_columns(base, tiles)
@@ -387,7 +387,7 @@ def test_gpu_column_split_gives_the_unsplit_bits(ggml_type):
         w = mx.array(raw[0])
         x = _x((32, k), mx.bfloat16, f + 7, raw, t)
         for m in (13, 20, 32):
-            cfg = MM.glu_launch_config(t, m, f, k)
+            cfg = MM.with_columns(MM.glu_launch_config(t, m, f, k), 4)  # unsplit
             plain = G.dense_glu_mma_kernel(x[:m], w, t, k, config=cfg, init_value=nan)
             _check_glu(plain, x[:m], raw, t, k, "silu")
             for tiles in (1, 2):

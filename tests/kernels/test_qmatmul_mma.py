@@ -566,7 +566,8 @@ def test_wide_paired_rows_setting(monkeypatch):
         wide = [MM.launch_config(T.Q4_K, m, n, k) for m in range(1, 33)]
         for m, a, b in zip(range(1, 33), plain, wide):
             paired = m > 16 and n % 2 == 0
-            assert b == ({**a, "R": 2} if paired else a), (n, k, m)
+            unsplit = {key: v for key, v in a.items() if key != "CS"}  # pairs take no CS
+            assert b == ({**unsplit, "R": 2} if paired else a), (n, k, m)
 
 
 @needs_gxx
@@ -608,7 +609,7 @@ def test_emulator_column_split_gives_the_unsplit_bits(ggml_type, k, monkeypatch)
     w, wf = _weight(t, N_EMU, k)
     x = _x(32, k, mx.bfloat16, seed=int(t) + 80)
     for m in (13, 20, 32):
-        plain_cfg = {**MM.launch_config(t, m, N_EMU, k), "W": 2}
+        plain_cfg = {**MM.with_columns(MM.launch_config(t, m, N_EMU, k), 4), "W": 2}
         assert "CS" not in plain_cfg
         plain = MM.mma_matmul_kernel(x[:m], w, t, k, config=plain_cfg, init_value=nan)
         _check(plain, x[:m], wf)
@@ -627,29 +628,35 @@ def test_emulator_column_split_gives_the_unsplit_bits(ggml_type, k, monkeypatch)
 
 
 def test_column_tiles_setting(monkeypatch):
-    """HF2Q_MMA_COLUMN_TILES: unset (4) no config splits its columns; 1 or 2 split NT n-tiles
-    over NT / value threadgroups, every other key (U, W, KS, R) as unset, and never a split over
-    K or paired rows; 3 or a bad value is an InvalidArgumentError naming the switch."""
-    for n, k in ((12352, 2048), (5376, 21504), (2048, 512), (248320, 2048)):
-        plain = [MM.launch_config(T.Q4_K, m, n, k) for m in range(1, 33)]
+    """HF2Q_MMA_COLUMN_TILES: unset, COLUMN_TILES by block size (Q4_K 2: 4 n-tiles over 2
+    threadgroups; 32-blocks unsplit); 1, 2 or 4 for every type split NT n-tiles over NT /
+    value threadgroups (4: none). Every other key (U, W, KS, NT) is the unsplit config's (XG 16
+    at one n-tile a threadgroup), never on a split over K or paired rows; 3 or a bad value is
+    an InvalidArgumentError naming the switch."""
+    assert MM.COLUMN_TILES == {256: 2, 32: 4}
+    for t, n, k in ((T.Q4_K, 12352, 2048), (T.Q4_K, 5376, 21504), (T.Q4_K, 248320, 2048),
+                    (T.Q8_0, 2048, 512), (T.Q5_0, 2816, 2112)):  # fmt: skip
+        monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "4")
+        plain = [MM.launch_config(t, m, n, k) for m in range(1, 33)]
         assert not any("CS" in c for c in plain)
-        for raw, tiles in (("1", 1), ("2", 2), ("4", 4)):
+        for raw in ("", "1", "2"):
+            tiles = int(raw) if raw else MM.COLUMN_TILES[QK[t]]
             monkeypatch.setattr(MM, "COLUMN_TILES_RAW", raw)
             for m, a in zip(range(1, 33), plain):
-                b = MM.launch_config(T.Q4_K, m, n, k)
+                b = MM.launch_config(t, m, n, k)
                 cs = 1 if a.get("KS", 1) > 1 else a["NT"] // min(a["NT"], tiles)
                 assert b.get("CS", 1) == cs, (n, k, m, raw)
+                assert b.get("XG", 1) == (MM.DENSE_XG if a["NT"] // cs == 1 else 1)
                 assert {key: v for key, v in b.items() if key not in ("CS", "XG")} == {
                     key: v for key, v in a.items() if key != "XG"
                 }
-        monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "")
     monkeypatch.setattr(MM, "PAIRS_RAW", "2")
     monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "1")
     paired = MM.launch_config(T.Q4_K, 32, 12352, 2048)
     assert paired["R"] == 2 and "CS" not in paired
     for bad in ("3", "8", "yes"):
         with pytest.raises(InvalidArgumentError, match="HF2Q_MMA_COLUMN_TILES"):
-            MM.column_tiles(bad)
+            MM.column_tiles(256, bad)
     with pytest.raises(ValueError, match="column split"):
         MM.make_plan(T.Q4_K, 32, 48, 512, {"NT": 4, "U": 2, "W": 1, "CS": 3})
 
@@ -913,7 +920,7 @@ def test_gpu_column_split_gives_the_unsplit_bits(ggml_type):
     t, nan = ggml_type, float("nan")
     for n, k, w, wf, x in _cuda_cases(t, ((4099, 2816), (2048, 512), (12352, 2048)), seed=11):
         for m in (13, 20, 32):
-            plain_cfg = MM.launch_config(t, m, n, k)
+            plain_cfg = MM.with_columns(MM.launch_config(t, m, n, k), 4)  # unsplit
             plain = MM.mma_matmul_kernel(x[:m], w, t, k, config=plain_cfg, init_value=nan)
             _check(plain, x[:m], wf)
             for tiles in (1, 2):
