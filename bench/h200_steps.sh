@@ -261,7 +261,7 @@ step mma-loads-ab 420 "python3 bench/mlx_env_ab.py $OUT/mma_loads_ab.json --shap
 # Nsight Compute on one steady launch of the tensor-core mat-vec (MMA_SHAPE, MMA_ROWS rows of
 # x, 1 unless set): stall reasons, issue efficiency and pipe use (session 32's sweep: 33-43 % of
 # the copy bandwidth at 31B; session 54: 35B-A3B's 12,352 x 2,048 at 32 rows 0.33 TB/s)
-step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types Q4_K --shapes ${MMA_SHAPE:-5376x21504} --mma-rows ${MMA_ROWS:-1} --reps 3"
+step mma-ncu 240 "$NCU_RUN --kernel-name regex:${MMA_KERNEL:-qmv_mma} --launch-skip 40 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats python3 bench/qmatmul.py /tmp/ncu_mma.json ${MMA_MODE:---mma} --types ${MMA_TYPE:-Q4_K} --shapes ${MMA_SHAPE:-5376x21504} --mma-rows ${MMA_ROWS:-1} --reps 3"
 # the tensor-core mat-vec's time per call at 1, 8, 16 and 32 rows of x (CUPTI) on 35B-A3B's
 # shared-expert down, attention out and delta-net input shapes (session 54's 32-row step: 21,
 # 21 and 42.6 us a call, far under the weights' bandwidth)
