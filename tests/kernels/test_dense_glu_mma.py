@@ -351,19 +351,23 @@ def test_gpu_matches_reference_and_rows_alone(ggml_type, f, k):
     assert np.array_equal(_bits(y[0]), _bits(alone[0]))
 
 
+def _gpu_weights(t: int, seed: int):
+    """(F, K, raw experts, w) per GPU shape, seeded F + K + ``seed``; skips off CUDA."""
+    if backend() != "cuda":
+        pytest.skip("the mma kernel runs on CUDA only")
+    for f, k in _GPU_SHAPES:
+        raw = _experts(t, 1, 2 * f, k, seed=f + k + seed)
+        yield f, k, raw, mx.array(raw[0])
+
+
 @requires_gpu
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[t.name for t in TYPES])
 def test_gpu_load_variants_give_the_same_bits(ggml_type):
     """On CUDA: the GLU's configs S = 1 (ld.global.cs weight loads), PF = 1 (loads a run
     ahead) and XG (x loads of all scale groups first) give the default's bits at M = 1 and 8
     on both shapes."""
-    if backend() != "cuda":
-        pytest.skip("the mma kernel runs on CUDA only")
-    t = ggml_type
-    nan = float("nan")
-    for f, k in _GPU_SHAPES:
-        raw = _experts(t, 1, 2 * f, k, seed=f + k + 3)
-        w = mx.array(raw[0])
+    t, nan = ggml_type, float("nan")
+    for f, k, raw, w in _gpu_weights(t, 3):
         for m in (1, 8):
             x = _x((m, k), mx.bfloat16, f + m, raw, t)
             cfg = MM.glu_launch_config(t, m, f, k)
@@ -378,13 +382,8 @@ def test_gpu_load_variants_give_the_same_bits(ggml_type):
 def test_gpu_column_split_gives_the_unsplit_bits(ggml_type):
     """On CUDA: the GLU's column split (config CS at 1 and 2 n-tiles a threadgroup) gives the
     unsplit kernel's bits at M = 13, 20 and 32 on both shapes, outputs NaN-poisoned."""
-    if backend() != "cuda":
-        pytest.skip("the mma kernel runs on CUDA only")
-    t = ggml_type
-    nan = float("nan")
-    for f, k in _GPU_SHAPES:
-        raw = _experts(t, 1, 2 * f, k, seed=f + k + 5)
-        w = mx.array(raw[0])
+    t, nan = ggml_type, float("nan")
+    for f, k, raw, w in _gpu_weights(t, 5):
         x = _x((32, k), mx.bfloat16, f + 7, raw, t)
         for m in (13, 20, 32):
             cfg = MM.with_columns(MM.glu_launch_config(t, m, f, k), 4)  # unsplit

@@ -570,21 +570,28 @@ def test_wide_paired_rows_setting(monkeypatch):
             assert b == ({**unsplit, "R": 2} if paired else a), (n, k, m)
 
 
-@needs_gxx
-def test_dispatcher_pairs_wide_row_counts_with_the_plain_bits(monkeypatch, cuda_launches):
-    """ggml_matmul with HF2Q_MMA_PAIRS=2 (Q4_K, N 24): 20 rows in the paired kernel, each row
-    the bits it has alone at M = 1 without the switch (row parity across the switch and M)."""
+def _dispatch_20_rows(monkeypatch, cuda_launches, switch: str, value: str, kernel: dict):
+    """ggml_matmul (Q4_K, N 24) on 20 rows with qmatmul_mma's ``switch`` set to ``value``: one
+    launch of ``kernel_name(**kernel)``, within the bf16 bound, rows 0, 7 and 19 the bits they
+    have alone at M = 1 without the switch (row parity across the switch and M)."""
     t, n, k = T.Q4_K, 24, 4 * 256
     w, wf = _weight(t, n, k)
     x = _x(20, k, mx.bfloat16, seed=91)
     alone = [Q.ggml_matmul(x[i : i + 1], w, t, k) for i in (0, 7, 19)]
-    monkeypatch.setattr(MM, "PAIRS_RAW", "2")
+    monkeypatch.setattr(MM, switch, value)
     monkeypatch.setattr(Q, "_CALLS", {})
     cuda_launches.clear()
     got = Q.ggml_matmul(x, w, t, k)
-    assert cuda_launches == [MM.kernel_name(t, paired=True)]
+    assert cuda_launches == [MM.kernel_name(t, **kernel)]
     _check(got, x, wf)
     assert all(_same_bits(got[i : i + 1], a) for i, a in zip((0, 7, 19), alone))
+
+
+@needs_gxx
+def test_dispatcher_pairs_wide_row_counts_with_the_plain_bits(monkeypatch, cuda_launches):
+    """ggml_matmul with HF2Q_MMA_PAIRS=2: 20 rows in the paired kernel (before any column
+    split), each row's bits those it has alone."""
+    _dispatch_20_rows(monkeypatch, cuda_launches, "PAIRS_RAW", "2", {"paired": True})
 
 
 @needs_gxx
@@ -662,20 +669,12 @@ def test_column_tiles_setting(monkeypatch):
 
 
 @needs_gxx
-def test_dispatcher_splits_the_columns_with_the_plain_bits(monkeypatch, cuda_launches):
-    """ggml_matmul with HF2Q_MMA_COLUMN_TILES=1 (Q4_K, N 24): 20 rows in the column-split
-    kernel, one launch, each row the bits it has alone at M = 1 without the switch."""
-    t, n, k = T.Q4_K, 24, 4 * 256
-    w, wf = _weight(t, n, k)
-    x = _x(20, k, mx.bfloat16, seed=93)
-    alone = [Q.ggml_matmul(x[i : i + 1], w, t, k) for i in (0, 11, 19)]
-    monkeypatch.setattr(MM, "COLUMN_TILES_RAW", "1")
-    monkeypatch.setattr(Q, "_CALLS", {})
-    cuda_launches.clear()
-    got = Q.ggml_matmul(x, w, t, k)
-    assert cuda_launches == [MM.kernel_name(t, columns=True)]
-    _check(got, x, wf)
-    assert all(_same_bits(got[i : i + 1], a) for i, a in zip((0, 11, 19), alone))
+@pytest.mark.parametrize("tiles,columns", [("", True), ("1", True), ("4", False)])
+def test_dispatcher_splits_the_columns_with_the_plain_bits(monkeypatch, cuda_launches, tiles,
+                                                           columns):  # fmt: skip
+    """ggml_matmul on 20 rows: the column-split kernel as shipped (2 n-tiles a threadgroup) and
+    at HF2Q_MMA_COLUMN_TILES=1, the plain one at 4; each row's bits those it has alone."""
+    _dispatch_20_rows(monkeypatch, cuda_launches, "COLUMN_TILES_RAW", tiles, {"columns": columns})
 
 
 def test_launch_config_fixes_the_order_whatever_m():
