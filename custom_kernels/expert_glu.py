@@ -331,19 +331,17 @@ def _dense_launch(
             raise ValueError(f"config {cfg} cannot run {M} rows of x")
         # 16 features (gate and up rows) per threadgroup, every row of x in its n-tiles (CS > 1:
         # the n-tiles split over CS threadgroups, qmatmul_mma's column split)
-        cs = cfg.get("CS", 1)
-        if cfg["NT"] % cs:
-            raise ValueError(f"config {cfg}: a column split takes NT / CS n-tiles")
+        nt, cs = MM.column_split(cfg)
         grid, tg = (-(-F // 16) * cs * 32 * cfg["W"],), (32 * cfg["W"],)
         template = {
             "T": x.dtype,
-            "NT": cfg["NT"] // cs,
+            "NT": nt,
             "U": cfg["U"],
             "PF": cfg.get("PF", 0),
             "XG": cfg.get("XG", 1),
             **({"CS": cs} if cs > 1 else {}),
         }
-        kernel = _dense_mma_kernels(bool(cfg.get("S")), cs > 1)[ggml_type]
+        kernel = _dense_mma_kernel(ggml_type, bool(cfg.get("S")), cs > 1)
     else:
         cfg = config or dense_config(ggml_type, M, F, K)
         grid = (-(-F // cfg["R"]) * 32 * cfg["W"], -(-M // cfg["MT"]))
@@ -437,11 +435,11 @@ _DENSE_MMA_COLUMN_KERNELS: dict[tuple[int, bool], Kernel] = {
 }
 
 
-def _dense_mma_kernels(stream: bool, columns: bool) -> dict[int, Kernel]:
-    """The tensor-core GLU kernels by type for a config's S and CS > 1."""
+def _dense_mma_kernel(ggml_type: int, stream: bool, columns: bool) -> Kernel:
+    """The tensor-core GLU kernel of a type for a config's S and CS > 1."""
     if columns:
-        return {t: k for (t, s), k in _DENSE_MMA_COLUMN_KERNELS.items() if s == stream}
-    return _DENSE_MMA_STREAM_KERNELS if stream else _DENSE_MMA_KERNELS
+        return _DENSE_MMA_COLUMN_KERNELS[ggml_type, stream]
+    return (_DENSE_MMA_STREAM_KERNELS if stream else _DENSE_MMA_KERNELS)[ggml_type]
 
 
 if MAX_TOKENS > MM.GLU_MAX_ROWS:  # every M dense_glu takes must fit one tensor-core launch
@@ -483,7 +481,7 @@ def dense_kernel_name(
     ``stream``: the tensor-core kernel's streaming-load variant (config S = 1); ``columns``:
     its column split (CS > 1)."""
     if mma:
-        return _dense_mma_kernels(stream, columns)[ggml_type].name
+        return _dense_mma_kernel(ggml_type, stream, columns).name
     return _DENSE_KERNELS[ggml_type].name
 
 

@@ -1057,6 +1057,15 @@ COLUMN_TILES_RAW = os.environ.get("HF2Q_MMA_COLUMN_TILES", "")
 COLUMN_TILES = {256: 2, 32: 4}
 
 
+def column_split(cfg: dict[str, int]) -> tuple[int, int]:
+    """(a threadgroup's n-tiles NT / CS: the template's NT, CS) of ``cfg``; ValueError where CS
+    does not divide NT."""
+    cs = cfg.get("CS", 1)
+    if cfg["NT"] % cs:
+        raise ValueError(f"config {cfg}: a column split takes NT / CS n-tiles")
+    return cfg["NT"] // cs, cs
+
+
 def column_tiles(qk: int, raw: str | None = None) -> int:
     """HF2Q_MMA_COLUMN_TILES (``raw`` in its place) as 1, 2 or 4; unset COLUMN_TILES[qk]."""
     raw = COLUMN_TILES_RAW if raw is None else raw
@@ -1137,8 +1146,8 @@ class _Plan(LaunchPlan):
         cs = cfg.get("CS", 1)
         if paired and (N % 2 or stream):
             raise ValueError(f"config {cfg}: paired rows need an even N ({N}), plain loads")
-        if cs > 1 and (paired or ks > 1 or cfg["NT"] % cs):
-            raise ValueError(f"config {cfg}: a column split takes NT / CS n-tiles, unpaired")
+        if cs > 1 and (paired or ks > 1):
+            raise ValueError(f"config {cfg}: a column split takes unpaired rows, no split over K")
         if paired:
             kernel = _PAIR_KERNELS[ggml_type, split]
         elif cs > 1:
@@ -1253,8 +1262,8 @@ def make_plan(ggml_type: int, M: int, N: int, K: int, cfg: dict[str, int]) -> Ma
 def _launch_template(cfg: dict[str, int], ks: int | None) -> dict:
     """A mat-vec launch's template from ``cfg`` (KS = ``ks`` for a split's kernel, None
     otherwise), with HF2Q_MMA_MIN_BLOCKS's launch bounds for its W SIMD groups, if set."""
-    cs = cfg.get("CS", 1)  # a column split's threadgroup takes NT / CS n-tiles
-    template = {"T": mx.bfloat16, "NT": cfg["NT"] // cs, "U": cfg["U"], "PF": cfg.get("PF", 0),
+    nt, cs = column_split(cfg)
+    template = {"T": mx.bfloat16, "NT": nt, "U": cfg["U"], "PF": cfg.get("PF", 0),
                 "XG": cfg.get("XG", 1), **({"KS": ks} if ks is not None else {}),
                 **({"CS": cs} if cs > 1 else {})}  # fmt: skip
     return {**template, **launch_bounds(32 * cfg["W"], min_blocks())}
